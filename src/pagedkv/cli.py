@@ -1,0 +1,55 @@
+"""`pagedkv simulate | plan | generate | bench {allocator,attention,e2e}`: a thin front door.
+
+Each command lives in the module that owns its logic and exposes `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only when their command is chosen, so `simulate`, `plan` and
+`bench allocator` never load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# command path -> (module, one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("simulate",): ("pagedkv.sim.commands_simulate", "replay a workload through the scheduler on a modelled GPU"),
+    ("plan",): ("pagedkv.sim.commands_plan", "capacity planner: how many requests fit with each allocator"),
+    ("generate",): ("pagedkv.hf.commands", "generate text with a real model served on pagedkv"),
+    ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
+    ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),
+    ("bench", "e2e"): ("pagedkv.bench.e2e", "end-to-end serving throughput on a real model (CPU)"),
+}
+
+
+def _chosen(argv: Sequence[str]) -> tuple[str, ...] | None:
+    for path in COMMANDS:
+        if tuple(argv[: len(path)]) == path:
+            return path
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="pagedkv", description="Paged KV-cache management for LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", metavar="BENCH")
+    chosen = _chosen(argv)
+    for path, (module_name, help_text) in COMMANDS.items():
+        holder = bench if path[0] == "bench" else sub
+        p = holder.add_parser(path[-1], help=help_text, description=help_text)
+        if path == chosen:  # import only the chosen command's module
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

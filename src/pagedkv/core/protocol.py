@@ -1,0 +1,120 @@
+"""The manager protocol: the one interface schedulers and the simulator speak to a KV allocator.
+
+Two implementations exist: `PagedKVManager` (fixed-size blocks on demand, prefix sharing, copy-on-write) and
+`ContiguousKVManager` (the baseline: one contiguous run reserved for a request's maximum length at
+admission). Every comparison in pagedkv runs the same scheduler with only the allocator swapped.
+
+Contract:
+- Sequence ids are handles handed out by `admit`/`fork` (small non-negative ints, reused after `free`, like
+  file descriptors). Batched calls take them as an int array and index numpy state directly.
+- Capacity shortfall returns `None`/`False` and changes nothing. Misuse raises a `PagedKVError` subclass
+  and changes nothing.
+- `admit` allocates for the given tokens only (plus `num_lookahead`); `append` grows a batch of sequences by
+  `num_tokens` each in one call. Blocks are published to the prefix cache when `mark_computed` says their KV
+  is written, never before, so a request admitted in the same step cannot hit them.
+- `take_copies` hands out the copy-on-write block copies (src -> dst) that the storage layer must perform
+  before the next forward pass; each copy is handed out once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+IntArray = npt.NDArray[np.int64]
+TokenIds = npt.ArrayLike  # a 1-D sequence of non-negative ints (list, tuple, numpy array)
+
+
+class Admission(NamedTuple):
+    """What `admit` returns: the new sequence's handle and how many prompt tokens came from the cache."""
+
+    seq_id: int
+    num_cached_tokens: int
+
+
+class BlockCopies(NamedTuple):
+    """Pending block copies, `src[i] -> dst[i]`, to run before the next forward pass."""
+
+    src: IntArray
+    dst: IntArray
+
+
+class CSRPages(NamedTuple):
+    """FlashInfer-style paged layout: pages of sequence i are `indices[indptr[i]:indptr[i+1]]`."""
+
+    indptr: npt.NDArray[np.int32]
+    indices: npt.NDArray[np.int32]
+    last_page_len: npt.NDArray[np.int32]
+
+
+@runtime_checkable
+class KVManager(Protocol):
+    """What a scheduler may ask of an allocator. See the module docstring for the contract."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now (free plus evictable cached blocks)."""
+        ...
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+    def can_admit(self, token_ids: TokenIds, *, max_new_tokens: int = 0) -> bool: ...
+
+    def admit(
+        self,
+        token_ids: TokenIds,
+        *,
+        max_new_tokens: int = 0,
+        priority: int = 0,
+        salt: bytes = b"",
+        num_lookahead: int = 0,
+    ) -> Admission | None: ...
+
+    def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
+        """Blocks that `append(seq_ids, num_tokens)` would take from the pool."""
+        ...
+
+    def append(
+        self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1
+    ) -> bool:
+        """Grow every sequence by `num_tokens` slots (token ids `[B, num_tokens]` or `[B]` when given)."""
+        ...
+
+    def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
+        """Record that KV is written up to `num_computed_tokens` (default: all tokens); publishes full blocks."""
+        ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def preempt(self, seq_id: int) -> int:
+        """Free a running sequence to make room; returns how many tokens it held."""
+        ...
+
+    def fork(self, seq_id: int) -> int | None:
+        """A new sequence sharing all of `seq_id`'s blocks; `None` if copy-on-write room is short."""
+        ...
+
+    def num_tokens(self, seq_id: int) -> int: ...
+
+    def take_copies(self) -> BlockCopies: ...
+
+    def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]: ...
+
+    def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]: ...
+
+    def slot_mapping(
+        self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike
+    ) -> npt.NDArray[np.int64]: ...
+
+    def csr(self, seq_ids: npt.ArrayLike) -> CSRPages: ...
+
+    def check_invariants(self) -> None: ...
