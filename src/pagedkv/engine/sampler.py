@@ -1,0 +1,67 @@
+"""Turn a step's logits into token ids, one row per sequence that samples this step.
+
+Contract: `sample(logits, params, generators)` with `logits[i]` the last-position logits of sequence i,
+`params[i]` its `SamplingParams` and `generators[i]` its own `torch.Generator` (or None when unseeded).
+Greedy rows take the argmax; the others go temperature -> top-k -> top-p -> multinomial with their own
+generator, so a seeded sequence draws the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.params import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator for one sequence, or None (the global RNG) when it has no seed."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Scaled logits of one row `[V]` with everything outside top-k and the top-p nucleus set to -inf."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token id per row of `logits` `[K, V]`; see the module docstring."""
+    if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+        raise InvalidArgumentError(
+            f"sample: logits {tuple(logits.shape)} need one row per params ({len(params)}) and generator "
+            f"({len(generators)})"
+        )
+    if logits.shape[0] == 0:
+        return []
+    greedy = logits.argmax(-1)
+    if all(p.greedy for p in params):
+        return [int(t) for t in greedy.tolist()]
+    out: list[int] = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            out.append(int(greedy[i]))
+            continue
+        probs = filter_logits(logits[i], p.temperature, p.top_k, p.top_p).softmax(-1)
+        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+    return out

@@ -1,0 +1,126 @@
+"""The attention function pagedkv registers with transformers, and the calling convention around it.
+
+transformers' attention modules compute Q, K, V (after RoPE, per layer) and hand them to the function
+registered under `config._attn_implementation`, passing the forward's extra keyword arguments along. We
+register `paged_attention_forward` as `"pagedkv"` and pass each step's `PagedStep` as the keyword
+`pagedkv_step`. Per call and layer it:
+
+1. writes the new tokens' K and V into the pages at `batch.slot_mapping` (`PagedKVCache.write`);
+2. runs `pagedkv.ops.paged_attention` for the packed queries against each sequence's pages, causal, with the
+   layer's sliding window and soft-cap as the module passes them (transformers' semantics: a query at
+   position p sees keys at positions > p - window);
+3. returns `[1, T, num_heads, head_dim]`, the layout the module's output projection expects.
+
+No attention mask is built (transformers skips mask creation for attention functions without a registered
+mask function), and the model runs with `use_cache=False`: the pages are the only cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.hf.cache import PagedKVCache, PagedStep
+from pagedkv.hf.metadata import StepBatch
+from pagedkv.hf.model_spec import ModelSpec, UnsupportedModelError, model_spec
+
+ATTENTION_NAME = "pagedkv"
+STEP_KWARG = "pagedkv_step"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` for the
+    packed new tokens; returns `([1, T, H, D], None)`. See the module docstring."""
+    from pagedkv import ops  # torch-land; imported on first call so `import pagedkv.hf` stays light
+
+    step = kwargs.get(STEP_KWARG)
+    if not isinstance(step, PagedStep):
+        raise InvalidArgumentError(
+            f"attention {ATTENTION_NAME!r} needs the keyword {STEP_KWARG}=PagedStep(...) on the model call; "
+            "run the model through pagedkv.hf.attention.forward_step"
+        )
+    _refuse_unsupported(module, query, kwargs, dropout)
+    batch = step.batch
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+    # [1, H, T, D] -> [T, H, D]
+    q = query[0].transpose(0, 1)
+    step.cache.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mapping)
+    key_cache, value_cache = step.cache.layer(layer_idx)
+    out = ops.paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.cu_seqlens_q,
+        scale=scaling,
+        sliding_window=sliding_window,
+        soft_cap=softcap,
+        max_seqlen_q=batch.max_seqlen_q,
+    )
+    return out.unsqueeze(0), None
+
+
+def _refuse_unsupported(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any], dropout: float) -> None:
+    name = type(module).__name__
+    if query.shape[0] != 1:
+        raise InvalidArgumentError(
+            f"{ATTENTION_NAME}: expected one packed row (batch dim 1), got query {tuple(query.shape)}"
+        )
+    if getattr(module, "is_causal", True) is False:
+        raise UnsupportedModelError(f"{name} is not causal; pagedkv attention is causal only")
+    if kwargs.get("position_bias") is not None:
+        raise UnsupportedModelError(f"{name} adds a position bias (e.g. ALiBi); pagedkv attention has none")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise UnsupportedModelError(f"{name} uses attention sinks; pagedkv attention does not implement them")
+    if dropout:
+        raise UnsupportedModelError(f"{name}: attention dropout {dropout} (training mode); call model.eval()")
+    if getattr(module, "layer_idx", None) is None:
+        raise UnsupportedModelError(f"{name} has no layer_idx, so its pages cannot be found")
+
+
+def register_attention() -> None:
+    """Register `"pagedkv"` with transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+def prepare_model(model: Any) -> ModelSpec:
+    """Check `model` can be served, switch it to pagedkv attention and eval mode; return its KV spec."""
+    spec = model_spec(model)
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    model.eval()
+    return spec
+
+
+@torch.inference_mode()
+def forward_step(model: Any, cache: PagedKVCache, batch: StepBatch) -> torch.Tensor:
+    """Run one packed step; return the logits `[K, vocab]` of the rows `batch.logits_indices` selects."""
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise InvalidArgumentError(
+            f"model uses attention {model.config._attn_implementation!r}; call pagedkv.hf.prepare_model first"
+        )
+    out = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=batch.logits_indices,
+        **{STEP_KWARG: PagedStep(cache, batch)},
+    )
+    logits: torch.Tensor = out.logits[0]
+    return logits
