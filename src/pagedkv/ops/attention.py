@@ -1,0 +1,112 @@
+"""`paged_attention` and `write_kv`: the public ops, one signature for every backend.
+
+Contract (fixed; the hf integration and engine code against it):
+- caches are `[num_blocks, block_size, num_kv_heads, head_dim]`; block 0 is usually the allocator's guard
+  block that padding entries of block tables point at, and its content is never assumed.
+- `write_kv(key_cache, value_cache, key, value, slot_mapping)`: `key[i]` (`[num_tokens, Hkv, D]`) goes to
+  slot `slot_mapping[i]` (int64, `block_id * block_size + offset`), in place; nothing else changes.
+- `paged_attention(query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q, ...)` returns
+  `[num_q_tokens, num_heads, head_dim]` in the query dtype. `seq_lens[b]` counts ALL of sequence b's tokens,
+  including the new ones whose KV is already written; sequence b's queries are its last
+  `cu_seqlens_q[b+1] - cu_seqlens_q[b]` tokens, causal. `block_table` is int32 `[B, max_blocks]`, padded
+  with a valid id; entries past `ceil(seq_lens[b] / block_size)` are never read. `sliding_window=w`: a
+  query at position p sees keys at positions > p - w. `soft_cap=c`: scores = c * tanh(scores / c) after
+  scaling. `scale` defaults to 1/sqrt(head_dim). GQA/MQA when num_heads is a multiple of num_kv_heads.
+- The reference backend validates metadata values (raising `InvalidArgumentError`); the Triton backend
+  checks shapes only, to stay free of host syncs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedkv.ops.dispatch import choose_backend
+from pagedkv.ops.reference import paged_attention_reference
+from pagedkv.ops.validate import check_attention_metadata, check_attention_shapes
+from pagedkv.storage.slots import check_write_args, scatter_kv
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    backend: str | None = None,
+) -> None:
+    """Store new K/V at their slots (prefill chunks and decode tokens together), in place."""
+    chosen = choose_backend(key_cache.device, backend, cache_dtype=key_cache.dtype)
+    check_write_args(key_cache, value_cache, key, value, slot_mapping, check_range=chosen == "reference")
+    if chosen == "triton":
+        from pagedkv.ops.triton_kernels import write_kv_triton
+
+        write_kv_triton(key_cache, value_cache, key, value, slot_mapping)
+    else:
+        scatter_kv(key_cache, value_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    max_seqlen_q: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention over paged KV for decode, prefill and chunked prefill in one call (see module docstring)."""
+    shape = check_attention_shapes(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        cu_seqlens_q,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    if scale is None:
+        scale = 1.0 / math.sqrt(shape.head_dim)
+    chosen = choose_backend(query.device, backend, cache_dtype=key_cache.dtype)
+    if chosen == "triton":
+        from pagedkv.ops.triton_kernels import paged_attention_triton
+
+        return paged_attention_triton(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            cu_seqlens_q,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+    check_attention_metadata(shape, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
+    return paged_attention_reference(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        cu_seqlens_q,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        max_seqlen_q=max_seqlen_q,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )

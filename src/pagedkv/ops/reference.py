@@ -1,0 +1,172 @@
+"""Reference paged attention (any torch device): the oracle the Triton kernels are tested against.
+
+One variable-length call serves decode, prefill and chunked prefill. Sequence b has `seq_lens[b]` tokens of
+KV already written; its queries are its LAST `q_len[b] = cu[b+1] - cu[b]` tokens:
+
+    positions   0 ...................... L-q_len ........ L-1      (L = seq_lens[b])
+    keys        [ cached tokens          | new tokens (queries) ]
+    query at position p sees keys k with  k <= p  and (no window or k > p - sliding_window)
+
+How it runs (no Python loop over sequences): queries are padded to `[B, max_q]` and grouped per KV head
+(`[B, num_kv_heads, max_q * group, head_dim]`, so a KV head is read once for all its query heads); the keys
+are walked in tiles of `tile` token positions shared by the whole batch. Each tile gathers the K/V rows of
+every sequence's slots for those positions (`block_table[b, pos // block_size] * block_size + pos %
+block_size`) into a small buffer that stays in cache, and folds it into a float32 online softmax. Only
+positions below the longest sequence (and, with a window, not below the earliest visible key) are visited;
+positions past a shorter sequence's end are clamped to its last token, so table entries beyond `seq_lens`
+are never read, and masked.
+
+Numerics: float32 throughout (half inputs are upcast after the gather), output cast to the query dtype. The
+tile width depends only on (batch size, heads, head_dim, max_q), never on block size or block ids, and the
+gather is an exact copy, so the result is bit-identical for any block size and any placement of the blocks,
+including a contiguous one. It agrees with torch SDPA on the same contiguous KV to rounding only (a tiled
+online softmax sums in another order); docs/attention.md states the tolerances the tests enforce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedkv.storage.slots import FP8_DTYPE
+
+# Tile sizing: ~2 MiB of float32 work per tile keeps the gathered K/V and the scores in L2/L3 on a CPU.
+_TILE_BYTES = 2 << 20
+_MIN_TILE, _MAX_TILE = 16, 512
+# A finite "minus infinity" for masked scores: a row whose keys are all masked stays finite (no NaN), and
+# the rescale factor exp(-1e30 - m) of a real max m is exactly 0, which erases anything a fully masked tile
+# added before the row saw its first visible key.
+_MASKED = -1e30
+
+
+def tile_width(num_seqs: int, num_kv_heads: int, head_dim: int, rows_per_head: int) -> int:
+    """Token positions per tile: a power of two in [16, 512] sized to ~2 MiB of float32 K, V and scores."""
+    per_token = 4 * num_seqs * num_kv_heads * (2 * head_dim + rows_per_head)
+    width = _MIN_TILE
+    while width * 2 <= _MAX_TILE and per_token * width * 2 <= _TILE_BYTES:
+        width *= 2
+    return width
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    max_seqlen_q: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention of packed `query [num_q_tokens, H, D]` over paged KV; see the module docstring.
+
+    Arguments are trusted (the caller runs `pagedkv.ops.validate` first). `k_scale`/`v_scale` dequantize
+    fp8 caches and are ignored for other dtypes.
+    """
+    num_q_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    num_seqs = block_table.shape[0]
+    device = query.device
+    out = torch.empty_like(query)
+    if num_seqs == 0 or num_q_tokens == 0:
+        return out
+
+    lens = seq_lens.long()
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    max_q = int(q_lens.max()) if max_seqlen_q is None else max_seqlen_q
+    is_decode = max_q == 1 and num_q_tokens == num_seqs
+
+    # Queries padded to [B, max_q, H, D], then grouped per KV head: [B, Hkv, max_q * group, D].
+    if is_decode:
+        q_pad = query.view(num_seqs, 1, num_heads, head_dim)
+        token_seq = token_idx = None
+    else:
+        token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_q_tokens)
+        token_idx = torch.arange(num_q_tokens, device=device) - cu[token_seq]
+        q_pad = query.new_zeros(num_seqs, max_q, num_heads, head_dim)
+        q_pad[token_seq, token_idx] = query
+    rows = max_q * group
+    q = q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q = q.reshape(num_seqs, num_kv_heads, rows, head_dim).float() * scale
+
+    # Absolute position of every query row: [B, 1, rows, 1] (row r is query r // group).
+    first_q = lens - q_lens  # position of each sequence's first query
+    q_pos = first_q[:, None] + torch.arange(max_q, device=device)[None, :]
+    row_pos = q_pos.repeat_interleave(group, dim=1)[:, None, :, None]
+
+    # Key positions to visit, in whole tiles: [lo, hi).
+    tile = tile_width(num_seqs, num_kv_heads, head_dim, rows)
+    hi = int(lens.max())
+    lo = 0
+    min_first_q = int(first_q.min())
+    max_row_pos = int(first_q.max()) + max_q - 1
+    if sliding_window is not None:
+        lo = max(0, min_first_q - sliding_window + 1) // tile * tile
+
+    # Slots of every visited position of every sequence, clamped to the sequence's last token.
+    positions = torch.arange(lo, hi, device=device)
+    clamped = torch.minimum(positions[None, :], lens[:, None] - 1)
+    blocks = block_table.long().gather(1, clamped // block_size)
+    slots = blocks * block_size + clamped % block_size  # [B, hi - lo]
+
+    k_flat = key_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = value_cache.view(-1, num_kv_heads, head_dim)
+    is_fp8 = key_cache.dtype == FP8_DTYPE
+
+    m = torch.full((num_seqs, num_kv_heads, rows, 1), -math.inf, device=device)
+    denom = torch.zeros((num_seqs, num_kv_heads, rows, 1), device=device)
+    acc = torch.zeros((num_seqs, num_kv_heads, rows, head_dim), device=device)
+    for start in range(lo, hi, tile):
+        width = min(tile, hi - start)
+        tile_slots = slots[:, start - lo : start - lo + width].reshape(-1)
+        k = _gather_rows(k_flat, tile_slots, num_seqs, width, is_fp8, k_scale)
+        v = _gather_rows(v_flat, tile_slots, num_seqs, width, is_fp8, v_scale)
+        s = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, rows, width]
+        if soft_cap is not None:
+            s = torch.tanh(s.div_(soft_cap)).mul_(soft_cap)
+        last = start + width - 1
+        fully_visible = last <= min_first_q and (sliding_window is None or start > max_row_pos - sliding_window)
+        if not fully_visible:
+            key_pos = torch.arange(start, start + width, device=device)
+            hidden = key_pos > row_pos
+            if sliding_window is not None:
+                hidden |= key_pos <= row_pos - sliding_window
+            s.masked_fill_(hidden, _MASKED)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        alpha = torch.exp(m - m_new)
+        p = s.sub_(m_new).exp_()
+        denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+        acc.mul_(alpha).add_(torch.matmul(p, v))
+        m = m_new
+    result = (acc / denom).view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    result = result.reshape(num_seqs, max_q, num_heads, head_dim)
+    if is_decode:
+        out.copy_(result.view(num_seqs, num_heads, head_dim))
+    else:
+        out.copy_(result[token_seq, token_idx])
+    return out
+
+
+def _gather_rows(
+    flat: torch.Tensor, slots: torch.Tensor, num_seqs: int, width: int, is_fp8: bool, fp8_scale: float
+) -> torch.Tensor:
+    """Rows of `flat [num_slots, Hkv, D]` at `slots` as float32 `[B, Hkv, width, D]` (head-major, contiguous)."""
+    num_kv_heads, head_dim = flat.shape[1:]
+    if is_fp8:
+        rows = flat.view(torch.uint8).index_select(0, slots).view(FP8_DTYPE)
+    else:
+        rows = flat.index_select(0, slots)
+    rows = rows.view(num_seqs, width, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    out = torch.empty((num_seqs, num_kv_heads, width, head_dim), dtype=torch.float32, device=flat.device)
+    out.copy_(rows)
+    if is_fp8 and fp8_scale != 1.0:
+        out.mul_(fp8_scale)
+    return out

@@ -1,0 +1,105 @@
+"""Writing K/V at slots: validation and the reference scatter (one `index_copy_` per cache).
+
+A slot is `block_id * block_size + offset`; the cache `[num_blocks, block_size, num_kv_heads, head_dim]`
+viewed as `[num_blocks * block_size, num_kv_heads, head_dim]` is indexed by slot directly. Prefill chunks
+and decode tokens of many sequences go in one call: `key[i]` lands at `slot_mapping[i]`.
+
+Contract:
+- slots are in `[0, num_blocks * block_size)` and distinct within one call (with duplicates, which write
+  wins is unspecified); every slot no write targets keeps its bytes.
+- fp8 (e4m3) caches store `round_to_e4m3(clamp(x / scale, -448, 448))`; readers multiply by `scale`.
+- Writes are exact for every other dtype (`key` is cast to the cache dtype; a same-dtype write is a copy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.core.errors import InvalidArgumentError
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def raw_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A view that moves bytes exactly and that every indexing op supports (fp8 lacks some CPU kernels)."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """`x / scale`, clamped to e4m3's finite range and rounded to nearest e4m3 (no NaN from overflow)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Both caches are `[num_blocks, block_size, num_kv_heads, head_dim]`, same shape, dtype and device."""
+    if key_cache.dim() != 4:
+        raise InvalidArgumentError(
+            f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise InvalidArgumentError(
+            f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must match key_cache "
+            f"{tuple(key_cache.shape)} {key_cache.dtype}"
+        )
+    if value_cache.device != key_cache.device:
+        raise InvalidArgumentError(f"caches on different devices: {key_cache.device} vs {value_cache.device}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise InvalidArgumentError("key_cache and value_cache must be contiguous")
+
+
+def check_write_args(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check_range: bool = True,
+) -> None:
+    """Shapes, dtypes, devices, and (if `check_range`, which syncs on CUDA) that every slot is in range."""
+    check_cache_pair(key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_dim):
+        raise InvalidArgumentError(
+            f"key must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache, got {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise InvalidArgumentError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64:
+        raise InvalidArgumentError(
+            f"slot_mapping must be a 1-D int64 tensor, got {slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise InvalidArgumentError(
+            f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens; give one slot per token"
+        )
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != key_cache.device:
+            raise InvalidArgumentError(f"{name} is on {t.device} but the cache is on {key_cache.device}")
+    if check_range and slot_mapping.numel() > 0:
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        num_slots = num_blocks * block_size
+        if lo < 0 or hi >= num_slots:
+            raise InvalidArgumentError(
+                f"slot_mapping holds slots in [{lo}, {hi}] but the cache has {num_slots} slots "
+                f"({num_blocks} blocks x {block_size}); a slot is block_id * block_size + offset"
+            )
+
+
+def scatter_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Reference write: `cache.view(-1, H, D)[slot_mapping[i]] = key[i]`, in place. Call `check_write_args` first."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    for cache, new, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        src = quantize_fp8(new, scale) if cache.dtype == FP8_DTYPE else new.to(cache.dtype)
+        flat = raw_bytes(cache).view(-1, num_kv_heads, head_dim)  # fp8 -> uint8 keeps the shape
+        flat.index_copy_(0, slot_mapping, raw_bytes(src))

@@ -1,0 +1,105 @@
+"""The model's KV shape and the arithmetic that turns a byte budget into blocks. Torch-free on purpose.
+
+The simulator and the capacity planner size pools with `KVCacheSpec.num_blocks_for_budget` without ever
+loading torch; `KVStorage` (in `pagedkv.storage.kv`) allocates exactly that many blocks.
+
+One block holds `block_size` tokens of K and of V for every layer:
+
+    bytes_per_block = 2 (K and V) * num_layers * block_size * num_kv_heads * head_dim * bytes_per_element
+
+fp8 (e4m3) storage keeps one float32 scale per layer for K and one for V (a per-tensor scale); those 8 bytes
+per layer are not part of any block and are not charged to the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.core.errors import InvalidArgumentError
+
+# Storage dtypes by name (torch's spelling without the "torch." prefix) and their size in bytes.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+}
+_ALIASES: dict[str, str] = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+}
+
+
+def normalize_dtype_name(dtype: object) -> str:
+    """Canonical storage dtype name for a string alias or a `torch.dtype` (without importing torch)."""
+    name = str(dtype).removeprefix("torch.").lower()
+    name = _ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise InvalidArgumentError(
+            f"unsupported KV storage dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)} (or fp32/fp16/bf16/fp8)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV shape of a model: what one token costs in every layer. Validated on construction.
+
+    `dtype` accepts a name ("float16", "bf16", "fp8", ...) or a `torch.dtype`; it is stored as the canonical
+    name (`KVCacheSpec(2, 4, 64, torch.float16).dtype == "float16"`).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"KVCacheSpec.{field} must be a positive int, got {value!r}")
+        object.__setattr__(self, "dtype", normalize_dtype_name(self.dtype))
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "float8_e4m3fn"
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_element
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V of one block (`block_size` tokens) across all layers."""
+        _check_block_size(block_size)
+        return block_size * self.bytes_per_token
+
+    def num_blocks_for_budget(self, budget_bytes: int, block_size: int) -> int:
+        """How many blocks fit in `budget_bytes` (floor). Raises if not even one block fits."""
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise InvalidArgumentError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
+        per_block = self.bytes_per_block(block_size)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise InvalidArgumentError(
+                f"a budget of {budget_bytes} bytes cannot hold one block of {per_block} bytes "
+                f"({block_size} tokens x {self.bytes_per_token} bytes/token for {self}); "
+                "raise the budget or lower block_size"
+            )
+        return num_blocks
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 256:
+        raise InvalidArgumentError(f"block_size must be an int in [1, 256], got {block_size!r}")
