@@ -1,0 +1,63 @@
+"""What an operator asks of a run, computed from a `SimTrace`.
+
+Definitions (all times simulated seconds; the span runs from the first arrival to the last finish):
+- `kv_waste`: of the KV slots allocated to live requests, the fraction holding no token, time-weighted over
+  steps. Contiguous allocators waste their unused reservation and block rounding; paged ones only the empty
+  tail of each sequence's last block (shared blocks counted once).
+- `kv_utilisation`: the fraction of the whole KV budget holding tokens, time-weighted over the span.
+- `mean_concurrency`: requests holding KV, time-weighted over the span (idle gaps count as zero);
+  `peak_concurrency` its maximum.
+- `requests_per_s`, `tokens_per_s`: finished requests and generated tokens per second of span.
+- `ttft`: first token time minus arrival; `tpot`: (finish - first token) / (output tokens - 1), for
+  requests with at least two output tokens.
+- `prefix_hit_rate`: prompt tokens served from the prefix cache at first admission / prompt tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pagedkv.sim.simulator import SimTrace
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    values = values[np.isfinite(values)]
+    return float(np.percentile(values, q)) if values.size else float("nan")
+
+
+def summarize(trace: SimTrace) -> dict[str, Any]:
+    """The metrics of one run (see the module docstring), as a flat JSON-ready dict."""
+    dt = np.asarray(trace.step_s)
+    bs = trace.config.block_size
+    reserved = np.asarray(trace.used_blocks, dtype=np.float64) * bs
+    empty = np.asarray(trace.empty_slots, dtype=np.float64)
+    stored = np.asarray(trace.stored_tokens, dtype=np.float64)
+    running = np.asarray(trace.running, dtype=np.float64)
+    start = float(trace.arrival_s.min()) if trace.arrival_s.size else 0.0
+    end = float(np.nanmax(trace.finish_s)) if trace.finish_s.size else 0.0
+    span = max(end - start, 1e-12)
+    reserved_time = float((reserved * dt).sum())
+    ttft = trace.first_token_s - trace.arrival_s
+    decode = trace.output_len > 1
+    tpot = (trace.finish_s[decode] - trace.first_token_s[decode]) / (trace.output_len[decode] - 1)
+    prompt_tokens = int(trace.prompt_len.sum())
+    return {
+        "kv_waste": float((empty * dt).sum() / reserved_time) if reserved_time else 0.0,
+        "kv_utilisation": float((stored * dt).sum() / (trace.budget.num_tokens * span)),
+        "mean_concurrency": float((running * dt).sum() / span),
+        "peak_concurrency": int(running.max()) if running.size else 0,
+        "requests_per_s": len(trace.finish_s) / span,
+        "tokens_per_s": float(trace.output_len.sum()) / span,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "preemptions": int(trace.preemptions),
+        "prefix_hit_rate": float(trace.cached_tokens.sum() / prompt_tokens) if prompt_tokens else 0.0,
+        "num_requests": len(trace.finish_s),
+        "num_steps": len(dt),
+        "span_s": span,
+        "num_blocks": trace.budget.num_blocks,
+    }

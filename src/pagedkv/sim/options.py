@@ -1,0 +1,108 @@
+"""Command-line options shared by `pagedkv simulate` and `pagedkv plan` (model, GPU, workload, lengths)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.sim.allocators import ALLOCATORS
+from pagedkv.sim.catalog import Catalog
+from pagedkv.sim.workload import ARRIVALS, DEFAULT_WORKLOAD, GENERATORS, WorkloadSpec
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in ALLOCATORS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown allocator(s) {bad or text!r}; choose from {', '.join(ALLOCATORS)}")
+    return names
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("deployment")
+    g.add_argument("--model", default="llama-2-7b", help="model name (default: llama-2-7b)")
+    g.add_argument("--gpu", default="a100-40gb", help="GPU name (default: a100-40gb)")
+    g.add_argument("--tensor-parallel", type=int, default=1, help="GPUs sharing the model (default: 1)")
+    g.add_argument("--catalog", metavar="FILE", help="JSON/YAML file adding GPUs and models")
+    g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of memory (default: 0.9)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="scheduler batch limit (default: 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget/step (default: 8192)")
+    g.add_argument("--activation-reserve-gb", type=float, help="override the activation reserve estimate (GB)")
+    g.add_argument(
+        "--allocators",
+        type=_name_list,
+        default=list(ALLOCATORS),
+        help=f"comma-separated subset of {','.join(ALLOCATORS)} (default: all)",
+    )
+    w = parser.add_argument_group("workload")
+    src = w.add_mutually_exclusive_group()
+    src.add_argument("--trace", metavar="PATH", help="Azure CSV or Mooncake JSONL trace to replay")
+    src.add_argument(
+        "--workload",
+        choices=(DEFAULT_WORKLOAD, *GENERATORS),
+        default=DEFAULT_WORKLOAD,
+        help=f"built-in workload (default: {DEFAULT_WORKLOAD}, the Azure conv trace shipped in the package)",
+    )
+    w.add_argument("--num-requests", type=int, default=1000, help="requests to replay (default: 1000)")
+    w.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="trace",
+        help="trace: honour timestamps (generators: all at t=0 unless --rate); burst: all at t=0; "
+        "poisson: --rate req/s (default: trace)",
+    )
+    w.add_argument("--rate", type=float, help="Poisson arrival rate, requests/s")
+    w.add_argument("--time-scale", type=float, default=1.0, help="replay trace timestamps this much faster")
+    w.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
+    w.add_argument("--prompt-len", type=int, default=512, help="fixed workload: prompt tokens (default: 512)")
+    w.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens (default: 128)")
+    w.add_argument("--system-prompt-len", type=int, default=1024, help="shared-prefix/multi-turn system prompt")
+    w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: 4)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def catalog_from(args: argparse.Namespace) -> Catalog:
+    catalog = Catalog.builtin()
+    if args.catalog:
+        catalog.load_file(args.catalog)
+    return catalog
+
+
+def workload_from(args: argparse.Namespace) -> WorkloadSpec:
+    arrivals = args.arrivals
+    if args.rate is not None and arrivals == "trace" and args.trace is None and args.workload != DEFAULT_WORKLOAD:
+        arrivals = "poisson"  # a generator with --rate means Poisson arrivals
+    if arrivals == "poisson" and args.rate is None:
+        raise InvalidArgumentError("--arrivals poisson needs --rate (requests/s)")
+    return WorkloadSpec(
+        source=args.trace or args.workload,
+        num_requests=args.num_requests,
+        arrivals=arrivals,
+        rate=args.rate,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        system_prompt_len=args.system_prompt_len,
+        turns=args.turns,
+    )
+
+
+def activation_bytes_from(args: argparse.Namespace) -> int | None:
+    if args.activation_reserve_gb is None:
+        return None
+    if args.activation_reserve_gb < 0:
+        raise InvalidArgumentError(f"--activation-reserve-gb must be >= 0, got {args.activation_reserve_gb}")
+    return int(args.activation_reserve_gb * 1e9)

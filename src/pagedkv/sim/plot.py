@@ -1,0 +1,65 @@
+"""The simulate figure: per allocator, KV in use vs reserved over time, and concurrency over time.
+
+matplotlib is imported here only, with the Agg backend, so the CLI starts fast and runs headless.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pagedkv.sim.runner import SimulationReport
+
+GB = 1e9
+
+
+def plot_report(report: SimulationReport, path: str | Path) -> Path:
+    """Write a PNG with one row per allocator; the title names model, GPU, workload and block size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report.traces)
+    fig, axes = plt.subplots(len(names), 2, figsize=(13, 2.6 * len(names) + 0.9), squeeze=False, sharex=True)
+    c = report.config
+    budget_gb = report.budget.num_tokens * report.budget.bytes_per_token / GB
+    bpt = report.budget.bytes_per_token
+    for row, name in zip(axes, names):
+        t = report.traces[name]
+        x = np.asarray(t.step_end_s)
+        reserved = np.asarray(t.used_blocks) * c.block_size * bpt / GB
+        in_use = np.asarray(t.stored_tokens) * bpt / GB
+        kv, conc = row
+        kv.fill_between(x, 0, reserved, step="post", color="tab:orange", alpha=0.35, label="reserved")
+        kv.plot(x, in_use, drawstyle="steps-post", color="tab:blue", lw=0.9, label="in use (tokens)")
+        kv.axhline(budget_gb, color="grey", ls="--", lw=0.8, label="KV budget")
+        s = report.results[name]
+        kv.set_title(f"{name}: KV waste {100 * s['kv_waste']:.1f}%", fontsize=9, loc="left")
+        kv.set_ylabel("KV (GB)")
+        kv.legend(fontsize=7, loc="upper right")
+        conc.plot(x, t.running, drawstyle="steps-post", color="tab:green", lw=0.9, label="running")
+        conc.plot(x, t.waiting, drawstyle="steps-post", color="tab:red", lw=0.7, alpha=0.7, label="waiting")
+        conc.set_title(
+            f"{name}: mean {s['mean_concurrency']:.1f} / peak {s['peak_concurrency']} concurrent, "
+            f"{s['requests_per_s']:.2f} req/s",
+            fontsize=9,
+            loc="left",
+        )
+        conc.set_ylabel("requests")
+        conc.legend(fontsize=7, loc="upper right")
+    for ax in axes[-1]:
+        ax.set_xlabel("simulated time (s)")
+    tp = f"{c.tensor_parallel} x " if c.tensor_parallel > 1 else ""
+    fig.suptitle(
+        f"{c.model.name} on {tp}{c.gpu.name}, block size {c.block_size}, max_model_len {c.max_model_len}\n"
+        f"{report.workload.name}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,100 @@
+"""Plain-text tables for `pagedkv simulate` and `pagedkv plan`. Every table names what produced it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagedkv.sim.runner import SimulationReport
+
+_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    # (header, key, format)
+    ("KV waste", "kv_waste", "pct"),
+    ("mean conc", "mean_concurrency", ".1f"),
+    ("peak conc", "peak_concurrency", "d"),
+    ("req/s", "requests_per_s", ".2f"),
+    ("tok/s", "tokens_per_s", ".0f"),
+    ("TTFT p50", "ttft_p50_s", "s"),
+    ("TTFT p99", "ttft_p99_s", "s"),
+    ("TPOT p50", "tpot_p50_s", "ms"),
+    ("TPOT p99", "tpot_p99_s", "ms"),
+    ("preempt", "preemptions", "d"),
+    ("prefix hit", "prefix_hit_rate", "pct"),
+)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if fmt == "pct":
+        return f"{100 * value:.1f}%"
+    if fmt == "s":
+        return f"{value:.2f}s"
+    if fmt == "ms":
+        return f"{1000 * value:.1f}ms"
+    return format(value, fmt)
+
+
+def table(rows: dict[str, dict[str, Any]], first: str = "allocator") -> list[str]:
+    """Aligned rows of the metrics in `rows` (name -> summary)."""
+    header = [first] + [h for h, _, _ in _COLUMNS]
+    body = [[name] + [_cell(r[k], f) for _, k, f in _COLUMNS] for name, r in rows.items()]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = []
+    for row in [header, *body]:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def simulate_text(report: SimulationReport) -> str:
+    c = report.config
+    tp = f"{c.tensor_parallel} x " if c.tensor_parallel > 1 else ""
+    out = [
+        f"pagedkv simulate: model {c.model.name} on {tp}{c.gpu.name}, block size {c.block_size}, "
+        f"max_model_len {c.max_model_len}",
+        f"workload: {report.workload.name}",
+        f"          {report.workload.notes()}",
+        f"step time: roofline of bf16 weights + KV traffic vs FLOPs, + {1000 * c.step_overhead_s:g} ms/step; "
+        f"max_num_seqs {c.max_num_seqs}, max_num_batched_tokens {c.max_num_batched_tokens}",
+        "",
+        *report.budget.lines(),
+        "",
+        *table(report.results),
+    ]
+    if report.sweep:
+        for name in report.results:
+            rows = {f"{name} bs={bs}": runs[name] for bs, runs in sorted(report.sweep.items()) if name in runs}
+            out += ["", f"block-size sweep, {name}:", *table(rows, "run")]
+    return "\n".join(out)
+
+
+def plan_text(plan: dict[str, Any], budget_lines: Sequence[str]) -> str:
+    out = [
+        f"pagedkv plan: model {plan['model']} on {plan['gpu']}, block size {plan['block_size']}, "
+        f"max_model_len {plan['max_model_len']}",
+        f"workload: {plan['workload']}",
+        "",
+        *budget_lines,
+        "",
+    ]
+    header = ["allocator", "tokens/request", "blocks/request", "max concurrent", "no-preempt", "by memory"]
+    body = [
+        [
+            name,
+            f"{a['tokens_per_request']:.0f}",
+            f"{a['blocks_per_request']:.1f}",
+            str(a["max_concurrent"]),
+            str(a["max_concurrent_no_preemption"]),
+            str(a["max_concurrent_memory"]),
+        ]
+        for name, a in plan["allocators"].items()
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    rows = [
+        "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])
+        for r in [header, *body]
+    ]
+    rows.insert(1, "-" * len(rows[0]))
+    out += rows
+    out += ["", *plan["notes"]]
+    return "\n".join(out)

@@ -1,0 +1,138 @@
+"""One call that runs a comparison: `run_simulation(...)` replays a workload under each allocator.
+
+This is the entry point for code (the demo, notebooks, tests); `pagedkv simulate` is a thin CLI over it.
+Each allocator gets a fresh scheduler and manager over the same KV budget and the same requests.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pagedkv.sim.allocators import ALLOCATORS, check_allocator
+from pagedkv.sim.budget import KVBudget
+from pagedkv.sim.catalog import Catalog
+from pagedkv.sim.metrics import summarize
+from pagedkv.sim.simulator import SimConfig, SimTrace, simulate
+from pagedkv.sim.workload import Workload, WorkloadSpec, build_workload
+
+
+@dataclass
+class SimulationReport:
+    """Results of one comparison, keyed by allocator (and by block size for a sweep)."""
+
+    config: SimConfig  # the shared settings; `allocator` and `block_size` vary per run
+    workload: Workload
+    budget: KVBudget
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    traces: dict[str, SimTrace] = field(default_factory=dict)
+    sweep: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "model": self.config.model.name,
+            "gpu": self.config.gpu.name,
+            "tensor_parallel": self.config.tensor_parallel,
+            "workload": self.workload.name,
+            "workload_notes": self.workload.notes(),
+            "kv_budget_bytes": self.budget.kv_budget_bytes,
+            "bytes_per_token": self.budget.bytes_per_token,
+            "block_size": self.config.block_size,
+            "max_model_len": self.config.max_model_len,
+            "gpu_memory_utilization": self.config.gpu_memory_utilization,
+            "step_overhead_s": self.config.step_overhead_s,
+            "allocators": self.results,
+        }
+        if self.sweep:
+            data["block_size_sweep"] = {str(bs): r for bs, r in self.sweep.items()}
+        return data
+
+
+class _Progress:
+    """A progress bar on stderr (tqdm when present), counting finished requests over every run."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar: Any = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm ships with the hf extra
+            return
+        self._bar = tqdm(total=total, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description(text)
+
+    def __call__(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run_simulation(
+    model: str = "llama-2-7b",
+    gpu: str = "a100-40gb",
+    workload: WorkloadSpec | None = None,
+    *,
+    allocators: Sequence[str] = ALLOCATORS,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    step_overhead_s: float = 0.002,
+    tensor_parallel: int = 1,
+    activation_bytes: int | None = None,
+    sweep_block_sizes: Sequence[int] = (),
+    catalog: Catalog | None = None,
+    progress: bool = False,
+    check_every: int = 0,
+) -> SimulationReport:
+    """Replay `workload` (default: the shipped Azure conv trace) under each allocator; see `SimConfig`."""
+    catalog = catalog or Catalog.builtin()
+    model_spec, gpu_spec = catalog.model(model), catalog.gpu(gpu)
+    for name in allocators:
+        check_allocator(name)
+    if not allocators:
+        raise ValueError("run_simulation: give at least one allocator")
+    base = SimConfig(
+        model=model_spec,
+        gpu=gpu_spec,
+        allocator=allocators[0],
+        block_size=block_size,
+        max_model_len=max_model_len or model_spec.max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        step_overhead_s=step_overhead_s,
+        tensor_parallel=tensor_parallel,
+        activation_bytes=activation_bytes,
+    )
+    budget = base.budget()
+    wl = build_workload(workload or WorkloadSpec(), base.max_model_len)
+    runs = [(block_size, a) for a in allocators]
+    runs += [(bs, a) for bs in sweep_block_sizes if bs != block_size for a in allocators]
+    bar = _Progress(len(wl.requests) * len(runs), progress)
+    report = SimulationReport(base, wl, budget)
+    try:
+        for bs, name in runs:
+            bar.describe(f"{name} bs={bs}")
+            config = replace(base, allocator=name, block_size=bs)
+            trace = simulate(config, wl, progress=bar, check_every=check_every)
+            summary = summarize(trace)
+            if bs == block_size:
+                report.results[name] = summary
+                report.traces[name] = trace
+            report.sweep.setdefault(bs, {})[name] = summary
+    finally:
+        bar.close()
+    if not sweep_block_sizes:
+        report.sweep = {}
+    return report

@@ -1,0 +1,267 @@
+"""Discrete-event replay: the real scheduler and a real allocator, with a roofline model for the forward pass.
+
+The loop, per step (simulated time `now`, in seconds):
+
+    1. requests whose arrival time has come are added to the scheduler (a multi-turn turn arrives
+       `think_s` after its previous turn finishes);
+    2. `schedule()` picks chunks `(start, num_new_tokens)` under the token budget, admitting and
+       preempting through the allocator exactly as the engine does;
+    3. the step takes `StepTimeModel.step_seconds(starts, num_new_tokens)`; `now` advances by it;
+    4. each chunk that completes its request's tokens samples the request's next output token, or the
+       end-of-sequence id once the request has produced its true output length; `update(..., now)` appends
+       them, finishes requests and frees their blocks.
+
+When nothing is running and nothing can be scheduled, time jumps to the next arrival. A request that can
+never be admitted (the allocator cannot hold it even empty) is an error, not a hang. Nothing here is random:
+the same workload and configuration give the same numbers. At the end every block must be back in the pool
+(a leak is an `InvariantError`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.sim.allocators import CONTIGUOUS, check_allocator, make_manager, max_new_tokens_for
+from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
+from pagedkv.sim.catalog import GPUSpec, ModelSpec
+from pagedkv.sim.step_time import StepTimeModel
+from pagedkv.sim.workload import Workload
+from pagedkv.workloads.generators import GeneratedRequest
+
+EOS_TOKEN_ID = 50_000  # outside the synthetic vocabulary [0, 50000): sampled only to end a request
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated deployment: model on GPU(s), allocator, block size and scheduler limits."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    allocator: str = "paged"
+    block_size: int = 16
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    step_overhead_s: float = 0.002
+    tensor_parallel: int = 1
+    activation_bytes: int | None = None  # None: the profile estimate of budget.activation_reserve_bytes
+
+    def __post_init__(self) -> None:
+        check_allocator(self.allocator)
+        for f in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{f} must be an int >= 1, got {value!r}")
+        if self.max_model_len > self.model.max_model_len:
+            raise InvalidArgumentError(
+                f"max_model_len={self.max_model_len} exceeds {self.model.name}'s context length "
+                f"{self.model.max_model_len}"
+            )
+
+    def budget(self) -> KVBudget:
+        act = self.activation_bytes
+        if act is None:
+            act = activation_reserve_bytes(self.model, self.max_num_batched_tokens, self.max_num_seqs)
+        return KVBudget(
+            self.model, self.gpu, self.gpu_memory_utilization, self.block_size, act, self.tensor_parallel
+        )
+
+    def step_model(self) -> StepTimeModel:
+        return StepTimeModel(self.model, self.gpu, self.step_overhead_s, self.tensor_parallel)
+
+
+@dataclass
+class SimTrace:
+    """What happened: one row per step, one row per request (arrays, ready for metrics and plots)."""
+
+    config: SimConfig
+    budget: KVBudget
+    workload_name: str
+    step_end_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    batched_tokens: list[int] = field(default_factory=list)
+    used_blocks: list[int] = field(default_factory=list)
+    stored_tokens: list[int] = field(default_factory=list)  # tokens whose KV occupies a slot
+    empty_slots: list[int] = field(default_factory=list)  # reserved slots holding no token
+    preemptions: int = 0
+    arrival_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    first_token_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    finish_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    prompt_len: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    output_len: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    cached_tokens: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def _running_requests(scheduler: object) -> list[object]:
+    running = getattr(scheduler, "running", None)
+    if running is None:
+        raise InvariantError("simulator: the scheduler exposes no `running` collection to measure KV use")
+    return list(running.values()) if isinstance(running, dict) else list(running)
+
+
+def simulate(
+    config: SimConfig,
+    workload: Workload,
+    *,
+    progress: Callable[[int], None] | None = None,
+    check_every: int = 0,
+) -> SimTrace:
+    """Replay `workload` under `config`; `progress(n)` is called with each batch of finished requests.
+
+    `check_every > 0` runs the allocator's `check_invariants()` every that many steps (tests).
+    """
+    from pagedkv.engine.request import Request
+    from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+
+    budget = config.budget()
+    if budget.num_tokens < config.max_model_len:
+        raise CapacityError(
+            f"the KV budget of {budget.kv_budget_bytes / 1e9:.3f} GB holds {budget.num_tokens} tokens "
+            f"({budget.num_blocks} blocks of {config.block_size}), less than one request of "
+            f"max_model_len={config.max_model_len}; lower --max-model-len or give the cache more memory"
+        )
+    manager = make_manager(config.allocator, budget.num_blocks, config.block_size)
+    scheduler = Scheduler(
+        manager,
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        ),
+    )
+    step_model = config.step_model()
+    reqs = {r.index: r for r in workload.requests}
+    children: dict[int, list[int]] = {}
+    pending: list[tuple[float, int]] = []  # (arrival, index) heap of requests whose arrival is known
+    for r in workload.requests:
+        if r.parent is not None and r.parent in reqs:
+            children.setdefault(r.parent, []).append(r.index)
+        else:
+            pending.append((r.arrival_s, r.index))
+    heapq.heapify(pending)
+
+    n = len(workload.requests)
+    order = {r.index: i for i, r in enumerate(workload.requests)}
+    arrival = np.zeros(n)
+    first_token = np.full(n, np.nan)
+    finish = np.full(n, np.nan)
+    cached = np.zeros(n, dtype=np.int64)
+    seen: set[str] = set()
+    live: dict[str, tuple[GeneratedRequest, object]] = {}
+    out = SimTrace(config, budget, workload.name)
+    paged = config.allocator not in CONTIGUOUS
+    bs = config.block_size
+    now = 0.0
+    steps = 0
+
+    while pending or scheduler.has_unfinished():
+        if not scheduler.has_unfinished() and pending[0][0] > now:
+            now = pending[0][0]  # idle: jump to the next arrival
+        while pending and pending[0][0] <= now:
+            t, index = heapq.heappop(pending)
+            g = reqs[index]
+            req = Request(
+                str(index),
+                g.prompt_token_ids,
+                max_new_tokens_for(config.allocator, g.prompt_len, g.output_len, config.max_model_len),
+                arrival_time=t,
+                eos_token_id=EOS_TOKEN_ID,
+            )
+            arrival[order[index]] = t
+            live[req.request_id] = (g, req)
+            scheduler.add_request(req)
+
+        output = scheduler.schedule()
+        chunks = output.scheduled
+        if not chunks:
+            if pending:
+                now = max(now, pending[0][0])
+                continue
+            raise CapacityError(
+                f"simulator: {scheduler.num_waiting} request(s) can never be scheduled with allocator "
+                f"{config.allocator!r} ({budget.num_blocks} blocks of {bs} tokens, max_model_len "
+                f"{config.max_model_len}); the budget is too small for one request"
+            )
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        news = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        dt = step_model.step_seconds(starts, news)
+        now += dt
+        out.preemptions += len(output.preempted)
+
+        sampled: dict[str, int] = {}
+        for c in chunks:
+            rid = c.request.request_id
+            if rid not in seen:
+                seen.add(rid)
+                cached[order[int(rid)]] = int(c.request.num_cached_tokens)
+            if c.produces_token:
+                g = live[rid][0]
+                k = len(c.request.output_token_ids)
+                sampled[rid] = EOS_TOKEN_ID if k + 1 >= g.output_len else int(g.output_token_ids[k])
+
+        num_running = len(_running_requests(scheduler))
+        finished = scheduler.update(output, sampled, now)
+        # KV use after the step: every scheduled chunk's KV is written, finished requests are freed.
+        held = _held_tokens(manager, _running_requests(scheduler))
+        used = manager.num_used_blocks
+        if paged:
+            empty = int((-(-held // bs) * bs - held).sum())  # only each sequence's private tail block
+            stored = used * bs - empty
+        else:
+            stored = int(held.sum())
+            empty = used * bs - stored
+        out.step_end_s.append(now)
+        out.step_s.append(dt)
+        out.running.append(num_running)
+        out.waiting.append(scheduler.num_waiting)
+        out.batched_tokens.append(int(news.sum()))
+        out.used_blocks.append(used)
+        out.stored_tokens.append(stored)
+        out.empty_slots.append(empty)
+
+        for req in finished:
+            g, _ = live.pop(req.request_id)
+            i = order[g.index]
+            first_token[i] = req.first_token_time
+            finish[i] = req.finish_time
+            for child in children.get(g.index, ()):
+                heapq.heappush(pending, (now + reqs[child].think_s, child))
+        if finished and progress is not None:
+            progress(len(finished))
+        steps += 1
+        if check_every and steps % check_every == 0:
+            manager.check_invariants()
+
+    manager.check_invariants()
+    if manager.num_used_blocks:
+        raise InvariantError(
+            f"simulator: {manager.num_used_blocks} block(s) still in use after every request finished "
+            f"(allocator {config.allocator!r}): a leak"
+        )
+    out.arrival_s = arrival
+    out.first_token_s = first_token
+    out.finish_s = finish
+    out.prompt_len = np.array([r.prompt_len for r in workload.requests], dtype=np.int64)
+    out.output_len = np.array([r.output_len for r in workload.requests], dtype=np.int64)
+    out.cached_tokens = cached
+    return out
+
+
+def _held_tokens(manager: object, running: list[object]) -> npt.NDArray[np.int64]:
+    """Tokens each running request holds slots for (what the allocator has handed out to it)."""
+    if not running:
+        return np.zeros(0, dtype=np.int64)
+    seq_ids = [getattr(r, "seq_id", None) for r in running]
+    if all(s is not None for s in seq_ids):
+        return np.asarray(manager.seq_lens(np.asarray(seq_ids, dtype=np.int64)), dtype=np.int64)  # type: ignore[attr-defined]
+    return np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))  # type: ignore[attr-defined]
