@@ -1,0 +1,251 @@
+"""`pagedkv bench allocator`: the allocator's cost per scheduled token, replaying a real trace.
+
+The loop is defined so that other allocators can replay exactly the same work (PEERS.md): requests in
+trace order, timestamps ignored; each step
+
+  1. admits waiting requests first-come-first-served while fewer than `max_running` run and the
+     allocator holds the whole prompt (blocks written this step are hittable from the next step);
+  2. while growing every running request by one token does not fit, preempts the most recently admitted
+     request (recompute: it goes back to the head of the queue with its prompt plus generated tokens);
+  3. grows every running request by one token (and marks the step's KV computed);
+  4. frees the requests that reached their output length.
+
+`us_per_token` = time spent in those phases / scheduled tokens (prompt tokens admitted, re-admissions
+included, plus grown tokens). Token synthesis (the model's job) and the utilisation bookkeeping are
+outside the timed phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pagedkv.core import BlockKeys, ContiguousKVManager, PagedKVManager
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.workloads.traces import (
+    STREAM_GENERATED,
+    VOCAB,
+    TraceRequest,
+    default_trace_path,
+    generated_token_ids,
+    load_trace,
+    prompt_token_ids,
+    sm64,
+)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    allocator: str
+    trace: str
+    requests: int
+    skipped: int
+    steps: int
+    scheduled_tokens: int
+    wall_s: float
+    us_per_token: float
+    admissions: int
+    preemptions: int
+    prefix_hit_rate: float
+    peak_blocks_in_use: int
+    mean_kv_utilization: float
+    utilization_floor: float
+    block_size: int
+    num_blocks: int
+    max_running: int
+    prefix_caching: bool
+    hash_fn: str
+
+
+def make_manager(
+    allocator: str, num_blocks: int, block_size: int, *, prefix_caching: bool, hash_fn: str = "sha256"
+) -> PagedKVManager | ContiguousKVManager:
+    if allocator == "paged":
+        return PagedKVManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn)
+    if allocator == "contiguous":
+        return ContiguousKVManager(num_blocks, block_size)
+    raise InvalidArgumentError(f"unknown allocator {allocator!r}; choose paged or contiguous")
+
+
+def replay(
+    requests: list[TraceRequest],
+    allocator: str = "paged",
+    *,
+    num_blocks: int = 16384,
+    block_size: int = 16,
+    max_running: int = 256,
+    prefix_caching: bool = True,
+    hash_fn: str = "sha256",
+    trace_name: str = "",
+    check_every: int = 0,
+) -> ReplayResult:
+    """Run the loop above; `check_every > 0` also checks the manager's invariants every that many steps."""
+    m = make_manager(allocator, num_blocks, block_size, prefix_caching=prefix_caching, hash_fn=hash_fn)
+    paged = isinstance(m, PagedKVManager)
+    n_req = len(requests)
+    out_len = np.array([r.output_len for r in requests], dtype=np.int64)
+    fits = np.array([r.prompt_len + r.output_len <= m.capacity_tokens for r in requests], dtype=bool)
+    skipped = int((~fits).sum())
+    if skipped:
+        print(f"warning: skipping {skipped} request(s) that can never fit {m.capacity_tokens} tokens", file=sys.stderr)
+    generated = np.zeros(n_req, dtype=np.int64)
+    gen_seed = sm64(np.uint64(int(sm64(0)) ^ STREAM_GENERATED) ^ (np.arange(n_req, dtype=np.uint64) << np.uint64(8)))
+    keys: list[BlockKeys | None] = [None] * n_req
+    prompts: dict[int, np.ndarray] = {}
+    waiting: deque[int] = deque(int(i) for i in np.nonzero(fits)[0])
+    run_req = np.zeros(0, dtype=np.int64)  # admission order
+    run_sid = np.zeros(0, dtype=np.int64)
+    steps = scheduled = 0
+    timed_ns = 0
+    peak_used = 0
+    util_sum = floor_sum = 0.0
+    util_steps = 0
+    bs = block_size
+    clock = time.perf_counter_ns
+
+    while waiting or len(run_req):
+        steps += 1
+        # 1. admit, FCFS
+        new_req: list[int] = []
+        new_sid: list[int] = []
+        t0 = clock()
+        while waiting and len(run_req) + len(new_req) < max_running:
+            r = waiting[0]
+            tokens = prompts.get(r)
+            if tokens is None:  # token synthesis is the workload's job: not timed
+                t_pause = clock()
+                tokens = prompt_token_ids(requests[r])
+                if generated[r]:
+                    tokens = np.concatenate([tokens, generated_token_ids(requests[r], 0, int(generated[r]))])
+                prompts[r] = tokens
+                t0 += clock() - t_pause
+            if paged and keys[r] is None:
+                keys[r] = BlockKeys()
+            adm = m.admit(tokens, max_new_tokens=int(out_len[r] - generated[r]), keys=keys[r])
+            if adm is None:
+                break
+            waiting.popleft()
+            del prompts[r]
+            new_req.append(r)
+            new_sid.append(adm.seq_id)
+            scheduled += len(tokens)
+        if new_req:
+            # The step writes the admitted prompts: publish them now (peers cache blocks at allocation),
+            # after the admission loop, so no request admitted in this step hits another's blocks.
+            m.mark_computed(new_sid)
+            run_req = np.concatenate([run_req, new_req])
+            run_sid = np.concatenate([run_sid, new_sid])
+        # 2. preempt the newest until one more token for everyone fits
+        while len(run_sid) and m.num_blocks_to_append(run_sid) > m.num_free_blocks:
+            r, sid = int(run_req[-1]), int(run_sid[-1])
+            m.preempt(sid)
+            run_req, run_sid = run_req[:-1], run_sid[:-1]
+            waiting.appendleft(r)
+        t1 = clock()
+        # 3. grow everyone by one token
+        pos = generated[run_req]
+        tok = (sm64(gen_seed[run_req] + pos.astype(np.uint64)) % np.uint64(VOCAB)).astype(np.int32)
+        t2 = clock()
+        if len(run_sid):
+            grown = m.append(run_sid, tok)
+            assert grown, "bench: growth must fit after preemption"
+            m.mark_computed(run_sid)
+        generated[run_req] = pos + 1
+        scheduled += len(run_sid)
+        t3 = clock()
+        # utilisation bookkeeping (not timed)
+        if len(run_sid):
+            lens = m.seq_lens(run_sid).astype(np.int64)
+            used = m.num_used_blocks
+            peak_used = max(peak_used, used)
+            held = int(lens.sum())
+            if paged:
+                ref = m.pool.ref[m.pool.first_id :]
+                held -= bs * int(np.maximum(ref - 1, 0).sum())  # shared blocks hold their tokens once
+            util_sum += held / (used * bs)
+            floor_sum += int(lens.sum()) / (int((-(-lens // bs)).sum()) * bs)
+            util_steps += 1
+        if check_every and steps % check_every == 0:
+            m.check_invariants()
+        t4 = clock()
+        # 4. free the finished
+        done = generated[run_req] >= out_len[run_req]
+        if done.any():
+            for sid in run_sid[done].tolist():
+                m.free(sid)
+            keep = ~done
+            run_req, run_sid = run_req[keep], run_sid[keep]
+        timed_ns += (t1 - t0) + (t3 - t2) + (clock() - t4)
+    m.check_invariants()
+    stats = getattr(m, "stats", None)
+    wall = timed_ns / 1e9
+    return ReplayResult(
+        allocator=allocator + ("" if not paged or prefix_caching else "-no-prefix"),
+        trace=trace_name,
+        requests=n_req - skipped,
+        skipped=skipped,
+        steps=steps,
+        scheduled_tokens=scheduled,
+        wall_s=wall,
+        us_per_token=wall * 1e6 / max(scheduled, 1),
+        admissions=m._admissions,
+        preemptions=m._preemptions,
+        prefix_hit_rate=stats.hit_rate if stats is not None else 0.0,
+        peak_blocks_in_use=peak_used,
+        mean_kv_utilization=util_sum / max(util_steps, 1),
+        utilization_floor=floor_sum / max(util_steps, 1),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_running=max_running,
+        prefix_caching=prefix_caching and paged,
+        hash_fn=hash_fn if paged and prefix_caching else "-",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, default=None, help="Azure CSV(.gz) or Mooncake JSONL (default: shipped Azure conv)")
+    p.add_argument("--limit", type=int, default=3000, help="first N requests of the trace (default 3000)")
+    p.add_argument("--num-blocks", type=int, default=16384)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--allocator", choices=["paged", "contiguous", "both"], default="both")
+    p.add_argument("--hash", dest="hash_fn", choices=["sha256", "fast"], default="sha256")
+    p.add_argument("--repeat", type=int, default=1, help="runs per allocator; the median us/token is reported")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list when several allocators)")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.trace or default_trace_path()
+    requests = load_trace(path, limit=args.limit)
+    names = ["paged", "contiguous"] if args.allocator == "both" else [args.allocator]
+    results = []
+    for name in names:
+        runs = [
+            replay(
+                requests, name, num_blocks=args.num_blocks, block_size=args.block_size,
+                max_running=args.max_running, prefix_caching=not args.no_prefix_caching,
+                hash_fn=args.hash_fn, trace_name=Path(path).name,
+            )  # fmt: skip
+            for _ in range(max(1, args.repeat))
+        ]
+        results.append(sorted(runs, key=lambda r: r.us_per_token)[len(runs) // 2])
+    if args.json:
+        rows = [asdict(r) for r in results]
+        print(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
+        return 0
+    print(f"trace {Path(path).name}, first {len(requests)} requests; block size {args.block_size}, "
+          f"{args.num_blocks} blocks, at most {args.max_running} running")  # fmt: skip
+    header = ("allocator", "steps", "sched tokens", "preempt", "hit rate", "us/token", "peak blocks", "kv util", "floor")
+    print("{:<22} {:>6} {:>13} {:>8} {:>9} {:>9} {:>12} {:>8} {:>7}".format(*header))
+    for r in results:
+        print(f"{r.allocator:<22} {r.steps:>6} {r.scheduled_tokens:>13,} {r.preemptions:>8} {r.prefix_hit_rate:>8.1%} "
+              f"{r.us_per_token:>9.4f} {r.peak_blocks_in_use:>12} {r.mean_kv_utilization:>7.1%} {r.utilization_floor:>6.1%}")  # fmt: skip
+    return 0

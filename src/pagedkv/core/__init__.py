@@ -1,0 +1,26 @@
+"""pagedkv.core: the torch-free allocator. Pure Python + numpy; only integers cross into it.
+
+Public surface: `PagedKVManager` (paged, prefix caching, copy-on-write), `ContiguousKVManager` (the
+baseline), the `KVManager` protocol they share, `BlockKeys` (a request's reusable prefix keys) and the
+typed errors.
+"""
+
+from pagedkv.core.contiguous import ContiguousKVManager
+from pagedkv.core.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    InvariantError,
+    PagedKVError,
+    PinError,
+    UnknownSequenceError,
+)
+from pagedkv.core.manager import ManagerStats, PagedKVManager, PinHandle, SwapPlan
+from pagedkv.core.pool import CacheEvent
+from pagedkv.core.prefix import BlockKeys
+from pagedkv.core.protocol import Admission, BlockCopies, CSRPages, KVManager
+
+__all__ = [
+    "Admission", "BlockCopies", "BlockKeys", "CSRPages", "CacheEvent", "CapacityError",
+    "ContiguousKVManager", "InvalidArgumentError", "InvariantError", "KVManager", "ManagerStats",
+    "PagedKVError", "PagedKVManager", "PinError", "PinHandle", "SwapPlan", "UnknownSequenceError",
+]  # fmt: skip

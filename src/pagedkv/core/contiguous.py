@@ -1,0 +1,244 @@
+"""The contiguous baseline: what serving systems did before paging (FasterTransformer, Orca).
+
+Each request reserves its maximum length (prompt + max_new_tokens) at admission as one contiguous run of
+the KV arena, chosen first fit, and holds it until it finishes. Runs are whole blocks (so the same block
+tables and attention kernels read it), which makes its block table `start, start+1, ...`. Nothing is shared.
+
+Its waste is what paging removes: internal (reserved but never written: the unused tail of every
+reservation) and external (free space split into holes too small for the next request: first fit makes
+it real). It speaks the same protocol as `PagedKVManager`, so every comparison swaps only the allocator.
+A sequence that outgrows its reservation cannot grow (`append` returns False): the scheduler preempts it.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
+from pagedkv.core.table import BlockTables
+from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
+
+IntArray = npt.NDArray[np.int64]
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class RunAllocator:
+    """First-fit allocation of contiguous runs of blocks; holes kept sorted and merged on free."""
+
+    def __init__(self, first: int, end: int) -> None:
+        self.first, self.end = first, end
+        self._starts: list[int] = [first] if end > first else []
+        self._lengths: list[int] = [end - first] if end > first else []
+        self.num_free = end - first
+
+    def largest_hole(self) -> int:
+        return max(self._lengths, default=0)
+
+    def find(self, n: int) -> int | None:
+        for i, length in enumerate(self._lengths):
+            if length >= n:
+                return i
+        return None
+
+    def take(self, hole: int, n: int) -> int:
+        start = self._starts[hole]
+        if self._lengths[hole] == n:
+            del self._starts[hole], self._lengths[hole]
+        else:
+            self._starts[hole] += n
+            self._lengths[hole] -= n
+        self.num_free -= n
+        return start
+
+    def give(self, start: int, n: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        merge_left = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start
+        merge_right = i < len(self._starts) and start + n == self._starts[i]
+        if merge_left and merge_right:
+            self._lengths[i - 1] += n + self._lengths[i]
+            del self._starts[i], self._lengths[i]
+        elif merge_left:
+            self._lengths[i - 1] += n
+        elif merge_right:
+            self._starts[i] = start
+            self._lengths[i] += n
+        else:
+            self._starts.insert(i, start)
+            self._lengths.insert(i, n)
+        self.num_free += n
+
+    def holes(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._lengths))
+
+
+class ContiguousKVManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, *, null_block: bool = True) -> None:
+        as_count(block_size, "block_size", minimum=1)
+        first = 1 if null_block else 0
+        if not isinstance(num_blocks, int) or num_blocks <= first:
+            raise InvalidArgumentError(f"num_blocks must be an int > {first}, got {num_blocks!r}")
+        self._block_size = block_size
+        self._num_blocks = num_blocks - first
+        self.runs = RunAllocator(first, num_blocks)
+        self.tables = BlockTables(block_size, 0)
+        self._admissions = self._preemptions = self._prompt_tokens = 0
+        self._pending_copies: list[tuple[IntArray, IntArray]] = []
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.runs.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_blocks - self.runs.num_free
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._num_blocks * self._block_size
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tables.num_alive
+
+    def num_tokens(self, seq_id: int) -> int:
+        return int(self.tables.num_tokens[self.tables.row(seq_id)])
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
+
+    def _reservation(self, n: int, max_new_tokens: int) -> int:
+        return -(-(n + max_new_tokens) // self._block_size)
+
+    def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0) -> bool:
+        n = len(as_tokens(token_ids))
+        return self.runs.find(self._reservation(n, as_count(max_new_tokens, "max_new_tokens"))) is not None
+
+    def admit(
+        self,
+        token_ids: npt.ArrayLike,
+        *,
+        max_new_tokens: int = 0,
+        priority: int = 0,
+        salt: bytes = b"",
+        num_lookahead: int = 0,
+        keys: object = None,
+    ) -> Admission | None:
+        """Reserve prompt + max_new_tokens (+ lookahead) contiguously, first fit. `None` if no hole fits."""
+        n = len(as_tokens(token_ids))
+        as_salt(salt)
+        need = self._reservation(n, as_count(max_new_tokens, "max_new_tokens") + as_count(num_lookahead, "num_lookahead"))
+        if need > self._num_blocks:
+            raise CapacityError(f"a reservation of {need} blocks exceeds the {self._num_blocks} blocks of the arena")
+        hole = self.runs.find(need)
+        if hole is None:
+            return None
+        start = self.runs.take(hole, need)
+        row = self.tables.new_row()
+        self.tables.set_blocks(row, np.arange(start, start + need, dtype=np.int64))
+        self.tables.num_tokens[row] = n
+        self.tables.priority[row] = priority
+        self._admissions += 1
+        self._prompt_tokens += n
+        return Admission(row, 0)
+
+    def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
+        """Blocks beyond the reservations; any such growth is impossible (see `append`)."""
+        t = self.tables
+        rows = t.rows(seq_ids)
+        new = t.num_tokens[rows] + as_count(num_tokens, "num_tokens")
+        return int(np.maximum(-(-new // self._block_size) - t.num_blocks[rows], 0).sum())
+
+    def append(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1) -> bool:
+        """Grow within the reservations. False (nothing changed) if any sequence would outgrow its run."""
+        t = self.tables
+        rows = t.rows(seq_ids)
+        k = as_count(num_tokens, "num_tokens")
+        if token_ids is not None:
+            as_token_matrix(token_ids, len(rows), k)
+        new = t.num_tokens[rows] + k
+        if (new > t.num_blocks[rows] * self._block_size).any():
+            return False
+        t.num_tokens[rows] = new
+        return True
+
+    def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
+        t = self.tables
+        rows = t.rows(seq_ids)
+        t.num_computed[rows] = t.num_tokens[rows] if num_computed_tokens is None else num_computed_tokens
+
+    def free(self, seq_id: int) -> None:
+        t = self.tables
+        row = t.row(seq_id)
+        self.runs.give(int(t.table[row, 0]), int(t.num_blocks[row]))
+        t.drop_row(row)
+
+    def preempt(self, seq_id: int) -> int:
+        n = self.num_tokens(seq_id)
+        self.free(seq_id)
+        self._preemptions += 1
+        return n
+
+    def fork(self, seq_id: int) -> int | None:
+        """No sharing in the baseline: a fork copies the whole reservation into a new run (None if none fits)."""
+        t = self.tables
+        row = t.row(seq_id)
+        need = int(t.num_blocks[row])
+        hole = self.runs.find(need)
+        if hole is None:
+            return None
+        start = self.runs.take(hole, need)
+        child = t.new_row()
+        t.set_blocks(child, np.arange(start, start + need, dtype=np.int64))
+        t.num_tokens[child], t.num_computed[child] = t.num_tokens[row], t.num_computed[row]
+        self._pending_copies.append((t.blocks_of(row), t.blocks_of(child)))
+        return child
+
+    def take_copies(self) -> BlockCopies:
+        if not self._pending_copies:
+            return BlockCopies(_EMPTY, _EMPTY)
+        src = np.concatenate([s for s, _ in self._pending_copies])
+        dst = np.concatenate([d for _, d in self._pending_copies])
+        self._pending_copies = []
+        return BlockCopies(src, dst)
+
+    def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]:
+        return self.tables.block_table(self.tables.rows(seq_ids), pad_id)
+
+    def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
+        return self.tables.num_tokens[self.tables.rows(seq_ids)].astype(np.int32)
+
+    def slot_mapping(self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        return self.tables.slot_mapping(self.tables.rows(seq_ids), starts, ends)
+
+    def csr(self, seq_ids: npt.ArrayLike) -> CSRPages:
+        return self.tables.csr(self.tables.rows(seq_ids))
+
+    def check_invariants(self) -> None:
+        self.tables.check_invariants()
+        t = self.tables
+        live = np.nonzero(t.alive)[0]
+        runs = sorted((int(t.table[r, 0]), int(t.num_blocks[r])) for r in live)
+        spans = sorted(runs + self.runs.holes())
+        pos = self.runs.first
+        for start, length in spans:
+            if start != pos:
+                raise InvariantError(f"contiguous: arena not tiled exactly at block {pos} (next span starts at {start})")
+            pos += length
+        if pos != self.runs.end:
+            raise InvariantError("contiguous: runs and holes do not cover the arena")
+        for r in live:
+            blocks = t.blocks_of(int(r))
+            if not np.array_equal(blocks, np.arange(blocks[0], blocks[0] + len(blocks))):
+                raise InvariantError(f"contiguous: sequence {r} does not hold one contiguous run")

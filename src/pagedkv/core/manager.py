@@ -1,0 +1,555 @@
+"""The paged KV manager: the facade schedulers use (see `protocol.py` for the contract).
+
+It composes the block pool (ownership, eviction, keys) with the block tables (per-sequence pages) and the
+prefix keys. Semantics follow DESIGN.md (Core semantics):
+
+- On demand: `admit` allocates for the prompt only; `append` takes a block when a sequence crosses a block
+  boundary. Nothing reserves for a maximum length.
+- Prefix cache: at admission the prompt's full blocks are looked up in order until the first miss; the
+  block holding the last prompt token is never served from cache (its logits must be computed). Full blocks
+  are published when `mark_computed` says their KV is written, so a request admitted in the same step
+  cannot hit them. A block computed twice concurrently stays private in its second copy (see `pool.py`).
+- Free and preempt release blocks tail first: the shared head of a prompt outlives its private tail.
+- Fork shares every block that holds tokens; the first write into a shared partial block moves the writer
+  to a fresh block and records a copy, handed out by `take_copies`.
+- Rollback releases blocks no longer needed and unpublishes a keyed block whose content will change.
+- Atomic: every method validates and checks capacity before it changes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
+from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
+from pagedkv.core.prefix import BlockKeys, Key, KeyFunction, key_function
+from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
+from pagedkv.core.table import BlockTables
+from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
+
+IntArray = npt.NDArray[np.int64]
+_EMPTY = np.zeros(0, dtype=np.int64)
+ALL_TOKENS_KNOWN = 2**62  # `hashable_tokens` value while every appended token came with its id
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStats:
+    """Cumulative counters. `hit_rate` = cached prompt tokens / prompt tokens admitted."""
+
+    admissions: int
+    preemptions: int
+    prompt_tokens: int
+    cached_tokens: int
+    evictions: int
+    cow_copies: int
+    verify_failures: int
+    blocks_in_use: int
+    num_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_in_use / self.num_blocks if self.num_blocks else 0.0
+
+
+class PinHandle(NamedTuple):
+    """The blocks a `pin` call pinned; give it back to `unpin`."""
+
+    block_ids: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class SwapPlan(NamedTuple):
+    """Copy block `src[i]` to `dst[i]` (device -> host for swap-out, host -> device for swap-in)."""
+
+    src: IntArray
+    dst: IntArray
+
+
+class PagedKVManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_fn: str | KeyFunction = "sha256",
+        verify_hits: bool = False,
+        null_block: bool = True,
+        num_host_blocks: int = 0,
+        record_events: bool = False,
+    ) -> None:
+        as_count(block_size, "block_size", minimum=1)
+        as_count(num_host_blocks, "num_host_blocks")
+        self._block_size = block_size
+        self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events)
+        self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
+        self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)
+        self.tables = BlockTables(block_size, NULL_BLOCK_ID)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.verify_hits = verify_hits
+        self._key_fn = key_function(hash_fn)
+        self.epoch = 0
+        self._keys: dict[int, BlockKeys] = {}
+        # Token ids of every block's slots, mirroring the KV content: hashing, verification, copy-on-write.
+        self.block_tokens = np.zeros((num_blocks, block_size) if enable_prefix_caching else (0, 0), np.int32)
+        self._copies_src: list[IntArray] = []
+        self._copies_dst: list[IntArray] = []
+        self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = 0
+        self._cow_copies = self._verify_failures = 0
+
+    # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self.pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_available
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_in_use
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can ever hold."""
+        return self.num_blocks * self._block_size
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tables.num_alive
+
+    @property
+    def stats(self) -> ManagerStats:
+        return ManagerStats(
+            self._admissions, self._preemptions, self._prompt_tokens, self._cached_tokens,
+            self.pool.stats.evictions, self._cow_copies, self._verify_failures,
+            self.pool.num_in_use, self.num_blocks,
+        )  # fmt: skip
+
+    def num_tokens(self, seq_id: int) -> int:
+        return int(self.tables.num_tokens[self.tables.row(seq_id)])
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        return int(self.tables.num_computed[self.tables.row(seq_id)])
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return bool(self.tables.swapped[self.tables.row(seq_id)])
+
+    def _match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
+        """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
+        keys.bind(self._key_fn, self.epoch)
+        bs, index, known = self._block_size, self.pool.index, keys.keys
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            key = known[i + 1] if i + 1 < len(known) else keys.key(i, block_tokens)
+            block_id = index.get(key)
+            if block_id is None:
+                break
+            if self.verify_hits and not np.array_equal(self.block_tokens[block_id], block_tokens):
+                self._verify_failures += 1
+                break
+            hits.append(block_id)
+        return hits
+
+    def match_prefix(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> int:
+        """How many leading tokens of `token_ids` an admission would take from the cache now."""
+        tokens = as_tokens(token_ids)
+        if not self.enable_prefix_caching:
+            return 0
+        keys = keys if keys is not None else BlockKeys(as_salt(salt))
+        return len(self._match(tokens, keys, (len(tokens) - 1) // self._block_size)) * self._block_size
+
+    def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0, salt: bytes = b"") -> bool:
+        tokens = as_tokens(token_ids)
+        hits = self._match(tokens, BlockKeys(as_salt(salt)), (len(tokens) - 1) // self._block_size) if self.enable_prefix_caching else []
+        return self._blocks_short(len(tokens), 0, hits) <= 0
+
+    def _blocks_short(self, n: int, lookahead: int, hits: list[int]) -> int:
+        need = -(-(n + lookahead) // self._block_size) - len(hits)
+        cached_hits = int(np.count_nonzero(self.pool.ref[hits] == 0)) if hits else 0
+        return need - (self.pool.num_available - cached_hits)
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def admit(
+        self,
+        token_ids: npt.ArrayLike,
+        *,
+        max_new_tokens: int = 0,
+        priority: int = 0,
+        salt: bytes = b"",
+        num_lookahead: int = 0,
+        keys: BlockKeys | None = None,
+    ) -> Admission | None:
+        """Allocate blocks for `token_ids` (sharing cached leading blocks). `None`: not enough free blocks now.
+
+        `max_new_tokens` is ignored (paging reserves nothing ahead); `keys` lets a request keep its block
+        keys across admissions, so re-admitting a waiting or preempted request hashes nothing twice.
+        Raises `CapacityError` if the sequence could never fit, however empty the pool.
+        """
+        tokens = as_tokens(token_ids)
+        as_count(max_new_tokens, "max_new_tokens")
+        as_count(num_lookahead, "num_lookahead")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        salt = as_salt(salt)
+        if keys is not None and keys.salt != salt and salt:
+            raise InvalidArgumentError("pass the salt either in keys or as salt, not two different ones")
+        n, bs = len(tokens), self._block_size
+        if -(-(n + num_lookahead) // bs) > self.num_blocks:
+            raise CapacityError(f"a sequence of {n + num_lookahead} tokens needs more than the {self.num_blocks} blocks of the pool")
+        hits: list[int] = []
+        if self.enable_prefix_caching:
+            keys = keys if keys is not None else BlockKeys(salt)
+            hits = self._match(tokens, keys, (n - 1) // bs)
+        if self._blocks_short(n, num_lookahead, hits) > 0:
+            return None
+        # --- commit (nothing below can fail) ---
+        pool, t = self.pool, self.tables
+        for block_id in hits:
+            pool.touch_hit(block_id)
+        h = len(hits)
+        new = pool.allocate(-(-(n + num_lookahead) // bs) - h)
+        row = t.new_row()
+        t.set_blocks(row, np.concatenate([np.asarray(hits, dtype=np.int64), new]) if hits else new)
+        t.num_tokens[row] = n
+        t.num_computed[row] = h * bs
+        t.num_published[row] = h
+        t.priority[row] = priority
+        if self.enable_prefix_caching:
+            assert keys is not None, "manager: prefix caching needs block keys"
+            self._keys[row] = keys
+            t.hashable_tokens[row] = ALL_TOKENS_KNOWN
+            rest = tokens[h * bs :]
+            m = -(-len(rest) // bs)
+            padded = np.zeros(m * bs, dtype=np.int32)
+            padded[: len(rest)] = rest
+            self.block_tokens[new[:m]] = padded.reshape(m, bs)
+        self._admissions += 1
+        self._prompt_tokens += n
+        self._cached_tokens += h * bs
+        return Admission(row, h * bs)
+
+    # --- growth ---------------------------------------------------------------------------------
+
+    def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray]:
+        """Blocks each row needs for k more tokens, and the rows/blocks needing copy-on-write first."""
+        t = self.tables
+        old = t.num_tokens[rows]
+        need = np.maximum(-(-(old + k) // self._block_size) - t.num_blocks[rows], 0)
+        cow_rows, cow_src = _EMPTY, _EMPTY
+        if t.cow_risk.any():
+            risky = t.cow_risk[rows] & (old % self._block_size != 0)
+            if risky.any():
+                cand = rows[risky]
+                src = t.table[cand, (t.num_tokens[cand] - 1) // self._block_size].astype(np.int64)
+                shared = self.pool.ref[src] > 1
+                cow_rows, cow_src = cand[shared], src[shared]
+        return need, cow_rows, cow_src
+
+    def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
+        rows = self.tables.rows(seq_ids)
+        need, cow_rows, _ = self._growth(rows, as_count(num_tokens, "num_tokens"))
+        return int(need.sum()) + len(cow_rows)
+
+    def append(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1) -> bool:
+        """Grow each sequence by `num_tokens` slots. False (nothing changed) if the pool is short.
+
+        With prefix caching on, pass the token ids (`[B]` or `[B, num_tokens]`) so the blocks they fill
+        can be published; without them those blocks stay private.
+        """
+        t = self.tables
+        rows = t.rows(seq_ids)
+        k = as_count(num_tokens, "num_tokens")
+        tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
+        if len(rows) == 0 or k == 0:
+            return True
+        need, cow_rows, cow_src = self._growth(rows, k)
+        total_new = int(need.sum())
+        if total_new + len(cow_rows) > self.pool.num_available:
+            return False
+        # --- commit ---
+        ids = self.pool.allocate(total_new + len(cow_rows))
+        if len(cow_rows):
+            self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
+            ids = ids[len(cow_rows) :]
+        old = t.num_tokens[rows]
+        if total_new:
+            t.add_blocks(rows, need, ids)
+        t.num_tokens[rows] = old + k
+        if t.cow_risk.any():
+            t.cow_risk[rows] = False  # every appended row now writes into a private last block
+        if self.enable_prefix_caching:
+            if tok is None:
+                t.hashable_tokens[rows] = np.minimum(t.hashable_tokens[rows], old)
+            elif k == 1:
+                slots = t.table[rows, old // self._block_size].astype(np.int64) * self._block_size + old % self._block_size
+                self.block_tokens.reshape(-1)[slots] = tok[:, 0]
+            else:
+                self.block_tokens.reshape(-1)[t.slot_mapping(rows, old, old + k)] = tok.reshape(-1)
+        return True
+
+    def _copy_on_write(self, rows: IntArray, src: IntArray, dst: IntArray) -> None:
+        t = self.tables
+        t.table[rows, (t.num_tokens[rows] - 1) // self._block_size] = dst
+        self.pool.release(src)  # shared: the count drops but stays >= 1
+        if self.enable_prefix_caching:
+            self.block_tokens[dst] = self.block_tokens[src]
+        self._copies_src.append(src)
+        self._copies_dst.append(dst)
+        self._cow_copies += len(rows)
+
+    def take_copies(self) -> BlockCopies:
+        """The copy-on-write copies recorded since the last call (run them before the next forward)."""
+        if not self._copies_src:
+            return BlockCopies(_EMPTY, _EMPTY)
+        out = BlockCopies(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
+        self._copies_src.clear()
+        self._copies_dst.clear()
+        return out
+
+    def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
+        """KV is written for tokens [0, num_computed) of each sequence; publish the full blocks among them."""
+        t = self.tables
+        rows = t.rows(seq_ids)
+        if num_computed_tokens is None:
+            computed = t.num_tokens[rows]
+        else:
+            computed = np.broadcast_to(np.asarray(num_computed_tokens, dtype=np.int64), rows.shape)
+            if (computed > t.num_tokens[rows]).any() or (computed < t.num_computed[rows]).any():
+                raise InvalidArgumentError("num_computed_tokens must not go backwards nor past the tokens a sequence holds")
+        t.num_computed[rows] = computed
+        if not self.enable_prefix_caching:
+            return
+        full = np.minimum(computed, t.hashable_tokens[rows]) // self._block_size
+        todo = full > t.num_published[rows]
+        if todo.any():
+            for row, upto in zip(rows[todo].tolist(), full[todo].tolist()):
+                self._publish(row, upto)
+
+    def _publish(self, row: int, upto: int) -> None:
+        t, pool, keys = self.tables, self.pool, self._keys[row]
+        start = int(t.num_published[row])
+        t.num_published[row] = upto
+        if keys.epoch != self.epoch:
+            return  # computed under weights of an earlier epoch: never matchable again
+        known = keys.keys
+        for i in range(start, upto):
+            block_id = int(t.table[row, i])
+            key: Key = known[i + 1] if i + 1 < len(known) else keys.key(i, self.block_tokens[block_id])
+            if not pool.keyed[block_id]:
+                pool.publish(block_id, key)
+
+    # --- release --------------------------------------------------------------------------------
+
+    def free(self, seq_id: int) -> None:
+        """Release a finished sequence's blocks (tail first); cached blocks stay hittable until evicted."""
+        t = self.tables
+        row = t.row(seq_id)
+        blocks = t.blocks_of(row)[::-1]
+        if t.swapped[row]:
+            assert self.host_pool is not None, "manager: a swapped sequence without a host pool"
+            self.host_pool.release(blocks)
+        else:
+            self.pool.release(blocks, int(t.priority[row]))
+        self._keys.pop(row, None)
+        t.drop_row(row)
+
+    def preempt(self, seq_id: int) -> int:
+        """Free a running sequence to make room (recompute later); returns how many tokens it held."""
+        n = self.num_tokens(seq_id)
+        self.free(seq_id)
+        self._preemptions += 1
+        return n
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every block that holds `seq_id`'s tokens (copy-on-write on first write)."""
+        t = self.tables
+        row = t.rows(np.array([seq_id]))[0].item()
+        n_tok = int(t.num_tokens[row])
+        blocks = t.blocks_of(row)[: -(-n_tok // self._block_size)]
+        child = t.new_row()
+        t.set_blocks(child, blocks)
+        for name in ("num_tokens", "num_computed", "num_published", "hashable_tokens", "priority"):
+            getattr(t, name)[child] = getattr(t, name)[row]
+        self.pool.ref[blocks] += 1
+        if n_tok % self._block_size:
+            t.cow_risk[row] = t.cow_risk[child] = True
+        if row in self._keys:
+            self._keys[child] = self._keys[row].copy()
+        return child
+
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        """Drop the last `num_tokens` tokens (rejected speculative tokens)."""
+        t = self.tables
+        row = t.rows(np.array([seq_id]))[0].item()
+        n = as_count(num_tokens, "num_tokens")
+        old = int(t.num_tokens[row])
+        if n > old:
+            raise InvalidArgumentError(f"cannot roll back {n} tokens: sequence {seq_id} holds {old}")
+        if n == 0:
+            return
+        new, bs = old - n, self._block_size
+        keep = -(-new // bs)
+        blocks = t.blocks_of(row)
+        self.pool.release(blocks[keep:][::-1], int(t.priority[row]))
+        t.set_blocks(row, blocks[:keep])
+        t.num_tokens[row] = new
+        t.num_computed[row] = min(int(t.num_computed[row]), new)
+        t.num_published[row] = min(int(t.num_published[row]), new // bs)
+        if t.hashable_tokens[row] >= new:
+            t.hashable_tokens[row] = ALL_TOKENS_KNOWN  # the unknown tokens were rolled back
+        if row in self._keys:
+            self._keys[row].truncate(new // bs)
+        if new % bs:
+            last = int(blocks[keep - 1])
+            if self.pool.ref[last] > 1:
+                t.cow_risk[row] = True  # shared: the next write copies it
+            else:
+                self.pool.unpublish(last)  # private: its content past `new` will change
+
+    # --- retention ------------------------------------------------------------------------------
+
+    def pin(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> PinHandle:
+        """Keep the cached full blocks of this prefix from eviction until `unpin`."""
+        tokens = as_tokens(token_ids)
+        if not self.enable_prefix_caching:
+            raise PinError("pinning needs prefix caching (enable_prefix_caching=True)")
+        hits = self._match(tokens, keys if keys is not None else BlockKeys(as_salt(salt)), len(tokens) // self._block_size)
+        for block_id in hits:
+            self.pool.pin(block_id)
+        return PinHandle(tuple(hits))
+
+    def unpin(self, handle: PinHandle) -> None:
+        if not isinstance(handle, PinHandle):
+            raise InvalidArgumentError("unpin takes the PinHandle that pin returned")
+        need = np.bincount(np.asarray(handle.block_ids, dtype=np.int64), minlength=self.pool.num_blocks)
+        if (need > self.pool.pins).any():
+            raise PinError("these blocks are not pinned (unpinned twice, or reset since?)")
+        for block_id in reversed(handle.block_ids):
+            self.pool.unpin(block_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many keys were dropped. Running sequences are unaffected."""
+        return self.pool.clear_keys()
+
+    def bump_epoch(self) -> int:
+        """Make every key published so far unmatchable (e.g. after a weight update), in O(1)."""
+        self.epoch += 1
+        return self.epoch
+
+    def take_events(self) -> list[CacheEvent]:
+        events = list(self.pool.events)
+        self.pool.events.clear()
+        return events
+
+    # --- swap -----------------------------------------------------------------------------------
+
+    def _host(self) -> BlockPool:
+        if self.host_pool is None:
+            raise InvalidArgumentError("swap needs host blocks: construct the manager with num_host_blocks > 0")
+        return self.host_pool
+
+    def swap_out(self, seq_id: int) -> SwapPlan | None:
+        """Move a sequence's blocks to host memory. `None` if the host pool is short."""
+        host, t = self._host(), self.tables
+        row = t.rows(np.array([seq_id]))[0].item()
+        blocks = t.blocks_of(row)
+        count = -(-int(t.num_tokens[row]) // self._block_size)
+        if count > host.num_available:
+            return None
+        host_ids = host.allocate(count)
+        if self.enable_prefix_caching:
+            self.host_block_tokens[host_ids] = self.block_tokens[blocks[:count]]
+        self.pool.release(blocks[::-1], int(t.priority[row]))
+        t.set_blocks(row, host_ids)
+        t.swapped[row] = True
+        t.cow_risk[row] = False
+        t.num_published[row] = 0
+        return SwapPlan(blocks[:count], host_ids)
+
+    def swap_in(self, seq_id: int) -> SwapPlan | None:
+        """Bring a swapped-out sequence back into device blocks. `None` if the device pool is short."""
+        host, t = self._host(), self.tables
+        row = t.row(seq_id)
+        if not t.swapped[row]:
+            raise InvalidArgumentError(f"sequence {seq_id} is not swapped out")
+        host_ids = t.blocks_of(row)
+        if len(host_ids) > self.pool.num_available:
+            return None
+        dst = self.pool.allocate(len(host_ids))
+        if self.enable_prefix_caching:
+            self.block_tokens[dst] = self.host_block_tokens[host_ids]
+        host.release(host_ids[::-1])
+        t.set_blocks(row, dst)
+        t.swapped[row] = False
+        return SwapPlan(host_ids, dst)
+
+    # --- batch views ----------------------------------------------------------------------------
+
+    def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]:
+        return self.tables.block_table(self.tables.rows(seq_ids), pad_id)
+
+    def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
+        return self.tables.num_tokens[self.tables.rows(seq_ids)].astype(np.int32)
+
+    def slot_mapping(self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        return self.tables.slot_mapping(self.tables.rows(seq_ids), starts, ends)
+
+    def csr(self, seq_ids: npt.ArrayLike) -> CSRPages:
+        return self.tables.csr(self.tables.rows(seq_ids))
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything observable, for atomicity tests."""
+        t = self.tables
+        rows = tuple(getattr(t, name).tobytes() for name in t._ROW_ARRAYS)
+        keys = tuple((r, tuple(k.keys)) for r, k in sorted(self._keys.items()))
+        host = self.host_pool.snapshot() if self.host_pool else ()
+        return (self.pool.snapshot(), host, t.table.tobytes(), rows, keys, self.block_tokens.tobytes(),
+                self.epoch, self.stats, len(self._copies_src))  # fmt: skip
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        self.tables.check_invariants()
+        if self.host_pool is not None:
+            self.host_pool.check_invariants()
+        t, pool, bs = self.tables, self.pool, self._block_size
+        cols = np.arange(t.table.shape[1])
+        held = (cols < t.num_blocks[:, None]) & (t.alive & ~t.swapped)[:, None]
+        refs = np.bincount(t.table[held], minlength=pool.num_blocks)
+        if pool.has_null_block:
+            refs[NULL_BLOCK_ID] = 1
+        if not np.array_equal(refs + pool.pins, pool.ref):
+            bad = np.nonzero(refs + pool.pins != pool.ref)[0][:8].tolist()
+            raise InvariantError(f"manager: ref counts differ from table references + pins at blocks {bad}")
+        keyed_partial = held & pool.keyed[t.table] & ((cols + 1) * bs > t.num_tokens[:, None])
+        if keyed_partial.any():
+            raise InvariantError("manager: a keyed block is not full in a sequence that holds it")
+        if (t.num_published > t.num_computed // bs).any():
+            raise InvariantError("manager: more blocks published than computed")
+        if set(self._keys) - set(np.nonzero(t.alive)[0].tolist()):
+            raise InvariantError("manager: block keys kept for a dead sequence")

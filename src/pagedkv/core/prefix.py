@@ -1,0 +1,118 @@
+"""Content keys for the prefix cache.
+
+A full block's key is a hash of (parent block's key, the block's token ids, the block's extra key). The
+first block chains from a root that mixes the cache epoch, the tenant salt and request-level extra keys
+(adapter id, ...), so:
+
+- equal keys imply equal token prefixes under the same salt, extras and epoch (up to the hash's strength);
+- different salts never share a block, whatever the tokens;
+- bumping the epoch makes every earlier key unmatchable at once, without touching the pool.
+
+    tokens:  [ t0 .. t15 ][ t16 .. t31 ][ t32 .. t40 )
+    keys:      k0=H(root,b0) k1=H(k0,b1)   (partial: no key)
+
+`sha256` is the default. `fast` uses Python's built-in 64-bit hash: much cheaper, but collisions are
+plausible at scale and it is unsafe across tenants (a crafted collision would leak or corrupt another
+tenant's KV). Use it only with `verify_hits=True` or for single-tenant benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import InvalidArgumentError
+
+Key = bytes | int
+HashName = Literal["sha256", "fast"]
+# (parent key, block token bytes, extra key bytes) -> key
+KeyFunction = Callable[[Key, bytes, bytes], Key]
+
+
+def _sha256(parent: Key, data: bytes, extra: bytes) -> Key:
+    assert isinstance(parent, bytes), "prefix: sha256 keys chain from bytes parents"
+    return hashlib.sha256(parent + data + extra).digest()
+
+
+def _fast(parent: Key, data: bytes, extra: bytes) -> Key:
+    return hash((parent, data, extra))
+
+
+KEY_FUNCTIONS: dict[str, KeyFunction] = {"sha256": _sha256, "fast": _fast}
+
+
+def key_function(name: str | KeyFunction) -> KeyFunction:
+    if callable(name):
+        return name
+    try:
+        return KEY_FUNCTIONS[name]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown hash {name!r}; choose one of {sorted(KEY_FUNCTIONS)}") from None
+
+
+def root_key(fn: KeyFunction, epoch: int, salt: bytes, extra: bytes) -> Key:
+    """The parent of a sequence's first block: one per (epoch, salt, request-level extras)."""
+    seed = b"pagedkv/root/" + epoch.to_bytes(8, "little")
+    base: Key = hashlib.sha256(seed).digest() if fn is _sha256 else hash(seed)
+    return fn(base, salt, extra)
+
+
+class BlockKeys:
+    """The content keys of one token sequence's full blocks, computed lazily and kept across admissions.
+
+    A request holds one of these for its lifetime; the manager reads keys from it at admission (so a
+    request that waits, or is preempted and re-admitted, hashes each block once) and appends the keys of
+    blocks it publishes while the request decodes. Contract: the token ids passed with it always extend
+    the tokens it has seen (the manager truncates it on rollback).
+    """
+
+    __slots__ = ("salt", "extra", "block_extra", "keys", "epoch", "_fn")
+
+    def __init__(
+        self, salt: bytes = b"", *, extra: bytes = b"", block_extra: Mapping[int, bytes] | None = None
+    ) -> None:
+        if not isinstance(salt, bytes) or not isinstance(extra, bytes):
+            raise InvalidArgumentError("salt and extra keys must be bytes (encode strings first)")
+        self.salt = salt
+        self.extra = extra
+        self.block_extra: Mapping[int, bytes] = dict(block_extra or {})
+        self.keys: list[Key] = []
+        self.epoch = -1
+        self._fn: KeyFunction | None = None
+
+    def bind(self, fn: KeyFunction, epoch: int) -> None:
+        """Forget keys computed under another epoch or hash function."""
+        if self.epoch != epoch or self._fn is not fn:
+            self.keys.clear()
+            self.epoch, self._fn = epoch, fn
+            self.keys.append(root_key(fn, epoch, self.salt, self.extra))
+
+    def parent(self, block_index: int) -> Key:
+        return self.keys[block_index]  # keys[0] is the root, keys[i + 1] the key of block i
+
+    def num_keys(self) -> int:
+        """How many leading blocks have a key."""
+        return len(self.keys) - 1
+
+    def key(self, block_index: int, block_tokens: npt.NDArray[np.int32]) -> Key:
+        """Key of block `block_index`, computing it (and remembering it) if it is the next one."""
+        n = len(self.keys) - 1
+        if block_index < n:
+            return self.keys[block_index + 1]
+        assert block_index == n and self._fn is not None, "prefix: keys must be computed in block order"
+        k = self._fn(self.keys[n], block_tokens.tobytes(), self.block_extra.get(block_index, b""))
+        self.keys.append(k)
+        return k
+
+    def truncate(self, num_blocks: int) -> None:
+        del self.keys[num_blocks + 1 :]
+
+    def copy(self) -> BlockKeys:
+        other = BlockKeys(self.salt, extra=self.extra, block_extra=self.block_extra)
+        other.keys = list(self.keys)
+        other.epoch, other._fn = self.epoch, self._fn
+        return other

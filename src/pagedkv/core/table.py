@@ -1,0 +1,203 @@
+"""Block tables: per-sequence page tables kept as rows of one numpy matrix, and the batch views.
+
+Sequence ids are row indices (handed out and reused like file descriptors), so a batch of sequences is an
+int array that indexes every per-sequence array directly: growing 256 sequences or building their padded
+block table is a handful of numpy calls, with no Python loop over sequences or tokens.
+
+Logical block j of a sequence holds tokens [j*block_size, (j+1)*block_size):
+
+    tokens    | 0 ........ 15 | 16 ....... 31 | 32 .. 40 |         num_tokens = 41
+    table[r]  |     b7        |     b2        |   b9     | pad pad  num_blocks[r] = 3 (+ lookahead)
+    slot(t) = table[r, t // block_size] * block_size + t % block_size
+
+Invariants: entries at column >= num_blocks[r] hold `pad_id`; num_blocks[r] >= ceil(num_tokens[r] / bs);
+num_computed[r] <= num_tokens[r].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import InvalidArgumentError, InvariantError, UnknownSequenceError
+from pagedkv.core.protocol import CSRPages
+
+IntArray = npt.NDArray[np.int64]
+
+
+class BlockTables:
+    _ROW_ARRAYS = (
+        "num_blocks", "num_tokens", "num_computed", "alive",
+        "num_published", "hashable_tokens", "priority", "cow_risk", "swapped",
+    )
+
+    def __init__(self, block_size: int, pad_id: int, *, rows: int = 64, cols: int = 16) -> None:
+        self.block_size = block_size
+        self.pad_id = pad_id
+        self.table = np.full((rows, cols), pad_id, dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.num_computed = np.zeros(rows, dtype=np.int64)
+        self.alive = np.zeros(rows, dtype=bool)
+        # Prefix-cache and scheduling state per sequence (used by the paged manager).
+        self.num_published = np.zeros(rows, dtype=np.int64)  # leading blocks whose key is settled
+        self.hashable_tokens = np.zeros(rows, dtype=np.int64)  # ids of tokens [0, n) are known
+        self.priority = np.zeros(rows, dtype=np.int64)
+        self.cow_risk = np.zeros(rows, dtype=bool)  # the last partial block may be shared
+        self.swapped = np.zeros(rows, dtype=bool)  # the table holds host block ids
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self.num_alive = 0
+
+    # --- rows -----------------------------------------------------------------------------------
+
+    def new_row(self) -> int:
+        if not self._free_rows:
+            old = len(self.alive)
+            self._resize_rows(2 * old)
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        row = self._free_rows.pop()
+        self.alive[row] = True
+        self.num_alive += 1
+        return row
+
+    def drop_row(self, row: int) -> None:
+        n = int(self.num_blocks[row])
+        self.table[row, :n] = self.pad_id
+        self.num_blocks[row] = self.num_tokens[row] = self.num_computed[row] = 0
+        self.num_published[row] = self.hashable_tokens[row] = self.priority[row] = 0
+        self.cow_risk[row] = self.swapped[row] = False
+        self.alive[row] = False
+        self.num_alive -= 1
+        self._free_rows.append(row)
+
+    def _resize_rows(self, rows: int) -> None:
+        old = len(self.alive)
+        table = np.full((rows, self.table.shape[1]), self.pad_id, dtype=np.int32)
+        table[:old] = self.table
+        self.table = table
+        for name in self._ROW_ARRAYS:
+            arr = getattr(self, name)
+            grown = np.zeros(rows, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+
+    def ensure_cols(self, cols: int) -> None:
+        if cols > self.table.shape[1]:
+            new_cols = max(cols, 2 * self.table.shape[1])
+            table = np.full((len(self.alive), new_cols), self.pad_id, dtype=np.int32)
+            table[:, : self.table.shape[1]] = self.table
+            self.table = table
+
+    def row(self, seq_id: int) -> int:
+        """Validate a single sequence handle."""
+        if not isinstance(seq_id, int | np.integer) or isinstance(seq_id, bool):
+            raise InvalidArgumentError(f"sequence id must be an int, got {type(seq_id).__name__}")
+        if not (0 <= seq_id < len(self.alive)) or not self.alive[seq_id]:
+            raise UnknownSequenceError(f"sequence {seq_id} is not live (never admitted, or already freed)")
+        return int(seq_id)
+
+    def rows(self, seq_ids: npt.ArrayLike) -> IntArray:
+        """Validate a batch of sequence handles: live, on the device (not swapped out), distinct, ints."""
+        rows = np.asarray(seq_ids)
+        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"seq_ids must be a 1-D array of ints, got shape {rows.shape}, {rows.dtype}")
+        rows = rows.astype(np.int64, copy=False)
+        if rows.size == 0:
+            return rows
+        if rows.min() < 0 or rows.max() >= len(self.alive) or not self.alive[rows].all():
+            bad = [int(r) for r in rows if not (0 <= r < len(self.alive)) or not self.alive[r]]
+            raise UnknownSequenceError(f"sequences {bad[:8]} are not live (never admitted, or already freed)")
+        if self.swapped[rows].any():
+            raise InvalidArgumentError(f"sequences {rows[self.swapped[rows]][:8].tolist()} are swapped out; swap_in first")
+        if rows.size > 1 and len(np.unique(rows)) != rows.size:
+            raise InvalidArgumentError("seq_ids has duplicates; each sequence may appear once per call")
+        return rows
+
+    def blocks_of(self, row: int) -> IntArray:
+        return self.table[row, : self.num_blocks[row]].astype(np.int64)
+
+    def set_blocks(self, row: int, block_ids: IntArray) -> None:
+        n = len(block_ids)
+        self.ensure_cols(n)
+        old = int(self.num_blocks[row])
+        self.table[row, :n] = block_ids
+        if old > n:
+            self.table[row, n:old] = self.pad_id
+        self.num_blocks[row] = n
+
+    def add_blocks(self, rows: IntArray, counts: IntArray, block_ids: IntArray) -> None:
+        """Append `counts[i]` blocks to row `rows[i]`, taking them in order from `block_ids`."""
+        if len(block_ids) == 0:
+            return
+        grow = counts > 0
+        rows, counts = rows[grow], counts[grow]
+        starts = self.num_blocks[rows]
+        self.ensure_cols(int((starts + counts).max()))
+        if len(rows) == len(block_ids):  # the decode case: one block each
+            self.table[rows, starts] = block_ids
+        else:
+            owner = np.repeat(rows, counts)
+            first = np.cumsum(counts) - counts
+            col = np.repeat(starts - first, counts) + np.arange(len(block_ids))
+            self.table[owner, col] = block_ids
+        self.num_blocks[rows] = starts + counts
+
+    # --- batch views ----------------------------------------------------------------------------
+
+    def block_table(self, rows: IntArray, pad_id: int | None = None) -> npt.NDArray[np.int32]:
+        """Padded `[B, max_blocks]` int32 matrix (FlashAttention `block_table` style)."""
+        width = int(self.num_blocks[rows].max()) if len(rows) else 0
+        out = self.table[rows, :width]
+        if pad_id is not None and pad_id != self.pad_id:
+            out = np.where(np.arange(width) < self.num_blocks[rows, None], out, np.int32(pad_id))
+        return np.ascontiguousarray(out, dtype=np.int32)
+
+    def slot_mapping(self, rows: IntArray, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        """Slots of tokens [starts[i], ends[i]) of each sequence, concatenated in batch order."""
+        starts_a = np.broadcast_to(np.asarray(starts, dtype=np.int64), rows.shape)
+        ends_a = np.broadcast_to(np.asarray(ends, dtype=np.int64), rows.shape)
+        lengths = ends_a - starts_a
+        if (lengths < 0).any() or (starts_a < 0).any():
+            raise InvalidArgumentError("slot_mapping needs 0 <= start <= end for every sequence")
+        if (ends_a > self.num_blocks[rows] * self.block_size).any():
+            raise InvalidArgumentError("slot_mapping: a range ends past the blocks the sequence holds; append first")
+        total = int(lengths.sum())
+        owner = np.repeat(rows, lengths)
+        first = np.cumsum(lengths) - lengths
+        pos = np.arange(total, dtype=np.int64) + np.repeat(starts_a - first, lengths)
+        bs = self.block_size
+        return self.table[owner, pos // bs].astype(np.int64) * bs + pos % bs
+
+    def csr(self, rows: IntArray) -> CSRPages:
+        """FlashInfer-style pages covering each sequence's tokens."""
+        bs = self.block_size
+        tokens = self.num_tokens[rows]
+        pages = -(-tokens // bs)
+        indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        width = int(pages.max()) if len(rows) else 0
+        mask = np.arange(width) < pages[:, None]
+        indices = self.table[rows, :width][mask].astype(np.int32)
+        last = np.where(pages > 0, tokens - (pages - 1) * bs, 0).astype(np.int32)
+        return CSRPages(indptr, indices, last)
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        def fail(msg: str) -> None:
+            raise InvariantError(f"block tables: {msg}")
+
+        cols = np.arange(self.table.shape[1])
+        live = self.alive
+        if int(live.sum()) != self.num_alive:
+            fail("live-row count disagrees with the live mask")
+        need = -(-self.num_tokens // self.block_size)
+        if (self.num_blocks[live] < need[live]).any():
+            fail("a sequence holds fewer blocks than its tokens need")
+        if (self.num_computed > self.num_tokens).any():
+            fail("computed tokens exceed tokens")
+        padding = cols >= self.num_blocks[:, None]
+        if (self.table[padding] != self.pad_id).any():
+            fail("a table entry past a sequence's blocks is not the pad id")
+        if (~live & ((self.num_blocks != 0) | (self.num_tokens != 0))).any():
+            fail("a dead row holds blocks or tokens")

@@ -1,0 +1,1 @@
+"""Request workloads: real trace readers (torch-free, beside core) and generators."""
