@@ -53,14 +53,14 @@ class KVBudget:
             raise InvalidArgumentError(f"activation reserve must be >= 0 bytes, got {self.activation_bytes!r}")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise InvalidArgumentError(f"tensor_parallel must be an int >= 1, got {self.tensor_parallel!r}")
-        if self.kv_budget_bytes < self.bytes_per_block:
+        if self.kv_budget_bytes < 2 * self.bytes_per_block:
             raise CapacityError(
                 f"no room for the KV cache: {self.tensor_parallel} x {self.gpu.name} "
                 f"({self.total_memory_bytes / GB:.1f} GB) x utilisation {self.gpu_memory_utilization} = "
                 f"{self.usable_bytes / GB:.2f} GB, minus weights of {self.model.name} "
                 f"({self.model.weight_bytes / GB:.2f} GB) and activation reserve "
                 f"({self.activation_bytes / GB:.2f} GB) leaves {self.kv_budget_bytes / GB:.3f} GB, less than "
-                f"one block ({self.bytes_per_block} bytes); use a bigger GPU, more GPUs (--tensor-parallel), "
+                f"two blocks of {self.bytes_per_block:,} bytes (one is the null block); use a bigger GPU, more GPUs (--tensor-parallel), "
                 "a higher --gpu-memory-utilization or a smaller model"
             )
 
@@ -89,8 +89,14 @@ class KVBudget:
         return self.kv_budget_bytes // self.bytes_per_block
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: one block of the pool is the null/guard block padding points at."""
+        return self.num_blocks - 1
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the usable blocks hold."""
+        return self.num_usable_blocks * self.block_size
 
     def lines(self) -> list[str]:
         """The arithmetic, one line each, for printing (GiB = 2^30 bytes)."""
@@ -106,6 +112,7 @@ class KVBudget:
         out = [f"{label.ljust(width)}  {value / GIB:8.2f} GiB" for label, value in rows]
         out.append(
             f"KV per token {self.bytes_per_token:,} bytes; per block of {self.block_size} tokens "
-            f"{self.bytes_per_block:,} bytes; {self.num_blocks:,} blocks ({self.num_tokens:,} tokens)"
+            f"{self.bytes_per_block:,} bytes; {self.num_blocks:,} blocks, 1 of them the null block "
+            f"({self.num_tokens:,} tokens for requests)"
         )
         return out

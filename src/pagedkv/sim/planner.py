@@ -13,12 +13,13 @@ For a request of prompt P and output O with block size b, let its life be L = ma
 A random live request is, by Little's law, weighted by its life, so the blocks of "an average live request"
 are sum_i sum_steps blocks_i / sum_i L_i, and
 
-    max_concurrent_memory        = num_blocks // that average       (requests at random points of their lives)
-    max_concurrent_no_preemption = num_blocks // (life-weighted mean of the blocks at full length)
+    max_concurrent_memory        = usable blocks // that average       (requests at random points of their lives)
+    max_concurrent_no_preemption = usable blocks // (life-weighted mean of the blocks at full length)
     max_concurrent               = min(max_num_seqs, max_concurrent_memory)
 
 For contiguous allocators the two memory figures agree (the reservation never changes). For a fixed-length
 workload arriving all at once, the contiguous figures are exactly the simulator's peak concurrency.
+Usable blocks are the pool less its null block.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def plan_capacity(
     result: dict[str, dict[str, Any]] = {}
     for name in allocators:
         check_allocator(name)
-        free_blocks = budget.num_blocks
+        free_blocks = budget.num_usable_blocks
         if name == "contiguous-max":
             avg = full = float(-(-max_model_len // b))
             tokens = float(max_model_len)
@@ -98,7 +99,7 @@ def plan_capacity(
                 shared, distinct = shared_prefix_blocks(workload.requests, b)
                 saved = float((shared * life).sum() / total_life)
                 avg, full = max(avg - saved, 1e-9), max(full - saved, 1e-9)
-                free_blocks = max(budget.num_blocks - distinct, 0)
+                free_blocks = max(budget.num_usable_blocks - distinct, 0)
         memory = int(free_blocks // avg)
         no_preempt = int(free_blocks // full)
         result[name] = {
@@ -124,6 +125,7 @@ def plan_capacity(
         "bytes_per_block": budget.bytes_per_block,
         "block_size": b,
         "num_blocks": budget.num_blocks,
+        "num_usable_blocks": budget.num_usable_blocks,
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
         "allocators": result,

@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedkv.sim.runner import SimulationReport
 
-GB = 1e9
+GB = 1024**3  # GiB, as the budget arithmetic prints
 
 
 def plot_report(report: SimulationReport, path: str | Path) -> Path:
@@ -24,7 +24,7 @@ def plot_report(report: SimulationReport, path: str | Path) -> Path:
     names = list(report.traces)
     fig, axes = plt.subplots(len(names), 2, figsize=(13, 2.6 * len(names) + 0.9), squeeze=False, sharex=True)
     c = report.config
-    budget_gb = report.budget.num_tokens * report.budget.bytes_per_token / GB
+    budget_gb = report.budget.kv_budget_bytes / GB
     bpt = report.budget.bytes_per_token
     for row, name in zip(axes, names):
         t = report.traces[name]
@@ -37,7 +37,7 @@ def plot_report(report: SimulationReport, path: str | Path) -> Path:
         kv.axhline(budget_gb, color="grey", ls="--", lw=0.8, label="KV budget")
         s = report.results[name]
         kv.set_title(f"{name}: KV waste {100 * s['kv_waste']:.1f}%", fontsize=9, loc="left")
-        kv.set_ylabel("KV (GB)")
+        kv.set_ylabel("KV (GiB)")
         kv.legend(fontsize=7, loc="upper right")
         conc.plot(x, t.running, drawstyle="steps-post", color="tab:green", lw=0.9, label="running")
         conc.plot(x, t.waiting, drawstyle="steps-post", color="tab:red", lw=0.7, alpha=0.7, label="waiting")

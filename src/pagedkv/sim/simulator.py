@@ -94,6 +94,7 @@ class SimTrace:
     stored_tokens: list[int] = field(default_factory=list)  # tokens whose KV occupies a slot
     empty_slots: list[int] = field(default_factory=list)  # reserved slots holding no token
     preemptions: int = 0
+    final_used_blocks: int = -1  # blocks still in use after the last request finished (0: nothing leaked)
     arrival_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     first_token_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     finish_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
@@ -243,6 +244,7 @@ def simulate(
             manager.check_invariants()
 
     manager.check_invariants()
+    out.final_used_blocks = manager.num_used_blocks
     if manager.num_used_blocks:
         raise InvariantError(
             f"simulator: {manager.num_used_blocks} block(s) still in use after every request finished "

@@ -49,10 +49,10 @@ class WorkloadSpec:
             raise InvalidArgumentError(f"--arrivals poisson needs --rate > 0 (requests/s), got {self.rate!r}")
         if not self.time_scale > 0:
             raise InvalidArgumentError(f"time_scale must be > 0, got {self.time_scale!r}")
-        if not self.is_trace and self.source not in GENERATORS:
+        if self.is_trace and self.source != DEFAULT_WORKLOAD and not Path(self.source).is_file():
             raise InvalidArgumentError(
-                f"unknown workload {self.source!r}: give a trace file path, {DEFAULT_WORKLOAD!r}, "
-                f"or a generator: {', '.join(GENERATORS)}"
+                f"unknown workload {self.source!r}: not a trace file, nor {DEFAULT_WORKLOAD!r}, "
+                f"nor a generator ({', '.join(GENERATORS)})"
             )
 
     @property

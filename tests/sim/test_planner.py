@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv.sim.budget import KVBudget
+from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
+from pagedkv.sim.planner import _ceil_sum, plan_capacity
+from pagedkv.sim.workload import WorkloadSpec, build_workload
+
+
+def _budget(block_size: int = 16) -> KVBudget:
+    return KVBudget(BUILTIN_MODELS["llama-2-7b"], BUILTIN_GPUS["a100-40gb"], 0.9, block_size, 0)
+
+
+def test_ceil_sum_closed_form() -> None:
+    for b in (1, 3, 16):
+        n = np.arange(0, 200)
+        brute = np.array([sum(-(-t // b) for t in range(1, k + 1)) for k in n])
+        assert np.array_equal(_ceil_sum(n, b), brute), f"closed form wrong for b={b}"
+
+
+def test_fixed_length_by_hand() -> None:
+    budget = _budget()
+    wl = build_workload(WorkloadSpec(source="fixed", num_requests=10, prompt_len=100, output_len=29), 4096)
+    plan = plan_capacity(budget, wl, 4096, max_num_seqs=100_000)
+    a = plan["allocators"]
+    n = budget.num_usable_blocks
+    assert a["contiguous-max"]["max_concurrent"] == n // 256, "4096 / 16 blocks each"
+    assert a["contiguous-oracle"]["max_concurrent"] == n // 9, "ceil(129 / 16) = 9 blocks each"
+    # paged: at decode step k = 1..28 a request holds ceil((100 + k) / 16) blocks
+    avg = sum(-(-(100 + k) // 16) for k in range(1, 29)) / 28
+    assert a["paged"]["max_concurrent"] == int(n // avg), "time-averaged blocks"
+    assert a["paged"]["max_concurrent_no_preemption"] == n // 9, "at full length, like the oracle"
+    assert a["paged-prefix"]["max_concurrent"] == a["paged"]["max_concurrent"], "private prompts share nothing"
+    for key in ("model", "gpu", "kv_budget_bytes", "bytes_per_token", "block_size", "max_model_len"):
+        assert key in plan, f"plan JSON lacks {key}"
+
+
+def test_max_num_seqs_caps() -> None:
+    wl = build_workload(WorkloadSpec(source="fixed", num_requests=4, prompt_len=10, output_len=2), 4096)
+    plan = plan_capacity(_budget(), wl, 4096, max_num_seqs=256)
+    assert plan["allocators"]["paged"]["max_concurrent"] == 256, "capped"
+    assert plan["allocators"]["paged"]["max_concurrent_memory"] > 256, "uncapped figure kept"
+
+
+def test_shared_prefix_counts_shared_blocks_once() -> None:
+    budget = _budget()
+    wl = build_workload(WorkloadSpec(source="shared-prefix", num_requests=50, system_prompt_len=1024), 4096)
+    a = plan_capacity(budget, wl, 4096)["allocators"]
+    assert a["paged-prefix"]["max_concurrent_memory"] > 2 * a["paged"]["max_concurrent_memory"], (
+        "a 1024-token shared system prompt should more than double what fits"
+    )
