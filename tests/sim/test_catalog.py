@@ -93,7 +93,9 @@ def test_user_file_json_and_yaml(tmp_path) -> None:
     assert cat.gpu("my-gpu").bf16_flops_per_s == 362e12, "TFLOP/s converted"
     assert cat.model("tiny").kv_bytes_per_token == 2 * 2 * 2 * 16 * 2, "user model"
     y = tmp_path / "cat.yaml"
-    y.write_text("gpus:\n  a100-40gb:\n    memory_gb: 20\n    hbm_bandwidth_gb_per_s: 1\n    bf16_tflops: 1\n")
+    y.write_text(
+        "gpus:\n  a100-40gb:\n    memory_gb: 20\n    hbm_bandwidth_gb_per_s: 1\n    bf16_tflops: 1\n"
+    )
     cat.load_file(y)
     assert cat.gpu("a100-40gb").memory_bytes == 20 * 1024**3, "user entries override built-ins"
 

@@ -31,7 +31,9 @@ def test_fixed_length_by_hand() -> None:
     avg = sum(-(-(100 + k) // 16) for k in range(1, 29)) / 28
     assert a["paged"]["max_concurrent"] == int(n // avg), "time-averaged blocks"
     assert a["paged"]["max_concurrent_no_preemption"] == n // 9, "at full length, like the oracle"
-    assert a["paged-prefix"]["max_concurrent"] == a["paged"]["max_concurrent"], "private prompts share nothing"
+    assert a["paged-prefix"]["max_concurrent"] == a["paged"]["max_concurrent"], (
+        "private prompts share nothing"
+    )
     for key in ("model", "gpu", "kv_budget_bytes", "bytes_per_token", "block_size", "max_model_len"):
         assert key in plan, f"plan JSON lacks {key}"
 

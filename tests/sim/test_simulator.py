@@ -53,10 +53,15 @@ def test_same_seed_same_numbers() -> None:
 
 
 def test_paging_beats_max_reservation_on_variable_lengths(small_azure) -> None:
-    runs = {a: summarize(simulate(config_with_blocks(400, a, max_model_len=1024), small_azure)) for a in ALLOCATORS}
+    runs = {
+        a: summarize(simulate(config_with_blocks(400, a, max_model_len=1024), small_azure))
+        for a in ALLOCATORS
+    }
     assert runs["contiguous-max"]["kv_waste"] > 0.4, "reserving max_model_len wastes most of the cache"
     assert runs["paged"]["kv_waste"] < 0.05, "paging wastes under 5%"
-    assert runs["paged"]["peak_concurrency"] > 2 * runs["contiguous-max"]["peak_concurrency"], "bigger batches"
+    assert runs["paged"]["peak_concurrency"] > 2 * runs["contiguous-max"]["peak_concurrency"], (
+        "bigger batches"
+    )
 
 
 @pytest.mark.parametrize("allocator", ["contiguous-max", "contiguous-oracle"])
@@ -84,7 +89,9 @@ def test_plan_brackets_paged_peak_on_fixed_lengths() -> None:
 
 def test_plan_equals_sim_when_a_request_never_leaves_its_block() -> None:
     # prompt 8 + output 8 fits one 16-token block for the whole life: every allocator but max holds 1 block
-    wl = build_workload(WorkloadSpec(source="fixed", num_requests=100, arrivals="burst", prompt_len=8, output_len=8), 64)
+    wl = build_workload(
+        WorkloadSpec(source="fixed", num_requests=100, arrivals="burst", prompt_len=8, output_len=8), 64
+    )
     for allocator in ALLOCATORS:
         cfg = config_with_blocks(41, allocator, max_model_len=64)
         plan = plan_capacity(cfg.budget(), wl, 64, allocators=[allocator])["allocators"][allocator]

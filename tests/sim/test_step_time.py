@@ -56,7 +56,9 @@ def test_mixed_batch_sums_chunks(model: StepTimeModel) -> None:
 
 def test_tensor_parallel_divides_both_terms() -> None:
     one = StepTimeModel(BUILTIN_MODELS["llama-2-70b"], BUILTIN_GPUS["a100-80gb"], overhead_s=0.0)
-    four = StepTimeModel(BUILTIN_MODELS["llama-2-70b"], BUILTIN_GPUS["a100-80gb"], overhead_s=0.0, tensor_parallel=4)
+    four = StepTimeModel(
+        BUILTIN_MODELS["llama-2-70b"], BUILTIN_GPUS["a100-80gb"], overhead_s=0.0, tensor_parallel=4
+    )
     assert four.step_seconds([100], [1]) == pytest.approx(one.step_seconds([100], [1]) / 4), "tp=4"
 
 

@@ -31,7 +31,9 @@ def test_mooncake_shares_prefixes() -> None:
 
 def test_broken_trace_row_is_named(tmp_path) -> None:
     bad = tmp_path / "bad.csv"
-    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47.00,x,5\n")
+    bad.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47.00,x,5\n"
+    )
     with pytest.raises(InvalidArgumentError, match=r"bad.csv:3.*ContextTokens"):
         build_workload(WorkloadSpec(source=str(bad)), 4096)
 

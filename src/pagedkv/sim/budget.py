@@ -50,7 +50,9 @@ class KVBudget:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise InvalidArgumentError(f"block_size must be an int >= 1, got {self.block_size!r}")
         if self.activation_bytes < 0:
-            raise InvalidArgumentError(f"activation reserve must be >= 0 bytes, got {self.activation_bytes!r}")
+            raise InvalidArgumentError(
+                f"activation reserve must be >= 0 bytes, got {self.activation_bytes!r}"
+            )
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise InvalidArgumentError(f"tensor_parallel must be an int >= 1, got {self.tensor_parallel!r}")
         if self.kv_budget_bytes < 2 * self.bytes_per_block:
@@ -104,7 +106,10 @@ class KVBudget:
         rows = [
             (f"GPU memory ({tp}{self.gpu.name})", self.total_memory_bytes),
             (f"x utilisation {self.gpu_memory_utilization:g}", self.usable_bytes),
-            (f"- weights ({self.model.name}, {self.model.num_params / 1e9:.2f}B params, bf16)", self.model.weight_bytes),
+            (
+                f"- weights ({self.model.name}, {self.model.num_params / 1e9:.2f}B params, bf16)",
+                self.model.weight_bytes,
+            ),
             ("- activation reserve (profile estimate)", self.activation_bytes),
             ("= KV budget", self.kv_budget_bytes),
         ]

@@ -31,7 +31,9 @@ GIB = 1024**3
 
 def _check_name(name: object, kind: str) -> None:
     if not isinstance(name, str) or not name or name != name.lower() or " " in name:
-        raise InvalidArgumentError(f"{kind} name must be lowercase with dashes (e.g. 'a100-40gb'), got {name!r}")
+        raise InvalidArgumentError(
+            f"{kind} name must be lowercase with dashes (e.g. 'a100-40gb'), got {name!r}"
+        )
 
 
 @dataclass(frozen=True)

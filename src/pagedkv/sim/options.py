@@ -24,7 +24,9 @@ def _name_list(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in ALLOCATORS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown allocator(s) {bad or text!r}; choose from {', '.join(ALLOCATORS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown allocator(s) {bad or text!r}; choose from {', '.join(ALLOCATORS)}"
+        )
     return names
 
 
@@ -36,10 +38,16 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--catalog", metavar="FILE", help="JSON/YAML file adding GPUs and models")
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of memory (default: 0.9)")
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of memory (default: 0.9)"
+    )
     g.add_argument("--max-num-seqs", type=int, default=256, help="scheduler batch limit (default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget/step (default: 8192)")
-    g.add_argument("--activation-reserve-gb", type=float, help="override the activation reserve estimate (GB)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="token budget/step (default: 8192)"
+    )
+    g.add_argument(
+        "--activation-reserve-gb", type=float, help="override the activation reserve estimate (GB)"
+    )
     g.add_argument(
         "--allocators",
         type=_name_list,
@@ -68,7 +76,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     w.add_argument("--prompt-len", type=int, default=512, help="fixed workload: prompt tokens (default: 512)")
     w.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens (default: 128)")
-    w.add_argument("--system-prompt-len", type=int, default=1024, help="shared-prefix/multi-turn system prompt")
+    w.add_argument(
+        "--system-prompt-len", type=int, default=1024, help="shared-prefix/multi-turn system prompt"
+    )
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: 4)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
@@ -82,7 +92,12 @@ def catalog_from(args: argparse.Namespace) -> Catalog:
 
 def workload_from(args: argparse.Namespace) -> WorkloadSpec:
     arrivals = args.arrivals
-    if args.rate is not None and arrivals == "trace" and args.trace is None and args.workload != DEFAULT_WORKLOAD:
+    if (
+        args.rate is not None
+        and arrivals == "trace"
+        and args.trace is None
+        and args.workload != DEFAULT_WORKLOAD
+    ):
         arrivals = "poisson"  # a generator with --rate means Poisson arrivals
     if arrivals == "poisson" and args.rate is None:
         raise InvalidArgumentError("--arrivals poisson needs --rate (requests/s)")

@@ -59,7 +59,8 @@ def shared_prefix_blocks(requests: Sequence[GeneratedRequest], block_size: int) 
         keys.append(chain)
         counts.update(chain)
     shared = np.array(
-        [next((j for j, k in enumerate(chain) if counts[k] < 2), len(chain)) for chain in keys], dtype=np.int64
+        [next((j for j, k in enumerate(chain) if counts[k] < 2), len(chain)) for chain in keys],
+        dtype=np.int64,
     )
     distinct = sum(1 for c in counts.values() if c >= 2)
     return shared, distinct

@@ -63,7 +63,9 @@ def simulate_text(report: SimulationReport) -> str:
     ]
     if report.sweep:
         for name in report.results:
-            rows = {f"{name} bs={bs}": runs[name] for bs, runs in sorted(report.sweep.items()) if name in runs}
+            rows = {
+                f"{name} bs={bs}": runs[name] for bs, runs in sorted(report.sweep.items()) if name in runs
+            }
             out += ["", f"block-size sweep, {name}:", *table(rows, "run")]
     return "\n".join(out)
 

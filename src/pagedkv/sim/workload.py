@@ -73,7 +73,9 @@ class WorkloadSpec:
         else:
             name = "variable (log-normal fitted to Azure conv)"
         if self.arrivals == "trace":
-            how = "trace arrivals" if self.time_scale == 1.0 else f"trace arrivals x{self.time_scale:g} faster"
+            how = (
+                "trace arrivals" if self.time_scale == 1.0 else f"trace arrivals x{self.time_scale:g} faster"
+            )
             if not self.is_trace:
                 how = "all at t=0" if self.rate is None else f"Poisson {self.rate:g} req/s"
         elif self.arrivals == "burst":
@@ -122,7 +124,9 @@ def _from_trace(spec: WorkloadSpec) -> list[GeneratedRequest]:
 def _from_generator(spec: WorkloadSpec, max_model_len: int) -> list[GeneratedRequest]:
     n, seed, rate = spec.num_requests, spec.seed, spec.rate if spec.arrivals == "poisson" else None
     if spec.source == "fixed":
-        return gen.fixed_length(n, prompt_len=spec.prompt_len, output_len=spec.output_len, seed=seed, rate=rate)
+        return gen.fixed_length(
+            n, prompt_len=spec.prompt_len, output_len=spec.output_len, seed=seed, rate=rate
+        )
     if spec.source == "shared-prefix":
         return gen.shared_prefix(n, system_prompt_len=spec.system_prompt_len, seed=seed, rate=rate)
     if spec.source == "multi-turn":

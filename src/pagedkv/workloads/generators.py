@@ -111,7 +111,12 @@ def variable_length(
 
 
 def fixed_length(
-    num_requests: int, *, prompt_len: int = 512, output_len: int = 128, seed: int = 0, rate: float | None = None
+    num_requests: int,
+    *,
+    prompt_len: int = 512,
+    output_len: int = 128,
+    seed: int = 0,
+    rate: float | None = None,
 ) -> list[GeneratedRequest]:
     """Every request `prompt_len` private prompt tokens and exactly `output_len` output tokens."""
     _check_count(num_requests)
