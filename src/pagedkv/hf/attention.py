@@ -74,7 +74,9 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def _refuse_unsupported(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any], dropout: float) -> None:
+def _refuse_unsupported(
+    module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any], dropout: float
+) -> None:
     name = type(module).__name__
     if query.shape[0] != 1:
         raise InvalidArgumentError(

@@ -53,7 +53,9 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """Zeroed pages for `spec`'s layers. Range checks are off: the allocator is the source of truth."""
         if num_blocks < 2:
-            raise InvalidArgumentError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+            raise InvalidArgumentError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
+            )
         storage = KVStorage(spec.kv_cache_spec(), num_blocks, block_size, device, validate=False)
         return cls(storage, num_host_blocks=num_host_blocks)
 
@@ -77,7 +79,9 @@ class PagedKVCache:
         """`(key_cache, value_cache)` of one layer."""
         return self.storage.layer(layer_idx)
 
-    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """Store `key[i]`/`value[i]` (`[T, num_kv_heads, head_dim]`) at `slot_mapping[i]` of one layer."""
         self.storage.write(layer_idx, key, value, slot_mapping)
 

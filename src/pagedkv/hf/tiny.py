@@ -1,0 +1,47 @@
+"""Tiny random-weight decoder models (seeded), one per supported family: for tests, demos and smoke runs.
+
+Each is built from a config (nothing is downloaded) with `torch.manual_seed(seed)`, so the same call gives
+the same weights. EOS is id 2 in every family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.core.errors import InvalidArgumentError
+
+VOCAB = 128
+FAMILIES = ("llama", "qwen2", "qwen2-sw", "mistral", "gemma2", "phi3", "gpt2")
+
+
+def tiny_model(family: str, seed: int = 0) -> Any:
+    """A seeded tiny model of `family`; EOS id 2 everywhere (so EOS stops are exercised too)."""
+    import transformers as tf
+
+    common: dict[str, Any] = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    llama_like = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, **common)  # fmt: skip
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**llama_like))
+    elif family == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**llama_like))
+    elif family == "qwen2-sw":  # sliding window on the upper layer only
+        model = tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(**llama_like, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+        )
+    elif family == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**llama_like, sliding_window=7))
+    elif family == "gemma2":
+        model = tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(**{**llama_like, "head_dim": 16}, sliding_window=6, attn_logit_softcapping=5.0)
+        )
+    elif family == "phi3":
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**llama_like))
+    elif family == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common))
+    else:
+        raise InvalidArgumentError(f"unknown tiny model family {family!r}; choose from {', '.join(FAMILIES)}")
+    return model.eval()
