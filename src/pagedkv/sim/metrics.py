@@ -11,6 +11,9 @@ Definitions (all times simulated seconds; the span runs from the first arrival t
 - `ttft`: first token time minus arrival; `tpot`: (finish - first token) / (output tokens - 1), for
   requests with at least two output tokens.
 - `prefix_hit_rate`: prompt tokens served from the prefix cache at first admission / prompt tokens.
+- `page_table_bytes_fraction`: block-table bytes the attention kernels read (one int32 per context block
+  per layer) over all bytes the step model charged; 0 for contiguous allocators. Traffic only: the latency
+  cost of indirection inside a kernel is not modelled.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
         "tpot_p99_s": _pct(tpot, 99),
         "preemptions": int(trace.preemptions),
         "prefix_hit_rate": float(trace.cached_tokens.sum() / prompt_tokens) if prompt_tokens else 0.0,
+        "page_table_bytes_fraction": trace.page_table_bytes / trace.bytes_moved if trace.bytes_moved else 0.0,
         "num_requests": len(trace.finish_s),
         "num_steps": len(dt),
         "span_s": span,

@@ -94,6 +94,9 @@ class SimTrace:
     stored_tokens: list[int] = field(default_factory=list)  # tokens whose KV occupies a slot
     empty_slots: list[int] = field(default_factory=list)  # reserved slots holding no token
     preemptions: int = 0
+    bytes_moved: float = 0.0  # HBM traffic the step model charged, summed over steps
+    flops: float = 0.0
+    page_table_bytes: float = 0.0  # block-table entries the attention kernels read (paged allocators)
     final_used_blocks: int = -1  # blocks still in use after the last request finished (0: nothing leaked)
     arrival_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     first_token_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
@@ -195,8 +198,13 @@ def simulate(
             )
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         news = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-        dt = step_model.step_seconds(starts, news)
+        cost = step_model.cost(starts, news)
+        dt = cost.seconds
         now += dt
+        out.bytes_moved += cost.bytes_moved
+        out.flops += cost.flops
+        if paged:  # the attention kernel reads one int32 block id per context block, per layer
+            out.page_table_bytes += float((-(-(starts + news) // bs)).sum()) * 4 * config.model.num_layers
         out.preemptions += len(output.preempted)
 
         sampled: dict[str, int] = {}
