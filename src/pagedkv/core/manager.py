@@ -18,6 +18,7 @@ prefix keys. Semantics follow DESIGN.md (Core semantics):
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,7 +27,9 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
-from pagedkv.core.prefix import BlockKeys, Key, KeyFunction, key_function
+from pagedkv.core.prefix import _MASK as FAST_MASK
+from pagedkv.core.prefix import _P as FAST_P
+from pagedkv.core.prefix import BlockKeys, KeyFunction, fast_block_hashes, fast_key, key_function, sha256_key
 from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
 from pagedkv.core.table import BlockTables
 from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
@@ -160,6 +163,8 @@ class PagedKVManager:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
         keys.bind(self._key_fn, self.epoch)
         bs, index, known = self._block_size, self.pool.index, keys.keys
+        if keys.vectorisable:
+            keys.extend_fast(tokens, bs, max_blocks)
         hits: list[int] = []
         for i in range(max_blocks):
             block_tokens = tokens[i * bs : (i + 1) * bs]
@@ -346,21 +351,60 @@ class PagedKVManager:
         full = np.minimum(computed, t.hashable_tokens[rows]) // self._block_size
         todo = full > t.num_published[rows]
         if todo.any():
-            for row, upto in zip(rows[todo].tolist(), full[todo].tolist()):
-                self._publish(row, upto)
+            self._publish(rows[todo], full[todo])
 
-    def _publish(self, row: int, upto: int) -> None:
-        t, pool, keys = self.tables, self.pool, self._keys[row]
-        start = int(t.num_published[row])
-        t.num_published[row] = upto
-        if keys.epoch != self.epoch:
-            return  # computed under weights of an earlier epoch: never matchable again
-        known = keys.keys
-        for i in range(start, upto):
-            block_id = int(t.table[row, i])
-            key: Key = known[i + 1] if i + 1 < len(known) else keys.key(i, self.block_tokens[block_id])
-            if not pool.keyed[block_id]:
-                pool.publish(block_id, key)
+    def _publish(self, rows: IntArray, upto: IntArray) -> None:
+        """Give blocks [num_published, upto) of each row their keys: the hot loop of prefix caching.
+
+        One gather and one `tobytes` for the whole batch, then one hashlib call per block whose key is
+        not known yet (keys looked up at admission are reused).
+        """
+        t, pool = self.tables, self.pool
+        starts = t.num_published[rows]
+        t.num_published[rows] = upto
+        counts = upto - starts
+        owner = np.repeat(rows, counts)
+        first = np.cumsum(counts) - counts
+        cols = np.arange(len(owner)) + np.repeat(starts - first, counts)
+        block_ids = t.table[owner, cols]
+        data = self.block_tokens[block_ids].tobytes()
+        ids = block_ids.tolist()
+        width = self._block_size * 4
+        fast_sha = self._key_fn is sha256_key
+        fast_poly = self._key_fn is fast_key
+        hashes = fast_block_hashes(self.block_tokens[block_ids]).tolist() if fast_poly else []
+        sha = hashlib.sha256
+        index, key_of = pool.index, pool.key_of
+        stored: list[int] = []
+        pos = 0
+        for row, start, stop in zip(rows.tolist(), starts.tolist(), upto.tolist()):
+            keys = self._keys[row]
+            if keys.epoch != self.epoch:  # computed under weights of an earlier epoch: never matchable
+                pos += stop - start
+                continue
+            known = keys.keys
+            extra = keys.block_extra
+            for i in range(start, stop):
+                if i + 1 < len(known):
+                    key = known[i + 1]
+                elif fast_sha and not extra:
+                    key = sha(known[i] + data[pos * width : (pos + 1) * width]).digest()  # type: ignore[operator]
+                    known.append(key)
+                elif fast_poly and not extra:
+                    key = (known[i] * FAST_P + hashes[pos]) & FAST_MASK  # type: ignore[operator]
+                    known.append(key)
+                else:
+                    key = self._key_fn(known[i], data[pos * width : (pos + 1) * width], extra.get(i, b""))
+                    known.append(key)
+                block_id = ids[pos]
+                pos += 1
+                if key_of[block_id] is None and key not in index:
+                    index[key] = block_id
+                    key_of[block_id] = key
+                    stored.append(block_id)
+        pool.keyed[stored] = True
+        if pool.record_events:
+            pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
 
     # --- release --------------------------------------------------------------------------------
 
@@ -486,6 +530,7 @@ class PagedKVManager:
         self.pool.release(blocks[::-1], int(t.priority[row]))
         t.set_blocks(row, host_ids)
         t.swapped[row] = True
+        t.on_device[row] = False
         t.cow_risk[row] = False
         t.num_published[row] = 0
         return SwapPlan(blocks[:count], host_ids)
@@ -505,6 +550,7 @@ class PagedKVManager:
         host.release(host_ids[::-1])
         t.set_blocks(row, dst)
         t.swapped[row] = False
+        t.on_device[row] = True
         return SwapPlan(host_ids, dst)
 
     # --- batch views ----------------------------------------------------------------------------

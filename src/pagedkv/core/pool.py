@@ -67,7 +67,7 @@ class BlockPool:
         self._stack = np.arange(num_blocks - 1, self.first_id - 1, -1, dtype=np.int64)
         self._top = len(self._stack)
         self._evictable: dict[int, OrderedDict[int, None]] = {}
-        self._prio_of: dict[int, int] = {}  # cached-free block -> its priority level
+        self._prio_of = np.zeros(num_blocks, dtype=np.int64)  # cached-free block -> its priority level
         self._num_evictable = 0
         self.stats = PoolStats()
         self.record_events = record_events
@@ -121,28 +121,34 @@ class BlockPool:
         return ids
 
     def _evict(self, n: int) -> IntArray:
-        out = np.empty(n, dtype=np.int64)
-        i = 0
+        out: list[int] = []
+        index, key_of = self.index, self.key_of
+        events = self.events if self.record_events else None
         for prio in sorted(self._evictable):
             order = self._evictable[prio]
-            while order and i < n:
-                block_id, _ = order.popitem(last=False)
-                del self._prio_of[block_id]
-                self._drop_key(block_id)
-                out[i] = block_id
-                i += 1
+            take = min(n - len(out), len(order))
+            for _ in range(take):
+                block_id = order.popitem(last=False)[0]
+                key = key_of[block_id]
+                del index[key]  # type: ignore[arg-type]
+                key_of[block_id] = None
+                out.append(block_id)
+                if events is not None:
+                    events.append(CacheEvent("removed", key, block_id))
             if not order:
                 del self._evictable[prio]
-            if i == n:
+            if len(out) == n:
                 break
+        ids = np.array(out, dtype=np.int64)
+        self.keyed[ids] = False
         self._num_evictable -= n
         self.stats.evictions += n
-        return out
+        return ids
 
     def touch_hit(self, block_id: int) -> None:
         """A prefix hit takes one more reference; a cached-free block leaves the eviction order."""
         if self.ref[block_id] == 0:
-            prio = self._prio_of.pop(block_id)
+            prio = int(self._prio_of[block_id])
             order = self._evictable[prio]
             del order[block_id]
             if not order:
@@ -173,11 +179,10 @@ class BlockPool:
             order = self._evictable.get(priority)
             if order is None:
                 order = self._evictable[priority] = OrderedDict()
-            prio_of = self._prio_of
-            for block_id in zero[keyed].tolist():
-                order[block_id] = None
-                prio_of[block_id] = priority
-            self._num_evictable += int(keyed.sum())
+            cached = zero[keyed]
+            order.update(dict.fromkeys(cached.tolist()))
+            self._prio_of[cached] = priority
+            self._num_evictable += len(cached)
 
     # --- keys -----------------------------------------------------------------------------------
 
@@ -212,9 +217,8 @@ class BlockPool:
             self.key_of[block_id] = None
         self.keyed[:] = False
         self.index.clear()
-        cached = np.fromiter(self._prio_of, dtype=np.int64, count=len(self._prio_of))
+        cached = self._cached_free()
         self._evictable.clear()
-        self._prio_of.clear()
         self._num_evictable = 0
         if len(cached):
             self._stack[self._top : self._top + len(cached)] = cached
@@ -222,6 +226,10 @@ class BlockPool:
         if self.record_events:
             self.events.append(CacheEvent("cleared", None, None))
         return n
+
+    def _cached_free(self) -> IntArray:
+        ids = [b for order in self._evictable.values() for b in order]
+        return np.array(ids, dtype=np.int64)
 
     # --- pins -----------------------------------------------------------------------------------
 
@@ -245,6 +253,7 @@ class BlockPool:
             tuple(sorted(self.index.items(), key=repr)),
             self._stack[: self._top].tobytes(),
             tuple((p, tuple(o)) for p, o in sorted(self._evictable.items())),
+            self._prio_of.tobytes(),
             self.stats.evictions,
             len(self.events),
         )
@@ -255,11 +264,11 @@ class BlockPool:
 
         first = self.first_id
         free = self._stack[: self._top]
-        cached = np.fromiter(self._prio_of, dtype=np.int64, count=len(self._prio_of))
+        cached = self._cached_free()
         if len(np.unique(free)) != len(free):
             fail("a block is twice in the free stack")
-        if sum(len(o) for o in self._evictable.values()) != len(cached) or len(cached) != self._num_evictable:
-            fail("eviction order and its bookkeeping disagree")
+        if len(np.unique(cached)) != len(cached) or len(cached) != self._num_evictable:
+            fail("eviction order holds a block twice, or disagrees with its count")
         if len(free) and (free.min() < first or (self.ref[free] != 0).any() or self.keyed[free].any()):
             fail("the free stack holds a null, referenced or keyed block")
         if len(cached) and ((self.ref[cached] != 0).any() or not self.keyed[cached].all()):

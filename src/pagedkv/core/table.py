@@ -28,7 +28,7 @@ IntArray = npt.NDArray[np.int64]
 class BlockTables:
     _ROW_ARRAYS = (
         "num_blocks", "num_tokens", "num_computed", "alive",
-        "num_published", "hashable_tokens", "priority", "cow_risk", "swapped",
+        "num_published", "hashable_tokens", "priority", "cow_risk", "swapped", "on_device",
     )
 
     def __init__(self, block_size: int, pad_id: int, *, rows: int = 64, cols: int = 16) -> None:
@@ -45,7 +45,9 @@ class BlockTables:
         self.priority = np.zeros(rows, dtype=np.int64)
         self.cow_risk = np.zeros(rows, dtype=bool)  # the last partial block may be shared
         self.swapped = np.zeros(rows, dtype=bool)  # the table holds host block ids
+        self.on_device = np.zeros(rows, dtype=bool)  # alive and not swapped: batch views allowed
         self._free_rows = list(range(rows - 1, -1, -1))
+        self._stamp = np.zeros(rows, dtype=np.int64)
         self.num_alive = 0
 
     # --- rows -----------------------------------------------------------------------------------
@@ -56,7 +58,7 @@ class BlockTables:
             self._resize_rows(2 * old)
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         row = self._free_rows.pop()
-        self.alive[row] = True
+        self.alive[row] = self.on_device[row] = True
         self.num_alive += 1
         return row
 
@@ -65,7 +67,7 @@ class BlockTables:
         self.table[row, :n] = self.pad_id
         self.num_blocks[row] = self.num_tokens[row] = self.num_computed[row] = 0
         self.num_published[row] = self.hashable_tokens[row] = self.priority[row] = 0
-        self.cow_risk[row] = self.swapped[row] = False
+        self.cow_risk[row] = self.swapped[row] = self.on_device[row] = False
         self.alive[row] = False
         self.num_alive -= 1
         self._free_rows.append(row)
@@ -104,14 +106,27 @@ class BlockTables:
         rows = rows.astype(np.int64, copy=False)
         if rows.size == 0:
             return rows
-        if rows.min() < 0 or rows.max() >= len(self.alive) or not self.alive[rows].all():
+        try:  # as unsigned, a negative id is out of range too: one lookup checks range, liveness, device
+            ok = bool(self.on_device[rows.view(np.uint64)].all())
+        except IndexError:
+            ok = False
+        if not ok:
             bad = [int(r) for r in rows if not (0 <= r < len(self.alive)) or not self.alive[r]]
-            raise UnknownSequenceError(f"sequences {bad[:8]} are not live (never admitted, or already freed)")
-        if self.swapped[rows].any():
+            if bad:
+                raise UnknownSequenceError(f"sequences {bad[:8]} are not live (never admitted, or already freed)")
             raise InvalidArgumentError(f"sequences {rows[self.swapped[rows]][:8].tolist()} are swapped out; swap_in first")
-        if rows.size > 1 and len(np.unique(rows)) != rows.size:
+        if rows.size > 1 and self._has_duplicates(rows):
             raise InvalidArgumentError("seq_ids has duplicates; each sequence may appear once per call")
         return rows
+
+    def _has_duplicates(self, rows: IntArray) -> bool:
+        # O(B) without sorting: stamp each row with its position, read the stamps back.
+        stamp = self._stamp
+        if len(stamp) < len(self.alive):
+            stamp = self._stamp = np.zeros(len(self.alive), dtype=np.int64)
+        positions = np.arange(len(rows))
+        stamp[rows] = positions
+        return bool((stamp[rows] != positions).any())
 
     def blocks_of(self, row: int) -> IntArray:
         return self.table[row, : self.num_blocks[row]].astype(np.int64)
@@ -199,5 +214,7 @@ class BlockTables:
         padding = cols >= self.num_blocks[:, None]
         if (self.table[padding] != self.pad_id).any():
             fail("a table entry past a sequence's blocks is not the pad id")
+        if not np.array_equal(self.on_device, live & ~self.swapped):
+            fail("the on-device mask disagrees with alive and swapped")
         if (~live & ((self.num_blocks != 0) | (self.num_tokens != 0))).any():
             fail("a dead row holds blocks or tokens")
