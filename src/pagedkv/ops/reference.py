@@ -111,31 +111,45 @@ def paged_attention_reference(
     if sliding_window is not None:
         lo = max(0, min_first_q - sliding_window + 1) // tile * tile
 
-    # Slots of every visited position of every sequence, clamped to the sequence's last token.
-    positions = torch.arange(lo, hi, device=device)
-    clamped = torch.minimum(positions[None, :], lens[:, None] - 1)
-    blocks = block_table.long().gather(1, clamped // block_size)
-    slots = blocks * block_size + clamped % block_size  # [B, hi - lo]
-
-    k_flat = key_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = value_cache.view(-1, num_kv_heads, head_dim)
+    # Every tile is `tile` positions wide (the last one padded, its extra positions masked), so tile shapes
+    # and hence reduction orders depend only on the metadata, never on the block size or the block ids.
+    num_tiles = -(-(hi - lo) // tile)
+    span = num_tiles * tile
+    table = block_table.long()
+    if tile % block_size == 0:
+        # Whole blocks per tile: gather block rows (large copies). Columns past a sequence's last live
+        # block are clamped to it, so padding entries of the table are never read.
+        cols = torch.arange(lo // block_size, (lo + span) // block_size, device=device)
+        last_block = (lens + block_size - 1) // block_size - 1
+        gather_ids = table.gather(1, torch.minimum(cols[None, :], last_block[:, None]))
+        per_tile = tile // block_size
+        k_rows = key_cache.view(-1, block_size * num_kv_heads, head_dim)
+        v_rows = value_cache.view(-1, block_size * num_kv_heads, head_dim)
+    else:
+        # Token rows: slots of every visited position, clamped to the sequence's last token.
+        positions = torch.arange(lo, lo + span, device=device)
+        clamped = torch.minimum(positions[None, :], lens[:, None] - 1)
+        gather_ids = table.gather(1, clamped // block_size) * block_size + clamped % block_size
+        per_tile = tile
+        k_rows = key_cache.view(-1, num_kv_heads, head_dim)
+        v_rows = value_cache.view(-1, num_kv_heads, head_dim)
     is_fp8 = key_cache.dtype == FP8_DTYPE
 
     m = torch.full((num_seqs, num_kv_heads, rows, 1), -math.inf, device=device)
     denom = torch.zeros((num_seqs, num_kv_heads, rows, 1), device=device)
     acc = torch.zeros((num_seqs, num_kv_heads, rows, head_dim), device=device)
-    for start in range(lo, hi, tile):
-        width = min(tile, hi - start)
-        tile_slots = slots[:, start - lo : start - lo + width].reshape(-1)
-        k = _gather_rows(k_flat, tile_slots, num_seqs, width, is_fp8, k_scale)
-        v = _gather_rows(v_flat, tile_slots, num_seqs, width, is_fp8, v_scale)
-        s = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, rows, width]
+    for i in range(num_tiles):
+        start = lo + i * tile
+        ids = gather_ids[:, i * per_tile : (i + 1) * per_tile].reshape(-1)
+        k = _gather_rows(k_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, k_scale)
+        v = _gather_rows(v_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, v_scale)
+        s = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, rows, tile]
         if soft_cap is not None:
             s = torch.tanh(s.div_(soft_cap)).mul_(soft_cap)
-        last = start + width - 1
+        last = start + tile - 1
         fully_visible = last <= min_first_q and (sliding_window is None or start > max_row_pos - sliding_window)
         if not fully_visible:
-            key_pos = torch.arange(start, start + width, device=device)
+            key_pos = torch.arange(start, start + tile, device=device)
             hidden = key_pos > row_pos
             if sliding_window is not None:
                 hidden |= key_pos <= row_pos - sliding_window
@@ -156,17 +170,21 @@ def paged_attention_reference(
 
 
 def _gather_rows(
-    flat: torch.Tensor, slots: torch.Tensor, num_seqs: int, width: int, is_fp8: bool, fp8_scale: float
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    num_seqs: int,
+    tile: int,
+    num_kv_heads: int,
+    is_fp8: bool,
+    fp8_scale: float,
 ) -> torch.Tensor:
-    """Rows of `flat [num_slots, Hkv, D]` at `slots` as float32 `[B, Hkv, width, D]` (head-major, contiguous)."""
-    num_kv_heads, head_dim = flat.shape[1:]
-    if is_fp8:
-        rows = flat.view(torch.uint8).index_select(0, slots).view(FP8_DTYPE)
-    else:
-        rows = flat.index_select(0, slots)
-    rows = rows.view(num_seqs, width, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    out = torch.empty((num_seqs, num_kv_heads, width, head_dim), dtype=torch.float32, device=flat.device)
-    out.copy_(rows)
+    """Rows of `rows` (token rows `[num_slots, Hkv, D]` or block rows `[num_blocks, bs * Hkv, D]`) at `ids`,
+    as float32 `[B, Hkv, tile, D]` (head-major, contiguous: what a batched matmul reads fastest)."""
+    head_dim = rows.shape[-1]
+    picked = rows.view(torch.uint8).index_select(0, ids).view(FP8_DTYPE) if is_fp8 else rows.index_select(0, ids)
+    picked = picked.view(num_seqs, tile, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    out = torch.empty((num_seqs, num_kv_heads, tile, head_dim), dtype=torch.float32, device=rows.device)
+    out.copy_(picked)
     if is_fp8 and fp8_scale != 1.0:
         out.mul_(fp8_scale)
     return out
