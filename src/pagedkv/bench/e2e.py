@@ -1,0 +1,357 @@
+"""`pagedkv bench e2e`: end-to-end serving throughput of a real model on this CPU, four systems, one workload.
+
+Systems, all on the same model, the same requests and one torch thread:
+- `pagedkv-paged`: the pagedkv engine with the paged allocator (prefix caching on, recompute preemption);
+- `pagedkv-contiguous`: the same engine with the contiguous baseline (reserves prompt + max_new_tokens);
+- `hf-continuous-batching`: transformers' continuous batching with the same page size and number of blocks
+  (`continuous_batching_context_manager` + `add_request` with each request's own output length);
+- `hf-static`: plain `generate` over left-padded static batches (its cache is not bounded by the budget).
+
+Workload: the first `--num-requests` rows of the Azure conv trace (Patel et al., "Splitwise", ISCA 2024,
+CC-BY 4.0), prompt length `max(8, ContextTokens // prompt_scale)`, output length
+`max(4, GeneratedTokens // output_scale)`, seeded random prompt ids (no special ids), all arriving at t=0,
+greedy decoding with EOS ignored so every system does the same work.
+
+Each request declares `max_new_tokens = --max-new-tokens` (default: the trace's longest output, 1000, scaled
+the same way), as a client would: output lengths are not known in advance. The pagedkv engine stops each
+request at its trace length as if the model had emitted EOS there (a client-side stop through the streaming
+callback); the contiguous allocator must still reserve the declared maximum, which is the waste paging
+removes. transformers' continuous batching is given each request's exact length instead (it cannot take a
+stop callback), which can only help it.
+
+Per system: tokens_per_s (output tokens / wall), requests_per_s, peak_concurrency (most requests between
+first token and finish at once), kv_utilization (time-averaged live KV tokens / KV capacity while any request
+decodes), TTFT and TPOT percentiles, wall_s. `outputs_identical` says whether every system produced the same
+token ids for every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagedkv.workloads.traces import default_trace_path, load_trace
+
+SYSTEMS = ("pagedkv-paged", "pagedkv-contiguous", "hf-continuous-batching", "hf-static")
+TRACE_MAX_OUTPUT = 1000  # longest output of the Azure conv trace (data/README.md)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass(slots=True)
+class Timeline:
+    """What one system did for one request: output ids and the time of each output token (t=0 at start)."""
+
+    output_token_ids: list[int]
+    token_times: list[float] = field(default_factory=list)
+
+
+def build_workload(
+    num_requests: int, prompt_scale: int, output_scale: int, vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
+    """The seeded requests every system serves (see the module docstring)."""
+    rows = load_trace(default_trace_path(), limit=num_requests)
+    rng = np.random.default_rng(seed)
+    out = []
+    for row in rows:
+        n = max(8, row.prompt_len // prompt_scale)
+        ids = rng.integers(100, vocab_size, size=n).tolist()
+        out.append(BenchRequest(f"r{row.index}", ids, max(4, row.output_len // output_scale)))
+    return out
+
+
+# --- systems ------------------------------------------------------------------------------------------
+
+
+def run_pagedkv(
+    model: Any, workload: Sequence[BenchRequest], allocator: str, num_blocks: int, args: argparse.Namespace
+) -> dict[str, Timeline]:
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.engine.params import SamplingParams
+
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        allocator=allocator,  # type: ignore[arg-type]
+        max_num_batched_tokens=args.max_batched_tokens,
+    )
+    engine = Engine(model, None, config)
+    timelines: dict[str, Timeline] = {}
+    lengths = {r.request_id: r.output_len for r in workload}
+    t0 = time.perf_counter()
+
+    def on_token(out: Any) -> None:
+        tl = timelines[out.request_id]
+        tl.token_times.append(time.perf_counter() - t0)
+        tl.output_token_ids = list(out.output_token_ids)
+        if len(out.output_token_ids) >= lengths[out.request_id] and not out.finished:
+            engine.finish(out.request_id, "stop")  # the trace's EOS
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    for r in workload:
+        timelines[r.request_id] = Timeline([])
+        engine.add_request(
+            r.prompt_token_ids, params, request_id=r.request_id, arrival_time=t0, on_token=on_token
+        )
+    engine.run()
+    return timelines
+
+
+def run_hf_continuous(
+    model: Any, workload: Sequence[BenchRequest], num_blocks: int, args: argparse.Namespace
+) -> dict[str, Timeline]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new_tokens
+    )
+    cb = ContinuousBatchingConfig(
+        page_size=args.block_size, num_blocks=num_blocks, max_batch_tokens=args.max_batched_tokens
+    )
+    results: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb, block=True, timeout=10
+    ) as manager:
+        for r in workload:
+            manager.add_request(
+                r.prompt_token_ids,
+                request_id=r.request_id,
+                max_new_tokens=r.output_len,
+                record_timestamps=True,
+                eos_token_id=-1,
+            )
+        while len(results) < len(workload):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                if result.error:
+                    raise RuntimeError(
+                        f"transformers continuous batching failed on {result.request_id}: {result.error}"
+                    )
+                results[result.request_id] = result
+    return {
+        rid: Timeline(list(r.generated_tokens), [t - t0 for t in (r.timestamps or [])])
+        for rid, r in results.items()
+    }
+
+
+def run_hf_static(
+    model: Any, workload: Sequence[BenchRequest], args: argparse.Namespace
+) -> tuple[dict[str, Timeline], float]:
+    """Left-padded static batches of `--static-batch` in arrival order; returns timelines and the mean
+    fraction of each batch's dense cache holding live tokens."""
+    import torch
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    class _Clock(LogitsProcessor):  # called once per generated position, just before sampling it
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter() - t0)
+            return scores
+
+    timelines: dict[str, Timeline] = {}
+    utilization: list[tuple[float, float]] = []
+    t0 = time.perf_counter()
+    for b in range(0, len(workload), args.static_batch):
+        batch = workload[b : b + args.static_batch]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids) :] = 1
+        steps = max(r.output_len for r in batch)
+        clock = _Clock()
+        gen = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=0)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=mask, generation_config=gen, logits_processor=LogitsProcessorList([clock])
+            )
+        for i, r in enumerate(batch):
+            timelines[r.request_id] = Timeline(
+                out[i, width : width + r.output_len].tolist(), clock.times[: r.output_len]
+            )
+        live = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in batch)
+        utilization.append((time.perf_counter() - start, live / (len(batch) * (width + steps))))
+    total = sum(dt for dt, _ in utilization)
+    return timelines, sum(dt * u for dt, u in utilization) / total if total else 0.0
+
+
+# --- figures ------------------------------------------------------------------------------------------
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(
+    workload: Sequence[BenchRequest], timelines: dict[str, Timeline], wall_s: float, capacity_tokens: int
+) -> dict[str, Any]:
+    """The per-system figures (see the module docstring)."""
+    ttft, tpot, events, live = [], [], [], []
+    tokens = 0
+    for r in workload:
+        tl = timelines[r.request_id]
+        times = tl.token_times[: r.output_len]
+        tokens += min(len(tl.output_token_ids), r.output_len)
+        if not times:
+            continue
+        ttft.append(times[0])
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+        events += [(times[0], 1), (times[-1], -1)]
+        # live KV tokens of this request between consecutive output tokens
+        for k in range(len(times) - 1):
+            live.append((times[k], times[k + 1], len(r.prompt_token_ids) + k + 1))
+    running = peak = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], -e[1])):
+        running += delta
+        peak = max(peak, running)
+    util = None
+    if live and capacity_tokens > 0:
+        start = min(a for a, _, _ in live)
+        end = max(b for _, b, _ in live)
+        util = (
+            sum((b - a) * n for a, b, n in live) / ((end - start) * capacity_tokens) if end > start else None
+        )
+    return {
+        "tokens_per_s": tokens / wall_s,
+        "requests_per_s": len(workload) / wall_s,
+        "output_tokens": tokens,
+        "peak_concurrency": peak,
+        "kv_utilization": util,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "wall_s": wall_s,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file"
+    )
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--prompt-scale", type=int, default=8, help="prompt length = ContextTokens // this")
+    parser.add_argument("--output-scale", type=int, default=4, help="output length = GeneratedTokens // this")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="declared cap (default: 1000 // output scale)"
+    )
+    parser.add_argument(
+        "--num-blocks", type=int, default=96, help="KV budget in blocks (same for every paged system)"
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-batched-tokens", type=int, default=256, help="token budget per step")
+    parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf-static")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS)
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedkv.hf.loading import load_model
+    from pagedkv.hf.model_spec import model_spec
+
+    torch.set_num_threads(1)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = TRACE_MAX_OUTPUT // args.output_scale
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        print(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
+        return 2
+    model, _ = load_model(args.model)
+    spec = model_spec(model)
+    workload = build_workload(
+        args.num_requests, args.prompt_scale, args.output_scale, model.config.vocab_size, args.seed
+    )
+    if any(r.output_len > args.max_new_tokens for r in workload):
+        print(f"--max-new-tokens {args.max_new_tokens} is below a request's output length", file=sys.stderr)
+        return 2
+    budget_bytes = args.num_blocks * spec.kv_cache_spec().bytes_per_block(args.block_size)
+    capacity = (args.num_blocks - 1) * args.block_size
+    figures: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[str, list[int]]] = {}
+    for system in systems:
+        print(f"[bench e2e] {system} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        static_util = None
+        if system.startswith("pagedkv-"):
+            timelines = run_pagedkv(model, workload, system.removeprefix("pagedkv-"), args.num_blocks, args)
+        elif system == "hf-continuous-batching":
+            model.set_attn_implementation("sdpa")
+            timelines = run_hf_continuous(model, workload, args.num_blocks, args)
+        else:
+            model.set_attn_implementation("sdpa")
+            timelines, static_util = run_hf_static(model, workload, args)
+        wall = time.perf_counter() - start
+        figures[system] = summarize(workload, timelines, wall, capacity)
+        if static_util is not None:
+            figures[system]["kv_utilization"] = static_util
+        outputs[system] = {
+            r.request_id: timelines[r.request_id].output_token_ids[: r.output_len] for r in workload
+        }
+    first = next(iter(outputs.values()), {})
+    identical = all(o == first for o in outputs.values())
+    result = {
+        "model": args.model,
+        "kv_budget_bytes": budget_bytes,
+        "kv_budget_blocks": args.num_blocks,
+        "block_size": args.block_size,
+        "requests": len(workload),
+        "prompt_tokens_mean": float(np.mean([len(r.prompt_token_ids) for r in workload])),
+        "output_tokens_mean": float(np.mean([r.output_len for r in workload])),
+        "max_new_tokens": args.max_new_tokens,
+        "outputs_identical": identical,
+        "outputs_mismatched": {
+            s: sum(o[k] != first[k] for k in first) for s, o in outputs.items() if o != first
+        },
+        "systems": figures,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"{args.model}: {len(workload)} requests, KV budget {args.num_blocks} blocks x {args.block_size} tokens "
+        f"({budget_bytes / 2**20:.1f} MiB), outputs identical: {identical}"
+    )
+    cols = (
+        "tokens_per_s",
+        "requests_per_s",
+        "peak_concurrency",
+        "kv_utilization",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "wall_s",
+    )
+    print("| system | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for system, f in figures.items():
+        cells = [f"{f[c]:.3f}" if isinstance(f[c], float) else str(f[c]) for c in cols]
+        print(f"| {system} | " + " | ".join(cells) + " |")
+    return 0 if math.isfinite(sum(f["wall_s"] for f in figures.values())) else 1

@@ -1,0 +1,77 @@
+"""`EngineConfig`: the engine's knobs, validated on construction. Torch-free.
+
+KV capacity is either `num_blocks` or `kv_budget_bytes` (turned into blocks from the model's KV shape, one
+block being `block_size` tokens of K and V in every layer); one of them must be given. Block 0 is the null
+block, so `num_blocks - 1` blocks hold tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from pagedkv.core.errors import InvalidArgumentError
+
+Allocator = Literal["paged", "contiguous"]
+PreemptionMode = Literal["recompute", "swap"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """`"64MiB"` -> 67108864; accepts B, KiB/MiB/GiB and KB/MB/GB (case-insensitive)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise InvalidArgumentError(f"cannot read {text!r} as a byte size; write e.g. 64MiB, 512KiB or 1GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine sizes its KV cache and schedules. See the module docstring for capacity."""
+
+    num_blocks: int | None = None
+    kv_budget_bytes: int | None = None
+    block_size: int = 16
+    allocator: Allocator = "paged"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    num_host_blocks: int | None = None  # swap pool; default: as many as device blocks when swapping
+
+    def __post_init__(self) -> None:
+        if (self.num_blocks is None) == (self.kv_budget_bytes is None):
+            raise InvalidArgumentError("EngineConfig: give exactly one of num_blocks and kv_budget_bytes")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise InvalidArgumentError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}"
+            )
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise InvalidArgumentError(f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}")
+        if not 1 <= self.block_size <= 256:
+            raise InvalidArgumentError(f"block_size must be in [1, 256], got {self.block_size}")
+        if self.allocator not in ("paged", "contiguous"):
+            raise InvalidArgumentError(f"allocator must be 'paged' or 'contiguous', got {self.allocator!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise InvalidArgumentError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and self.allocator != "paged":
+            raise InvalidArgumentError("preemption by swap needs the paged allocator (it owns the host pool)")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
+            raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")

@@ -1,0 +1,81 @@
+"""What the engine hands back: one `RequestOutput` per completion, and engine-wide step statistics.
+
+Timing (seconds, from the engine's clock):
+- `ttft_s` = first token time - arrival time (queueing + prefill);
+- `tpot_s` = (finish time - first token time) / (output tokens - 1), the mean gap between output tokens
+  (0.0 for a one-token output);
+- `e2e_s` = finish time - arrival time.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one completion; final when `finished` is True. `parent_id` is set for n > 1 children."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_text: str | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "rejected"
+    error: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    parent_id: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def as_dict(self, prompt: str | None = None) -> dict[str, object]:
+        """The `--json` record of `pagedkv generate` (one object a line)."""
+        return {
+            "id": self.request_id,
+            "prompt": prompt,
+            "output_text": self.output_text,
+            "output_token_ids": list(self.output_token_ids),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2e_s": self.e2e_s,
+            "num_preemptions": self.num_preemptions,
+            "parent_id": self.parent_id,
+            "error": self.error,
+        }
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Per-step samples for serving figures: running requests and live KV tokens after each step."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    step_times: list[float] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    live_tokens: list[int] = field(default_factory=list)
+    used_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def peak_concurrency(self) -> int:
+        return max(self.running, default=0)
+
+    def kv_utilization(self, capacity_tokens: int) -> float:
+        """Time-weighted mean fraction of the KV capacity holding live tokens (written KV of running requests)."""
+        if len(self.step_times) < 2 or capacity_tokens <= 0:
+            return 0.0
+        total = weighted = 0.0
+        for i in range(1, len(self.step_times)):
+            dt = self.step_times[i] - self.step_times[i - 1]
+            total += dt
+            weighted += dt * self.live_tokens[i - 1]
+        return weighted / total / capacity_tokens if total > 0 else 0.0
