@@ -105,6 +105,7 @@ def paged_attention_reference(
     # Key positions to visit, in whole tiles: [lo, hi).
     tile = tile_width(num_seqs, num_kv_heads, head_dim, rows)
     hi = int(lens.max())
+    min_len = int(lens.min())
     lo = 0
     min_first_q = int(first_q.min())
     max_row_pos = int(first_q.max()) + max_q - 1
@@ -148,6 +149,11 @@ def paged_attention_reference(
             s = torch.tanh(s.div_(soft_cap)).mul_(soft_cap)
         last = start + tile - 1
         fully_visible = last <= min_first_q and (sliding_window is None or start > max_row_pos - sliding_window)
+        if last >= min_len:
+            # Positions past a sequence's end (the unwritten tail of its last block, or clamped repeats)
+            # get zero weight, but 0 * NaN/Inf stale bytes would still poison the sum: zero those V rows.
+            past_end = torch.arange(start, start + tile, device=device)[None, :] >= lens[:, None]
+            v.masked_fill_(past_end[:, None, :, None], 0.0)
         if not fully_visible:
             key_pos = torch.arange(start, start + tile, device=device)
             hidden = key_pos > row_pos
