@@ -1,0 +1,339 @@
+"""The continuous-batching scheduler: one rule for prefill and decode, over any allocator.
+
+Every running request has `num_computed_tokens` catching up to `num_tokens`. Each step spends a token
+budget (`max_num_batched_tokens`) over the requests:
+
+  1. swapped-out requests come back first, if the device has room;
+  2. running requests that just sampled a token (decode) get a slot for it: one batched `append` for all
+     of them. If that does not fit, preempt the least important running request (lowest priority, then
+     latest arrival): by recompute (free its KV, requeue it with prompt + output) or by swap (move its
+     KV to host memory), and retry;
+  3. running requests still in prefill get their next chunk (chunked prefill);
+  4. waiting requests are admitted, most important first then arrival order, while the allocator holds
+     their prompt and the budget and `max_num_seqs` allow; each gets its first chunk. Head-of-line
+     blocking is deliberate: a request that does not fit stops admission, so big requests do not starve.
+
+The scheduler knows nothing about models: the engine runs the `SchedulerOutput` on one, the simulator
+times it with a roofline model; both call `update` with the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from pagedkv.core.errors import CapacityError, InvalidArgumentError
+from pagedkv.core.protocol import BlockCopies, KVManager
+from pagedkv.engine.request import Request, RequestStatus
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidArgumentError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidArgumentError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+
+
+class ScheduledChunk(NamedTuple):
+    """Compute KV for tokens [start, start + num_new_tokens) of `request` this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    produces_token: bool  # the chunk reaches the request's last token: sample the next one
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+class SwapBlocks(NamedTuple):
+    """Copy KV block `src[i]` to `dst[i]`: device -> host for swap-out, host -> device for swap-in."""
+
+    src: np.ndarray
+    dst: np.ndarray
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)  # could never fit the KV capacity
+    swap_out: SwapBlocks = field(default_factory=lambda: SwapBlocks(_EMPTY, _EMPTY))
+    swap_in: SwapBlocks = field(default_factory=lambda: SwapBlocks(_EMPTY, _EMPTY))
+    copies: BlockCopies = field(default_factory=lambda: BlockCopies(_EMPTY, _EMPTY))
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, manager: KVManager, config: SchedulerConfig | None = None) -> None:
+        self.manager = manager
+        self.config = config or SchedulerConfig()
+        if self.config.preemption_mode == "swap" and not hasattr(manager, "swap_out"):
+            raise InvalidArgumentError(f"{type(manager).__name__} cannot swap; use preemption_mode='recompute'")
+        self._waiting: list[tuple[int, float, int, Request]] = []  # heap: (-priority, arrival, order, req)
+        self._order = itertools.count()
+        self.running: list[Request] = []  # admission order
+        self.swapped: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queue ----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._by_id:
+            raise InvalidArgumentError(f"request id {request.request_id!r} is already queued or running")
+        if request.status is not RequestStatus.WAITING:
+            raise InvalidArgumentError(f"request {request.request_id!r} is {request.status.value}, not new")
+        self._by_id[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (-request.priority, request.arrival_time, next(self._order), request))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self.running or self.swapped)
+
+    def get(self, request_id: str) -> Request:
+        try:
+            return self._by_id[request_id]
+        except KeyError:
+            raise InvalidArgumentError(f"no unfinished request {request_id!r}") from None
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        swap_out: list[SwapBlocks] = []
+        swap_in: list[SwapBlocks] = []
+        # 1. swapped requests come back first
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            plan = self.manager.swap_in(request.seq_id)  # type: ignore[attr-defined]
+            if plan is None:
+                break
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            swap_in.append(SwapBlocks(plan.src, plan.dst))
+        # 2. decode: one slot for each running request's newest token, in one batched call
+        decode = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+        decode = decode[:budget]
+        while decode:
+            # a request re-admitted with all but its last token cached already holds that slot
+            need = [r for r in decode if self.manager.num_tokens(r.seq_id) < r.num_tokens]  # type: ignore[arg-type]
+            if not need:
+                break
+            seq_ids = np.array([r.seq_id for r in need], dtype=np.int64)
+            tokens = np.array([r.output_token_ids[-1] for r in need], dtype=np.int64)
+            if self.manager.append(seq_ids, tokens):
+                break
+            victim = self._victim()
+            self._preempt(victim, out, swap_out)
+            decode = [r for r in decode if r is not victim]
+        for r in decode:
+            out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, 1, True))
+        budget -= len(decode)
+        # 3. running requests still in prefill
+        for r in self.running:
+            if budget <= 0:
+                break
+            remaining = r.num_tokens - r.num_computed_tokens
+            if remaining <= 1 and r.num_computed_tokens == r.num_tokens - 1:
+                continue  # decode, handled above
+            chunk = self._chunk(remaining, budget)
+            if chunk:
+                out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, chunk, chunk == remaining))
+                budget -= chunk
+        # 4. admit waiting requests
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not self.swapped:
+            request = self._waiting[0][3]
+            remaining_new = request.max_new_tokens - len(request.output_token_ids)
+            try:
+                admission = self.manager.admit(
+                    request.all_token_ids, max_new_tokens=remaining_new, priority=request.priority,
+                    keys=request.keys,
+                )  # type: ignore[call-arg]
+            except CapacityError as e:
+                heapq.heappop(self._waiting)
+                self._finish(request, "rejected", error=str(e))
+                out.rejected.append(request)
+                continue
+            if admission is None:
+                break
+            chunk = self._chunk(request.num_tokens - admission.num_cached_tokens, budget)
+            if chunk == 0:  # budget too small for an unchunked prompt: give the blocks back, retry later
+                self.manager.free(admission.seq_id)
+                break
+            heapq.heappop(self._waiting)
+            request.seq_id = admission.seq_id
+            request.num_computed_tokens = admission.num_cached_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = admission.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            remaining = request.num_tokens - request.num_computed_tokens
+            out.scheduled.append(ScheduledChunk(request, request.num_computed_tokens, chunk, chunk == remaining))
+            budget -= chunk
+        out.num_batched_tokens = sum(c.num_new_tokens for c in out.scheduled)
+        out.copies = self.manager.take_copies()
+        if swap_out:
+            out.swap_out = SwapBlocks(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
+        if swap_in:
+            out.swap_in = SwapBlocks(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
+        return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return remaining
+        if self.config.enable_chunked_prefill:
+            return budget
+        return 0
+
+    def _victim(self) -> Request:
+        """The least important running request: lowest priority, then latest arrival."""
+        return min(reversed(self.running), key=lambda r: (r.priority, -r.arrival_time))
+
+    def _preempt(self, request: Request, out: SchedulerOutput, swap_out: list[SwapBlocks]) -> None:
+        self.running.remove(request)
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        out.preempted.append(request)
+        if self.config.preemption_mode == "swap":
+            plan = self.manager.swap_out(request.seq_id)  # type: ignore[attr-defined]
+            if plan is not None:
+                request.status = RequestStatus.SWAPPED
+                self.swapped.append(request)
+                swap_out.append(SwapBlocks(plan.src, plan.dst))
+                return
+        assert request.seq_id is not None, "scheduler: a running request without KV"
+        self.manager.preempt(request.seq_id)
+        request.seq_id = None
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self._push_waiting(request)
+
+    # --- after the step -------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int], now: float = 0.0) -> list[Request]:
+        """Record the step's KV as computed and append sampled tokens; returns the requests that finished."""
+        live = [c for c in output.scheduled if c.request.status is RequestStatus.RUNNING]
+        for c in live:
+            c.request.num_computed_tokens = c.end
+            if c.request.first_scheduled_time is None:
+                c.request.first_scheduled_time = now
+        if live:
+            seq_ids = np.array([c.request.seq_id for c in live], dtype=np.int64)
+            self.manager.mark_computed(seq_ids, np.array([c.end for c in live], dtype=np.int64))
+        finished: list[Request] = []
+        for request_id, token in sampled.items():
+            request = self._by_id.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.output_token_ids.append(int(token))
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._stop_reason(request, int(token))
+            if reason is not None:
+                self._finish(request, reason, now=now)
+                finished.append(request)
+        return finished
+
+    @staticmethod
+    def _stop_reason(request: Request, token: int) -> str | None:
+        if request.eos_token_id is not None and token == request.eos_token_id:
+            return "stop"
+        if token in request.stop_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= request.max_new_tokens:
+            return "length"
+        return None
+
+    def finish(self, request: Request, reason: str, now: float = 0.0) -> None:
+        """Finish a request early (stop string, abort); frees its KV."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        self._finish(request, reason, now=now)
+
+    def _finish(self, request: Request, reason: str, *, now: float = 0.0, error: str | None = None) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self._waiting = [w for w in self._waiting if w[3] is not request]
+            heapq.heapify(self._waiting)
+        if request.seq_id is not None:
+            self.manager.free(request.seq_id)
+            request.seq_id = None
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        request.finish_time = now
+        self._by_id.pop(request.request_id, None)
+
+    # --- parallel sampling ----------------------------------------------------------------------
+
+    def fork(self, parent: Request, request_id: str) -> Request:
+        """A running copy of `parent` sharing its KV blocks (copy-on-write); it continues independently.
+
+        Call it after the step that computed the parent's prompt, before `update`, and give the child its
+        own sampled token in `update`'s `sampled`.
+        """
+        if parent.status is not RequestStatus.RUNNING or parent.seq_id is None:
+            raise InvalidArgumentError(f"can only fork a running request; {parent.request_id!r} is {parent.status.value}")
+        if request_id in self._by_id:
+            raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+        seq_id = self.manager.fork(parent.seq_id)
+        if seq_id is None:
+            raise CapacityError("not enough KV blocks to fork")
+        child = Request(
+            request_id, parent.prompt_token_ids, parent.max_new_tokens, arrival_time=parent.arrival_time,
+            priority=parent.priority, eos_token_id=parent.eos_token_id, stop_token_ids=parent.stop_token_ids,
+            salt=parent.salt,
+        )  # fmt: skip
+        child.output_token_ids = list(parent.output_token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.seq_id = seq_id
+        child.status = RequestStatus.RUNNING
+        child.keys = parent.keys.copy()
+        self.running.insert(self.running.index(parent) + 1, child)
+        self._by_id[request_id] = child
+        return child
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            request = self._by_id.get(request_id)
+            if request is not None:
+                self._finish(request, "abort")
