@@ -1,0 +1,91 @@
+"""Triton kernels against the reference, under TRITON_INTERPRET=1 (set by tests/conftest.py) at tiny shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ops_batch import make_batch, random_lengths
+
+from pagedkv.ops import choose_backend, paged_attention, use_backend, write_kv
+from pagedkv.ops.dispatch import triton_available
+
+pytestmark = pytest.mark.skipif(
+    not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py sets it)",
+)
+
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+CASES = [
+    # seed, num_seqs, max_len, max_q, block_size, group, window, soft_cap, dtype
+    (0, 3, 20, 1, 4, 2, None, None, torch.float32),  # decode, GQA
+    (1, 2, 25, 6, 3, 1, None, None, torch.float32),  # chunked prefill, odd block size
+    (2, 3, 30, 4, 16, 4, 7, None, torch.float32),  # window
+    (3, 2, 18, 3, 1, 2, None, 4.0, torch.float32),  # soft cap, block size 1
+    (4, 2, 40, 2, 32, 3, 9, 20.0, torch.float16),  # group 3 (padded to 4)
+    (5, 2, 20, 5, 8, 2, None, None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("seed,num_seqs,max_len,max_q,block_size,group,window,cap,dtype", CASES)
+def test_attention_matches_reference(seed, num_seqs, max_len, max_q, block_size, group, window, cap, dtype):  # type: ignore[no-untyped-def]
+    lens, q_lens = random_lengths(seed, num_seqs, max_len, max_q)
+    batch = make_batch(seed, lens, q_lens, block_size=block_size, group=group, dtype=dtype)
+    expected = paged_attention(*batch.args(), sliding_window=window, soft_cap=cap, backend="reference")
+    out = paged_attention(*batch.args(), sliding_window=window, soft_cap=cap, backend="triton")
+    assert not out.isnan().any(), "the Triton kernel read a poisoned (unwritten) slot"
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_matches_reference_and_leaves_other_slots(dtype: torch.dtype) -> None:
+    shape = (5, 4, 2, 8)
+    poison = torch.full(shape, float("nan"), dtype=dtype)
+    caches = [poison.clone() for _ in range(4)]
+    slots = torch.tensor([17, 0, 6, 19, 9], dtype=torch.int64)
+    key, value = torch.randn(5, 2, 8).to(dtype), torch.randn(5, 2, 8).to(dtype)
+    write_kv(caches[0], caches[1], key, value, slots, backend="reference")
+    write_kv(caches[2], caches[3], key, value, slots, backend="triton")
+    for ref, tri in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(ref.view(torch.uint8), tri.view(torch.uint8)), "Triton write differs from the reference"
+    flat = caches[2].view(-1, 2, 8)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[untouched].isnan().all(), "a slot no write targeted changed"
+    assert torch.equal(flat[slots], key)
+
+
+def test_dispatch_by_device_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("PAGEDKV_ATTENTION_BACKEND", raising=False)
+    assert choose_backend(cpu) == "reference"
+    assert choose_backend(torch.device("cuda")) == "triton"
+    assert choose_backend(torch.device("cuda"), cache_dtype=torch.float8_e4m3fn) == "reference"
+    with use_backend("triton"):
+        assert choose_backend(cpu) == "triton"
+        assert choose_backend(cpu, "reference") == "reference"
+    monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "triton")
+    assert choose_backend(cpu) == "triton"
+    with use_backend("reference"):
+        assert choose_backend(cpu) == "reference"
+    monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        choose_backend(cpu)
+
+
+def test_override_routes_calls_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.ops import triton_kernels
+
+    calls = []
+    original = triton_kernels.paged_attention_triton
+    monkeypatch.setattr(triton_kernels, "paged_attention_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    lens, q_lens = random_lengths(9, 2, 12, 3)
+    batch = make_batch(9, lens, q_lens, block_size=4)
+    with use_backend("triton"):
+        tri = paged_attention(*batch.args())
+    assert calls == [1], "use_backend('triton') did not route the call to the Triton kernel"
+    ref = paged_attention(*batch.args(), backend="reference")
+    torch.testing.assert_close(tri, ref, atol=1e-5, rtol=1e-5)
