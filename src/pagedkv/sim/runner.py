@@ -46,7 +46,7 @@ class SimulationReport:
             "allocators": self.results,
         }
         if self.sweep:
-            data["block_size_sweep"] = {str(bs): r for bs, r in self.sweep.items()}
+            data["block_size_sweep"] = {str(bs): r for bs, r in sorted(self.sweep.items())}
         return data
 
 

@@ -94,6 +94,7 @@ class SimTrace:
     stored_tokens: list[int] = field(default_factory=list)  # tokens whose KV occupies a slot
     empty_slots: list[int] = field(default_factory=list)  # reserved slots holding no token
     preemptions: int = 0
+    rejected: int = 0  # requests the allocator could never hold (the scheduler rejects them)
     bytes_moved: float = 0.0  # HBM traffic the step model charged, summed over steps
     flops: float = 0.0
     page_table_bytes: float = 0.0  # block-table entries the attention kernels read (paged allocators)
@@ -188,6 +189,11 @@ def simulate(
         output = scheduler.schedule()
         chunks = output.scheduled
         if not chunks:
+            for req in getattr(output, "rejected", ()):
+                live.pop(req.request_id, None)
+                out.rejected += 1
+            if not scheduler.has_unfinished():
+                continue
             if pending:
                 now = max(now, pending[0][0])
                 continue
