@@ -1,0 +1,157 @@
+"""`pagedkv bench attention`: paged attention against contiguous SDPA over the same KV.
+
+For every (batch, context) shape: the KV of `batch` sequences of `context` tokens sits in a paged cache
+(block size 16 by default, blocks at shuffled ids, block 0 left as the guard block) and, copied, in
+contiguous `[batch, num_kv_heads, context, head_dim]` tensors. Decode times one query per sequence; prefill
+times a full causal prefill of every sequence. The baseline is one batched torch SDPA call over the
+contiguous copy (`enable_gqa`, `is_causal` for prefill). Each side is timed `--repeats` times after a
+warm-up and the minimum is reported (the machine is shared; the minimum is the least noisy statistic).
+Both sides' outputs are compared, and the max abs difference is part of the table.
+
+Target (issue 3): paged decode within 1.25x of contiguous SDPA at batch 32, context 2048, on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.ops import paged_attention
+from pagedkv.ops.contiguous import gather_kv
+from pagedkv.storage.kv import torch_dtype
+from pagedkv.storage.spec import normalize_dtype_name
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="batch sizes")
+    parser.add_argument("--context", type=int, nargs="+", default=[128, 512, 2048, 8192], help="context lengths")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--mode", choices=["decode", "prefill", "both"], default="both")
+    parser.add_argument("--prefill-max-tokens", type=int, default=8192, help="skip prefills of more tokens")
+    parser.add_argument("--max-gb", type=float, default=3.0, help="skip shapes whose KV (paged + copy) exceeds")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", choices=["reference", "triton"], default=None, help="default: by device")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a small subset for smoke tests")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    def measure(fn: Callable[[], object]) -> float:
+        fn()  # warm-up
+        best = math.inf
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    return measure
+
+
+def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -> dict[str, object]:
+    """Time one shape; returns a JSON-ready row."""
+    device = torch.device(args.device)
+    dtype = torch_dtype(normalize_dtype_name(args.dtype))
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    bs, hkv, hq, dim = args.block_size, args.num_kv_heads, args.num_heads, args.head_dim
+    blocks_per_seq = -(-context // bs)
+    num_blocks = 1 + batch * blocks_per_seq
+    key_cache = torch.randn((num_blocks, bs, hkv, dim), generator=gen).to(device=device, dtype=dtype)
+    value_cache = torch.randn((num_blocks, bs, hkv, dim), generator=gen).to(device=device, dtype=dtype)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    block_table = ids.view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    keys, values = gather_kv(key_cache, value_cache, block_table, seq_lens)
+    k = keys.transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+    v = values.transpose(1, 2).contiguous()
+    del keys, values
+    q_per_seq = 1 if mode == "decode" else context
+    query = torch.randn((batch * q_per_seq, hq, dim), generator=gen).to(device=device, dtype=dtype)
+    cu = torch.arange(0, batch * q_per_seq + 1, q_per_seq, dtype=torch.int32, device=device)
+    q_sdpa = query.view(batch, q_per_seq, hq, dim).transpose(1, 2)
+
+    def paged() -> torch.Tensor:
+        return paged_attention(
+            query, key_cache, value_cache, block_table, seq_lens, cu, max_seqlen_q=q_per_seq, backend=args.backend
+        )
+
+    def contiguous() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q_sdpa, k, v, is_causal=mode == "prefill", enable_gqa=True)
+
+    diff = (paged().float() - contiguous().transpose(1, 2).reshape(query.shape).float()).abs().max().item()
+    measure = _timer(device, args.repeats)
+    paged_ms, contiguous_ms = measure(paged), measure(contiguous)
+    kv_bytes = 2 * batch * context * hkv * dim * key_cache.element_size()
+    return {
+        "mode": mode,
+        "batch": batch,
+        "context": context,
+        "paged_ms": round(paged_ms, 3),
+        "contiguous_ms": round(contiguous_ms, 3),
+        "ratio": round(paged_ms / contiguous_ms, 3),
+        "max_abs_diff": diff,
+        "kv_bytes": kv_bytes,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.batch, args.context, args.repeats = [1, 4], [128, 256], min(args.repeats, 2)
+    modes = ["decode", "prefill"] if args.mode == "both" else [args.mode]
+    elem = torch_dtype(normalize_dtype_name(args.dtype)).itemsize
+    rows: list[dict[str, object]] = []
+    skipped: list[str] = []
+    for mode in modes:
+        for batch in args.batch:
+            for context in args.context:
+                kv_gb = 2 * 2 * batch * context * args.num_kv_heads * args.head_dim * elem / 2**30
+                if kv_gb > args.max_gb:
+                    skipped.append(f"{mode} batch={batch} context={context}: KV {kv_gb:.1f} GiB > --max-gb")
+                    continue
+                if mode == "prefill" and batch * context > args.prefill_max_tokens:
+                    skipped.append(f"prefill batch={batch} context={context}: > --prefill-max-tokens")
+                    continue
+                rows.append(bench_shape(args, mode, batch, context))
+    config = {
+        "device": args.device,
+        "dtype": normalize_dtype_name(args.dtype),
+        "block_size": args.block_size,
+        "num_heads": args.num_heads,
+        "num_kv_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "backend": args.backend or "auto",
+        "torch": torch.__version__,
+    }
+    if args.json:
+        print(json.dumps({"config": config, "results": rows, "skipped": skipped}, indent=2))
+        return 0
+    print("paged attention vs contiguous SDPA (" + ", ".join(f"{k}={v}" for k, v in config.items()) + ")")
+    print(f"{'mode':8} {'batch':>5} {'context':>7} {'paged ms':>10} {'contig ms':>10} {'ratio':>7} {'max|diff|':>10}")
+    for r in rows:
+        print(
+            f"{r['mode']:8} {r['batch']:>5} {r['context']:>7} {r['paged_ms']:>10.3f} {r['contiguous_ms']:>10.3f} "
+            f"{r['ratio']:>7.3f} {r['max_abs_diff']:>10.2e}"
+        )
+    for line in skipped:
+        print(f"skipped: {line}")
+    return 0
