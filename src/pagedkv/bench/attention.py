@@ -4,8 +4,9 @@ For every (batch, context) shape: the KV of `batch` sequences of `context` token
 (block size 16 by default, blocks at shuffled ids, block 0 left as the guard block) and, copied, in
 contiguous `[batch, num_kv_heads, context, head_dim]` tensors. Decode times one query per sequence; prefill
 times a full causal prefill of every sequence. The baseline is one batched torch SDPA call over the
-contiguous copy (`enable_gqa`, `is_causal` for prefill). Each side is timed `--repeats` times after a
-warm-up and the minimum is reported (the machine is shared; the minimum is the least noisy statistic).
+contiguous copy (`enable_gqa`, `is_causal` for prefill). The two sides run alternately for `--repeats`
+rounds after a warm-up and each one's minimum is reported (on a shared machine the minimum is the least
+noisy statistic, and alternating exposes both sides to the same background load).
 Both sides' outputs are compared, and the max abs difference is part of the table.
 
 Target (issue 3): paged decode within 1.25x of contiguous SDPA at batch 32, context 2048, on the CPU.
@@ -48,21 +49,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
-    def measure(fn: Callable[[], object]) -> float:
+def time_interleaved(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
+    """Best wall time (ms) of each function over `repeats` rounds, the functions alternating within a round
+    so that load from other processes on a shared machine hits both sides alike."""
+    for fn in fns:
         fn()  # warm-up
-        best = math.inf
-        for _ in range(repeats):
+    best = [math.inf] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        return best * 1e3
-
-    return measure
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [b * 1e3 for b in best]
 
 
 def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -> dict[str, object]:
@@ -96,8 +98,7 @@ def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -
         return F.scaled_dot_product_attention(q_sdpa, k, v, is_causal=mode == "prefill", enable_gqa=True)
 
     diff = (paged().float() - contiguous().transpose(1, 2).reshape(query.shape).float()).abs().max().item()
-    measure = _timer(device, args.repeats)
-    paged_ms, contiguous_ms = measure(paged), measure(contiguous)
+    paged_ms, contiguous_ms = time_interleaved([paged, contiguous], device, args.repeats)
     kv_bytes = 2 * batch * context * hkv * dim * key_cache.element_size()
     return {
         "mode": mode,
