@@ -104,9 +104,9 @@ def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -
         "mode": mode,
         "batch": batch,
         "context": context,
-        "paged_ms": round(paged_ms, 3),
-        "contiguous_ms": round(contiguous_ms, 3),
-        "ratio": round(paged_ms / contiguous_ms, 3),
+        "paged_ms": paged_ms,
+        "contiguous_ms": contiguous_ms,
+        "ratio": paged_ms / contiguous_ms,
         "max_abs_diff": diff,
         "kv_bytes": kv_bytes,
     }
