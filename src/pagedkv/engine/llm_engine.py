@@ -171,6 +171,7 @@ class Engine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority,
             eos_token_id=None if params.ignore_eos else self.eos_token_id,
+            stop_token_ids=tuple(params.stop_token_ids),
         )
         self._tracked[rid] = _Tracked(request, params, make_generator(params.child_seed(0)), on_token)
         self.scheduler.add_request(request)
@@ -199,8 +200,15 @@ class Engine:
         if tracked is None:
             return
         if not _is_finished(tracked.request):
-            self.scheduler.finish(tracked.request, reason)
+            self.scheduler.finish(tracked.request, reason, now=self.clock())
         self._collect(tracked)
+
+    def get_request(self, request_id: str) -> Any:
+        """The scheduler's `Request` of an unfinished request (its seq_id, tokens, progress)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            raise InvalidArgumentError(f"no unfinished request {request_id!r}")
+        return tracked.request
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
@@ -210,43 +218,81 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> update round; returns the outputs that finished in it."""
         out = self.scheduler.schedule()
-        chunks = list(out.scheduled)
+        chunks = [c for c in out.scheduled]
         if not chunks:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not out.rejected:
                 raise CapacityError(
-                    "the scheduler made no progress: no running request and none can be admitted "
-                    "(a waiting request needs more KV than is free)"
+                    "the scheduler made no progress: nothing runs and no waiting request can be admitted "
+                    "(the head of the queue needs more KV than can be freed)"
                 )
             return self._drain_finished()
         logits = self.runner.execute(self.manager, out)
-        producing = [c.request for c in chunks if c.produces_token]
-        tracked = [self._tracked[r.request_id] for r in producing]
+        producing = [c for c in chunks if c.produces_token]
+        tracked = [self._tracked[c.request.request_id] for c in producing]
         tokens = sample(logits, [t.params for t in tracked], [t.generator for t in tracked])
-        sampled = {r.request_id: tok for r, tok in zip(producing, tokens)}
+        sampled = {c.request.request_id: tok for c, tok in zip(producing, tokens)}
+        for row, (chunk, parent) in enumerate(zip(producing, tracked)):
+            if parent.params.n > 1 and not parent.children_forked and not chunk.request.output_token_ids:
+                self._fork_children(parent, chunk, logits[row : row + 1], sampled)
         now = self.clock()
         self.scheduler.update(out, sampled, now)
         self.stats.num_steps += 1
-        self.stats.num_preemptions += len(getattr(out, "preempted", ()) or ())
-        for request in producing:
-            self._after_token(self._tracked[request.request_id])
+        self.stats.num_preemptions += len(out.preempted)
+        self.stats.num_swapped_out_blocks += len(out.swap_out.src)
+        self.stats.num_swapped_in_blocks += len(out.swap_in.src)
+        for rid in sampled:
+            self._after_token(self._tracked[rid], now)
         self._record_step(now)
         return self._drain_finished()
 
-    def _after_token(self, tracked: _Tracked) -> None:
-        """Engine-side stops (stop token ids, stop strings), then the streaming callback."""
+    def _fork_children(
+        self, parent: _Tracked, chunk: Any, logits: torch.Tensor, sampled: dict[str, int]
+    ) -> None:
+        """Parallel sampling: after the prompt's last chunk, n-1 children share its blocks (fork, copy-on-write
+        on their first divergent write) and each samples its first token from the same logits with its own
+        generator. A child that cannot be forked now (no room for its copy) is queued as a fresh request; it
+        finds the prompt in the prefix cache."""
+        from pagedkv.engine.request import Request
+
+        parent.children_forked = True
+        request, params = parent.request, parent.params
+        for i in range(1, params.n):
+            child_id = f"{request.request_id}.{i}"
+            generator = make_generator(params.child_seed(i))
+            try:
+                child = self.scheduler.fork(request, child_id)
+            except CapacityError:
+                child = Request(
+                    child_id,
+                    request.prompt_token_ids,
+                    request.max_new_tokens,
+                    arrival_time=request.arrival_time,
+                    priority=request.priority,
+                    eos_token_id=request.eos_token_id,
+                    stop_token_ids=request.stop_token_ids,
+                    salt=request.salt,
+                )
+                self.scheduler.add_request(child)
+            else:
+                # The fork copies the parent's progress before `update` records this step's chunk as
+                # computed; the child shares that KV, so it is computed for the child too.
+                child.num_computed_tokens = chunk.end
+                sampled[child_id] = sample(logits, [params], [generator])[0]
+            self._tracked[child_id] = _Tracked(
+                child, params, generator, parent.on_token, parent_id=request.request_id
+            )
+            self._tracked[child_id].children_forked = True
+
+    def _after_token(self, tracked: _Tracked, now: float) -> None:
+        """Stop strings (the scheduler handles max tokens, EOS and stop token ids), then streaming."""
         request, params = tracked.request, tracked.params
-        if not _is_finished(request) and request.output_token_ids:
-            last = request.output_token_ids[-1]
-            if last in params.stop_token_ids:
-                self.scheduler.finish(request, "stop")
-            elif params.stop and self.tokenizer is not None:
-                text = self._decode(request.output_token_ids)
-                for s in params.stop:
-                    cut = text.find(s)
-                    if cut >= 0:
-                        tracked.stop_text = text[:cut]
-                        self.scheduler.finish(request, "stop")
-                        break
+        if params.stop and self.tokenizer is not None and tracked.stop_text is None:
+            text = self._decode(request.output_token_ids)
+            cuts = [i for i in (text.find(stop) for stop in params.stop) if i >= 0]
+            if cuts:
+                tracked.stop_text = text[: min(cuts)]
+                if not _is_finished(request):
+                    self.scheduler.finish(request, "stop", now=now)
         if tracked.on_token is not None:
             tracked.on_token(self._snapshot(tracked))
 
@@ -301,6 +347,7 @@ class Engine:
             tpot_s=tpot,
             e2e_s=(finish - arrival) if finished and finish is not None else None,
             parent_id=tracked.parent_id,
+            error=getattr(r, "error", None),
         )
 
     # --- batch API ------------------------------------------------------------------------------

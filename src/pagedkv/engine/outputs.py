@@ -60,6 +60,8 @@ class EngineStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
     step_times: list[float] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     live_tokens: list[int] = field(default_factory=list)

@@ -16,7 +16,7 @@ The runner never changes allocator or request state; `Scheduler.update` does tha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,10 @@ import torch
 from pagedkv.hf.attention import forward_step
 from pagedkv.hf.cache import PagedKVCache
 from pagedkv.hf.metadata import StepBatch, build_step_batch
+
+if TYPE_CHECKING:
+    from pagedkv.core.protocol import KVManager
+    from pagedkv.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
@@ -34,25 +38,21 @@ class ModelRunner:
         self.cache = cache
         self.device = next(model.parameters()).device
 
-    def apply_block_moves(self, output: Any) -> None:
+    def apply_block_moves(self, output: SchedulerOutput) -> None:
         """Swaps then copy-on-write copies, before the forward (see the module docstring)."""
-        for device_ids, host_ids in getattr(output, "swap_out", ()) or ():
-            self.cache.swap_out(device_ids, host_ids)
-        for host_ids, device_ids in getattr(output, "swap_in", ()) or ():
-            self.cache.swap_in(host_ids, device_ids)
-        copies = getattr(output, "copies", None)
-        if copies is not None and len(copies.src):
-            self.cache.copy_blocks(copies.src, copies.dst)
+        if len(output.swap_out.src):  # device src -> host dst
+            self.cache.swap_out(output.swap_out.src, output.swap_out.dst)
+        if len(output.swap_in.src):  # host src -> device dst
+            self.cache.swap_in(output.swap_in.src, output.swap_in.dst)
+        if len(output.copies.src):
+            self.cache.copy_blocks(output.copies.src, output.copies.dst)
 
-    def build_batch(self, manager: Any, chunks: Sequence[Any]) -> StepBatch:
+    def build_batch(self, manager: KVManager, chunks: Sequence[ScheduledChunk]) -> StepBatch:
         """Pack the scheduled chunks: tokens `[start, start + num_new_tokens)` of each request."""
         seq_ids = np.fromiter((c.request.seq_id for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         ends = starts + np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-        tokens = [
-            np.asarray(_token_ids(c.request)[c.start : c.start + c.num_new_tokens], dtype=np.int64)
-            for c in chunks
-        ]
+        tokens = [np.asarray(_chunk_tokens(c), dtype=np.int64) for c in chunks]
         return build_step_batch(
             tokens,
             starts,
@@ -62,7 +62,7 @@ class ModelRunner:
             device=self.device,
         )
 
-    def execute(self, manager: Any, output: Any) -> torch.Tensor:
+    def execute(self, manager: KVManager, output: SchedulerOutput) -> torch.Tensor:
         """Run `output`; return logits `[K, vocab]` for its chunks with `produces_token`, in order."""
         self.apply_block_moves(output)
         chunks = list(output.scheduled)
@@ -71,9 +71,11 @@ class ModelRunner:
         return forward_step(self.model, self.cache, self.build_batch(manager, chunks))
 
 
-def _token_ids(request: Any) -> Sequence[int]:
-    """All known token ids of a request (prompt + output so far)."""
-    ids = getattr(request, "all_token_ids", None)
-    if ids is None:
-        return [*request.prompt_token_ids, *request.output_token_ids]
-    return ids  # type: ignore[no-any-return]
+def _chunk_tokens(chunk: ScheduledChunk) -> Sequence[int]:
+    """Token ids `[start, end)` of the chunk's request, without copying the whole prompt for a decode."""
+    request, n = chunk.request, chunk.request.num_prompt_tokens
+    if chunk.start >= n:
+        return request.output_token_ids[chunk.start - n : chunk.end - n]
+    if chunk.end <= n:
+        return request.prompt_token_ids[chunk.start : chunk.end]
+    return request.all_token_ids[chunk.start : chunk.end]
