@@ -89,3 +89,14 @@ def test_override_routes_calls_to_triton(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == [1], "use_backend('triton') did not route the call to the Triton kernel"
     ref = paged_attention(*batch.args(), backend="reference")
     torch.testing.assert_close(tri, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits,window", [(2, None), (4, None), (4, 6)])
+def test_split_k_matches_reference(num_splits: int, window: int | None) -> None:
+    from pagedkv.ops.triton_kernels import paged_attention_triton
+
+    lens, q_lens = random_lengths(13, 3, 70, 2)
+    batch = make_batch(13, lens, q_lens, block_size=4, group=2)
+    expected = paged_attention(*batch.args(), sliding_window=window, backend="reference")
+    out = paged_attention_triton(*batch.args(), scale=8**-0.5, sliding_window=window, block_n=8, num_splits=num_splits)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

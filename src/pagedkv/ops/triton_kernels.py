@@ -15,6 +15,10 @@ The dot products are broadcast-multiply-and-sum rather than `tl.dot`, which keep
 dim legal (`tl.dot` wants dims >= 16) and is adequate for memory-bound decode; prefill re-reads the keys
 once per query token and is the part to tile with `tl.dot` when it matters.
 
+Split-K (flash-decoding): when (query tokens x KV heads) programs are too few to fill the GPU (small
+decode batches, long contexts), a third grid axis splits each query's keys into `num_splits` slices; each
+program writes a partial (max, sum, accumulator) and a second kernel merges them.
+
 Numerics: float32 scores and accumulation (half inputs upcast on load); the sum order differs from the
 reference's, so the two agree to rounding (tolerances in docs/attention.md), not bit for bit.
 """
@@ -92,6 +96,10 @@ def _paged_attention_kernel(
     stride_o_token,
     stride_o_head,
     stride_table,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    num_heads,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -99,9 +107,11 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     pos = tl.load(token_pos_ptr + token)
 
@@ -117,6 +127,11 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(pos - window + 1, 0)
     hi = pos + 1
+    if NUM_SPLITS > 1:
+        # Split-K (flash-decoding): this program takes one of NUM_SPLITS BLOCK_N-aligned slices of [lo, hi).
+        chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -141,9 +156,45 @@ def _paged_attention_kernel(
         v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    o_offs = token.to(tl.int64) * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if NUM_SPLITS > 1:
+        # Partial results [num_q_tokens, num_heads, NUM_SPLITS(, DIM_PAD)]; an empty slice leaves m = -inf,
+        # l = 0, acc = 0, which the reduction weighs by exp(-inf) = 0.
+        part = (token.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=g_mask[:, None])
+    else:
+        out = acc / l_i[:, None]
+        o_offs = token.to(tl.int64) * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    num_heads,
+    stride_o_token,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, DIM_PAD)
+    part = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + sp
+    m = tl.load(part_m_ptr + part)
+    denom = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :])
+    m_max = tl.max(m, axis=0)  # split 0 is never empty, so this is finite
+    w = tl.exp(m - m_max)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+    o_offs = token.to(tl.int64) * stride_o_token + head * stride_o_head + d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def query_positions(
@@ -174,8 +225,14 @@ def paged_attention_triton(
     soft_cap: float | None = None,
     block_n: int = 32,
     num_warps: int = 4,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Triton `paged_attention` (shapes already checked by `pagedkv.ops.paged_attention`)."""
+    """Triton `paged_attention` (shapes already checked by `pagedkv.ops.paged_attention`).
+
+    `num_splits` (a power of two) splits each query's keys across programs (flash-decoding) when the
+    (token, KV head) grid alone is too small to fill the GPU; None chooses from the grid and the table
+    width (no host sync).
+    """
     num_q_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -185,7 +242,18 @@ def paged_attention_triton(
         return out
     token_seq, token_pos = query_positions(seq_lens, cu_seqlens_q, num_q_tokens)
     table = block_table.to(torch.int32)
-    _paged_attention_kernel[(num_q_tokens, num_kv_heads)](
+    dim_pad = triton.next_power_of_2(head_dim)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_q_tokens * num_kv_heads, table.shape[1] * key_cache.shape[1], block_n, query.device)
+    if num_splits & (num_splits - 1) or num_splits < 1:
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if num_splits > 1:
+        part_m = torch.empty((num_q_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_q_tokens, num_heads, num_splits, dim_pad), dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _paged_attention_kernel[(num_q_tokens, num_kv_heads, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -203,13 +271,42 @@ def paged_attention_triton(
         out.stride(0),
         out.stride(1),
         table.stride(0),
+        part_m,
+        part_l,
+        part_acc,
+        num_heads,
         GROUP=group,
         GROUP_PAD=max(triton.next_power_of_2(group), 1),
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        DIM_PAD=dim_pad,
         BLOCK_N=block_n,
         HAS_SOFT_CAP=soft_cap is not None,
         HAS_WINDOW=sliding_window is not None,
+        NUM_SPLITS=num_splits,
         num_warps=num_warps,
     )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_q_tokens, num_heads)](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits,
+        )
     return out
+
+
+def choose_num_splits(num_programs: int, max_context: int, block_n: int, device: torch.device) -> int:
+    """Enough splits to give the GPU ~4 programs per SM, each split keeping >= 4 tiles of keys; 1 on CPU."""
+    if device.type != "cuda":
+        return 1
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = 1
+    while splits < 64 and num_programs * splits < target and max_context >= 8 * block_n * splits:
+        splits *= 2
+    return splits
