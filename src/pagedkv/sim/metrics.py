@@ -11,6 +11,8 @@ Definitions (all times simulated seconds; the span runs from the first arrival t
 - `ttft`: first token time minus arrival; `tpot`: (finish - first token) / (output tokens - 1), for
   requests with at least two output tokens.
 - `prefix_hit_rate`: prompt tokens served from the prefix cache at first admission / prompt tokens.
+- `kv_traffic_fraction`: the share of the bytes the step model charged that is KV (read and written), the
+  rest being weights: how much of a memory-bound step the attention kernels' memory traffic is.
 - `page_table_bytes_fraction`: block-table bytes the attention kernels read (one int32 per context block
   per layer) over all bytes the step model charged; 0 for contiguous allocators. Traffic only: the latency
   cost of indirection inside a kernel is not modelled.
@@ -60,6 +62,9 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
         "preemptions": int(trace.preemptions),
         "rejected": int(trace.rejected),
         "prefix_hit_rate": float(trace.cached_tokens.sum() / prompt_tokens) if prompt_tokens else 0.0,
+        "kv_traffic_fraction": 1.0 - len(dt) * trace.config.model.weight_bytes / trace.bytes_moved
+        if trace.bytes_moved
+        else 0.0,
         "page_table_bytes_fraction": trace.page_table_bytes / trace.bytes_moved if trace.bytes_moved else 0.0,
         "num_requests": int(np.isfinite(trace.finish_s).sum()),
         "num_steps": len(dt),
