@@ -109,3 +109,20 @@ def test_budget_too_small_for_one_request_names_the_values() -> None:
 def test_default_activation_reserve_is_used() -> None:
     cfg = SimConfig(MODEL, GPU)
     assert cfg.budget().activation_bytes == activation_reserve_bytes(MODEL, 8192, 256), "profile estimate"
+
+
+def test_multi_turn_follows_parents_and_hits_the_history() -> None:
+    wl = build_workload(
+        WorkloadSpec(source="multi-turn", num_requests=24, turns=4, system_prompt_len=256), 4096
+    )
+    traces = {
+        a: simulate(config_with_blocks(600, a, max_model_len=4096), wl) for a in ("paged", "paged-prefix")
+    }
+    index = {r.index: i for i, r in enumerate(wl.requests)}
+    t = traces["paged-prefix"]
+    for r in wl.requests:
+        if r.parent is not None:
+            parent_finish = t.finish_s[index[r.parent]]
+            assert t.arrival_s[index[r.index]] == pytest.approx(parent_finish + r.think_s), "closed loop"
+    hits = {a: summarize(tr)["prefix_hit_rate"] for a, tr in traces.items()}
+    assert hits["paged"] == 0.0 and hits["paged-prefix"] > 0.5, f"later turns reuse the history: {hits}"
