@@ -52,3 +52,13 @@ def test_shared_prefix_counts_shared_blocks_once() -> None:
     assert a["paged-prefix"]["max_concurrent_memory"] > 2 * a["paged"]["max_concurrent_memory"], (
         "a 1024-token shared system prompt should more than double what fits"
     )
+
+
+def test_turns_of_one_chat_do_not_count_as_shared_memory() -> None:
+    wl = build_workload(
+        WorkloadSpec(source="multi-turn", num_requests=40, turns=4, system_prompt_len=256), 4096
+    )
+    a = plan_capacity(_budget(), wl, 4096)["allocators"]
+    assert a["paged-prefix"]["max_concurrent_memory"] == a["paged"]["max_concurrent_memory"], (
+        "each chat has its own system prompt; its turns are never live together"
+    )

@@ -24,7 +24,6 @@ Usable blocks are the pool less its null block.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,23 +45,31 @@ def _ceil_sum(n: IntArray, b: int) -> IntArray:
 
 
 def shared_prefix_blocks(requests: Sequence[GeneratedRequest], block_size: int) -> tuple[IntArray, int]:
-    """Per request, how many leading full prompt blocks another request also starts with; and how many
-    distinct such blocks exist."""
+    """Per request, how many leading full prompt blocks a request of another conversation also starts with;
+    and how many distinct such blocks exist. Turns of one conversation (linked by `parent`) are not live
+    together, so sharing between them does not count."""
+    by_index = {r.index: r for r in requests}
+
+    def root(r: GeneratedRequest) -> int:
+        while r.parent is not None and r.parent in by_index:
+            r = by_index[r.parent]
+        return r.index
+
     keys: list[list[int]] = []
-    counts: Counter[int] = Counter()
+    owners: dict[int, set[int]] = {}
     for r in requests:
-        chain, parent = [], 0
+        chain, parent, conversation = [], 0, root(r)
         ids = np.ascontiguousarray(r.prompt_token_ids, dtype=np.int32)
         for j in range(len(ids) // block_size):
             parent = hash((parent, ids[j * block_size : (j + 1) * block_size].tobytes()))
             chain.append(parent)
+            owners.setdefault(parent, set()).add(conversation)
         keys.append(chain)
-        counts.update(chain)
     shared = np.array(
-        [next((j for j, k in enumerate(chain) if counts[k] < 2), len(chain)) for chain in keys],
+        [next((j for j, k in enumerate(chain) if len(owners[k]) < 2), len(chain)) for chain in keys],
         dtype=np.int64,
     )
-    distinct = sum(1 for c in counts.values() if c >= 2)
+    distinct = sum(1 for o in owners.values() if len(o) >= 2)
     return shared, distinct
 
 
