@@ -146,3 +146,10 @@ def test_bad_metadata_gets_clear_errors() -> None:
         paged_attention(*batch.args(), sliding_window=0)
     with pytest.raises(InvalidArgumentError, match="soft_cap"):
         paged_attention(*batch.args(), soft_cap=-1.0)
+
+
+def test_sequence_without_queries_is_skipped() -> None:
+    batch = make_batch(8, [12, 30, 7], [2, 0, 1], block_size=4)
+    out = paged_attention(*batch.args())
+    assert out.shape == (3, 4, 8)
+    torch.testing.assert_close(out, _oracle(batch), atol=2e-6, rtol=2e-6)
