@@ -126,3 +126,20 @@ def test_multi_turn_follows_parents_and_hits_the_history() -> None:
             assert t.arrival_s[index[r.index]] == pytest.approx(parent_finish + r.think_s), "closed loop"
     hits = {a: summarize(tr)["prefix_hit_rate"] for a, tr in traces.items()}
     assert hits["paged"] == 0.0 and hits["paged-prefix"] > 0.5, f"later turns reuse the history: {hits}"
+
+
+def test_rejected_requests_are_counted_not_hung(monkeypatch) -> None:
+    # one request asks the contiguous allocator for more than the whole arena: the scheduler rejects it
+    # (the allocator raises CapacityError) and the replay carries on with the others.
+    import itertools
+
+    import pagedkv.sim.simulator as sim
+
+    wl = build_workload(WorkloadSpec(source="fixed", num_requests=5, prompt_len=100, output_len=10), 1024)
+    calls = itertools.count()
+    real = sim.max_new_tokens_for
+    monkeypatch.setattr(sim, "max_new_tokens_for", lambda *a: 100_000 if next(calls) == 2 else real(*a))
+    trace = simulate(config_with_blocks(100, "contiguous-max", max_model_len=1024), wl)
+    s = summarize(trace)
+    assert (trace.rejected, s["rejected"], s["num_requests"]) == (1, 1, 4), "one rejected, four served"
+    assert trace.final_used_blocks == 0, "nothing leaked"

@@ -188,10 +188,12 @@ def simulate(
 
         output = scheduler.schedule()
         chunks = output.scheduled
+        for req in getattr(output, "rejected", ()):  # can never fit: finished without a token
+            g, _ = live.pop(req.request_id)
+            out.rejected += 1
+            for child in children.get(g.index, ()):  # a chat goes on even if one turn was refused
+                heapq.heappush(pending, (now + reqs[child].think_s, child))
         if not chunks:
-            for req in getattr(output, "rejected", ()):
-                live.pop(req.request_id, None)
-                out.rejected += 1
             if not scheduler.has_unfinished():
                 continue
             if pending:

@@ -59,6 +59,11 @@ class WorkloadSpec:
     def is_trace(self) -> bool:
         return self.source == DEFAULT_WORKLOAD or self.source not in GENERATORS
 
+    @property
+    def _unit(self) -> str:
+        # multi-turn chats start at the rate; their later turns follow their previous turn (closed loop)
+        return "conversations/s" if self.source == "multi-turn" else "req/s"
+
     def describe(self) -> str:
         if self.source == DEFAULT_WORKLOAD:
             name = "azure-conv (Azure LLM inference trace 2023, conv; Patel et al., ISCA 2024)"
@@ -77,11 +82,11 @@ class WorkloadSpec:
                 "trace arrivals" if self.time_scale == 1.0 else f"trace arrivals x{self.time_scale:g} faster"
             )
             if not self.is_trace:
-                how = "all at t=0" if self.rate is None else f"Poisson {self.rate:g} req/s"
+                how = "all at t=0" if self.rate is None else f"Poisson {self.rate:g} {self._unit}"
         elif self.arrivals == "burst":
             how = "all at t=0"
         else:
-            how = f"Poisson {self.rate:g} req/s"
+            how = f"Poisson {self.rate:g} {self._unit}"
         return f"{name}, {self.num_requests} requests, {how}"
 
 
