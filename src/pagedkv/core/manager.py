@@ -79,6 +79,24 @@ class SwapPlan(NamedTuple):
     dst: IntArray
 
 
+def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) -> tuple[IntArray, IntArray]:
+    """Of the rows about to write into shared blocks, those that must move to a copy.
+
+    Every writer copies, except when all holders of a block write in the same batch: then the last of
+    them (in batch order) keeps the original, since nobody else would ever read it.
+    """
+    if len(src) == 0:
+        return rows, src
+    order = np.argsort(src, kind="stable")
+    sorted_src = src[order]
+    rank = np.empty(len(src), dtype=np.int64)
+    rank[order] = np.arange(len(src)) - np.searchsorted(sorted_src, sorted_src, side="left")
+    counts = np.bincount(np.searchsorted(sorted_src, src, side="left"), minlength=len(src))
+    writers = counts[np.searchsorted(sorted_src, src, side="left")]
+    keep = (writers == ref[src]) & (rank == writers - 1)
+    return rows[~keep], src[~keep]
+
+
 class PagedKVManager:
     def __init__(
         self,
@@ -259,24 +277,26 @@ class PagedKVManager:
 
     # --- growth ---------------------------------------------------------------------------------
 
-    def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray]:
-        """Blocks each row needs for k more tokens, and the rows/blocks needing copy-on-write first."""
+    def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+        """Blocks each row needs for k more tokens; the rows/blocks needing copy-on-write first; and the
+        private keyed blocks that writes will change (they must be unpublished first)."""
         t = self.tables
         old = t.num_tokens[rows]
         need = np.maximum(-(-(old + k) // self._block_size) - t.num_blocks[rows], 0)
-        cow_rows, cow_src = _EMPTY, _EMPTY
+        cow_rows, cow_src, unkey = _EMPTY, _EMPTY, _EMPTY
         if t.cow_risk.any():
             risky = t.cow_risk[rows] & (old % self._block_size != 0)
             if risky.any():
                 cand = rows[risky]
                 src = t.table[cand, (t.num_tokens[cand] - 1) // self._block_size].astype(np.int64)
                 shared = self.pool.ref[src] > 1
-                cow_rows, cow_src = cand[shared], src[shared]
-        return need, cow_rows, cow_src
+                cow_rows, cow_src = _writers_to_move(cand[shared], src[shared], self.pool.ref)
+                unkey = src[~shared]  # rolled back into a block the others have since released
+        return need, cow_rows, cow_src, unkey
 
     def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
         rows = self.tables.rows(seq_ids)
-        need, cow_rows, _ = self._growth(rows, as_count(num_tokens, "num_tokens"))
+        need, cow_rows, _, _ = self._growth(rows, as_count(num_tokens, "num_tokens"))
         return int(need.sum()) + len(cow_rows)
 
     def append(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1) -> bool:
@@ -291,11 +311,13 @@ class PagedKVManager:
         tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
         if len(rows) == 0 or k == 0:
             return True
-        need, cow_rows, cow_src = self._growth(rows, k)
+        need, cow_rows, cow_src, unkey = self._growth(rows, k)
         total_new = int(need.sum())
         if total_new + len(cow_rows) > self.pool.num_available:
             return False
         # --- commit ---
+        for block_id in unkey.tolist():
+            self.pool.unpublish(block_id)
         ids = self.pool.allocate(total_new + len(cow_rows))
         if len(cow_rows):
             self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
@@ -319,7 +341,7 @@ class PagedKVManager:
     def _copy_on_write(self, rows: IntArray, src: IntArray, dst: IntArray) -> None:
         t = self.tables
         t.table[rows, (t.num_tokens[rows] - 1) // self._block_size] = dst
-        self.pool.release(src)  # shared: the count drops but stays >= 1
+        np.subtract.at(self.pool.ref, src, 1)  # someone else still holds each src: no state change
         if self.enable_prefix_caching:
             self.block_tokens[dst] = self.block_tokens[src]
         self._copies_src.append(src)
@@ -592,9 +614,11 @@ class PagedKVManager:
         if not np.array_equal(refs + pool.pins, pool.ref):
             bad = np.nonzero(refs + pool.pins != pool.ref)[0][:8].tolist()
             raise InvariantError(f"manager: ref counts differ from table references + pins at blocks {bad}")
+        # A keyed block is full; a holder may see it partial only after rolling back into it, and then
+        # it must copy (or unpublish) before writing.
         keyed_partial = held & pool.keyed[t.table] & ((cols + 1) * bs > t.num_tokens[:, None])
-        if keyed_partial.any():
-            raise InvariantError("manager: a keyed block is not full in a sequence that holds it")
+        if (keyed_partial & ~t.cow_risk[:, None]).any():
+            raise InvariantError("manager: a keyed block is partial in a sequence that may write into it")
         if (t.num_published > t.num_computed // bs).any():
             raise InvariantError("manager: more blocks published than computed")
         if set(self._keys) - set(np.nonzero(t.alive)[0].tolist()):

@@ -1,0 +1,161 @@
+"""Random operation sequences against the paged manager, checking every invariant after every step.
+
+A model of the expected token content of each live sequence is kept beside the manager: after any
+sequence of admit / append / fork / rollback / free / preempt / pin / unpin / reset / epoch bump, the
+block tokens the manager holds for each sequence must equal the model's, and once every sequence is
+freed and every pin released, the pool holds nothing in use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedkv.core import BlockKeys, PagedKVManager, PinHandle
+
+BS = 4
+VOCAB = 3  # tiny vocabulary: prompts collide often, so prefix sharing is exercised
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = PagedKVManager(num_blocks=24, block_size=BS, num_host_blocks=8, record_events=True)
+        self.tokens: dict[int, list[int]] = {}  # seq id -> expected token ids
+        self.keys: dict[int, BlockKeys] = {}
+        self.pins: list[PinHandle] = []
+        self.indexed: set[object] = set()  # keys the event stream says are cached
+
+    def _live(self) -> list[int]:
+        return [s for s in self.tokens if not self.m.is_swapped(s)]
+
+    @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=14), salt=st.sampled_from([b"", b"t2"]))
+    def admit(self, prompt: list[int], salt: bytes) -> None:
+        keys = BlockKeys(salt)
+        adm = self.m.admit(prompt, keys=keys)
+        if adm is not None:
+            assert adm.seq_id not in self.tokens, "a live handle was handed out twice"
+            assert adm.num_cached_tokens % BS == 0 and adm.num_cached_tokens < len(prompt)
+            self.tokens[adm.seq_id] = list(prompt)
+            self.keys[adm.seq_id] = keys
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data(), k=st.integers(1, 5))
+    def append(self, data: st.DataObject, k: int) -> None:
+        live = self._live()
+        batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+        new = data.draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=k, max_size=k), min_size=len(batch), max_size=len(batch)))
+        before = self.m.snapshot()
+        need = self.m.num_blocks_to_append(batch, k)
+        available = self.m.num_free_blocks
+        ok = self.m.append(batch, np.array(new), num_tokens=k)
+        assert ok == (need <= available), f"append answered {ok} with {need} needed and {available} available"
+        if ok:
+            for s, t in zip(batch, new):
+                self.tokens[s].extend(t)
+        else:
+            assert self.m.snapshot() == before, "a refused append changed state"
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def mark_computed(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self._live()))
+        lo = self.m.num_computed_tokens(s)
+        n = data.draw(st.integers(lo, len(self.tokens[s])))
+        self.m.mark_computed([s], [n])
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self._live()))
+        child = self.m.fork(s)
+        self.tokens[child] = list(self.tokens[s])
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self._live()))
+        n = data.draw(st.integers(0, len(self.tokens[s]) - 1))
+        self.m.rollback(s, n)
+        del self.tokens[s][len(self.tokens[s]) - n :]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), preempt=st.booleans())
+    def free(self, data: st.DataObject, preempt: bool) -> None:
+        s = data.draw(st.sampled_from(sorted(self.tokens)))
+        if preempt and not self.m.is_swapped(s):
+            assert self.m.preempt(s) == len(self.tokens[s])
+        else:
+            self.m.free(s)
+        del self.tokens[s]
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        self.m.swap_out(data.draw(st.sampled_from(self._live())))
+
+    @precondition(lambda self: any(self.m.is_swapped(s) for s in self.tokens))
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        self.m.swap_in(data.draw(st.sampled_from([s for s in self.tokens if self.m.is_swapped(s)])))
+
+    @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=12))
+    def pin(self, prompt: list[int]) -> None:
+        self.pins.append(self.m.pin(prompt))
+
+    @precondition(lambda self: self.pins)
+    @rule()
+    def unpin(self) -> None:
+        self.m.unpin(self.pins.pop())
+
+    @rule()
+    def evict_all_cached(self) -> None:
+        n = self.m.pool.num_available
+        if n:
+            self.m.pool.release(self.m.pool.allocate(n))  # take everything, give it back unkeyed
+
+    @rule()
+    def reset(self) -> None:
+        self.m.reset_prefix_cache()
+
+    @rule()
+    def bump_epoch(self) -> None:
+        self.m.bump_epoch()
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.m.check_invariants()
+        for e in self.m.take_events():
+            if e.kind == "stored":
+                assert e.key not in self.indexed, "stored twice without a removal"
+                self.indexed.add(e.key)
+            elif e.kind == "removed":
+                self.indexed.remove(e.key)
+            else:
+                self.indexed.clear()
+        assert self.indexed == set(self.m.pool.index), "events disagree with the cache"
+
+    @invariant()
+    def content_matches_the_model(self) -> None:
+        for s, expected in self.tokens.items():
+            if self.m.is_swapped(s):
+                continue
+            assert self.m.num_tokens(s) == len(expected)
+            slots = self.m.slot_mapping([s], [0], [len(expected)])
+            assert self.m.block_tokens.reshape(-1)[slots].tolist() == expected, f"sequence {s} reads wrong tokens"
+
+    def teardown(self) -> None:
+        for s in list(self.tokens):
+            self.m.free(s)
+        for handle in self.pins:
+            self.m.unpin(handle)
+        self.m.check_invariants()
+        assert self.m.num_used_blocks == 0, "blocks leaked after every sequence and pin was released"
+
+
+ManagerMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestManagerMachine = ManagerMachine.TestCase

@@ -1,0 +1,153 @@
+"""The scheduler alone, on the real allocators, with made-up sampled tokens (no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.core import ContiguousKVManager, InvalidArgumentError, PagedKVManager
+from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def step(s: Scheduler, now: float = 0.0, token: int = 7):
+    out = s.schedule()
+    sampled = {c.request.request_id: token for c in out.scheduled if c.produces_token}
+    return out, s.update(out, sampled, now)
+
+
+def test_chunked_prefill_then_decode_first() -> None:
+    s = Scheduler(PagedKVManager(64, 4), SchedulerConfig(max_num_batched_tokens=8))
+    s.add_request(Request("a", list(range(20)), 3))
+    out, _ = step(s)
+    assert [(c.request.request_id, c.start, c.num_new_tokens, c.produces_token) for c in out.scheduled] == [("a", 0, 8, False)]
+    s.add_request(Request("b", list(range(100, 105)), 2))
+    out, _ = step(s)  # the running prefill takes the whole budget: b waits
+    assert [(c.request.request_id, c.start, c.num_new_tokens) for c in out.scheduled] == [("a", 8, 8)]
+    out, _ = step(s)  # a's last 4 tokens (it samples), then b's first chunk
+    got = [(c.request.request_id, c.start, c.num_new_tokens, c.produces_token) for c in out.scheduled]
+    assert got == [("a", 16, 4, True), ("b", 0, 4, False)]
+    out, _ = step(s)  # decode first, then b's last token
+    got = [(c.request.request_id, c.start, c.num_new_tokens, c.produces_token) for c in out.scheduled]
+    assert got == [("a", 20, 1, True), ("b", 4, 1, True)]
+
+
+def test_budget_counts_tokens_exactly() -> None:
+    s = Scheduler(PagedKVManager(64, 4), SchedulerConfig(max_num_batched_tokens=10))
+    s.add_request(Request("a", list(range(6)), 4))
+    s.add_request(Request("b", list(range(50, 56)), 4))
+    out, _ = step(s)
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.scheduled] == [("a", 6), ("b", 4)]
+    out, _ = step(s)
+    assert [(c.request.request_id, c.start, c.num_new_tokens) for c in out.scheduled] == [("a", 6, 1), ("b", 4, 2)]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
+    s = Scheduler(PagedKVManager(64, 4), SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False))
+    s.add_request(Request("a", list(range(6)), 4))
+    s.add_request(Request("b", list(range(50, 56)), 4))
+    out, _ = step(s)
+    assert [c.request.request_id for c in out.scheduled] == ["a"]
+    assert s.manager.num_sequences == 1  # b's blocks were given back
+
+
+def test_priority_admits_first_and_is_preempted_last() -> None:
+    m = PagedKVManager(8, 4)  # 7 usable blocks
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    s.add_request(Request("low", list(range(12)), 20, arrival_time=0.0, priority=0))
+    s.add_request(Request("high", list(range(50, 62)), 20, arrival_time=1.0, priority=1))
+    out, _ = step(s)
+    assert [c.request.request_id for c in out.scheduled] == ["high", "low"]
+    preempted = []
+    for _ in range(8):
+        out, _ = step(s)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and set(preempted) == {"low"}
+    assert s.get("low").status is RequestStatus.WAITING and s.get("low").output_token_ids
+
+
+def test_recompute_and_swap_finish_every_request_without_leaks() -> None:
+    for mode in ("recompute", "swap"):
+        m = PagedKVManager(16, 4, num_host_blocks=32)
+        s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=16, preemption_mode=mode))
+        rng = np.random.default_rng(1)
+        for i in range(10):
+            s.add_request(Request(f"r{i}", rng.integers(0, 50, size=int(rng.integers(2, 20))).tolist(), int(rng.integers(1, 15))))
+        finished = []
+        for t in range(500):
+            if not s.has_unfinished():
+                break
+            _, done = step(s, now=float(t), token=int(rng.integers(0, 50)))
+            finished += done
+            m.check_invariants()
+        assert len(finished) == 10 and s.num_preemptions > 0, mode
+        assert all(len(r.output_token_ids) == r.max_new_tokens for r in finished)
+        assert m.num_used_blocks == 0 and m.num_sequences == 0
+
+
+def test_eos_and_stop_tokens_finish_early() -> None:
+    s = Scheduler(PagedKVManager(32, 4))
+    s.add_request(Request("a", [1, 2, 3], 10, eos_token_id=9))
+    s.add_request(Request("b", [4, 5, 6], 10, stop_token_ids=(8,)))
+    out = s.schedule()
+    done = s.update(out, {"a": 9, "b": 3}, now=1.0)
+    assert [r.request_id for r in done] == ["a"] and done[0].finish_reason == "stop"
+    out = s.schedule()
+    done = s.update(out, {"b": 8}, now=2.0)
+    assert done[0].finish_reason == "stop" and done[0].output_token_ids == [3, 8]
+
+
+def test_a_request_that_can_never_fit_is_rejected_and_the_rest_run() -> None:
+    s = Scheduler(PagedKVManager(4, 4))  # 3 usable blocks: 12 tokens
+    s.add_request(Request("big", list(range(40)), 2))
+    s.add_request(Request("ok", list(range(5)), 2))
+    out, _ = step(s)
+    assert [r.request_id for r in out.rejected] == ["big"]
+    assert out.rejected[0].finish_reason == "rejected" and "blocks" in out.rejected[0].error
+    assert [c.request.request_id for c in out.scheduled] == ["ok"]
+
+
+def test_contiguous_baseline_under_the_same_scheduler() -> None:
+    m = ContiguousKVManager(17, 4)  # 16 blocks
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    for i in range(4):
+        s.add_request(Request(f"r{i}", list(range(8)), 24))  # each reserves 8 blocks: only 2 fit at once
+    out, _ = step(s)
+    assert len(out.scheduled) == 2
+    while s.has_unfinished():
+        step(s)
+    assert m.num_used_blocks == 0
+
+
+def test_fork_shares_prompt_blocks() -> None:
+    m = PagedKVManager(32, 4)
+    s = Scheduler(m)
+    parent = Request("p", list(range(10)), 5)
+    s.add_request(parent)
+    out = s.schedule()
+    child = s.fork(parent, "p#1")
+    assert m.block_ids(child.seq_id) == m.block_ids(parent.seq_id)
+    s.update(out, {"p": 1, "p#1": 2})
+    out = s.schedule()
+    assert m.block_ids(child.seq_id)[:2] == m.block_ids(parent.seq_id)[:2]
+    assert m.block_ids(child.seq_id)[2] != m.block_ids(parent.seq_id)[2]
+    assert len(out.copies.src) == 1
+    with pytest.raises(InvalidArgumentError):
+        s.fork(parent, "p#1")
+
+
+def test_config_and_request_validation() -> None:
+    with pytest.raises(InvalidArgumentError):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(InvalidArgumentError):
+        SchedulerConfig(preemption_mode="drop")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        Request("x", [], 3)
+    with pytest.raises(InvalidArgumentError):
+        Request("x", [1], 0)
+    with pytest.raises(InvalidArgumentError):
+        Scheduler(ContiguousKVManager(8, 4), SchedulerConfig(preemption_mode="swap"))
+    s = Scheduler(PagedKVManager(8, 4))
+    s.add_request(Request("x", [1], 3))
+    with pytest.raises(InvalidArgumentError):
+        s.add_request(Request("x", [2], 3))
