@@ -51,29 +51,39 @@ class SimulationReport:
 
 
 class _Progress:
-    """A progress bar on stderr (tqdm when present), counting finished requests over every run."""
+    """A progress bar on stderr counting finished requests over every run: tqdm when installed, else a
+    one-line counter of our own."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self._bar: Any = None
+        self._enabled, self._total, self._n, self._text = enabled, total, 0, ""
         if not enabled:
             return
         try:
             from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm ships with the hf extra
+        except ImportError:  # tqdm ships with the hf extra; the core install may lack it
             return
         self._bar = tqdm(total=total, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
 
     def describe(self, text: str) -> None:
+        self._text = text
         if self._bar is not None:
             self._bar.set_description(text)
 
     def __call__(self, n: int) -> None:
         if self._bar is not None:
             self._bar.update(n)
+        elif self._enabled:
+            self._n += n
+            sys.stderr.write(f"\r{self._text}: {self._n}/{self._total} requests")
+            sys.stderr.flush()
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        elif self._enabled and self._n:
+            sys.stderr.write("\r" + " " * (len(self._text) + 40) + "\r")
+            sys.stderr.flush()
 
 
 def run_simulation(
