@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedkv.core.errors import InvalidArgumentError
@@ -47,3 +48,13 @@ def test_generators_and_errors() -> None:
         WorkloadSpec(source="variable", arrivals="poisson")
     with pytest.raises(InvalidArgumentError, match="no request .* fits max_model_len=50"):
         build_workload(WorkloadSpec(source="fixed", num_requests=2, prompt_len=100), 50)
+
+
+def test_variable_lengths_can_be_refitted() -> None:
+    spec = WorkloadSpec(
+        source="variable", num_requests=2000, prompt_lognormal=(4.6, 0.5), output_lognormal=(5.0, 0.5)
+    )
+    wl = build_workload(spec, 4096)
+    p = np.log([r.prompt_len for r in wl.requests])
+    assert abs(p.mean() - 4.6) < 0.05, "prompt log-normal as given"
+    assert "ln prompt ~ N(4.6, 0.5)" in wl.name, "the workload name says which distribution"

@@ -20,6 +20,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _lognormal(text: str) -> tuple[float, float]:
+    try:
+        mu, sigma = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MU,SIGMA (two numbers), got {text!r}") from None
+    if sigma < 0:
+        raise argparse.ArgumentTypeError(f"SIGMA must be >= 0, got {sigma}")
+    return mu, sigma
+
+
 def _name_list(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in ALLOCATORS]
@@ -79,6 +89,18 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--system-prompt-len", type=int, default=1024, help="shared-prefix/multi-turn system prompt"
     )
+    w.add_argument(
+        "--prompt-lognormal",
+        type=_lognormal,
+        metavar="MU,SIGMA",
+        help="variable workload: ln(prompt length) ~ N(MU, SIGMA) (default: Azure conv fit 6.633,0.985)",
+    )
+    w.add_argument(
+        "--output-lognormal",
+        type=_lognormal,
+        metavar="MU,SIGMA",
+        help="variable workload: ln(output length) ~ N(MU, SIGMA) (default: Azure conv fit 5.019,0.859)",
+    )
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: 4)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
@@ -112,6 +134,8 @@ def workload_from(args: argparse.Namespace) -> WorkloadSpec:
         output_len=args.output_len,
         system_prompt_len=args.system_prompt_len,
         turns=args.turns,
+        prompt_lognormal=args.prompt_lognormal,
+        output_lognormal=args.output_lognormal,
     )
 
 

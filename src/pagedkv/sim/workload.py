@@ -39,6 +39,12 @@ class WorkloadSpec:
     output_len: int = 128  # fixed-length workload
     system_prompt_len: int = 1024  # shared-prefix / multi-turn
     turns: int = 4  # multi-turn
+    prompt_lognormal: tuple[float, float] | None = (
+        None  # variable: (mu, sigma) of ln(prompt); None = Azure fit
+    )
+    output_lognormal: tuple[float, float] | None = (
+        None  # variable: (mu, sigma) of ln(output); None = Azure fit
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_requests, int) or self.num_requests < 1:
@@ -75,6 +81,10 @@ class WorkloadSpec:
             name = f"shared-prefix (system prompt {self.system_prompt_len})"
         elif self.source == "multi-turn":
             name = f"multi-turn ({self.turns} turns)"
+        elif self.prompt_lognormal or self.output_lognormal:
+            p = self.prompt_lognormal or gen.AZURE_CONV_PROMPT_LOGNORMAL
+            o = self.output_lognormal or gen.AZURE_CONV_OUTPUT_LOGNORMAL
+            name = f"variable (ln prompt ~ N({p[0]:g}, {p[1]:g}), ln output ~ N({o[0]:g}, {o[1]:g}))"
         else:
             name = "variable (log-normal fitted to Azure conv)"
         if self.arrivals == "trace":
@@ -145,7 +155,13 @@ def _from_generator(spec: WorkloadSpec, max_model_len: int) -> list[GeneratedReq
             max_prompt_len=max_model_len - 1,
         )
         return reqs[:n]
-    return gen.variable_length(n, seed=seed, rate=rate)
+    return gen.variable_length(
+        n,
+        seed=seed,
+        rate=rate,
+        prompt_lognormal=spec.prompt_lognormal or gen.AZURE_CONV_PROMPT_LOGNORMAL,
+        output_lognormal=spec.output_lognormal or gen.AZURE_CONV_OUTPUT_LOGNORMAL,
+    )
 
 
 def build_workload(spec: WorkloadSpec, max_model_len: int) -> Workload:
