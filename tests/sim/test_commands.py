@@ -74,6 +74,7 @@ def test_plan_json(capsys) -> None:
         (["--model", "llama-2-70b"], "no room for the KV cache"),
         (["--gpu-memory-utilization", "0.37"], "less than one request of max_model_len=4096"),
         (["--trace", "/nonexistent.csv"], "unknown workload '/nonexistent.csv'"),
+        (["--max-model-len", "99999"], "max_model_len=99999 exceeds llama-2-7b's context length 4096"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv: list[str], message: str, capsys) -> None:
