@@ -27,9 +27,7 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
-from pagedkv.core.prefix import _MASK as FAST_MASK
-from pagedkv.core.prefix import _P as FAST_P
-from pagedkv.core.prefix import BlockKeys, KeyFunction, fast_block_hashes, fast_key, key_function, sha256_key
+from pagedkv.core.prefix import BlockKeys, KeyFunction, fast_key, key_function, sha256_key
 from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
 from pagedkv.core.table import BlockTables
 from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
@@ -180,15 +178,13 @@ class PagedKVManager:
     def _match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
         keys.bind(self._key_fn, self.epoch)
-        bs, index, known = self._block_size, self.pool.index, keys.keys
-        if keys.vectorisable:
-            keys.extend_fast(tokens, bs, max_blocks)
+        bs, index, known, key_of = self._block_size, self.pool.index, keys.keys, self.pool.key_of
         hits: list[int] = []
         for i in range(max_blocks):
             block_tokens = tokens[i * bs : (i + 1) * bs]
             key = known[i + 1] if i + 1 < len(known) else keys.key(i, block_tokens)
             block_id = index.get(key)
-            if block_id is None:
+            if block_id is None or key_of[block_id] != key:  # a miss, or a stale entry of an evicted block
                 break
             if self.verify_hits and not np.array_equal(self.block_tokens[block_id], block_tokens):
                 self._verify_failures += 1
@@ -392,41 +388,67 @@ class PagedKVManager:
         data = self.block_tokens[block_ids].tobytes()
         ids = block_ids.tolist()
         width = self._block_size * 4
-        fast_sha = self._key_fn is sha256_key
-        fast_poly = self._key_fn is fast_key
-        hashes = fast_block_hashes(self.block_tokens[block_ids]).tolist() if fast_poly else []
-        sha = hashlib.sha256
-        index, key_of = pool.index, pool.key_of
+        index, key_of, keyed = pool.index, pool.key_of, pool.keyed
         stored: list[int] = []
         pos = 0
         for row, start, stop in zip(rows.tolist(), starts.tolist(), upto.tolist()):
             keys = self._keys[row]
+            count = stop - start
             if keys.epoch != self.epoch:  # computed under weights of an earlier epoch: never matchable
-                pos += stop - start
+                pos += count
                 continue
             known = keys.keys
-            extra = keys.block_extra
-            for i in range(start, stop):
-                if i + 1 < len(known):
-                    key = known[i + 1]
-                elif fast_sha and not extra:
-                    key = sha(known[i] + data[pos * width : (pos + 1) * width]).digest()  # type: ignore[operator]
-                    known.append(key)
-                elif fast_poly and not extra:
-                    key = (known[i] * FAST_P + hashes[pos]) & FAST_MASK  # type: ignore[operator]
-                    known.append(key)
-                else:
-                    key = self._key_fn(known[i], data[pos * width : (pos + 1) * width], extra.get(i, b""))
-                    known.append(key)
-                block_id = ids[pos]
-                pos += 1
-                if key_of[block_id] is None and key not in index:
+            if len(known) <= stop:
+                self._extend_keys(keys, start, stop, data[pos * width : (pos + count) * width])
+            segment = known[start + 1 : stop + 1]
+            segment_ids = ids[pos : pos + count]
+            pos += count
+            if (
+                count > 1
+                and index.keys().isdisjoint(segment)
+                and not keyed[block_ids[pos - count : pos]].any()
+                and len(set(segment)) == count
+            ):
+                # the common case, a fresh prompt: nothing to de-duplicate, insert in bulk
+                index.update(zip(segment, segment_ids))
+                boxed = np.empty(count, dtype=object)
+                boxed[:] = segment
+                key_of[block_ids[pos - count : pos]] = boxed
+                stored.extend(segment_ids)
+                continue
+            for key, block_id in zip(segment, segment_ids):
+                if key_of[block_id] is None and ((other := index.get(key)) is None or key_of[other] != key):
                     index[key] = block_id
                     key_of[block_id] = key
                     stored.append(block_id)
         pool.keyed[stored] = True
+        pool._maybe_compact()
         if pool.record_events:
             pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
+
+    def _extend_keys(self, keys: BlockKeys, start: int, stop: int, data: bytes) -> None:
+        """Hash blocks [len(keys) .. stop) of a row from their token bytes (`data` covers [start, stop))."""
+        known = keys.keys
+        width = self._block_size * 4
+        first = len(known) - 1
+        assert first >= start, "manager: block keys fell behind the published blocks"
+        chunk = data[(first - start) * width :]
+        if keys.block_extra:
+            for j in range(stop - first):
+                known.append(self._key_fn(known[-1], chunk[j * width : (j + 1) * width], keys.block_extra.get(first + j, b"")))
+        elif self._key_fn is sha256_key:
+            sha, parent = hashlib.sha256, known[-1]
+            for j in range(0, len(chunk), width):  # inlined: one hashlib call per published block
+                parent = sha(parent + chunk[j : j + width]).digest()  # type: ignore[operator]
+                known.append(parent)
+        elif self._key_fn is fast_key:
+            parent = known[-1]
+            for j in range(0, len(chunk), width):
+                parent = hash((parent, chunk[j : j + width], b""))
+                known.append(parent)
+        else:
+            for j in range(stop - first):
+                known.append(self._key_fn(known[-1], chunk[j * width : (j + 1) * width], b""))
 
     # --- release --------------------------------------------------------------------------------
 

@@ -9,10 +9,14 @@ Every usable block is in exactly one state:
 
     free + cached-free + in-use == num_usable_blocks  (the null block, if any, is outside all three)
 
-Allocation, release, eviction and hits are O(1) per block: the free stack is a numpy array with a top
-pointer (popping k blocks is one slice), the eviction order is one `OrderedDict` per retention priority
-(removing a hit block from the middle is O(1), unlike a deque), ref counts are numpy so batch releases are
-vectorised. The pool owns the key <-> block index, because a block's state depends on having a key.
+Allocation, release, eviction and hits are O(1) per block, and batched where they can be: the free stack
+is a numpy array with a top pointer (popping k blocks is one slice); the eviction order is one FIFO queue
+per retention priority, kept as numpy arrays of (block id, stamp) with lazy deletion: a hit takes a
+block out of the order in O(1) by bumping the block's stamp (its queue entry goes stale), and evicting k
+blocks filters a window of the queue head in a few numpy calls. Dropping an evicted block's key is lazy
+too: `key_of` is cleared in one vectorised store and stale index entries are skipped on lookup (and
+compacted when they outnumber the live ones). The pool owns the key <-> block index, because a block's
+state depends on having a key.
 
 At most one block holds a given key (the index is a map). A block computed twice concurrently stays
 private in its second copy: it is never published, and goes straight to the free stack when released.
@@ -22,7 +26,6 @@ describe exactly the set of keys that can hit.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -49,6 +52,34 @@ class PoolStats:
     evictions: int = 0
 
 
+class _Queue:
+    """A FIFO of (block id, stamp) entries; an entry is live while the block's stamp is unchanged."""
+
+    __slots__ = ("ids", "stamps", "head", "tail")
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.ids = np.empty(capacity, dtype=np.int64)
+        self.stamps = np.empty(capacity, dtype=np.int64)
+        self.head = self.tail = 0
+
+    def push(self, ids: IntArray, stamps: IntArray) -> None:
+        n = len(ids)
+        if self.tail + n > len(self.ids):
+            live = self.tail - self.head
+            capacity = max(2 * (live + n), 256)
+            grown_ids, grown_stamps = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
+            grown_ids[:live] = self.ids[self.head : self.tail]
+            grown_stamps[:live] = self.stamps[self.head : self.tail]
+            self.ids, self.stamps, self.head, self.tail = grown_ids, grown_stamps, 0, live
+        self.ids[self.tail : self.tail + n] = ids
+        self.stamps[self.tail : self.tail + n] = stamps
+        self.tail += n
+
+    def live(self, stamp: npt.NDArray[np.int64]) -> IntArray:
+        ids = self.ids[self.head : self.tail]
+        return ids[stamp[ids] == self.stamps[self.head : self.tail]]
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, *, null_block: bool = True, record_events: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks < (2 if null_block else 1):
@@ -61,13 +92,13 @@ class BlockPool:
         self.ref = np.zeros(num_blocks, dtype=np.int32)
         self.pins = np.zeros(num_blocks, dtype=np.int32)
         self.keyed = np.zeros(num_blocks, dtype=bool)
-        self.key_of: list[Key | None] = [None] * num_blocks
-        self.index: dict[Key, int] = {}
+        self.key_of = np.full(num_blocks, None, dtype=object)  # the block's key, or None
+        self.index: dict[Key, int] = {}  # key -> block; entries whose block no longer holds the key are stale
         # Free stack: the top is the end; initial order hands out ascending ids.
         self._stack = np.arange(num_blocks - 1, self.first_id - 1, -1, dtype=np.int64)
         self._top = len(self._stack)
-        self._evictable: dict[int, OrderedDict[int, None]] = {}
-        self._prio_of = np.zeros(num_blocks, dtype=np.int64)  # cached-free block -> its priority level
+        self._queues: dict[int, _Queue] = {}  # retention priority -> eviction order
+        self._stamp = np.zeros(num_blocks, dtype=np.int64)  # bumped when a block leaves cached-free
         self._num_evictable = 0
         self.stats = PoolStats()
         self.record_events = record_events
@@ -100,7 +131,10 @@ class BlockPool:
         return self.num_usable_blocks - self._top - self._num_evictable
 
     def lookup(self, key: Key) -> int | None:
-        return self.index.get(key)
+        block_id = self.index.get(key)
+        if block_id is None or self.key_of[block_id] != key:
+            return None
+        return block_id
 
     # --- allocation -----------------------------------------------------------------------------
 
@@ -121,43 +155,56 @@ class BlockPool:
         return ids
 
     def _evict(self, n: int) -> IntArray:
-        out: list[int] = []
-        index, key_of = self.index, self.key_of
-        events = self.events if self.record_events else None
-        for prio in sorted(self._evictable):
-            order = self._evictable[prio]
-            take = min(n - len(out), len(order))
-            for _ in range(take):
-                block_id = order.popitem(last=False)[0]
-                key = key_of[block_id]
-                del index[key]  # type: ignore[arg-type]
-                key_of[block_id] = None
-                out.append(block_id)
-                if events is not None:
-                    events.append(CacheEvent("removed", key, block_id))
-            if not order:
-                del self._evictable[prio]
-            if len(out) == n:
+        """The `n` oldest cached-free blocks, lowest priority first; their keys are dropped."""
+        taken: list[IntArray] = []
+        need = n
+        stamp = self._stamp
+        for prio in sorted(self._queues):
+            q = self._queues[prio]
+            while need and q.head < q.tail:
+                window = min(q.tail - q.head, max(2 * need, 64))
+                ids = q.ids[q.head : q.head + window]
+                live = np.flatnonzero(stamp[ids] == q.stamps[q.head : q.head + window])[:need]
+                if len(live) == need:
+                    q.head += int(live[-1]) + 1
+                else:
+                    q.head += window
+                taken.append(ids[live])
+                need -= len(live)
+            if q.head == q.tail:
+                del self._queues[prio]
+            if not need:
                 break
-        ids = np.array(out, dtype=np.int64)
-        self.keyed[ids] = False
+        out = np.concatenate(taken) if len(taken) != 1 else taken[0].copy()
+        if len(out) != n:
+            raise InvariantError(f"pool: eviction found {len(out)} of {n} cached-free blocks")
+        stamp[out] += 1
+        if self.record_events:
+            for block_id in out.tolist():
+                key = self.key_of[block_id]
+                del self.index[key]
+                self.events.append(CacheEvent("removed", key, block_id))
+        self.key_of[out] = None
+        self.keyed[out] = False
         self._num_evictable -= n
         self.stats.evictions += n
-        return ids
+        self._maybe_compact()
+        return out
+
+    def _maybe_compact(self) -> None:
+        if len(self.index) > 2 * self.num_blocks + 1024:  # stale entries dominate: rebuild, amortised O(1)
+            keyed = np.flatnonzero(self.keyed)
+            self.index = dict(zip(self.key_of[keyed].tolist(), keyed.tolist()))
 
     def touch_hit(self, block_id: int) -> None:
         """A prefix hit takes one more reference; a cached-free block leaves the eviction order."""
         if self.ref[block_id] == 0:
-            prio = int(self._prio_of[block_id])
-            order = self._evictable[prio]
-            del order[block_id]
-            if not order:
-                del self._evictable[prio]
+            self._stamp[block_id] += 1  # its queue entry goes stale
             self._num_evictable -= 1
         self.ref[block_id] += 1
 
     def release(self, block_ids: IntArray, priority: int = 0) -> None:
-        """Drop one reference from each block, in the given order (give tail blocks first).
+        """Drop one reference from each (distinct) block, in the given order (give tail blocks first).
 
         A block reaching zero becomes cached-free (keyed: appended to its priority's LRU order, so the
         first released is the first evicted) or free (no key).
@@ -175,20 +222,19 @@ class BlockPool:
             top = self._top
             self._stack[top : top + len(plain)] = plain[::-1]  # first released is taken first
             self._top = top + len(plain)
-        if keyed.any():
-            order = self._evictable.get(priority)
-            if order is None:
-                order = self._evictable[priority] = OrderedDict()
+        if len(plain) != len(zero):
             cached = zero[keyed]
-            order.update(dict.fromkeys(cached.tolist()))
-            self._prio_of[cached] = priority
+            q = self._queues.get(priority)
+            if q is None:
+                q = self._queues[priority] = _Queue()
+            q.push(cached, self._stamp[cached])
             self._num_evictable += len(cached)
 
     # --- keys -----------------------------------------------------------------------------------
 
     def publish(self, block_id: int, key: Key) -> bool:
         """Give an in-use, full block its content key. False if another block already holds the key."""
-        if key in self.index:
+        if self.lookup(key) is not None or self.key_of[block_id] is not None:
             return False
         self.index[key] = block_id
         self.key_of[block_id] = key
@@ -199,12 +245,11 @@ class BlockPool:
 
     def unpublish(self, block_id: int) -> None:
         """Remove an in-use block's key (its content is about to change)."""
-        if self.keyed[block_id]:
-            self._drop_key(block_id)
-
-    def _drop_key(self, block_id: int) -> None:
         key = self.key_of[block_id]
-        del self.index[key]  # type: ignore[arg-type]
+        if key is None:
+            return
+        if self.index.get(key) == block_id:
+            del self.index[key]
         self.key_of[block_id] = None
         self.keyed[block_id] = False
         if self.record_events:
@@ -212,24 +257,24 @@ class BlockPool:
 
     def clear_keys(self) -> int:
         """Drop every key: cached-free blocks become free. In-use blocks keep their data, lose their key."""
-        n = len(self.index)
-        for block_id in self.index.values():
-            self.key_of[block_id] = None
-        self.keyed[:] = False
-        self.index.clear()
+        n = int(self.keyed.sum())
         cached = self._cached_free()
-        self._evictable.clear()
+        self._stamp[cached] += 1
+        self._queues.clear()
         self._num_evictable = 0
         if len(cached):
             self._stack[self._top : self._top + len(cached)] = cached
             self._top += len(cached)
+        self.index.clear()
+        self.key_of[:] = None
+        self.keyed[:] = False
         if self.record_events:
             self.events.append(CacheEvent("cleared", None, None))
         return n
 
     def _cached_free(self) -> IntArray:
-        ids = [b for order in self._evictable.values() for b in order]
-        return np.array(ids, dtype=np.int64)
+        parts = [q.live(self._stamp) for _, q in sorted(self._queues.items())]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     # --- pins -----------------------------------------------------------------------------------
 
@@ -245,15 +290,15 @@ class BlockPool:
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything observable, for atomicity tests."""
+        live = {k: b for k, b in self.index.items() if self.key_of[b] == k}
         return (
             self.ref.tobytes(),
             self.pins.tobytes(),
             self.keyed.tobytes(),
-            tuple(self.key_of),
-            tuple(sorted(self.index.items(), key=repr)),
+            tuple(self.key_of.tolist()),
+            tuple(sorted(live.items(), key=repr)),
             self._stack[: self._top].tobytes(),
-            tuple((p, tuple(o)) for p, o in sorted(self._evictable.items())),
-            self._prio_of.tobytes(),
+            tuple((p, q.live(self._stamp).tobytes()) for p, q in sorted(self._queues.items())),
             self.stats.evictions,
             len(self.events),
         )
@@ -280,10 +325,11 @@ class BlockPool:
             fail(f"conservation: {len(free)} free + {len(cached)} cached + {in_use} in use != {self.num_usable_blocks}")
         if (self.ref < 0).any() or (self.pins < 0).any() or (self.pins > np.maximum(self.ref, 0)).any():
             fail("negative ref count or pins above ref count")
-        if int(self.keyed.sum()) != len(self.index):
-            fail("keyed blocks and index size disagree")
-        for key, block_id in self.index.items():
-            if self.key_of[block_id] != key:
-                fail(f"index maps a key to block {block_id}, which holds another key")
+        has_key = np.array([k is not None for k in self.key_of.tolist()], dtype=bool)
+        if not np.array_equal(has_key, self.keyed):
+            fail("keyed flags and keys disagree")
+        for block_id in np.flatnonzero(self.keyed).tolist():
+            if self.index.get(self.key_of[block_id]) != block_id:
+                fail(f"block {block_id} holds a key the index does not map back to it")
         if self.has_null_block and (self.keyed[NULL_BLOCK_ID] or self.ref[NULL_BLOCK_ID] != 1):
             fail("the null block was touched")

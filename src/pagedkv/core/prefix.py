@@ -11,10 +11,11 @@ first block chains from a root that mixes the cache epoch, the tenant salt and r
     tokens:  [ t0 .. t15 ][ t16 .. t31 ][ t32 .. t40 )
     keys:      k0=H(root,b0) k1=H(k0,b1)   (partial: no key)
 
-`sha256` is the default: one hashlib call per block. `fast` is a 64-bit polynomial chain computed for a
-whole prompt in a few numpy calls: much cheaper, but collisions can be crafted and occur by chance at
-scale, so it is unsafe across tenants (a collision would serve one request another's KV). Use it for
-single-tenant serving, ideally with `verify_hits=True`.
+`sha256` is the default: one hashlib call per block, stable across processes (an external KV-aware router
+can recompute keys). `fast` is Python's built-in hash (SipHash-1-3 with a per-process random key,
+64 bits): about half the cost, but process-local and too short to rule out collisions at scale or
+against a determined tenant, so it is unsafe across tenants (a collision would serve one request
+another's KV). Use it for single-tenant serving, ideally with `verify_hits=True`.
 """
 
 from __future__ import annotations
@@ -39,78 +40,10 @@ def sha256_key(parent: Key, data: bytes, extra: bytes) -> Key:
     return hashlib.sha256(parent + data + extra).digest()
 
 
-# --- the fast key: a 64-bit polynomial chain, vectorisable over a whole prompt ----------------------
-#
-#   h_i   = mix(sum_k (tok_k + 1) * C^k)            per-block content hash (numpy over all blocks)
-#   key_i = key_{i-1} * P + h_i   (mod 2^64)        linear chain, so a prefix scan computes every key:
-#   key_i = P^(i+1) key_{-1} + P^i * cumsum_j(h_j * P^-j)
-#
-# Linear and 64-bit: a collision can be crafted, so it is unsafe across tenants (use sha256, or
-# verify_hits=True). Different salts still never share a block: their roots differ, and P is odd.
-
-_MASK = (1 << 64) - 1
-_C = np.uint64(0x9E3779B97F4A7C15)
-_P = 0xD6E8FEB86659FD93  # odd: invertible mod 2^64
-_P_INV = pow(_P, -1, 1 << 64)
-
-
-def _powers(base: int, n: int) -> npt.NDArray[np.uint64]:
-    out = np.empty(n, dtype=np.uint64)
-    out[0] = 1
-    if n > 1:
-        out[1:] = base
-        with np.errstate(over="ignore"):
-            np.cumprod(out[1:], out=out[1:])
-    return out
-
-
-_POW_CACHE: dict[tuple[int, int], npt.NDArray[np.uint64]] = {}
-
-
-def _pow_table(base: int, n: int) -> npt.NDArray[np.uint64]:
-    table = _POW_CACHE.get((base, 0))
-    if table is None or len(table) < n:
-        table = _powers(base, max(n, 2 * len(table) if table is not None else 1024))
-        _POW_CACHE[(base, 0)] = table
-    return table[:n]
-
-
-def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
-        x = (x ^ (x >> np.uint64(33))) * np.uint64(0xC4CEB9FE1A85EC53)
-        return x ^ (x >> np.uint64(33))
-
-
-def fast_block_hashes(tokens: npt.NDArray[np.int32]) -> npt.NDArray[np.uint64]:
-    """Content hash of each row of a `[num_blocks, block_size]` token matrix."""
-    with np.errstate(over="ignore"):
-        weighted = (tokens.astype(np.uint64) + np.uint64(1)) * _pow_table(int(_C), tokens.shape[1])
-        return _mix(weighted.sum(axis=1, dtype=np.uint64))
-
-
-def fast_chain(parent: int, hashes: npt.NDArray[np.uint64]) -> list[int]:
-    """Keys of consecutive blocks after `parent`, all at once (the prefix scan above)."""
-    n = len(hashes)
-    if n <= 2:
-        out = []
-        for h in hashes.tolist():
-            parent = (parent * _P + h) & _MASK
-            out.append(parent)
-        return out
-    with np.errstate(over="ignore"):
-        p_pow = _pow_table(_P, n + 1)
-        scan = np.cumsum(hashes * _pow_table(_P_INV, n), dtype=np.uint64)
-        keys = p_pow[1:] * np.uint64(parent) + p_pow[:n] * scan
-    return keys.tolist()  # type: ignore[no-any-return]
-
-
 def fast_key(parent: Key, data: bytes, extra: bytes) -> Key:
-    assert isinstance(parent, int), "prefix: fast keys chain from int parents"
-    h = int(fast_block_hashes(np.frombuffer(data, dtype=np.int32)[None, :])[0])
-    if extra:
-        h ^= int.from_bytes(hashlib.blake2b(extra, digest_size=8).digest(), "little")
-    return (parent * _P + h) & _MASK
+    """Python's built-in hash: SipHash-1-3 keyed per process, 64 bits. Process-local (keys differ
+    between processes, so an external router cannot recompute them) and weaker than SHA-256."""
+    return hash((parent, data, extra))
 
 
 KEY_FUNCTIONS: dict[str, KeyFunction] = {"sha256": sha256_key, "fast": fast_key}
@@ -128,8 +61,6 @@ def key_function(name: str | KeyFunction) -> KeyFunction:
 def root_key(fn: KeyFunction, epoch: int, salt: bytes, extra: bytes) -> Key:
     """The parent of a sequence's first block: one per (epoch, salt, request-level extras)."""
     seed = b"pagedkv/root/" + epoch.to_bytes(8, "little")
-    if fn is fast_key:  # any bytes of salt and extras, folded to 64 bits
-        return int.from_bytes(hashlib.blake2b(seed + salt + b"/" + extra, digest_size=8).digest(), "little")
     return fn(hashlib.sha256(seed).digest(), salt, extra)
 
 
@@ -179,20 +110,6 @@ class BlockKeys:
         k = self._fn(self.keys[n], block_tokens.tobytes(), self.block_extra.get(block_index, b""))
         self.keys.append(k)
         return k
-
-    def extend_fast(self, tokens: npt.NDArray[np.int32], block_size: int, num_blocks: int) -> None:
-        """With the fast key and no per-block extras: compute keys up to `num_blocks` in one pass."""
-        have = len(self.keys) - 1
-        if num_blocks <= have:
-            return
-        blocks = tokens[have * block_size : num_blocks * block_size].reshape(num_blocks - have, block_size)
-        parent = self.keys[-1]
-        assert isinstance(parent, int), "prefix: fast keys chain from int parents"
-        self.keys.extend(fast_chain(parent, fast_block_hashes(blocks)))
-
-    @property
-    def vectorisable(self) -> bool:
-        return self._fn is fast_key and not self.block_extra
 
     def truncate(self, num_blocks: int) -> None:
         del self.keys[num_blocks + 1 :]
