@@ -151,3 +151,16 @@ def test_config_and_request_validation() -> None:
     s.add_request(Request("x", [1], 3))
     with pytest.raises(InvalidArgumentError):
         s.add_request(Request("x", [2], 3))
+
+
+def test_a_preempted_request_goes_back_ahead_of_later_arrivals() -> None:
+    m = PagedKVManager(6, 4)  # 5 usable blocks
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    for name in ("a", "b", "c"):
+        s.add_request(Request(name, list(range(7)), 30))  # same arrival time: FCFS by order of adding
+    out, _ = step(s)
+    assert [c.request.request_id for c in out.scheduled] == ["a", "b"]
+    while not out.preempted:
+        out, _ = step(s)
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert s._waiting[0][3].request_id == "b"  # ahead of c, which was added after it

@@ -96,6 +96,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.swapped: list[Request] = []
         self._by_id: dict[str, Request] = {}
+        self._order_of: dict[str, int] = {}  # request id -> position in arrival order
         self.num_preemptions = 0
 
     # --- queue ----------------------------------------------------------------------------------
@@ -106,10 +107,13 @@ class Scheduler:
         if request.status is not RequestStatus.WAITING:
             raise InvalidArgumentError(f"request {request.request_id!r} is {request.status.value}, not new")
         self._by_id[request.request_id] = request
+        self._order_of[request.request_id] = next(self._order)
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (-request.priority, request.arrival_time, next(self._order), request))
+        # A preempted request keeps its original place: it goes back ahead of everything that came after it.
+        order = self._order_of[request.request_id]
+        heapq.heappush(self._waiting, (-request.priority, request.arrival_time, order, request))
 
     @property
     def num_waiting(self) -> int:
@@ -300,6 +304,7 @@ class Scheduler:
         request.error = error
         request.finish_time = now
         self._by_id.pop(request.request_id, None)
+        self._order_of.pop(request.request_id, None)
 
     # --- parallel sampling ----------------------------------------------------------------------
 
@@ -330,6 +335,7 @@ class Scheduler:
         child.keys = parent.keys.copy()
         self.running.insert(self.running.index(parent) + 1, child)
         self._by_id[request_id] = child
+        self._order_of[request_id] = self._order_of[parent.request_id]
         return child
 
     def abort(self, request_ids: Iterable[str]) -> None:
