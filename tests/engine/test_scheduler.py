@@ -156,8 +156,8 @@ def test_config_and_request_validation() -> None:
 def test_a_preempted_request_goes_back_ahead_of_later_arrivals() -> None:
     m = PagedKVManager(6, 4)  # 5 usable blocks
     s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
-    for name in ("a", "b", "c"):
-        s.add_request(Request(name, list(range(7)), 30))  # same arrival time: FCFS by order of adding
+    for i, name in enumerate("abc"):
+        s.add_request(Request(name, list(range(10 * i, 10 * i + 7)), 30))  # same arrival: FCFS by order added
     out, _ = step(s)
     assert [c.request.request_id for c in out.scheduled] == ["a", "b"]
     while not out.preempted:

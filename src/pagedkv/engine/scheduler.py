@@ -12,6 +12,7 @@ budget (`max_num_batched_tokens`) over the requests:
   4. waiting requests are admitted, most important first then arrival order, while the allocator holds
      their prompt and the budget and `max_num_seqs` allow; each gets its first chunk. Head-of-line
      blocking is deliberate: a request that does not fit stops admission, so big requests do not starve.
+     A step that preempted admits nothing (as vLLM does): admitting would only thrash.
 
 The scheduler knows nothing about models: the engine runs the `SchedulerOutput` on one, the simulator
 times it with a roofline model; both call `update` with the sampled tokens.
@@ -178,8 +179,11 @@ class Scheduler:
             if chunk:
                 out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, chunk, chunk == remaining))
                 budget -= chunk
-        # 4. admit waiting requests
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not self.swapped:
+        # 4. admit waiting requests (not in a step that had to preempt: that would only thrash)
+        while (
+            self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+            and not self.swapped and not out.preempted
+        ):  # fmt: skip
             request = self._waiting[0][3]
             remaining_new = request.max_new_tokens - len(request.output_token_ids)
             try:
