@@ -58,10 +58,10 @@ def test_greedy_batch_matches_generate(family: str, prefix_caching: bool) -> Non
         assert o.finish_reason == ("stop" if o.output_token_ids[-1] == 2 else "length")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_chunked_prefill_matches_generate(family: str) -> None:
+@pytest.mark.parametrize(("family", "backend"), [("llama", "sdpa"), ("mistral", "sdpa"), ("mistral", "ops")])
+def test_chunked_prefill_matches_generate(family: str, backend: str) -> None:
     prompts = prompts_of(LENGTHS)
-    engine, outputs = run_engine(family, prompts, max_num_batched_tokens=7)
+    engine, outputs = run_engine(family, prompts, max_num_batched_tokens=7, attention_backend=backend)
     assert [o.output_token_ids for o in outputs] == reference(family, 0, LENGTHS, prompts)
     assert engine.stats.num_steps > len(prompts) + MAX_NEW  # the 30-token prompt took several steps
 
@@ -79,11 +79,13 @@ def test_prefix_cache_hits_keep_outputs_identical() -> None:
     assert [o.output_token_ids for o in first + rest] == expected
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_forced_preemption_keeps_outputs_identical(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "backend"), [("recompute", "sdpa"), ("swap", "sdpa"), ("swap", "ops")])
+def test_forced_preemption_keeps_outputs_identical(mode: str, backend: str) -> None:
     prompts = prompts_of(LENGTHS)
     # 14 usable blocks of 4 tokens: all five prompts are admitted, decode growth must preempt
-    engine, outputs = run_engine("llama", prompts, num_blocks=15, preemption_mode=mode)
+    engine, outputs = run_engine(
+        "llama", prompts, num_blocks=15, preemption_mode=mode, attention_backend=backend
+    )
     assert engine.stats.num_preemptions > 0
     if mode == "swap":
         assert engine.stats.num_swapped_out_blocks > 0

@@ -24,11 +24,13 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, VOCAB, size=n).tolist() for n in lengths]
 
 
-def paged_greedy(model, prompts, max_new_tokens, *, block_size=4, num_blocks=128, chunk=None, eos=2):
+def paged_greedy(
+    model, prompts, max_new_tokens, *, block_size=4, num_blocks=128, chunk=None, eos=2, backend="auto"
+):
     """Greedy decode on pagedkv pages; prefill in chunks of `chunk` tokens when given."""
     spec = prepare_model(model)
     manager = PagedKVManager(num_blocks, block_size)
-    cache = PagedKVCache.for_model(spec, num_blocks, block_size)
+    cache = PagedKVCache.for_model(spec, num_blocks, block_size, attention_backend=backend)
     seqs = [manager.admit(p).seq_id for p in prompts]
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
@@ -66,21 +68,23 @@ def paged_greedy(model, prompts, max_new_tokens, *, block_size=4, num_blocks=128
 FAMILIES = ["llama", "qwen2", "qwen2-sw", "mistral", "gpt2", "phi3", "gemma2"]
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "ops"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_generate(family: str) -> None:
+def test_greedy_matches_generate(family: str, backend: str) -> None:
     model = tiny_model(family)
     prompts = prompts_of([5, 17, 9, 30])
     expected = reference_generate(model, prompts, 14, eos_token_id=2, attn_implementation="eager")
-    got = paged_greedy(model, prompts, 14)
+    got = paged_greedy(model, prompts, 14, backend=backend)
     assert got == expected
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "ops"])
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_chunked_prefill_matches_generate(family: str) -> None:
+def test_chunked_prefill_matches_generate(family: str, backend: str) -> None:
     model = tiny_model(family, seed=1)
     prompts = prompts_of([23, 6, 41], seed=1)
     expected = reference_generate(model, prompts, 10, eos_token_id=2, attn_implementation="eager")
-    assert paged_greedy(model, prompts, 10, chunk=7, block_size=8) == expected
+    assert paged_greedy(model, prompts, 10, chunk=7, block_size=8, backend=backend) == expected
 
 
 def test_block_size_does_not_change_output() -> None:

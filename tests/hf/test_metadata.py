@@ -29,3 +29,15 @@ def test_rejects_inconsistent_inputs() -> None:
         build_step_batch([[1, 2]], [0], table, np.array([4], dtype=np.int64), [True])
     with pytest.raises(InvalidArgumentError, match="empty batch"):
         build_step_batch([], [], np.zeros((0, 1), np.int32), np.zeros(0, np.int64), [])
+
+
+def test_cpu_groups_keep_decodes_together_and_prefill_chunks_alone() -> None:
+    table = np.ones((4, 2), dtype=np.int32)
+    tokens = [[1], [2], [3, 4, 5], [6]]
+    slots = np.arange(6, dtype=np.int64)
+    batch = build_step_batch(tokens, [4, 6, 0, 2], table, slots, [True] * 4)
+    spans = [(g.token_start, g.token_end, g.cu_seqlens_q.tolist(), g.max_seqlen_q) for g in batch.groups]
+    assert spans == [(0, 2, [0, 1, 2], 1), (2, 5, [0, 3], 3), (5, 6, [0, 1], 1)]
+    assert [g.seq_lens.tolist() for g in batch.groups] == [[5, 7], [3], [3]]
+    whole = build_step_batch(tokens, [4, 6, 0, 2], table, slots, [True] * 4, split_groups=False)
+    assert len(whole.groups) == 1 and whole.groups[0].max_seqlen_q == 3

@@ -51,6 +51,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     num_host_blocks: int | None = None  # swap pool; default: as many as device blocks when swapping
+    attention_backend: Literal["auto", "sdpa", "ops"] = "auto"  # see pagedkv.hf.cache.PagedKVCache
 
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_budget_bytes is None):
@@ -73,5 +74,9 @@ class EngineConfig:
             raise InvalidArgumentError("preemption by swap needs the paged allocator (it owns the host pool)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.attention_backend not in ("auto", "sdpa", "ops"):
+            raise InvalidArgumentError(
+                f"attention_backend must be 'auto', 'sdpa' or 'ops', got {self.attention_backend!r}"
+            )
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")

@@ -100,7 +100,12 @@ class Engine:
             self.manager = ContiguousKVManager(num_blocks, cfg.block_size)
         device = next(model.parameters()).device
         self.cache = PagedKVCache.for_model(
-            self.spec, num_blocks, cfg.block_size, num_host_blocks=num_host, device=device
+            self.spec,
+            num_blocks,
+            cfg.block_size,
+            num_host_blocks=num_host,
+            device=device,
+            attention_backend=cfg.attention_backend,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
         self.scheduler = Scheduler(

@@ -8,7 +8,10 @@ register `paged_attention_forward` as `"pagedkv"` and pass each step's `PagedSte
 1. writes the new tokens' K and V into the pages at `batch.slot_mapping` (`PagedKVCache.write`);
 2. runs `pagedkv.ops.paged_attention` for the packed queries against each sequence's pages, causal, with the
    layer's sliding window and soft-cap as the module passes them (transformers' semantics: a query at
-   position p sees keys at positions > p - window);
+   position p sees keys at positions > p - window), one call per attention group of the batch (on CPU:
+   the decode sequences together, each prefill chunk alone; see `pagedkv.hf.metadata`). The cache's
+   `attention_backend` picks the implementation: `pagedkv.hf.sdpa` (block gather + torch SDPA, the CPU
+   default) where it applies, `pagedkv.ops.paged_attention` otherwise (soft-cap, CUDA, or "ops");
 3. returns `[1, T, num_heads, head_dim]`, the layout the module's output projection expects.
 
 No attention mask is built (transformers skips mask creation for attention functions without a registered
@@ -25,6 +28,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.hf.cache import PagedKVCache, PagedStep
 from pagedkv.hf.metadata import StepBatch
 from pagedkv.hf.model_spec import ModelSpec, UnsupportedModelError, model_spec
+from pagedkv.hf.sdpa import paged_sdpa, sdpa_supports
 
 ATTENTION_NAME = "pagedkv"
 STEP_KWARG = "pagedkv_step"
@@ -59,18 +63,37 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)
     step.cache.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mapping)
     key_cache, value_cache = step.cache.layer(layer_idx)
-    out = ops.paged_attention(
-        q,
-        key_cache,
-        value_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.cu_seqlens_q,
-        scale=scaling,
-        sliding_window=sliding_window,
-        soft_cap=softcap,
-        max_seqlen_q=batch.max_seqlen_q,
-    )
+    use_sdpa = step.cache.attention_backend == "sdpa"
+    parts = []
+    for g in batch.groups:
+        q_g = q[g.token_start : g.token_end]
+        if use_sdpa and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], softcap):
+            out_g = paged_sdpa(
+                q_g,
+                key_cache,
+                value_cache,
+                g.block_table,
+                g.seq_lens,
+                max_seqlen_q=g.max_seqlen_q,
+                max_seqlen_k=g.max_seqlen_k,
+                scale=scaling,
+                sliding_window=sliding_window,
+            )
+        else:
+            out_g = ops.paged_attention(
+                q_g,
+                key_cache,
+                value_cache,
+                g.block_table,
+                g.seq_lens,
+                g.cu_seqlens_q,
+                scale=scaling,
+                sliding_window=sliding_window,
+                soft_cap=softcap,
+                max_seqlen_q=g.max_seqlen_q,
+            )
+        parts.append(out_g)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None
 
 

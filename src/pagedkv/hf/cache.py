@@ -29,15 +29,27 @@ from pagedkv.hf.model_spec import ModelSpec
 from pagedkv.storage.kv import HostBlocks, KVStorage
 
 BlockIds = npt.ArrayLike
+ATTENTION_BACKENDS = ("auto", "sdpa", "ops")
 
 
 class PagedKVCache:
     """Device pages (`storage`) and an optional host swap pool of `num_host_blocks` blocks."""
 
-    def __init__(self, storage: KVStorage, *, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self, storage: KVStorage, *, num_host_blocks: int = 0, attention_backend: str = "auto"
+    ) -> None:
         if num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidArgumentError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+            )
         self.storage = storage
+        # "sdpa": block gather + torch SDPA where it applies (pagedkv.hf.sdpa), else pagedkv.ops;
+        # "ops": always pagedkv.ops (reference on CPU, Triton on CUDA); "auto": sdpa on CPU, ops elsewhere.
+        if attention_backend == "auto":
+            attention_backend = "sdpa" if storage.device.type == "cpu" else "ops"
+        self.attention_backend = attention_backend
         shape = (*storage.data.shape[:2], num_host_blocks, *storage.data.shape[3:])
         self.host = torch.zeros(shape, dtype=storage.data.dtype, device="cpu")
 
@@ -50,6 +62,7 @@ class PagedKVCache:
         *,
         num_host_blocks: int = 0,
         device: torch.device | str = "cpu",
+        attention_backend: str = "auto",
     ) -> PagedKVCache:
         """Zeroed pages for `spec`'s layers. Range checks are off: the allocator is the source of truth."""
         if num_blocks < 2:
@@ -57,7 +70,7 @@ class PagedKVCache:
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
             )
         storage = KVStorage(spec.kv_cache_spec(), num_blocks, block_size, device, validate=False)
-        return cls(storage, num_host_blocks=num_host_blocks)
+        return cls(storage, num_host_blocks=num_host_blocks, attention_backend=attention_backend)
 
     @property
     def num_blocks(self) -> int:

@@ -17,6 +17,12 @@ cache); the new tokens' KV is written first, then each query attends causally to
 that token: only those rows go through the LM head.
 
 Everything arrives as numpy arrays from the allocator and crosses into torch with `torch.from_numpy`.
+
+Attention groups: the reference attention path pads queries to `[B, max_q]` and walks keys up to the
+longest sequence, so one call over a decode batch plus a 200-token prefill chunk computes 200 query rows
+for every decoding sequence. On CPU (`split_groups=True`, the default there) the batch is therefore cut into
+groups that each cost what they compute: every run of consecutive decode sequences (one query each) is one
+group, and every prefill chunk is a group of its own. A fused GPU kernel takes the whole batch as one group.
 """
 
 from __future__ import annotations
@@ -32,6 +38,19 @@ from pagedkv.core.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Sequences `[seq_start, seq_end)` of a step, whose queries are packed tokens `[token_start, token_end)`."""
+
+    token_start: int
+    token_end: int
+    block_table: torch.Tensor  # int32 [b, W]
+    seq_lens: torch.Tensor  # int32 [b]
+    cu_seqlens_q: torch.Tensor  # int32 [b + 1], relative to token_start
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepBatch:
     """One forward pass's inputs. Tensors live on the model's device; see the module docstring."""
 
@@ -44,6 +63,7 @@ class StepBatch:
     max_seqlen_q: int
     max_seqlen_k: int
     logits_indices: torch.Tensor  # int64 [K], packed index of each sequence's last token that samples
+    groups: tuple[AttentionGroup, ...]  # how attention is split into calls (see the module docstring)
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +82,7 @@ def build_step_batch(
     produces_token: npt.ArrayLike,
     *,
     device: torch.device | str = "cpu",
+    split_groups: bool | None = None,
 ) -> StepBatch:
     """Pack one step. `new_token_ids[i]` are sequence i's tokens at positions `starts[i]..`; `block_table`
     and `slot_mapping` come from the allocator (`block_table(seq_ids, pad_id=0)`,
@@ -92,8 +113,7 @@ def build_step_batch(
             f"build_step_batch: slot_mapping must have one slot per new token ({total}), got {slot_mapping.shape}"
         )
     seq_lens = starts_np + num_new
-    block_size_capacity = block_table.shape[1]
-    if block_size_capacity == 0:
+    if block_table.shape[1] == 0:
         raise InvalidArgumentError("build_step_batch: block_table has no columns")
     positions = np.arange(total, dtype=np.int64) + np.repeat(starts_np - cu[:-1], num_new)
     logits_indices = (cu[1:] - 1)[produces]
@@ -102,14 +122,48 @@ def build_step_batch(
     def to(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
+    block_table_t = to(block_table.astype(np.int32, copy=False))
+    seq_lens_t = to(seq_lens.astype(np.int32))
+    cu_t = to(cu.astype(np.int32))
+    if split_groups is None:
+        split_groups = dev.type == "cpu"
+    bounds = _group_bounds(num_new) if split_groups else [(0, num_seqs)]
+    groups = tuple(
+        AttentionGroup(
+            token_start=int(cu[a]),
+            token_end=int(cu[b]),
+            block_table=block_table_t[a:b],
+            seq_lens=seq_lens_t[a:b],
+            cu_seqlens_q=cu_t[a : b + 1] - cu_t[a],
+            max_seqlen_q=int(num_new[a:b].max()),
+            max_seqlen_k=int(seq_lens[a:b].max()),
+        )
+        for a, b in bounds
+    )
     return StepBatch(
         input_ids=to(np.concatenate(chunks)).view(1, total),
         position_ids=to(positions).view(1, total),
         slot_mapping=to(slot_mapping.astype(np.int64, copy=False)),
-        block_table=to(block_table.astype(np.int32, copy=False)),
-        seq_lens=to(seq_lens.astype(np.int32)),
-        cu_seqlens_q=to(cu.astype(np.int32)),
+        block_table=block_table_t,
+        seq_lens=seq_lens_t,
+        cu_seqlens_q=cu_t,
         max_seqlen_q=int(num_new.max()),
         max_seqlen_k=int(seq_lens.max()),
         logits_indices=to(logits_indices),
+        groups=groups,
     )
+
+
+def _group_bounds(num_new: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """[start, end) sequence ranges: runs of consecutive one-token sequences, and each longer chunk alone."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for i, n in enumerate(num_new.tolist()):
+        if n > 1:
+            if start < i:
+                bounds.append((start, i))
+            bounds.append((i, i + 1))
+            start = i + 1
+    if start < len(num_new):
+        bounds.append((start, len(num_new)))
+    return bounds
