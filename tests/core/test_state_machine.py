@@ -168,7 +168,7 @@ class LazyFastManagerMachine(ManagerMachine):
     hash_fn = "fast"
 
 
-_settings = settings(max_examples=250, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(max_examples=400, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ManagerMachine.TestCase.settings = _settings
 LazyFastManagerMachine.TestCase.settings = _settings
 TestManagerMachine = ManagerMachine.TestCase

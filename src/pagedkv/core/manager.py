@@ -438,8 +438,9 @@ class PagedKVManager:
                 known.append(self._key_fn(known[-1], chunk[j * width : (j + 1) * width], keys.block_extra.get(first + j, b"")))
         elif self._key_fn is sha256_key:
             sha, parent = hashlib.sha256, known[-1]
+            assert isinstance(parent, bytes), "manager: sha256 keys chain from bytes"
             for j in range(0, len(chunk), width):  # inlined: one hashlib call per published block
-                parent = sha(parent + chunk[j : j + width]).digest()  # type: ignore[operator]
+                parent = sha(parent + chunk[j : j + width]).digest()
                 known.append(parent)
         elif self._key_fn is fast_key:
             parent = known[-1]

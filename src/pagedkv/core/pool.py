@@ -77,7 +77,8 @@ class _Queue:
 
     def live(self, stamp: npt.NDArray[np.int64]) -> IntArray:
         ids = self.ids[self.head : self.tail]
-        return ids[stamp[ids] == self.stamps[self.head : self.tail]]
+        live: IntArray = ids[stamp[ids] == self.stamps[self.head : self.tail]]
+        return live
 
 
 class BlockPool:

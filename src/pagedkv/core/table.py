@@ -181,7 +181,8 @@ class BlockTables:
         first = np.cumsum(lengths) - lengths
         pos = np.arange(total, dtype=np.int64) + np.repeat(starts_a - first, lengths)
         bs = self.block_size
-        return self.table[owner, pos // bs].astype(np.int64) * bs + pos % bs
+        slots: npt.NDArray[np.int64] = self.table[owner, pos // bs].astype(np.int64) * bs + pos % bs
+        return slots
 
     def csr(self, rows: IntArray) -> CSRPages:
         """FlashInfer-style pages covering each sequence's tokens."""

@@ -1,0 +1,32 @@
+"""The repository's own promises: ruff-clean everywhere, mypy strict on the torch-free core and scheduler."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run `make test`, which installs the dev extra")
+    return path
+
+
+def test_ruff_clean() -> None:
+    out = subprocess.run([_tool("ruff"), "check", "src", "tests"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_mypy_strict_on_core_and_scheduler() -> None:
+    targets = ["src/pagedkv/core", "src/pagedkv/engine/scheduler.py", "src/pagedkv/engine/request.py"]
+    out = subprocess.run([_tool("mypy"), *targets], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
