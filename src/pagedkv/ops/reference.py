@@ -8,13 +8,14 @@ KV already written; its queries are its LAST `q_len[b] = cu[b+1] - cu[b]` tokens
     query at position p sees keys k with  k <= p  and (no window or k > p - sliding_window)
 
 How it runs (no Python loop over sequences): queries are padded to `[B, max_q]` and grouped per KV head
-(`[B, num_kv_heads, max_q * group, head_dim]`, so a KV head is read once for all its query heads); the keys
-are walked in tiles of `tile` token positions shared by the whole batch. Each tile gathers the K/V rows of
-every sequence's slots for those positions (`block_table[b, pos // block_size] * block_size + pos %
-block_size`) into a small buffer that stays in cache, and folds it into a float32 online softmax. Only
-positions below the longest sequence (and, with a window, not below the earliest visible key) are visited;
-positions past a shorter sequence's end are clamped to its last token, so table entries beyond `seq_lens`
-are never read, and masked.
+(`[num_kv_heads, B, max_q * group, head_dim]`, so a KV head is read once for all its query heads); the keys
+are walked in tiles of `tile` token positions shared by the whole batch. Each tile gathers the K/V of every
+sequence's positions (whole blocks when `block_size` divides the tile, else token slots `block_table[b,
+pos // block_size] * block_size + pos % block_size`) into a small `[B, tile, Hkv, D]` buffer that stays in
+cache, and folds it into a float32 online softmax with one batched matmul per KV head over a strided view
+(cheaper than permuting the tile). Only positions below the longest sequence (and, with a window, not below
+the earliest visible key) are visited; positions past a shorter sequence's end are clamped to its own last
+block (table entries beyond `seq_lens` are never read), masked, and their V rows zeroed.
 
 Numerics: float32 throughout (half inputs are upcast after the gather), output cast to the query dtype. The
 tile width depends only on (batch size, heads, head_dim, max_q), never on block size or block ids, and the
@@ -87,7 +88,7 @@ def paged_attention_reference(
 
     # Queries padded to [B, max_q, H, D], then grouped per KV head: [B, Hkv, max_q * group, D].
     if is_decode:
-        q_pad = query.view(num_seqs, 1, num_heads, head_dim)
+        q_pad = query.reshape(num_seqs, 1, num_heads, head_dim)
         token_seq = token_idx = None
     else:
         token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_q_tokens)
@@ -95,13 +96,13 @@ def paged_attention_reference(
         q_pad = query.new_zeros(num_seqs, max_q, num_heads, head_dim)
         q_pad[token_seq, token_idx] = query
     rows = max_q * group
-    q = q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    q = q.reshape(num_seqs, num_kv_heads, rows, head_dim).float() * scale
+    q = q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+    q = q.reshape(num_kv_heads, num_seqs, rows, head_dim).float() * scale  # KV-head major
 
-    # Absolute position of every query row: [B, 1, rows, 1] (row r is query r // group).
+    # Absolute position of every query row: [B, rows, 1] (row r is query r // group).
     first_q = lens - q_lens  # position of each sequence's first query
     q_pos = first_q[:, None] + torch.arange(max_q, device=device)[None, :]
-    row_pos = q_pos.repeat_interleave(group, dim=1)[:, None, :, None]
+    row_pos = q_pos.repeat_interleave(group, dim=1)[:, :, None]
 
     # Key positions to visit, in whole tiles: [lo, hi).
     tile = tile_width(num_seqs, num_kv_heads, head_dim, rows)
@@ -137,15 +138,22 @@ def paged_attention_reference(
         v_rows = value_cache.view(-1, num_kv_heads, head_dim)
     is_fp8 = key_cache.dtype == FP8_DTYPE
 
-    m = torch.full((num_seqs, num_kv_heads, rows, 1), -math.inf, device=device)
-    denom = torch.zeros((num_seqs, num_kv_heads, rows, 1), device=device)
-    acc = torch.zeros((num_seqs, num_kv_heads, rows, head_dim), device=device)
+    # Online-softmax state, KV-head major: [Hkv, B, rows, 1 | D]. Each tile's K/V stays in the cache's
+    # natural [B, tile, Hkv, D] order and every KV head is one batched matmul over a strided view of it,
+    # which costs less than permuting the tile to head-major first.
+    state = (num_kv_heads, num_seqs, rows)
+    m = torch.full((*state, 1), -math.inf, device=device)
+    denom = torch.zeros((*state, 1), device=device)
+    acc = torch.zeros((*state, head_dim), device=device)
+    pv = torch.empty((*state, head_dim), device=device)
     for i in range(num_tiles):
         start = lo + i * tile
         ids = gather_ids[:, i * per_tile : (i + 1) * per_tile].reshape(-1)
         k = _gather_rows(k_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, k_scale)
         v = _gather_rows(v_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, v_scale)
-        s = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, rows, tile]
+        s = torch.empty((*state, tile), device=device)
+        for h in range(num_kv_heads):
+            torch.bmm(q[h], k[:, :, h].transpose(1, 2), out=s[h])
         if soft_cap is not None:
             s = torch.tanh(s.div_(soft_cap)).mul_(soft_cap)
         last = start + tile - 1
@@ -154,7 +162,7 @@ def paged_attention_reference(
             # Positions past a sequence's end (the unwritten tail of its last block, or clamped repeats)
             # get zero weight, but 0 * NaN/Inf stale bytes would still poison the sum: zero those V rows.
             past_end = torch.arange(start, start + tile, device=device)[None, :] >= lens[:, None]
-            v.masked_fill_(past_end[:, None, :, None], 0.0)
+            v.masked_fill_(past_end[:, :, None, None], 0.0)
         if not fully_visible:
             key_pos = torch.arange(start, start + tile, device=device)
             hidden = key_pos > row_pos
@@ -165,9 +173,11 @@ def paged_attention_reference(
         alpha = torch.exp(m - m_new)
         p = s.sub_(m_new).exp_()
         denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-        acc.mul_(alpha).add_(torch.matmul(p, v))
+        for h in range(num_kv_heads):
+            torch.bmm(p[h], v[:, :, h], out=pv[h])
+        acc.mul_(alpha).add_(pv)
         m = m_new
-    result = (acc / denom).view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    result = (acc / denom).view(num_kv_heads, num_seqs, max_q, group, head_dim).permute(1, 2, 0, 3, 4)
     result = result.reshape(num_seqs, max_q, num_heads, head_dim)
     if is_decode:
         out.copy_(result.view(num_seqs, num_heads, head_dim))
@@ -186,12 +196,12 @@ def _gather_rows(
     fp8_scale: float,
 ) -> torch.Tensor:
     """Rows of `rows` (token rows `[num_slots, Hkv, D]` or block rows `[num_blocks, bs * Hkv, D]`) at `ids`,
-    as float32 `[B, Hkv, tile, D]` (head-major, contiguous: what a batched matmul reads fastest)."""
+    as contiguous float32 `[B, tile, Hkv, D]` (one copy for float32 caches, a gather plus a cast otherwise)."""
     head_dim = rows.shape[-1]
-    picked = rows.view(torch.uint8).index_select(0, ids).view(FP8_DTYPE) if is_fp8 else rows.index_select(0, ids)
-    picked = picked.view(num_seqs, tile, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    out = torch.empty((num_seqs, num_kv_heads, tile, head_dim), dtype=torch.float32, device=rows.device)
-    out.copy_(picked)
-    if is_fp8 and fp8_scale != 1.0:
-        out.mul_(fp8_scale)
-    return out
+    if is_fp8:
+        picked = rows.view(torch.uint8).index_select(0, ids).view(FP8_DTYPE).float()
+        if fp8_scale != 1.0:
+            picked.mul_(fp8_scale)
+    else:
+        picked = rows.index_select(0, ids).float()
+    return picked.view(num_seqs, tile, num_kv_heads, head_dim)
