@@ -380,15 +380,18 @@ class PagedKVManager:
         t, pool = self.tables, self.pool
         starts = t.num_published[rows]
         t.num_published[rows] = upto
-        counts = upto - starts
-        owner = np.repeat(rows, counts)
-        first = np.cumsum(counts) - counts
-        cols = np.arange(len(owner)) + np.repeat(starts - first, counts)
-        block_ids = t.table[owner, cols]
+        if len(rows) == 1:  # one sequence (an admitted prompt): its blocks are one slice of its row
+            block_ids = t.table[rows[0], starts[0] : upto[0]]
+        else:
+            counts = upto - starts
+            owner = np.repeat(rows, counts)
+            first = np.cumsum(counts) - counts
+            block_ids = t.table[owner, np.arange(len(owner)) + np.repeat(starts - first, counts)]
         data = self.block_tokens[block_ids].tobytes()
         ids = block_ids.tolist()
         width = self._block_size * 4
         index, key_of, keyed = pool.index, pool.key_of, pool.keyed
+        plain_sha, sha = self._key_fn is sha256_key, hashlib.sha256
         stored: list[int] = []
         pos = 0
         for row, start, stop in zip(rows.tolist(), starts.tolist(), upto.tolist()):
@@ -398,6 +401,17 @@ class PagedKVManager:
                 pos += count
                 continue
             known = keys.keys
+            if count == 1 and len(known) == stop and plain_sha and not keys.block_extra:
+                # the decode case: one newly filled block, its key chained from the last one
+                key = sha(known[-1] + data[pos * width : (pos + 1) * width]).digest()  # type: ignore[operator]
+                known.append(key)
+                block_id = ids[pos]
+                pos += 1
+                if key_of[block_id] is None and ((other := index.get(key)) is None or key_of[other] != key):
+                    index[key] = block_id
+                    key_of[block_id] = key
+                    stored.append(block_id)
+                continue
             if len(known) <= stop:
                 self._extend_keys(keys, start, stop, data[pos * width : (pos + count) * width])
             segment = known[start + 1 : stop + 1]
