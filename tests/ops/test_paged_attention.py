@@ -36,6 +36,9 @@ CASES = [
     (8, 5, 80, 6, 16, 2, 4, None, None, torch.float16),
     (9, 5, 80, 6, 8, 2, 4, 17, None, torch.bfloat16),
     (10, 17, 200, 1, 32, 2, 4, None, None, torch.bfloat16),
+    (11, 2, 400, 300, 16, 2, 4, None, None, torch.float32),  # long prefills: several query chunks
+    (12, 3, 600, 600, 5, 2, 2, 50, None, torch.float32),  # query chunks + window
+    (13, 4, 500, 400, 3, 1, 1, None, 10.0, torch.float16),  # 512-row chunks, soft cap
 ]
 
 
@@ -65,9 +68,10 @@ def test_random_batches_match_sdpa(seed: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_q,window", [(1, None), (7, None), (5, 11)])
+@pytest.mark.parametrize("max_q,window", [(1, None), (7, None), (5, 11), (300, None), (280, 30)])
 def test_bit_identical_across_block_sizes_and_placements(dtype: torch.dtype, max_q: int, window: int | None) -> None:
     lens, q_lens = random_lengths(11, 6, 150, max_q)
+    lens[0], q_lens[0] = max_q + 20, max_q  # with group 2, queries go in chunks of 256: 300 spans two
     base = make_batch(11, lens, q_lens, block_size=16, dtype=dtype, shuffle=False)
     reference = paged_attention(*base.args(), sliding_window=window, backend="reference")
     for block_size in (1, 3, 16, 64, 256):

@@ -36,6 +36,9 @@ from pagedkv.storage.slots import FP8_DTYPE
 # while each matmul stays large enough to amortise its call (measured at batch 32 / context 2048).
 _TILE_BYTES = 6 << 20
 _MIN_TILE, _MAX_TILE = 16, 512
+# Query rows (query tokens x group) per chunk of a prefill: enough for efficient matmuls, few enough that
+# causal skipping pays off.
+_CHUNK_ROWS = 512
 # A finite "minus infinity" for masked scores: a row whose keys are all masked stays finite (no NaN), and
 # the rescale factor exp(-1e30 - m) of a real max m is exactly 0, which erases anything a fully masked tile
 # added before the row saw its first visible key.
@@ -104,18 +107,22 @@ def paged_attention_reference(
     q_pos = first_q[:, None] + torch.arange(max_q, device=device)[None, :]
     row_pos = q_pos.repeat_interleave(group, dim=1)[:, :, None]
 
-    # Key positions to visit, in whole tiles: [lo, hi).
-    tile = tile_width(num_seqs, num_kv_heads, head_dim, rows)
+    # Queries go in chunks of `q_chunk` padded query indices; a chunk visits only the key tiles its rows can
+    # see (nothing past its last row, nothing before its first row's window) and tiles wholly below the
+    # diagonal skip masking. A decode step is a single chunk.
+    q_chunk = max(1, _CHUNK_ROWS // group)
+    tile = tile_width(num_seqs, num_kv_heads, head_dim, min(max_q, q_chunk) * group)
     hi = int(lens.max())
     min_len = int(lens.min())
-    lo = 0
     min_first_q = int(first_q.min())
-    max_row_pos = int(first_q.max()) + max_q - 1
+    max_first_q = int(first_q.max())
+    lo = 0
     if sliding_window is not None:
         lo = max(0, min_first_q - sliding_window + 1) // tile * tile
 
-    # Every tile is `tile` positions wide (the last one padded, its extra positions masked), so tile shapes
-    # and hence reduction orders depend only on the metadata, never on the block size or the block ids.
+    # Every tile is `tile` positions wide on a grid starting at `lo` (the last one padded, its extra
+    # positions masked), so tile shapes and hence reduction orders depend only on the metadata, never on
+    # the block size or the block ids.
     num_tiles = -(-(hi - lo) // tile)
     span = num_tiles * tile
     table = block_table.long()
@@ -138,46 +145,59 @@ def paged_attention_reference(
         v_rows = value_cache.view(-1, num_kv_heads, head_dim)
     is_fp8 = key_cache.dtype == FP8_DTYPE
 
-    # Online-softmax state, KV-head major: [Hkv, B, rows, 1 | D]. Each tile's K/V stays in the cache's
-    # natural [B, tile, Hkv, D] order and every KV head is one batched matmul over a strided view of it,
-    # which costs less than permuting the tile to head-major first.
-    state = (num_kv_heads, num_seqs, rows)
-    m = torch.full((*state, 1), -math.inf, device=device)
-    denom = torch.zeros((*state, 1), device=device)
-    acc = torch.zeros((*state, head_dim), device=device)
-    pv = torch.empty((*state, head_dim), device=device)
-    for i in range(num_tiles):
-        start = lo + i * tile
-        ids = gather_ids[:, i * per_tile : (i + 1) * per_tile].reshape(-1)
-        k = _gather_rows(k_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, k_scale)
-        v = _gather_rows(v_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, v_scale)
-        s = torch.empty((*state, tile), device=device)
-        for h in range(num_kv_heads):
-            torch.bmm(q[h], k[:, :, h].transpose(1, 2), out=s[h])
-        if soft_cap is not None:
-            s = torch.tanh(s.div_(soft_cap)).mul_(soft_cap)
-        last = start + tile - 1
-        fully_visible = last <= min_first_q and (sliding_window is None or start > max_row_pos - sliding_window)
-        if last >= min_len:
-            # Positions past a sequence's end (the unwritten tail of its last block, or clamped repeats)
-            # get zero weight, but 0 * NaN/Inf stale bytes would still poison the sum: zero those V rows.
-            past_end = torch.arange(start, start + tile, device=device)[None, :] >= lens[:, None]
-            v.masked_fill_(past_end[:, :, None, None], 0.0)
-        if not fully_visible:
-            key_pos = torch.arange(start, start + tile, device=device)
-            hidden = key_pos > row_pos
-            if sliding_window is not None:
-                hidden |= key_pos <= row_pos - sliding_window
-            s.masked_fill_(hidden, _MASKED)
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        alpha = torch.exp(m - m_new)
-        p = s.sub_(m_new).exp_()
-        denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-        for h in range(num_kv_heads):
-            torch.bmm(p[h], v[:, :, h], out=pv[h])
-        acc.mul_(alpha).add_(pv)
-        m = m_new
-    result = (acc / denom).view(num_kv_heads, num_seqs, max_q, group, head_dim).permute(1, 2, 0, 3, 4)
+    result = torch.empty((num_kv_heads, num_seqs, rows, head_dim), device=device)
+    for i0 in range(0, max_q, q_chunk):
+        i1 = min(max_q, i0 + q_chunk)
+        r0, r1 = i0 * group, i1 * group
+        chunk_first, chunk_last = min_first_q + i0, max_first_q + i1 - 1  # extreme row positions
+        first_tile = 0
+        if sliding_window is not None:
+            first_tile = (max(0, chunk_first - sliding_window + 1) - lo) // tile
+        last_tile = -(-(min(hi, chunk_last + 1) - lo) // tile)
+        q_c, pos_c = q[:, :, r0:r1], row_pos[:, r0:r1]
+
+        # Online-softmax state, KV-head major: [Hkv, B, chunk rows, 1 | D]. Each tile's K/V stays in the
+        # cache's natural [B, tile, Hkv, D] order and every KV head is one batched matmul over a strided
+        # view of it, which costs less than permuting the tile to head-major first.
+        state = (num_kv_heads, num_seqs, r1 - r0)
+        m = torch.full((*state, 1), -math.inf, device=device)
+        denom = torch.zeros((*state, 1), device=device)
+        acc = torch.zeros((*state, head_dim), device=device)
+        pv = torch.empty((*state, head_dim), device=device)
+        for i in range(max(first_tile, 0), last_tile):
+            start = lo + i * tile
+            ids = gather_ids[:, i * per_tile : (i + 1) * per_tile].reshape(-1)
+            k = _gather_rows(k_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, k_scale)
+            v = _gather_rows(v_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, v_scale)
+            s = torch.empty((*state, tile), device=device)
+            for h in range(num_kv_heads):
+                torch.bmm(q_c[h], k[:, :, h].transpose(1, 2), out=s[h])
+            if soft_cap is not None:
+                s = torch.tanh(s.div_(soft_cap)).mul_(soft_cap)
+            last = start + tile - 1
+            if last >= min_len:
+                # Positions past a sequence's end (the unwritten tail of its last block, or clamped
+                # repeats) get zero weight, but 0 * NaN/Inf stale bytes would still poison the sum.
+                past_end = torch.arange(start, start + tile, device=device)[None, :] >= lens[:, None]
+                v.masked_fill_(past_end[:, :, None, None], 0.0)
+            below_diagonal = last <= chunk_first
+            inside_window = sliding_window is None or start > chunk_last - sliding_window
+            if not (below_diagonal and inside_window):
+                key_pos = torch.arange(start, start + tile, device=device)
+                hidden = key_pos > pos_c
+                if sliding_window is not None:
+                    hidden |= key_pos <= pos_c - sliding_window
+                s.masked_fill_(hidden, _MASKED)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            alpha = torch.exp(m - m_new)
+            p = s.sub_(m_new).exp_()
+            denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            for h in range(num_kv_heads):
+                torch.bmm(p[h], v[:, :, h], out=pv[h])
+            acc.mul_(alpha).add_(pv)
+            m = m_new
+        torch.div(acc, denom, out=result[:, :, r0:r1])
+    result = result.view(num_kv_heads, num_seqs, max_q, group, head_dim).permute(1, 2, 0, 3, 4)
     result = result.reshape(num_seqs, max_q, num_heads, head_dim)
     if is_decode:
         out.copy_(result.view(num_seqs, num_heads, head_dim))
