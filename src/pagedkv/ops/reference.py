@@ -145,6 +145,13 @@ def paged_attention_reference(
         v_rows = value_cache.view(-1, num_kv_heads, head_dim)
     is_fp8 = key_cache.dtype == FP8_DTYPE
 
+    # Gather buffers, reused by every tile, and per-KV-head strided views of them made once.
+    k_tile = torch.empty((num_seqs, tile, num_kv_heads, head_dim), device=device)
+    v_tile = torch.empty_like(k_tile)
+    k_heads = [k_tile[:, :, h].transpose(1, 2) for h in range(num_kv_heads)]
+    v_heads = [v_tile[:, :, h] for h in range(num_kv_heads)]
+    gather = _TileGather(k_rows, v_rows, k_tile, v_tile, is_fp8, k_scale, v_scale)
+
     result = torch.empty((num_kv_heads, num_seqs, rows, head_dim), device=device)
     for i0 in range(0, max_q, q_chunk):
         i1 = min(max_q, i0 + q_chunk)
@@ -154,7 +161,8 @@ def paged_attention_reference(
         if sliding_window is not None:
             first_tile = (max(0, chunk_first - sliding_window + 1) - lo) // tile
         last_tile = -(-(min(hi, chunk_last + 1) - lo) // tile)
-        q_c, pos_c = q[:, :, r0:r1], row_pos[:, r0:r1]
+        q_heads = [q[h, :, r0:r1] for h in range(num_kv_heads)]
+        pos_c = row_pos[:, r0:r1]
 
         # Online-softmax state, KV-head major: [Hkv, B, chunk rows, 1 | D]. Each tile's K/V stays in the
         # cache's natural [B, tile, Hkv, D] order and every KV head is one batched matmul over a strided
@@ -164,22 +172,20 @@ def paged_attention_reference(
         denom = torch.zeros((*state, 1), device=device)
         acc = torch.zeros((*state, head_dim), device=device)
         pv = torch.empty((*state, head_dim), device=device)
+        s = torch.empty((*state, tile), device=device)
         for i in range(max(first_tile, 0), last_tile):
             start = lo + i * tile
-            ids = gather_ids[:, i * per_tile : (i + 1) * per_tile].reshape(-1)
-            k = _gather_rows(k_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, k_scale)
-            v = _gather_rows(v_rows, ids, num_seqs, tile, num_kv_heads, is_fp8, v_scale)
-            s = torch.empty((*state, tile), device=device)
+            gather(gather_ids[:, i * per_tile : (i + 1) * per_tile].reshape(-1))
             for h in range(num_kv_heads):
-                torch.bmm(q_c[h], k[:, :, h].transpose(1, 2), out=s[h])
+                torch.bmm(q_heads[h], k_heads[h], out=s[h])
             if soft_cap is not None:
-                s = torch.tanh(s.div_(soft_cap)).mul_(soft_cap)
+                s.div_(soft_cap).tanh_().mul_(soft_cap)
             last = start + tile - 1
             if last >= min_len:
                 # Positions past a sequence's end (the unwritten tail of its last block, or clamped
                 # repeats) get zero weight, but 0 * NaN/Inf stale bytes would still poison the sum.
                 past_end = torch.arange(start, start + tile, device=device)[None, :] >= lens[:, None]
-                v.masked_fill_(past_end[:, :, None, None], 0.0)
+                v_tile.masked_fill_(past_end[:, :, None, None], 0.0)
             below_diagonal = last <= chunk_first
             inside_window = sliding_window is None or start > chunk_last - sliding_window
             if not (below_diagonal and inside_window):
@@ -193,7 +199,7 @@ def paged_attention_reference(
             p = s.sub_(m_new).exp_()
             denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             for h in range(num_kv_heads):
-                torch.bmm(p[h], v[:, :, h], out=pv[h])
+                torch.bmm(p[h], v_heads[h], out=pv[h])
             acc.mul_(alpha).add_(pv)
             m = m_new
         torch.div(acc, denom, out=result[:, :, r0:r1])
@@ -206,22 +212,34 @@ def paged_attention_reference(
     return out
 
 
-def _gather_rows(
-    rows: torch.Tensor,
-    ids: torch.Tensor,
-    num_seqs: int,
-    tile: int,
-    num_kv_heads: int,
-    is_fp8: bool,
-    fp8_scale: float,
-) -> torch.Tensor:
-    """Rows of `rows` (token rows `[num_slots, Hkv, D]` or block rows `[num_blocks, bs * Hkv, D]`) at `ids`,
-    as contiguous float32 `[B, tile, Hkv, D]` (one copy for float32 caches, a gather plus a cast otherwise)."""
-    head_dim = rows.shape[-1]
-    if is_fp8:
-        picked = rows.view(torch.uint8).index_select(0, ids).view(FP8_DTYPE).float()
-        if fp8_scale != 1.0:
-            picked.mul_(fp8_scale)
-    else:
-        picked = rows.index_select(0, ids).float()
-    return picked.view(num_seqs, tile, num_kv_heads, head_dim)
+class _TileGather:
+    """Gathers one tile's K and V rows (token rows `[num_slots, Hkv, D]` or block rows `[num_blocks,
+    bs * Hkv, D]`) into the float32 `[B, tile, Hkv, D]` buffers, dequantizing fp8 and upcasting halves."""
+
+    def __init__(
+        self,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+        k_tile: torch.Tensor,
+        v_tile: torch.Tensor,
+        is_fp8: bool,
+        k_scale: float,
+        v_scale: float,
+    ) -> None:
+        self.is_fp8 = is_fp8
+        self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+        for rows, tile, scale in ((k_rows, k_tile, k_scale), (v_rows, v_tile, v_scale)):
+            src = rows.view(torch.uint8) if is_fp8 else rows  # fp8 lacks an index_select kernel on CPU
+            # float32 caches gather straight into the tile; other dtypes into a raw buffer, then cast.
+            raw = tile if src.dtype == torch.float32 else torch.empty(tile.shape, dtype=src.dtype, device=tile.device)
+            self.jobs.append((src, raw, raw.view(-1, *src.shape[1:]), tile, scale if is_fp8 else 1.0))
+
+    def __call__(self, ids: torch.Tensor) -> None:
+        for src, raw, raw_rows, tile, scale in self.jobs:
+            torch.index_select(src, 0, ids, out=raw_rows)
+            if self.is_fp8:
+                tile.copy_(raw.view(FP8_DTYPE))
+            elif raw is not tile:
+                tile.copy_(raw)
+            if scale != 1.0:
+                tile.mul_(scale)
