@@ -32,9 +32,9 @@ import torch
 
 from pagedkv.storage.slots import FP8_DTYPE
 
-# Tile sizing: ~6 MiB of float32 work per tile keeps the gathered K/V and the scores in the L3 of a CPU
+# Tile sizing: ~12 MiB of float32 work per tile keeps the gathered K/V and the scores in the L3 of a CPU
 # while each matmul stays large enough to amortise its call (measured at batch 32 / context 2048).
-_TILE_BYTES = 6 << 20
+_TILE_BYTES = 12 << 20
 _MIN_TILE, _MAX_TILE = 16, 512
 # Query rows (query tokens x group) per chunk of a prefill: enough for efficient matmuls, few enough that
 # causal skipping pays off.
@@ -46,7 +46,7 @@ _MASKED = -1e30
 
 
 def tile_width(num_seqs: int, num_kv_heads: int, head_dim: int, rows_per_head: int) -> int:
-    """Token positions per tile: a power of two in [16, 512] sized to ~6 MiB of float32 K, V and scores."""
+    """Token positions per tile: a power of two in [16, 512] sized to ~12 MiB of float32 K, V and scores."""
     per_token = 4 * num_seqs * num_kv_heads * (2 * head_dim + rows_per_head)
     width = _MIN_TILE
     while width * 2 <= _MAX_TILE and per_token * width * 2 <= _TILE_BYTES:
