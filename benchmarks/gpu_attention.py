@@ -146,6 +146,41 @@ def bench_decode(batch: int, context: int, *, hq: int, hkv: int, dim: int, dtype
             "fraction_of_copy_bw": gbps / copy_gbps, "sdpa_backend": sdpa_backend, "max_abs_diff": err}
 
 
+def sweep_launch_configs(batch: int, context: int, *, hq: int, hkv: int, dim: int, dtype: torch.dtype,
+                         block_size: int, copy_gbps: float) -> list[dict[str, object]]:
+    """Decode time of the Triton kernel per (BLOCK_N, num_warps, num_splits): data for tuning the defaults."""
+    from pagedkv.ops.triton_kernels import paged_attention_triton
+
+    blocks = -(-context // block_size)
+    kc = torch.randn((1 + batch * blocks, block_size, hkv, dim), device="cuda").to(dtype)
+    vc = torch.randn_like(kc)
+    table = (torch.randperm(batch * blocks, device="cuda") + 1).view(batch, blocks).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn((batch, hq, dim), device="cuda").to(dtype)
+    moved = 2 * batch * context * hkv * dim * kc.element_size()
+    results = []
+    print(f"launch sweep at batch {batch}, context {context}:")
+    for block_n in (16, 32, 64):
+        for num_warps in (2, 4, 8):
+            for num_splits in (1, 2, 4, 8):
+                def run(block_n: int = block_n, num_warps: int = num_warps, num_splits: int = num_splits) -> torch.Tensor:
+                    return paged_attention_triton(q, kc, vc, table, lens, cu, scale=dim**-0.5, block_n=block_n,
+                                                  num_warps=num_warps, num_splits=num_splits)
+                try:
+                    ms = cuda_time_ms(run, repeats=10)
+                except Exception as exc:  # a config may not compile (registers, shared memory)
+                    print(f"  block_n={block_n} warps={num_warps} splits={num_splits}: failed ({type(exc).__name__})")
+                    continue
+                frac = moved / (ms * 1e-3) / 1e9 / copy_gbps
+                results.append({"block_n": block_n, "num_warps": num_warps, "num_splits": num_splits, "ms": ms,
+                                "fraction_of_copy_bw": frac})
+    for r in sorted(results, key=lambda r: r["ms"])[:5]:  # type: ignore[arg-type, return-value]
+        print(f"  block_n={r['block_n']} warps={r['num_warps']} splits={r['num_splits']}: {r['ms']:.3f} ms, "
+              f"{100 * r['fraction_of_copy_bw']:.1f}% of copy bandwidth")  # type: ignore[operator]
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-heads", type=int, default=32)
@@ -172,6 +207,8 @@ def main() -> int:
         print(f"{batch:>5} {context:>7} {r['paged_ms']:>9.3f} {r['contiguous_ms']:>9.3f} {r['ratio']:>6.2f} "
               f"{r['paged_gbps']:>7.0f} {100 * r['fraction_of_copy_bw']:>6.1f}%  {r['sdpa_backend']}")
         ok &= math.isfinite(r["max_abs_diff"]) and r["max_abs_diff"] < 5e-2  # type: ignore[operator]
+    tuning = sweep_launch_configs(64, 4096, hq=args.num_heads, hkv=args.num_kv_heads, dim=args.head_dim,
+                                  dtype=dtype, block_size=args.block_size, copy_gbps=copy_gbps)
     goal = next(r for r in rows if r["batch"] == 64 and r["context"] == 4096)
     print(f"goal bandwidth >= 80% of copy at batch 64 / context 4096: "
           f"{'PASS' if goal['fraction_of_copy_bw'] >= 0.8 else 'MISS'} ({100 * goal['fraction_of_copy_bw']:.1f}%)")  # type: ignore[operator]
@@ -179,7 +216,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "results": rows,
-                       "checks_ok": ok}, f, indent=2)
+                       "tuning": tuning, "checks_ok": ok}, f, indent=2)
     return 0 if ok else 1
 
 
