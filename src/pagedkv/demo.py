@@ -27,7 +27,7 @@ def main() -> int:
     if rc:
         return rc
     _banner("pagedkv bench allocator: allocator cost per scheduled token (Azure conv, first 3000 requests)")
-    rc = cli.main(["bench", "allocator"])
+    rc = cli.main(["bench", "allocator", "--allocator", "both"])
     if rc:
         return rc
     _banner("pagedkv generate: SmolLM2-135M-Instruct on this CPU, KV in pagedkv pages")

@@ -216,12 +216,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--allocator", choices=["paged", "contiguous", "both"], default="both")
+    p.add_argument("--allocator", choices=["paged", "contiguous", "both"], default="paged",
+                   help="both: the paged allocator and the contiguous baseline side by side")
     p.add_argument("--hash", dest="hash_fn", choices=["sha256", "fast"], default="sha256")
     p.add_argument("--repeat", type=int, default=1, help="runs per allocator; the median us/token is reported")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="time the phases in this thread's CPU time (default: robust on a shared machine) or wall time")
-    p.add_argument("--json", action="store_true", help="print one JSON object (a list when several allocators)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (with --allocator both: one object keyed by allocator)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,8 +242,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         results.append(sorted(runs, key=lambda r: r.us_per_token)[len(runs) // 2])
     if args.json:
-        rows = [asdict(r) for r in results]
-        print(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
+        rows = {r.allocator: asdict(r) for r in results}
+        print(json.dumps(next(iter(rows.values())) if len(rows) == 1 else rows, indent=1))
         return 0
     print(f"trace {Path(path).name}, first {len(requests)} requests; block size {args.block_size}, "
           f"{args.num_blocks} blocks, at most {args.max_running} running")  # fmt: skip
