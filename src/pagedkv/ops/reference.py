@@ -43,6 +43,7 @@ _CHUNK_ROWS = 512
 # the rescale factor exp(-1e30 - m) of a real max m is exactly 0, which erases anything a fully masked tile
 # added before the row saw its first visible key.
 _MASKED = -1e30
+_EXP_FLOOR = -87.0
 
 
 def tile_width(num_seqs: int, num_kv_heads: int, head_dim: int, rows_per_head: int) -> int:
@@ -50,6 +51,13 @@ def tile_width(num_seqs: int, num_kv_heads: int, head_dim: int, rows_per_head: i
     per_token = 4 * num_seqs * num_kv_heads * (2 * head_dim + rows_per_head)
     width = _MIN_TILE
     while width * 2 <= _MAX_TILE and per_token * width * 2 <= _TILE_BYTES:
+        width *= 2
+    return width
+
+
+def _pow2_at_least(n: int) -> int:
+    width = _MIN_TILE
+    while width < n:
         width *= 2
     return width
 
@@ -111,8 +119,8 @@ def paged_attention_reference(
     # see (nothing past its last row, nothing before its first row's window) and tiles wholly below the
     # diagonal skip masking. A decode step is a single chunk.
     q_chunk = max(1, _CHUNK_ROWS // group)
-    tile = tile_width(num_seqs, num_kv_heads, head_dim, min(max_q, q_chunk) * group)
     hi = int(lens.max())
+    tile = min(tile_width(num_seqs, num_kv_heads, head_dim, min(max_q, q_chunk) * group), _pow2_at_least(hi))
     min_len = int(lens.min())
     min_first_q = int(first_q.min())
     max_first_q = int(first_q.max())
@@ -196,7 +204,9 @@ def paged_attention_reference(
                 s.masked_fill_(hidden, _MASKED)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             alpha = torch.exp(m - m_new)
-            p = s.sub_(m_new).exp_()
+            # exp of inputs below ~-87 (masked scores, far-off keys) lands in denormals or -inf, which
+            # CPU vector exp handles ~30x slower; exp(-87) = 1.6e-38 weighs nothing next to the row max's 1.
+            p = s.sub_(m_new).clamp_(min=_EXP_FLOOR).exp_()
             denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             for h in range(num_kv_heads):
                 torch.bmm(p[h], v_heads[h], out=pv[h])
