@@ -13,13 +13,17 @@ are walked in tiles of `tile` token positions shared by the whole batch. Each ti
 sequence's positions (whole blocks when `block_size` divides the tile, else token slots `block_table[b,
 pos // block_size] * block_size + pos % block_size`) into a small `[B, tile, Hkv, D]` buffer that stays in
 cache, and folds it into a float32 online softmax with one batched matmul per KV head over a strided view
-(cheaper than permuting the tile). Only positions below the longest sequence (and, with a window, not below
-the earliest visible key) are visited; positions past a shorter sequence's end are clamped to its own last
-block (table entries beyond `seq_lens` are never read), masked, and their V rows zeroed.
+(cheaper than permuting the tile). Prefill queries go in chunks of `_CHUNK_ROWS` rows; a chunk visits only
+the tiles its rows can see, and tiles wholly below the diagonal skip masking. Only positions below the
+longest sequence (and, with a window, not below the earliest visible key) are visited; positions past a
+shorter sequence's end are clamped to its own last block (table entries beyond `seq_lens` are never read),
+masked, and their V rows zeroed.
 
-Numerics: float32 throughout (half inputs are upcast after the gather), output cast to the query dtype. The
-tile width depends only on (batch size, heads, head_dim, max_q), never on block size or block ids, and the
-gather is an exact copy, so the result is bit-identical for any block size and any placement of the blocks,
+Numerics: float32 throughout (half inputs are upcast after the gather), output cast to the query dtype.
+Exponents are floored at -87 (weight 1.6e-38 instead of 0 for masked keys: below float32 resolution next
+to the row max's weight 1, and it keeps CPU exp off its slow denormal path). The tile width and the query
+chunks depend only on the metadata (batch size, heads, head_dim, query and sequence lengths), never on the
+block size or block ids, and the gather is an exact copy, so the result is bit-identical for any block size and any placement of the blocks,
 including a contiguous one. It agrees with torch SDPA on the same contiguous KV to rounding only (a tiled
 online softmax sums in another order); docs/attention.md states the tolerances the tests enforce.
 """
@@ -97,7 +101,7 @@ def paged_attention_reference(
     max_q = int(q_lens.max()) if max_seqlen_q is None else max_seqlen_q
     is_decode = max_q == 1 and num_q_tokens == num_seqs
 
-    # Queries padded to [B, max_q, H, D], then grouped per KV head: [B, Hkv, max_q * group, D].
+    # Queries padded to [B, max_q, H, D], then grouped per KV head: [Hkv, B, max_q * group, D].
     if is_decode:
         q_pad = query.reshape(num_seqs, 1, num_heads, head_dim)
         token_seq = token_idx = None
