@@ -18,7 +18,6 @@ prefix keys. Semantics follow DESIGN.md (Core semantics):
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,7 +26,8 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
-from pagedkv.core.prefix import BlockKeys, KeyFunction, fast_key, key_function, sha256_key
+from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
+from pagedkv.core.prefix_cache import PrefixCache
 from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
 from pagedkv.core.table import BlockTables
 from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
@@ -117,15 +117,17 @@ class PagedKVManager:
         self.tables = BlockTables(block_size, NULL_BLOCK_ID)
         self.enable_prefix_caching = enable_prefix_caching
         self.verify_hits = verify_hits
-        self._key_fn = key_function(hash_fn)
-        self.epoch = 0
-        self._keys: dict[int, BlockKeys] = {}
+        self.prefix = PrefixCache(
+            self.pool, self.tables, block_size, key_function(hash_fn), enabled=enable_prefix_caching,
+            verify_hits=verify_hits,
+        )  # fmt: skip
+        self._keys = self.prefix.keys
         # Token ids of every block's slots, mirroring the KV content: hashing, verification, copy-on-write.
-        self.block_tokens = np.zeros((num_blocks, block_size) if enable_prefix_caching else (0, 0), np.int32)
+        self.block_tokens = self.prefix.block_tokens
         self._copies_src: list[IntArray] = []
         self._copies_dst: list[IntArray] = []
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = 0
-        self._cow_copies = self._verify_failures = 0
+        self._cow_copies = 0
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -159,7 +161,7 @@ class PagedKVManager:
     def stats(self) -> ManagerStats:
         return ManagerStats(
             self._admissions, self._preemptions, self._prompt_tokens, self._cached_tokens,
-            self.pool.stats.evictions, self._cow_copies, self._verify_failures,
+            self.pool.stats.evictions, self._cow_copies, self.prefix.verify_failures,
             self.pool.num_in_use, self.num_blocks,
         )  # fmt: skip
 
@@ -175,34 +177,17 @@ class PagedKVManager:
     def is_swapped(self, seq_id: int) -> bool:
         return bool(self.tables.swapped[self.tables.row(seq_id)])
 
-    def _match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
-        """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
-        keys.bind(self._key_fn, self.epoch)
-        bs, index, known, key_of = self._block_size, self.pool.index, keys.keys, self.pool.key_of
-        hits: list[int] = []
-        for i in range(max_blocks):
-            block_tokens = tokens[i * bs : (i + 1) * bs]
-            key = known[i + 1] if i + 1 < len(known) else keys.key(i, block_tokens)
-            block_id = index.get(key)
-            if block_id is None or key_of[block_id] != key:  # a miss, or a stale entry of an evicted block
-                break
-            if self.verify_hits and not np.array_equal(self.block_tokens[block_id], block_tokens):
-                self._verify_failures += 1
-                break
-            hits.append(block_id)
-        return hits
-
     def match_prefix(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> int:
         """How many leading tokens of `token_ids` an admission would take from the cache now."""
         tokens = as_tokens(token_ids)
         if not self.enable_prefix_caching:
             return 0
         keys = keys if keys is not None else BlockKeys(as_salt(salt))
-        return len(self._match(tokens, keys, (len(tokens) - 1) // self._block_size)) * self._block_size
+        return len(self.prefix.match(tokens, keys, (len(tokens) - 1) // self._block_size)) * self._block_size
 
     def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0, salt: bytes = b"") -> bool:
         tokens = as_tokens(token_ids)
-        hits = self._match(tokens, BlockKeys(as_salt(salt)), (len(tokens) - 1) // self._block_size) if self.enable_prefix_caching else []
+        hits = self.prefix.match(tokens, BlockKeys(as_salt(salt)), (len(tokens) - 1) // self._block_size) if self.enable_prefix_caching else []
         return self._blocks_short(len(tokens), 0, hits) <= 0
 
     def _blocks_short(self, n: int, lookahead: int, hits: list[int]) -> int:
@@ -242,7 +227,7 @@ class PagedKVManager:
         hits: list[int] = []
         if self.enable_prefix_caching:
             keys = keys if keys is not None else BlockKeys(salt)
-            hits = self._match(tokens, keys, (n - 1) // bs)
+            hits = self.prefix.match(tokens, keys, (n - 1) // bs)
         if self._blocks_short(n, num_lookahead, hits) > 0:
             return None
         # --- commit (nothing below can fail) ---
@@ -369,103 +354,9 @@ class PagedKVManager:
         full = np.minimum(computed, t.hashable_tokens[rows]) // self._block_size
         todo = full > t.num_published[rows]
         if todo.any():
-            self._publish(rows[todo], full[todo])
+            self.prefix.publish(rows[todo], full[todo])
 
-    def _publish(self, rows: IntArray, upto: IntArray) -> None:
-        """Give blocks [num_published, upto) of each row their keys: the hot loop of prefix caching.
-
-        One gather and one `tobytes` for the whole batch, then one hashlib call per block whose key is
-        not known yet (keys looked up at admission are reused).
-        """
-        t, pool = self.tables, self.pool
-        starts = t.num_published[rows]
-        t.num_published[rows] = upto
-        if len(rows) == 1:  # one sequence (an admitted prompt): its blocks are one slice of its row
-            block_ids = t.table[rows[0], starts[0] : upto[0]]
-        else:
-            counts = upto - starts
-            owner = np.repeat(rows, counts)
-            first = np.cumsum(counts) - counts
-            block_ids = t.table[owner, np.arange(len(owner)) + np.repeat(starts - first, counts)]
-        data = self.block_tokens[block_ids].tobytes()
-        ids = block_ids.tolist()
-        width = self._block_size * 4
-        index, key_of, keyed = pool.index, pool.key_of, pool.keyed
-        plain_sha, sha = self._key_fn is sha256_key, hashlib.sha256
-        stored: list[int] = []
-        pos = 0
-        for row, start, stop in zip(rows.tolist(), starts.tolist(), upto.tolist()):
-            keys = self._keys[row]
-            count = stop - start
-            if keys.epoch != self.epoch:  # computed under weights of an earlier epoch: never matchable
-                pos += count
-                continue
-            known = keys.keys
-            if count == 1 and len(known) == stop and plain_sha and not keys.block_extra:
-                # the decode case: one newly filled block, its key chained from the last one
-                key = sha(known[-1] + data[pos * width : (pos + 1) * width]).digest()  # type: ignore[operator]
-                known.append(key)
-                block_id = ids[pos]
-                pos += 1
-                if key_of[block_id] is None and ((other := index.get(key)) is None or key_of[other] != key):
-                    index[key] = block_id
-                    key_of[block_id] = key
-                    stored.append(block_id)
-                continue
-            if len(known) <= stop:
-                self._extend_keys(keys, start, stop, data[pos * width : (pos + count) * width])
-            segment = known[start + 1 : stop + 1]
-            segment_ids = ids[pos : pos + count]
-            pos += count
-            if (
-                count > 1
-                and index.keys().isdisjoint(segment)
-                and not keyed[block_ids[pos - count : pos]].any()
-                and len(set(segment)) == count
-            ):
-                # the common case, a fresh prompt: nothing to de-duplicate, insert in bulk
-                index.update(zip(segment, segment_ids))
-                boxed = np.empty(count, dtype=object)
-                boxed[:] = segment
-                key_of[block_ids[pos - count : pos]] = boxed
-                stored.extend(segment_ids)
-                continue
-            for key, block_id in zip(segment, segment_ids):
-                if key_of[block_id] is None and ((other := index.get(key)) is None or key_of[other] != key):
-                    index[key] = block_id
-                    key_of[block_id] = key
-                    stored.append(block_id)
-        pool.keyed[stored] = True
-        pool._maybe_compact()
-        if pool.record_events:
-            pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
-
-    def _extend_keys(self, keys: BlockKeys, start: int, stop: int, data: bytes) -> None:
-        """Hash blocks [len(keys) .. stop) of a row from their token bytes (`data` covers [start, stop))."""
-        known = keys.keys
-        width = self._block_size * 4
-        first = len(known) - 1
-        assert first >= start, "manager: block keys fell behind the published blocks"
-        chunk = data[(first - start) * width :]
-        if keys.block_extra:
-            for j in range(stop - first):
-                known.append(self._key_fn(known[-1], chunk[j * width : (j + 1) * width], keys.block_extra.get(first + j, b"")))
-        elif self._key_fn is sha256_key:
-            sha, parent = hashlib.sha256, known[-1]
-            assert isinstance(parent, bytes), "manager: sha256 keys chain from bytes"
-            for j in range(0, len(chunk), width):  # inlined: one hashlib call per published block
-                parent = sha(parent + chunk[j : j + width]).digest()
-                known.append(parent)
-        elif self._key_fn is fast_key:
-            parent = known[-1]
-            for j in range(0, len(chunk), width):
-                parent = hash((parent, chunk[j : j + width], b""))
-                known.append(parent)
-        else:
-            for j in range(stop - first):
-                known.append(self._key_fn(known[-1], chunk[j * width : (j + 1) * width], b""))
-
-    # --- release --------------------------------------------------------------------------------
+    # --- release ---------------------------------------------------------------------------------
 
     def free(self, seq_id: int) -> None:
         """Release a finished sequence's blocks (tail first); cached blocks stay hittable until evicted."""
@@ -540,7 +431,7 @@ class PagedKVManager:
         tokens = as_tokens(token_ids)
         if not self.enable_prefix_caching:
             raise PinError("pinning needs prefix caching (enable_prefix_caching=True)")
-        hits = self._match(tokens, keys if keys is not None else BlockKeys(as_salt(salt)), len(tokens) // self._block_size)
+        hits = self.prefix.match(tokens, keys if keys is not None else BlockKeys(as_salt(salt)), len(tokens) // self._block_size)
         for block_id in hits:
             self.pool.pin(block_id)
         return PinHandle(tuple(hits))
@@ -558,10 +449,14 @@ class PagedKVManager:
         """Forget every cached prefix; returns how many keys were dropped. Running sequences are unaffected."""
         return self.pool.clear_keys()
 
+    @property
+    def epoch(self) -> int:
+        return self.prefix.epoch
+
     def bump_epoch(self) -> int:
         """Make every key published so far unmatchable (e.g. after a weight update), in O(1)."""
-        self.epoch += 1
-        return self.epoch
+        self.prefix.epoch += 1
+        return self.prefix.epoch
 
     def take_events(self) -> list[CacheEvent]:
         events = list(self.pool.events)
