@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.pool import BlockPool, CacheEvent
-from pagedkv.core.prefix import BlockKeys, KeyFunction, fast_key, sha256_key
+from pagedkv.core.prefix import BlockKeys, Key, KeyFunction, fast_key, sha256_key
 from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
