@@ -14,10 +14,11 @@ from pagedkv.core.errors import (
     PinError,
     UnknownSequenceError,
 )
-from pagedkv.core.manager import ManagerStats, PagedKVManager, PinHandle, SwapPlan
+from pagedkv.core.manager import ManagerStats, PagedKVManager, PinHandle
 from pagedkv.core.pool import CacheEvent
 from pagedkv.core.prefix import BlockKeys
 from pagedkv.core.protocol import Admission, BlockCopies, CSRPages, KVManager
+from pagedkv.core.swap import SwapPlan
 
 __all__ = [
     "Admission", "BlockCopies", "BlockKeys", "CSRPages", "CacheEvent", "CapacityError",

@@ -29,6 +29,7 @@ from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
 from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
+from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables
 from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
 
@@ -70,13 +71,6 @@ class PinHandle(NamedTuple):
         return len(self.block_ids)
 
 
-class SwapPlan(NamedTuple):
-    """Copy block `src[i]` to `dst[i]` (device -> host for swap-out, host -> device for swap-in)."""
-
-    src: IntArray
-    dst: IntArray
-
-
 def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) -> tuple[IntArray, IntArray]:
     """Of the rows about to write into shared blocks, those that must move to a copy.
 
@@ -95,7 +89,7 @@ def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) 
     return rows[~keep], src[~keep]
 
 
-class PagedKVManager:
+class PagedKVManager(SwapMixin):
     def __init__(
         self,
         num_blocks: int,
@@ -462,50 +456,6 @@ class PagedKVManager:
         events = list(self.pool.events)
         self.pool.events.clear()
         return events
-
-    # --- swap -----------------------------------------------------------------------------------
-
-    def _host(self) -> BlockPool:
-        if self.host_pool is None:
-            raise InvalidArgumentError("swap needs host blocks: construct the manager with num_host_blocks > 0")
-        return self.host_pool
-
-    def swap_out(self, seq_id: int) -> SwapPlan | None:
-        """Move a sequence's blocks to host memory. `None` if the host pool is short."""
-        host, t = self._host(), self.tables
-        row = t.rows(np.array([seq_id]))[0].item()
-        blocks = t.blocks_of(row)
-        count = -(-int(t.num_tokens[row]) // self._block_size)
-        if count > host.num_available:
-            return None
-        host_ids = host.allocate(count)
-        if self.enable_prefix_caching:
-            self.host_block_tokens[host_ids] = self.block_tokens[blocks[:count]]
-        self.pool.release(blocks[::-1], int(t.priority[row]))
-        t.set_blocks(row, host_ids)
-        t.swapped[row] = True
-        t.on_device[row] = False
-        t.cow_risk[row] = False
-        t.num_published[row] = 0
-        return SwapPlan(blocks[:count], host_ids)
-
-    def swap_in(self, seq_id: int) -> SwapPlan | None:
-        """Bring a swapped-out sequence back into device blocks. `None` if the device pool is short."""
-        host, t = self._host(), self.tables
-        row = t.row(seq_id)
-        if not t.swapped[row]:
-            raise InvalidArgumentError(f"sequence {seq_id} is not swapped out")
-        host_ids = t.blocks_of(row)
-        if len(host_ids) > self.pool.num_available:
-            return None
-        dst = self.pool.allocate(len(host_ids))
-        if self.enable_prefix_caching:
-            self.block_tokens[dst] = self.host_block_tokens[host_ids]
-        host.release(host_ids[::-1])
-        t.set_blocks(row, dst)
-        t.swapped[row] = False
-        t.on_device[row] = True
-        return SwapPlan(host_ids, dst)
 
     # --- batch views ----------------------------------------------------------------------------
 

@@ -1,0 +1,86 @@
+"""Preemption by swap: move a sequence's blocks to a host pool and back.
+
+The host pool is a second `BlockPool` (no null block, no prefix keys). Swapping out releases the device
+blocks (shared ones stay with their other holders; the sequence keeps private host copies); swapping in
+takes fresh device blocks, which are re-published as the sequence's KV is marked computed again
+(duplicates of blocks still cached stay private, see `pool.py`). The storage layer moves the KV itself,
+following the returned plan, before the next forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.pool import BlockPool
+
+if TYPE_CHECKING:
+    from pagedkv.core.prefix_cache import PrefixCache
+    from pagedkv.core.table import BlockTables
+
+IntArray = npt.NDArray[np.int64]
+
+
+class SwapPlan(NamedTuple):
+    """Copy block `src[i]` to `dst[i]` (device -> host for swap-out, host -> device for swap-in)."""
+
+    src: IntArray
+    dst: IntArray
+
+
+class SwapMixin:
+    """Swap methods of `PagedKVManager`."""
+
+    pool: BlockPool
+    host_pool: BlockPool | None
+    host_block_tokens: npt.NDArray[np.int32]
+    tables: BlockTables
+    prefix: PrefixCache
+    enable_prefix_caching: bool
+    block_tokens: npt.NDArray[np.int32]
+    _block_size: int
+
+    def _host(self) -> BlockPool:
+        if self.host_pool is None:
+            raise InvalidArgumentError("swap needs host blocks: construct the manager with num_host_blocks > 0")
+        return self.host_pool
+
+    def swap_out(self, seq_id: int) -> SwapPlan | None:
+        """Move a sequence's blocks to host memory. `None` if the host pool is short."""
+        host, t = self._host(), self.tables
+        row = t.rows(np.array([seq_id]))[0].item()
+        blocks = t.blocks_of(row)
+        count = -(-int(t.num_tokens[row]) // self._block_size)
+        if count > host.num_available:
+            return None
+        host_ids = host.allocate(count)
+        if self.enable_prefix_caching:
+            self.host_block_tokens[host_ids] = self.block_tokens[blocks[:count]]
+        self.pool.release(blocks[::-1], int(t.priority[row]))
+        t.set_blocks(row, host_ids)
+        t.swapped[row] = True
+        t.on_device[row] = False
+        t.cow_risk[row] = False
+        t.num_published[row] = 0
+        return SwapPlan(blocks[:count], host_ids)
+
+    def swap_in(self, seq_id: int) -> SwapPlan | None:
+        """Bring a swapped-out sequence back into device blocks. `None` if the device pool is short."""
+        host, t = self._host(), self.tables
+        row = t.row(seq_id)
+        if not t.swapped[row]:
+            raise InvalidArgumentError(f"sequence {seq_id} is not swapped out")
+        host_ids = t.blocks_of(row)
+        if len(host_ids) > self.pool.num_available:
+            return None
+        dst = self.pool.allocate(len(host_ids))
+        if self.enable_prefix_caching:
+            self.block_tokens[dst] = self.host_block_tokens[host_ids]
+        host.release(host_ids[::-1])
+        t.set_blocks(row, dst)
+        t.swapped[row] = False
+        t.on_device[row] = True
+        return SwapPlan(host_ids, dst)
