@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
-from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
-from pagedkv.core.table import BlockTables
+from pagedkv.core.protocol import Admission, BlockCopies
+from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
 
 IntArray = npt.NDArray[np.int64]
@@ -75,7 +75,7 @@ class RunAllocator:
         return list(zip(self._starts, self._lengths))
 
 
-class ContiguousKVManager:
+class ContiguousKVManager(TableViews):
     def __init__(self, num_blocks: int, block_size: int = 16, *, null_block: bool = True) -> None:
         as_count(block_size, "block_size", minimum=1)
         first = 1 if null_block else 0
@@ -111,12 +111,6 @@ class ContiguousKVManager:
     @property
     def num_sequences(self) -> int:
         return self.tables.num_alive
-
-    def num_tokens(self, seq_id: int) -> int:
-        return int(self.tables.num_tokens[self.tables.row(seq_id)])
-
-    def block_ids(self, seq_id: int) -> list[int]:
-        return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
 
     def _reservation(self, n: int, max_new_tokens: int) -> int:
         return -(-(n + max_new_tokens) // self._block_size)
@@ -212,18 +206,6 @@ class ContiguousKVManager:
         dst = np.concatenate([d for _, d in self._pending_copies])
         self._pending_copies = []
         return BlockCopies(src, dst)
-
-    def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]:
-        return self.tables.block_table(self.tables.rows(seq_ids), pad_id)
-
-    def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
-        return self.tables.num_tokens[self.tables.rows(seq_ids)].astype(np.int32)
-
-    def slot_mapping(self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
-        return self.tables.slot_mapping(self.tables.rows(seq_ids), starts, ends)
-
-    def csr(self, seq_ids: npt.ArrayLike) -> CSRPages:
-        return self.tables.csr(self.tables.rows(seq_ids))
 
     def check_invariants(self) -> None:
         self.tables.check_invariants()

@@ -28,9 +28,9 @@ from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantEr
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
-from pagedkv.core.protocol import Admission, BlockCopies, CSRPages
+from pagedkv.core.protocol import Admission, BlockCopies
 from pagedkv.core.swap import SwapMixin
-from pagedkv.core.table import BlockTables
+from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
 
 IntArray = npt.NDArray[np.int64]
@@ -89,7 +89,7 @@ def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) 
     return rows[~keep], src[~keep]
 
 
-class PagedKVManager(SwapMixin):
+class PagedKVManager(SwapMixin, TableViews):
     def __init__(
         self,
         num_blocks: int,
@@ -159,14 +159,8 @@ class PagedKVManager(SwapMixin):
             self.pool.num_in_use, self.num_blocks,
         )  # fmt: skip
 
-    def num_tokens(self, seq_id: int) -> int:
-        return int(self.tables.num_tokens[self.tables.row(seq_id)])
-
     def num_computed_tokens(self, seq_id: int) -> int:
         return int(self.tables.num_computed[self.tables.row(seq_id)])
-
-    def block_ids(self, seq_id: int) -> list[int]:
-        return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
 
     def is_swapped(self, seq_id: int) -> bool:
         return bool(self.tables.swapped[self.tables.row(seq_id)])
@@ -456,20 +450,6 @@ class PagedKVManager(SwapMixin):
         events = list(self.pool.events)
         self.pool.events.clear()
         return events
-
-    # --- batch views ----------------------------------------------------------------------------
-
-    def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]:
-        return self.tables.block_table(self.tables.rows(seq_ids), pad_id)
-
-    def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
-        return self.tables.num_tokens[self.tables.rows(seq_ids)].astype(np.int32)
-
-    def slot_mapping(self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
-        return self.tables.slot_mapping(self.tables.rows(seq_ids), starts, ends)
-
-    def csr(self, seq_ids: npt.ArrayLike) -> CSRPages:
-        return self.tables.csr(self.tables.rows(seq_ids))
 
     # --- checks ---------------------------------------------------------------------------------
 

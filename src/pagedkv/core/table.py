@@ -219,3 +219,27 @@ class BlockTables:
             fail("the on-device mask disagrees with alive and swapped")
         if (~live & ((self.num_blocks != 0) | (self.num_tokens != 0))).any():
             fail("a dead row holds blocks or tokens")
+
+
+class TableViews:
+    """The batch views both managers expose, read from their `BlockTables` (validated, no Python loops)."""
+
+    tables: BlockTables
+
+    def num_tokens(self, seq_id: int) -> int:
+        return int(self.tables.num_tokens[self.tables.row(seq_id)])
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
+
+    def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]:
+        return self.tables.block_table(self.tables.rows(seq_ids), pad_id)
+
+    def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
+        return self.tables.num_tokens[self.tables.rows(seq_ids)].astype(np.int32)
+
+    def slot_mapping(self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        return self.tables.slot_mapping(self.tables.rows(seq_ids), starts, ends)
+
+    def csr(self, seq_ids: npt.ArrayLike) -> CSRPages:
+        return self.tables.csr(self.tables.rows(seq_ids))
