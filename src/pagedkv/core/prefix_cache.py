@@ -76,7 +76,7 @@ class PrefixCache:
         ids = block_ids.tolist()
         width = self.block_size * 4
         index, key_of, keyed = pool.index, pool.key_of, pool.keyed
-        plain_sha, sha = self.key_fn is sha256_key, hashlib.sha256
+        inline, sha = self.key_fn is sha256_key or self.key_fn is fast_key, hashlib.sha256
         stored: list[int] = []
         pos = 0
         for row, start, stop in zip(rows.tolist(), starts.tolist(), upto.tolist()):
@@ -86,11 +86,15 @@ class PrefixCache:
                 pos += count
                 continue
             known = keys.keys
-            if count == 1 and len(known) == stop and plain_sha and not keys.block_extra:
+            if count == 1 and len(known) == stop and inline and not keys.block_extra:
                 # the decode case: one newly filled block, its key chained from the last one
+                chunk = data[pos * width : (pos + 1) * width]
                 parent = known[-1]
-                assert isinstance(parent, bytes), "prefix cache: sha256 keys chain from bytes"
-                key: Key = sha(parent + data[pos * width : (pos + 1) * width]).digest()
+                key: Key
+                if isinstance(parent, bytes):  # sha256 chains bytes, the fast key ints
+                    key = sha(parent + chunk).digest()
+                else:
+                    key = hash((parent, chunk, b""))
                 known.append(key)
                 block_id = ids[pos]
                 pos += 1
