@@ -40,9 +40,10 @@ from pagedkv.storage.slots import FP8_DTYPE
 # while each matmul stays large enough to amortise its call (measured at batch 32 / context 2048).
 _TILE_BYTES = 12 << 20
 _MIN_TILE, _MAX_TILE = 16, 512
-# Query rows (query tokens x group) per chunk of a prefill: enough for efficient matmuls, few enough that
-# causal skipping pays off.
+# Query rows (query tokens x group) per chunk of a prefill, summed over the batch: enough for efficient
+# matmuls, few enough that causal skipping pays off.
 _CHUNK_ROWS = 512
+_MIN_CHUNK_ROWS = 64
 # A finite "minus infinity" for masked scores: a row whose keys are all masked stays finite (no NaN), and
 # the rescale factor exp(-1e30 - m) of a real max m is exactly 0, which erases anything a fully masked tile
 # added before the row saw its first visible key.
@@ -122,7 +123,7 @@ def paged_attention_reference(
     # Queries go in chunks of `q_chunk` padded query indices; a chunk visits only the key tiles its rows can
     # see (nothing past its last row, nothing before its first row's window) and tiles wholly below the
     # diagonal skip masking. A decode step is a single chunk.
-    q_chunk = max(1, _CHUNK_ROWS // group)
+    q_chunk = max(1, max(_CHUNK_ROWS // num_seqs, _MIN_CHUNK_ROWS) // group)
     hi = int(lens.max())
     tile = min(tile_width(num_seqs, num_kv_heads, head_dim, min(max_q, q_chunk) * group), _pow2_at_least(hi))
     min_len = int(lens.min())
