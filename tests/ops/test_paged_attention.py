@@ -71,7 +71,7 @@ def test_random_batches_match_sdpa(seed: int) -> None:
 @pytest.mark.parametrize("max_q,window", [(1, None), (7, None), (5, 11), (300, None), (280, 30)])
 def test_bit_identical_across_block_sizes_and_placements(dtype: torch.dtype, max_q: int, window: int | None) -> None:
     lens, q_lens = random_lengths(11, 6, 150, max_q)
-    lens[0], q_lens[0] = max_q + 20, max_q  # with group 2, queries go in chunks of 256: 300 spans two
+    lens[0], q_lens[0] = max_q + 20, max_q  # long enough to span several query chunks
     base = make_batch(11, lens, q_lens, block_size=16, dtype=dtype, shuffle=False)
     reference = paged_attention(*base.args(), sliding_window=window, backend="reference")
     for block_size in (1, 3, 16, 64, 256):
