@@ -37,7 +37,14 @@ def test_decode_group(window: int | None) -> None:
         q, k, v, table, seq_lens, cu, scale=0.3, sliding_window=window, backend="reference"
     )
     got = paged_sdpa(
-        q, k, v, table, seq_lens, max_seqlen_q=1, max_seqlen_k=16, scale=0.3, sliding_window=window
+        q,
+        torch.stack([k, v]),
+        table,
+        seq_lens,
+        max_seqlen_q=1,
+        max_seqlen_k=16,
+        scale=0.3,
+        sliding_window=window,
     )
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
@@ -51,10 +58,19 @@ def test_prefill_chunk(length: int, num_q: int, window: int | None) -> None:
     seq_lens = torch.tensor([length], dtype=torch.int32)
     cu = torch.tensor([0, num_q], dtype=torch.int32)
     ref = ops.paged_attention(q, k, v, table, seq_lens, cu, sliding_window=window, backend="reference")
+    kv = torch.stack([k, v])
     got = paged_sdpa(
-        q, k, v, table, seq_lens, max_seqlen_q=num_q, max_seqlen_k=length, scale=None, sliding_window=window
+        q, kv, table, seq_lens, max_seqlen_q=num_q, max_seqlen_k=length, scale=None, sliding_window=window
     )
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if length == num_q:  # no cached context: the chunk's own K/V give the same answer without a gather
+        slots = (table[0].long()[:, None] * BS + torch.arange(BS)).reshape(-1)[:length]
+        new_k, new_v = k.view(-1, HKV, D)[slots], v.view(-1, HKV, D)[slots]
+        direct = paged_sdpa(
+            q, kv, table, seq_lens, max_seqlen_q=num_q, max_seqlen_k=length, scale=None,
+            sliding_window=window, new_key=new_k, new_value=new_v,
+        )  # fmt: skip
+        torch.testing.assert_close(direct, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_shapes_it_declines() -> None:

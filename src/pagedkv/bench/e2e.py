@@ -1,16 +1,20 @@
 """`pagedkv bench e2e`: end-to-end serving throughput of a real model on this CPU, four systems, one workload.
 
 Systems, all on the same model, the same requests and one torch thread:
-- `pagedkv-paged`: the pagedkv engine with the paged allocator (prefix caching on, recompute preemption);
+- `pagedkv-paged`: the pagedkv engine with the paged allocator (prefix caching on, preemption by swap by
+  default: host memory is the same RAM on a CPU, so a swap is a copy while a recompute redoes the forward;
+  `--preemption recompute` measures the other mode);
 - `pagedkv-contiguous`: the same engine with the contiguous baseline (reserves prompt + max_new_tokens);
 - `hf-continuous-batching`: transformers' continuous batching with the same page size and number of blocks
   (`continuous_batching_context_manager` + `add_request` with each request's own output length);
 - `hf-static`: plain `generate` over left-padded static batches (its cache is not bounded by the budget).
 
-Workload: the first `--num-requests` rows of the Azure conv trace (Patel et al., "Splitwise", ISCA 2024,
-CC-BY 4.0), prompt length `max(8, ContextTokens // prompt_scale)`, output length
-`max(4, GeneratedTokens // output_scale)`, seeded random prompt ids (no special ids), all arriving at t=0,
-greedy decoding with EOS ignored so every system does the same work.
+Workload: the first `--num-requests` rows (default 32) of the Azure conv trace (Patel et al., "Splitwise",
+ISCA 2024, CC-BY 4.0), prompt length `max(8, ContextTokens // prompt_scale)` (default 16), output length
+`max(4, GeneratedTokens // output_scale)` (default 2), seeded random prompt ids (no special ids), all
+arriving at t=0, greedy decoding with EOS ignored so every system does the same work. Prompts are scaled down
+more than outputs because a one-thread CPU prefills ~300 tokens/s: at the trace's own 6:1 ratio the run
+would measure mostly prefill, which every system does identically.
 
 Each request declares `max_new_tokens = --max-new-tokens` (default: the trace's longest output, 1000, scaled
 the same way), as a client would: output lengths are not known in advance. The pagedkv engine stops each
@@ -21,7 +25,8 @@ stop callback), which can only help it.
 
 Per system: tokens_per_s (output tokens / wall), requests_per_s, peak_concurrency (most requests between
 first token and finish at once), kv_utilization (time-averaged live KV tokens / KV capacity while any request
-decodes), TTFT and TPOT percentiles, wall_s. `outputs_identical` says whether every system produced the same
+decodes), TTFT and TPOT percentiles, wall_s; and cpu_s / tokens_per_cpu_s (process CPU time, all threads):
+the machines are shared, so wall-clock figures move with other load while CPU time barely does. `outputs_identical` says whether every system produced the same
 token ids for every request.
 """
 
@@ -78,7 +83,8 @@ def build_workload(
 
 def run_pagedkv(
     model: Any, workload: Sequence[BenchRequest], allocator: str, num_blocks: int, args: argparse.Namespace
-) -> dict[str, Timeline]:
+) -> tuple[dict[str, Timeline], dict[str, Any]]:
+    """The engine's timelines, and its counters (preemptions, tokens run through the model, steps)."""
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
@@ -88,6 +94,8 @@ def run_pagedkv(
         block_size=args.block_size,
         allocator=allocator,  # type: ignore[arg-type]
         max_num_batched_tokens=args.max_batched_tokens,
+        # the contiguous baseline reserves every request's maximum up front, so it never preempts
+        preemption_mode=args.preemption if allocator == "paged" else "recompute",
     )
     engine = Engine(model, None, config)
     timelines: dict[str, Timeline] = {}
@@ -108,7 +116,14 @@ def run_pagedkv(
             r.prompt_token_ids, params, request_id=r.request_id, arrival_time=t0, on_token=on_token
         )
     engine.run()
-    return timelines
+    stats = engine.stats
+    counters = {
+        "num_steps": stats.num_steps,
+        "num_preemptions": stats.num_preemptions,
+        "num_scheduled_tokens": stats.num_scheduled_tokens,
+        "num_swapped_out_blocks": stats.num_swapped_out_blocks,
+    }
+    return timelines, counters
 
 
 def run_hf_continuous(
@@ -250,9 +265,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file"
     )
-    parser.add_argument("--num-requests", type=int, default=48)
-    parser.add_argument("--prompt-scale", type=int, default=8, help="prompt length = ContextTokens // this")
-    parser.add_argument("--output-scale", type=int, default=4, help="output length = GeneratedTokens // this")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-scale", type=int, default=16, help="prompt length = ContextTokens // this")
+    parser.add_argument("--output-scale", type=int, default=2, help="output length = GeneratedTokens // this")
     parser.add_argument(
         "--max-new-tokens", type=int, default=None, help="declared cap (default: 1000 // output scale)"
     )
@@ -261,6 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=256, help="token budget per step")
+    parser.add_argument(
+        "--preemption", choices=("swap", "recompute"), default="swap", help="preemption mode of pagedkv-paged"
+    )
     parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf-static")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS)
@@ -297,18 +315,24 @@ def run(args: argparse.Namespace) -> int:
     outputs: dict[str, dict[str, list[int]]] = {}
     for system in systems:
         print(f"[bench e2e] {system} ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         static_util = None
+        counters: dict[str, Any] = {}
         if system.startswith("pagedkv-"):
-            timelines = run_pagedkv(model, workload, system.removeprefix("pagedkv-"), args.num_blocks, args)
+            timelines, counters = run_pagedkv(
+                model, workload, system.removeprefix("pagedkv-"), args.num_blocks, args
+            )
         elif system == "hf-continuous-batching":
             model.set_attn_implementation("sdpa")
             timelines = run_hf_continuous(model, workload, args.num_blocks, args)
         else:
             model.set_attn_implementation("sdpa")
             timelines, static_util = run_hf_static(model, workload, args)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         figures[system] = summarize(workload, timelines, wall, capacity)
+        figures[system]["cpu_s"] = cpu
+        figures[system]["tokens_per_cpu_s"] = figures[system]["output_tokens"] / cpu
+        figures[system].update(counters)
         if static_util is not None:
             figures[system]["kv_utilization"] = static_util
         outputs[system] = {
@@ -325,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens_mean": float(np.mean([len(r.prompt_token_ids) for r in workload])),
         "output_tokens_mean": float(np.mean([r.output_len for r in workload])),
         "max_new_tokens": args.max_new_tokens,
+        "preemption": args.preemption,
         "outputs_identical": identical,
         "outputs_mismatched": {
             s: sum(o[k] != first[k] for k in first) for s, o in outputs.items() if o != first

@@ -243,6 +243,7 @@ class Engine:
         self.scheduler.update(out, sampled, now)
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted)
+        self.stats.num_scheduled_tokens += out.num_batched_tokens
         self.stats.num_swapped_out_blocks += len(out.swap_out.src)
         self.stats.num_swapped_in_blocks += len(out.swap_in.src)
         for rid in sampled:

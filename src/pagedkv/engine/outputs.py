@@ -60,6 +60,7 @@ class EngineStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_scheduled_tokens: int = 0  # tokens run through the model, recomputation after preemption included
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     step_times: list[float] = field(default_factory=list)

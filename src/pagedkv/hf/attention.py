@@ -60,8 +60,8 @@ def paged_attention_forward(
     batch = step.batch
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
     # [1, H, T, D] -> [T, H, D]
-    q = query[0].transpose(0, 1)
-    step.cache.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mapping)
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    step.cache.write(layer_idx, k, v, batch.slot_mapping)
     key_cache, value_cache = step.cache.layer(layer_idx)
     use_sdpa = step.cache.attention_backend == "sdpa"
     parts = []
@@ -70,14 +70,15 @@ def paged_attention_forward(
         if use_sdpa and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], softcap):
             out_g = paged_sdpa(
                 q_g,
-                key_cache,
-                value_cache,
+                step.cache.layer_kv(layer_idx),
                 g.block_table,
                 g.seq_lens,
                 max_seqlen_q=g.max_seqlen_q,
                 max_seqlen_k=g.max_seqlen_k,
                 scale=scaling,
                 sliding_window=sliding_window,
+                new_key=k[g.token_start : g.token_end],
+                new_value=v[g.token_start : g.token_end],
             )
         else:
             out_g = ops.paged_attention(

@@ -92,6 +92,11 @@ class PagedKVCache:
         """`(key_cache, value_cache)` of one layer."""
         return self.storage.layer(layer_idx)
 
+    def layer_kv(self, layer_idx: int) -> torch.Tensor:
+        """One layer's K and V pages as one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+        self.storage.layer(layer_idx)  # range check
+        return self.storage.data[layer_idx]
+
     def write(
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:

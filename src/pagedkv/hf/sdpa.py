@@ -28,18 +28,20 @@ def sdpa_supports(max_seqlen_q: int, num_seqs: int, soft_cap: float | None) -> b
     return soft_cap is None and (max_seqlen_q == 1 or num_seqs == 1)
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """Blocks `table[:, :num_blocks]` of `cache` as `[B, Hkv, num_blocks * block_size, D]`."""
+def _gather(kv: torch.Tensor, table: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks `table[:, :num_blocks]` of one layer's `kv` (`[2, num_blocks, block_size, Hkv, D]`, K then V)
+    as K and V `[B, Hkv, num_blocks * block_size, D]`, in one `index_select`."""
     batch = table.shape[0]
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    rows = cache[table[:, :num_blocks].long()]  # [B, nb, bs, Hkv, D]
-    return rows.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    _, _, block_size, num_kv_heads, head_dim = kv.shape
+    ids = table[:, :num_blocks].reshape(-1).long()
+    rows = kv.flatten(2).index_select(1, ids)  # [2, B * nb, bs * Hkv * D]
+    rows = rows.view(2, batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(2, 3)
+    return rows[0], rows[1]
 
 
 def paged_sdpa(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
@@ -47,15 +49,27 @@ def paged_sdpa(
     max_seqlen_k: int,
     scale: float | None,
     sliding_window: int | None,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[num_q_tokens, H, D]` attention for a decode group or a single prefill chunk (see module docs)."""
+    """`[num_q_tokens, H, D]` attention for a decode group or a single prefill chunk (see module docs).
+
+    `kv` is one layer's pages, `[2, num_blocks, block_size, Hkv, D]` (K then V). A prefill chunk with no
+    cached context (`max_seqlen_k == max_seqlen_q`) attends over `new_key`/`new_value` (`[n, Hkv, D]`, the
+    chunk's own K/V, already written to the pages) when given, skipping the gather."""
     num_q, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    num_blocks = -(-max_seqlen_k // block_size)
-    k = _gather(key_cache, block_table, num_blocks)
-    v = _gather(value_cache, block_table, num_blocks)
+    block_size, num_kv_heads = kv.shape[2], kv.shape[3]
     gqa = num_heads != num_kv_heads
-    key_pos = torch.arange(num_blocks * block_size, device=query.device)
+    if max_seqlen_q > 1 and max_seqlen_k == max_seqlen_q and new_key is not None and new_value is not None:
+        k, v = new_key.transpose(0, 1).unsqueeze(0), new_value.transpose(0, 1).unsqueeze(0)
+        if sliding_window is None:
+            q = query.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            return out[0].transpose(0, 1)
+    else:
+        num_blocks = -(-max_seqlen_k // block_size)
+        k, v = _gather(kv, block_table, num_blocks)
+    key_pos = torch.arange(k.shape[2], device=query.device)
     if max_seqlen_q == 1:  # decode group: one query per sequence, at position seq_len - 1
         lens = seq_lens.long()[:, None]
         visible = key_pos[None, :] < lens
