@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from pagedkv.core.errors import PagedKVError
+
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("simulate",): ("pagedkv.sim.commands_simulate", "replay a workload through the scheduler on a modelled GPU"),
@@ -48,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
-    return int(run(args) or 0)
+    try:
+        return int(run(args) or 0)
+    except PagedKVError as e:  # misuse: one clear line, no traceback
+        print(f"pagedkv {' '.join(chosen or ())}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
