@@ -41,3 +41,13 @@ def test_cli_json_contract() -> None:
                 "prefix_hit_rate", "peak_blocks_in_use", "mean_kv_utilization", "utilization_floor"):  # fmt: skip
         assert key in row, key
     assert row["requests"] == 200 and row["us_per_token"] > 0
+
+
+def test_plot_is_written(tmp_path) -> None:
+    from pagedkv.bench.allocator import plot_replay
+
+    reqs = load_trace(default_trace_path(), limit=100)
+    results = [replay(reqs, name, num_blocks=1024) for name in ("paged", "contiguous")]
+    assert len(results[0].series["blocks_in_use"]) == results[0].steps
+    path = plot_replay(results, tmp_path / "a.png")
+    assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +63,8 @@ class ReplayResult:
     max_running: int
     prefix_caching: bool
     hash_fn: str
+    # per step, for plots (not in the JSON): running requests, blocks in use, slots holding KV
+    series: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
 
 def make_manager(
@@ -109,6 +111,7 @@ def replay(
     peak_used = 0
     util_sum = floor_sum = 0.0
     util_steps = 0
+    series: dict[str, list[int]] = {"running": [], "blocks_in_use": [], "tokens_held": []}
     bs = block_size
     clock_ns = time.thread_time_ns if clock == "cpu" else time.perf_counter_ns
 
@@ -170,6 +173,9 @@ def replay(
                 ref = m.pool.ref[m.pool.first_id :]
                 held -= bs * int(np.maximum(ref - 1, 0).sum())  # shared blocks hold their tokens once
             util_sum += held / (used * bs)
+            series["running"].append(len(run_sid))
+            series["blocks_in_use"].append(used)
+            series["tokens_held"].append(held)
             floor_sum += int(lens.sum()) / (int((-(-lens // bs)).sum()) * bs)
             util_steps += 1
         if check_every and steps % check_every == 0:
@@ -206,6 +212,7 @@ def replay(
         max_running=max_running,
         prefix_caching=prefix_caching and paged,
         hash_fn=hash_fn if paged and prefix_caching else "-",
+        series=series,
     )
 
 
@@ -222,6 +229,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs per allocator; the median us/token is reported")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="time the phases in this thread's CPU time (default: robust on a shared machine) or wall time")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG: concurrency and KV use per step")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (with --allocator both: one object keyed by allocator)")
 
@@ -241,8 +249,10 @@ def run(args: argparse.Namespace) -> int:
             for _ in range(max(1, args.repeat))
         ]
         results.append(sorted(runs, key=lambda r: r.us_per_token)[len(runs) // 2])
+    if args.plot:
+        print(f"figure written to {plot_replay(results, args.plot)}", file=sys.stderr)
     if args.json:
-        rows = {r.allocator: asdict(r) for r in results}
+        rows = {r.allocator: {k: v for k, v in asdict(r).items() if k != "series"} for r in results}
         print(json.dumps(next(iter(rows.values())) if len(rows) == 1 else rows, indent=1))
         return 0
     print(f"trace {Path(path).name}, first {len(requests)} requests; block size {args.block_size}, "
@@ -253,3 +263,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.allocator:<22} {r.steps:>6} {r.scheduled_tokens:>13,} {r.preemptions:>8} {r.prefix_hit_rate:>8.1%} "
               f"{r.us_per_token:>9.4f} {r.peak_blocks_in_use:>12} {r.mean_kv_utilization:>7.1%} {r.utilization_floor:>6.1%}")  # fmt: skip
     return 0
+
+
+def plot_replay(results: list[ReplayResult], path: Path) -> Path:
+    """Running requests and KV slots (allocated vs holding tokens) per step, one colour per allocator."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    for r, colour in zip(results, ("tab:blue", "tab:orange", "tab:green")):
+        s = r.series
+        top.plot(s["running"], color=colour, lw=0.8, label=f"{r.allocator}: {r.steps} steps")
+        slots = [b * r.block_size for b in s["blocks_in_use"]]
+        bottom.plot(slots, color=colour, lw=0.8, ls="--", label=f"{r.allocator}: slots allocated")
+        bottom.plot(s["tokens_held"], color=colour, lw=0.8, label=f"{r.allocator}: slots holding KV "
+                    f"(mean utilisation {r.mean_kv_utilization:.1%})")  # fmt: skip
+    top.set_ylabel("running requests")
+    top.legend(loc="upper right", fontsize=8)
+    bottom.set_ylabel("KV slots (tokens)")
+    bottom.set_xlabel("step")
+    bottom.legend(loc="center left", fontsize=8)
+    r0 = results[0]
+    fig.suptitle(
+        f"pagedkv bench allocator: {r0.trace}, {r0.requests} requests; {r0.num_blocks} blocks of "
+        f"{r0.block_size} tokens, at most {r0.max_running} running",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
