@@ -71,7 +71,7 @@ def write_kv_triton(
         value.contiguous(),
         key_cache,
         value_cache,
-        slot_mapping,
+        slot_mapping.contiguous(),
         ROW=row,
         ROW_PAD=triton.next_power_of_2(row),
     )
@@ -241,7 +241,7 @@ def paged_attention_triton(
     if num_q_tokens == 0:
         return out
     token_seq, token_pos = query_positions(seq_lens, cu_seqlens_q, num_q_tokens)
-    table = block_table.to(torch.int32)
+    table = block_table.to(torch.int32).contiguous()
     dim_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(num_q_tokens * num_kv_heads, table.shape[1] * key_cache.shape[1], block_n, query.device)
