@@ -98,3 +98,21 @@ def test_contiguous_allocator_matches_generate() -> None:
     prompts = prompts_of(LENGTHS)
     engine, outputs = run_engine("gpt2", prompts, allocator="contiguous", num_blocks=40)
     assert [o.output_token_ids for o in outputs] == reference("gpt2", 0, LENGTHS, prompts)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_heavy_preemption_stress(mode: str) -> None:
+    """Many requests through a pool that holds ~two of them: requests are preempted, swapped back in and
+    preempted again within single steps; every output still equals generate's."""
+    lengths = (6, 11, 3, 14, 9, 7, 12, 5)
+    prompts = prompts_of(lengths, seed=9)
+    engine = Engine(
+        tiny_model("gpt2", 4), None, EngineConfig(num_blocks=12, block_size=4, preemption_mode=mode)
+    )
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    expected = reference_generate(
+        tiny_model("gpt2", 4), prompts, 16, eos_token_id=None, attn_implementation="eager"
+    )
+    assert engine.stats.num_preemptions >= 5
+    assert [o.output_token_ids for o in outputs] == expected
+    assert engine.manager.num_used_blocks == 0

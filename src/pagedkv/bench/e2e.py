@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -285,6 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--outputs-file", type=Path, help="write every system's output token ids here (JSON)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -338,6 +340,9 @@ def run(args: argparse.Namespace) -> int:
         outputs[system] = {
             r.request_id: timelines[r.request_id].output_token_ids[: r.output_len] for r in workload
         }
+    if args.outputs_file is not None:
+        prompts = {r.request_id: r.prompt_token_ids for r in workload}
+        args.outputs_file.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
     first = next(iter(outputs.values()), {})
     identical = all(o == first for o in outputs.values())
     result = {

@@ -3,8 +3,9 @@
 The scheduler decides *what* runs (which requests, which token ranges, which blocks move); the runner makes
 it happen on tensors, in this order:
 
-1. swap-outs (device -> host), then swap-ins (host -> device): the allocator already reassigned the blocks,
-   so the bytes must move before anything writes them;
+1. swap-ins (host -> device), then swap-outs (device -> host), the order in which the scheduler decides
+   them (`PagedKVCache.swap`): the allocator already reassigned the blocks, so the bytes must move before
+   anything writes them;
 2. copy-on-write block copies (`SchedulerOutput.copies`);
 3. one packed forward over every scheduled chunk (`pagedkv.hf.metadata`), with the allocator's block tables
    and slot mapping; the attention function writes the chunk's K/V and reads the pages;
@@ -40,10 +41,9 @@ class ModelRunner:
 
     def apply_block_moves(self, output: SchedulerOutput) -> None:
         """Swaps then copy-on-write copies, before the forward (see the module docstring)."""
-        if len(output.swap_out.src):  # device src -> host dst
-            self.cache.swap_out(output.swap_out.src, output.swap_out.dst)
-        if len(output.swap_in.src):  # host src -> device dst
-            self.cache.swap_in(output.swap_in.src, output.swap_in.dst)
+        if len(output.swap_out.src) or len(output.swap_in.src):
+            # swap_in: host src -> device dst, then swap_out: device src -> host dst
+            self.cache.swap(output.swap_out.src, output.swap_out.dst, output.swap_in.src, output.swap_in.dst)
         if len(output.copies.src):
             self.cache.copy_blocks(output.copies.src, output.copies.dst)
 

@@ -11,8 +11,8 @@ API is built around dense per-layer tensors that grow with each call. Here the a
 place that writes (through the slot mapping) and reads (through the block tables), and the model runs with
 `use_cache=False`, so transformers never builds a cache of its own.
 
-Order within a step (the engine's runner keeps it): swap-outs, then swap-ins, then copy-on-write copies,
-then the forward. A swap-out must run before the freed device blocks are written again.
+Order within a step (the engine's runner keeps it): swap-ins, then swap-outs (`swap`: the order in which
+the scheduler decides them), then copy-on-write copies, then the forward.
 """
 
 from __future__ import annotations
@@ -118,6 +118,22 @@ class PagedKVCache:
         dev, host = self._pair(device_block_ids, host_block_ids, "swap_in")
         if dev.size:
             self.storage.swap_in(HostBlocks(self.host[:, :, torch.from_numpy(host)]), dev)
+
+    def swap(
+        self,
+        out_device_ids: BlockIds,
+        out_host_ids: BlockIds,
+        in_host_ids: BlockIds,
+        in_device_ids: BlockIds,
+    ) -> None:
+        """One step's swaps, in the order the scheduler decides them: swap-ins, then swap-outs.
+
+        Within a step the scheduler brings swapped requests back before it preempts, so a swap-out may take
+        host blocks a swap-in has just released, and may even swap out a request swapped in this very step
+        (reading the device blocks the swap-in fills). Both are right only in that order.
+        """
+        self.swap_in(in_host_ids, in_device_ids)
+        self.swap_out(out_device_ids, out_host_ids)
 
     def _pair(
         self, device_ids: BlockIds, host_ids: BlockIds, what: str
