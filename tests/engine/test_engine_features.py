@@ -120,3 +120,17 @@ def test_kv_budget_in_bytes_sets_the_block_count() -> None:
     assert engine.manager.num_blocks == 8 - 1  # 8 blocks of 16 tokens, minus the null block
     with pytest.raises(CapacityError, match="at least 2"):
         Engine(model, None, EngineConfig(kv_budget_bytes=4096, block_size=16))
+
+
+def test_ignore_eos_decodes_past_eos_like_generate_without_eos() -> None:
+    model = tiny_model("qwen2")
+    prompts = prompts_of((5, 17, 9, 30, 3), seed=1)
+    engine = Engine(model, None, EngineConfig(num_blocks=64, block_size=4))
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    hit = [i for i, o in enumerate(stopped) if o.finish_reason == "stop"]
+    assert hit, "the seeded tiny model emits EOS (id 2) for one of these prompts"
+    chosen = [prompts[i] for i in hit]
+    full = engine.generate(chosen, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    expected = reference_generate(model, chosen, 12, eos_token_id=None, attn_implementation="eager")
+    assert [o.output_token_ids for o in full] == expected
+    assert all(len(o.output_token_ids) == 12 and 2 in o.output_token_ids[:-1] for o in full)

@@ -174,6 +174,8 @@ def run_hf_static(
     import torch
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+    from pagedkv.hf.reference import model_eos
+
     class _Clock(LogitsProcessor):  # called once per generated position, just before sampling it
         def __init__(self) -> None:
             self.times: list[float] = []
@@ -197,7 +199,7 @@ def run_hf_static(
         clock = _Clock()
         gen = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=0)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), model_eos(model, None):
             out = model.generate(
                 ids, attention_mask=mask, generation_config=gen, logits_processor=LogitsProcessorList([clock])
             )

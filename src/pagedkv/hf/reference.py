@@ -27,6 +27,19 @@ def attention_implementation(model: Any, name: str) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
+@contextmanager
+def model_eos(model: Any, eos_token_id: int | None) -> Iterator[None]:
+    """Temporarily set the model's default EOS: `generate` falls back to it when a config leaves EOS unset,
+    so `None` (never stop on a token) has to be written there."""
+    config = model.generation_config
+    previous = config.eos_token_id
+    config.eos_token_id = eos_token_id
+    try:
+        yield
+    finally:
+        config.eos_token_id = previous
+
+
 @torch.inference_mode()
 def reference_generate(
     model: Any,
@@ -37,10 +50,11 @@ def reference_generate(
     attn_implementation: str = "sdpa",
 ) -> list[list[int]]:
     """Greedy continuation of each prompt by `model.generate`, one prompt at a time; stops at
-    `eos_token_id` (included in the output) or after `max_new_tokens` (one value, or one per prompt)."""
+    `eos_token_id` (included in the output; None: never) or after `max_new_tokens` (one value, or one per
+    prompt)."""
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     outputs: list[list[int]] = []
-    with attention_implementation(model, attn_implementation):
+    with attention_implementation(model, attn_implementation), model_eos(model, eos_token_id):
         for prompt, limit in zip(prompts, limits):
             ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
             config = GenerationConfig(
