@@ -75,11 +75,11 @@ def paged_sdpa(
         visible = key_pos[None, :] < lens
         if sliding_window is not None:
             visible &= key_pos[None, :] > lens - 1 - sliding_window
-        q = query.view(num_q, num_heads, 1, head_dim)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=gqa
-        )
-        return out.view(num_q, num_heads, head_dim)
+        # One query position per sequence: the query heads sharing a KV head become that head's query rows
+        # (heads h*g .. h*g+g-1 read KV head h), so K/V are never repeated per query head.
+        q = query.reshape(num_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], scale=scale)
+        return out.reshape(num_q, num_heads, head_dim)
     # one sequence, n queries at positions [L - n, L)
     length = int(seq_lens[0])
     k, v = k[:, :, :length], v[:, :, :length]
