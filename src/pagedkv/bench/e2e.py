@@ -133,7 +133,7 @@ def run_hf_continuous(
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    gen = GenerationConfig(
+    gen = GenerationConfig(  # type: ignore[no-untyped-call]
         do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new_tokens
     )
     cb = ContinuousBatchingConfig(
@@ -197,7 +197,7 @@ def run_hf_static(
             mask[i, width - len(r.prompt_token_ids) :] = 1
         steps = max(r.output_len for r in batch)
         clock = _Clock()
-        gen = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=0)
+        gen = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=0)  # type: ignore[no-untyped-call]
         start = time.perf_counter()
         with torch.inference_mode(), model_eos(model, None):
             out = model.generate(

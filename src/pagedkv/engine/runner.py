@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from pagedkv.hf.attention import forward_step
@@ -71,7 +72,7 @@ class ModelRunner:
         return forward_step(self.model, self.cache, self.build_batch(manager, chunks))
 
 
-def _chunk_tokens(chunk: ScheduledChunk) -> Sequence[int]:
+def _chunk_tokens(chunk: ScheduledChunk) -> Sequence[int] | npt.NDArray[np.int64]:
     """Token ids `[start, end)` of the chunk's request, without copying the whole prompt for a decode."""
     request, n = chunk.request, chunk.request.num_prompt_tokens
     if chunk.start >= n:

@@ -68,5 +68,5 @@ def load_model(source: str, *, dtype: str | None = None) -> tuple[Any, Any]:
     if dtype is not None:
         model_kwargs["dtype"] = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(folder, **model_kwargs)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return model, tokenizer

@@ -57,7 +57,7 @@ def reference_generate(
     with attention_implementation(model, attn_implementation), model_eos(model, eos_token_id):
         for prompt, limit in zip(prompts, limits):
             ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
-            config = GenerationConfig(
+            config = GenerationConfig(  # type: ignore[no-untyped-call]
                 max_new_tokens=limit,
                 do_sample=False,
                 num_beams=1,

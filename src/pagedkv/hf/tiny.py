@@ -24,6 +24,7 @@ def tiny_model(family: str, seed: int = 0) -> Any:
     llama_like = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, **common)  # fmt: skip
     torch.manual_seed(seed)
+    model: Any
     if family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**llama_like))
     elif family == "qwen2":
