@@ -65,7 +65,7 @@ def paged_greedy(
     return outputs
 
 
-FAMILIES = ["llama", "qwen2", "qwen2-sw", "mistral", "gpt2", "phi3", "gemma2"]
+FAMILIES = ["llama", "qwen2", "qwen2-sw", "qwen3", "mistral", "gpt2", "phi3", "gemma2"]
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "ops"])

@@ -13,7 +13,7 @@ import torch
 from pagedkv.core.errors import InvalidArgumentError
 
 VOCAB = 128
-FAMILIES = ("llama", "qwen2", "qwen2-sw", "mistral", "gemma2", "phi3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen2-sw", "qwen3", "mistral", "gemma2", "phi3", "gpt2")
 
 
 def tiny_model(family: str, seed: int = 0) -> Any:
@@ -33,6 +33,8 @@ def tiny_model(family: str, seed: int = 0) -> Any:
         model = tf.Qwen2ForCausalLM(
             tf.Qwen2Config(**llama_like, use_sliding_window=True, sliding_window=6, max_window_layers=1)
         )
+    elif family == "qwen3":  # per-head q/k RMS norms, explicit head_dim
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**llama_like, "head_dim": 16}))
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**llama_like, sliding_window=7))
     elif family == "gemma2":
