@@ -39,7 +39,7 @@ def test_parallel_sampling_shares_prompt_blocks_then_diverges() -> None:
     assert tables[0][:4] == tables[1][:4] == tables[2][:4]
     assert len({t[4] for t in tables}) == 3
     engine.run()
-    outputs = [engine._outputs[i] for i in ids]
+    outputs = [engine.output(i) for i in ids]
     assert all(len(o.output_token_ids) == 10 for o in outputs)
     assert len({tuple(o.output_token_ids) for o in outputs}) == 3  # they diverge
     assert [o.parent_id for o in outputs] == [None, rid, rid]

@@ -215,6 +215,12 @@ class Engine:
             raise InvalidArgumentError(f"no unfinished request {request_id!r}")
         return tracked.request
 
+    def output(self, request_id: str) -> RequestOutput:
+        """The final output of a finished request (`generate` hands its own outputs back and forgets them)."""
+        if request_id not in self._outputs:
+            raise InvalidArgumentError(f"request {request_id!r} has not finished (or generate returned it)")
+        return self._outputs[request_id]
+
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
