@@ -127,7 +127,9 @@ def test_fork_shares_prompt_blocks() -> None:
     out = s.schedule()
     child = s.fork(parent, "p#1")
     assert m.block_ids(child.seq_id) == m.block_ids(parent.seq_id)
+    assert child.num_computed_tokens == 10  # the step being run computes the prompt for both
     s.update(out, {"p": 1, "p#1": 2})
+    assert m.num_computed_tokens(child.seq_id) == 10 == m.num_computed_tokens(parent.seq_id)
     out = s.schedule()
     assert m.block_ids(child.seq_id)[:2] == m.block_ids(parent.seq_id)[:2]
     assert m.block_ids(child.seq_id)[2] != m.block_ids(parent.seq_id)[2]

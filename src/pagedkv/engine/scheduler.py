@@ -73,6 +73,11 @@ class SwapBlocks(NamedTuple):
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan. Apply the block moves before the forward pass, in this order: `swap_in` (host ->
+    device), then `swap_out` (device -> host), then `copies` (copy-on-write). Swap-ins are decided first:
+    a swap-out may reuse host blocks a swap-in just released, and one request may come in and go out in the
+    same step, so the other order would overwrite host KV before it is read."""
+
     scheduled: list[ScheduledChunk] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
@@ -99,6 +104,8 @@ class Scheduler:
         self._by_id: dict[str, Request] = {}
         self._order_of: dict[str, int] = {}  # request id -> position in arrival order
         self.num_preemptions = 0
+        self._inflight: dict[str, int] = {}  # request id -> end of its chunk in the step being run
+        self._forked: list[Request] = []  # children forked during the step being run
 
     # --- queue ----------------------------------------------------------------------------------
 
@@ -213,6 +220,7 @@ class Scheduler:
             out.scheduled.append(ScheduledChunk(request, request.num_computed_tokens, chunk, chunk == remaining))
             budget -= chunk
         out.num_batched_tokens = sum(c.num_new_tokens for c in out.scheduled)
+        self._inflight = {c.request.request_id: c.end for c in out.scheduled}
         out.copies = self.manager.take_copies()
         if swap_out:
             out.swap_out = SwapBlocks(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
@@ -259,9 +267,12 @@ class Scheduler:
             c.request.num_computed_tokens = c.end
             if c.request.first_scheduled_time is None:
                 c.request.first_scheduled_time = now
-        if live:
-            seq_ids = np.array([c.request.seq_id for c in live], dtype=np.int64)
-            self.manager.mark_computed(seq_ids, np.array([c.end for c in live], dtype=np.int64))
+        computed = [(c.request, c.end) for c in live]
+        computed += [(r, r.num_computed_tokens) for r in self._forked if r.status is RequestStatus.RUNNING]
+        if computed:
+            seq_ids = np.array([r.seq_id for r, _ in computed], dtype=np.int64)
+            self.manager.mark_computed(seq_ids, np.array([end for _, end in computed], dtype=np.int64))
+        self._inflight, self._forked = {}, []
         finished: list[Request] = []
         for request_id, token in sampled.items():
             request = self._by_id.get(request_id)
@@ -331,7 +342,8 @@ class Scheduler:
             salt=parent.salt,
         )  # fmt: skip
         child.output_token_ids = list(parent.output_token_ids)
-        child.num_computed_tokens = parent.num_computed_tokens
+        # the step being run computes the parent's chunk for the child too (their KV is shared)
+        child.num_computed_tokens = self._inflight.get(parent.request_id, parent.num_computed_tokens)
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
         child.seq_id = seq_id
@@ -340,6 +352,7 @@ class Scheduler:
         self.running.insert(self.running.index(parent) + 1, child)
         self._by_id[request_id] = child
         self._order_of[request_id] = self._order_of[parent.request_id]
+        self._forked.append(child)
         return child
 
     def abort(self, request_ids: Iterable[str]) -> None:
