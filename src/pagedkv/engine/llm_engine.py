@@ -285,10 +285,7 @@ class Engine:
                     salt=request.salt,
                 )
                 self.scheduler.add_request(child)
-            else:
-                # The fork copies the parent's progress before `update` records this step's chunk as
-                # computed; the child shares that KV, so it is computed for the child too.
-                child.num_computed_tokens = chunk.end
+            else:  # the scheduler counts this step's chunk as computed for the child too
                 sampled[child_id] = sample(logits, [params], [generator])[0]
             self._tracked[child_id] = _Tracked(
                 child, params, generator, parent.on_token, parent_id=request.request_id
