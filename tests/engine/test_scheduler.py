@@ -165,4 +165,4 @@ def test_a_preempted_request_goes_back_ahead_of_later_arrivals() -> None:
     while not out.preempted:
         out, _ = step(s)
     assert [r.request_id for r in out.preempted] == ["b"]
-    assert s._waiting[0][3].request_id == "b"  # ahead of c, which was added after it
+    assert s._waiting[0][-1].request_id == "b"  # ahead of c, which was added after it

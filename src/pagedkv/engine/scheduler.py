@@ -97,7 +97,8 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         if self.config.preemption_mode == "swap" and not hasattr(manager, "swap_out"):
             raise InvalidArgumentError(f"{type(manager).__name__} cannot swap; use preemption_mode='recompute'")
-        self._waiting: list[tuple[int, float, int, Request]] = []  # heap: (-priority, arrival, order, req)
+        # heap of (-priority, arrival, order of adding, unique tie-break, request)
+        self._waiting: list[tuple[int, float, int, int, Request]] = []
         self._order = itertools.count()
         self.running: list[Request] = []  # admission order
         self.swapped: list[Request] = []
@@ -121,7 +122,7 @@ class Scheduler:
     def _push_waiting(self, request: Request) -> None:
         # A preempted request keeps its original place: it goes back ahead of everything that came after it.
         order = self._order_of[request.request_id]
-        heapq.heappush(self._waiting, (-request.priority, request.arrival_time, order, request))
+        heapq.heappush(self._waiting, (-request.priority, request.arrival_time, order, next(self._order), request))
 
     @property
     def num_waiting(self) -> int:
@@ -170,7 +171,14 @@ class Scheduler:
             if self.manager.append(seq_ids, tokens):
                 break
             victim = self._victim()
-            self._preempt(victim, out, swap_out)
+            if len(self.running) == 1:  # alone and still short of one slot: it can never grow
+                self._finish(victim, "rejected", error=(
+                    f"request needs more than the KV capacity ({self.manager.num_blocks} blocks of "
+                    f"{self.manager.block_size} tokens) to grow past {victim.num_tokens - 1} tokens"
+                ))  # fmt: skip
+                out.rejected.append(victim)
+            else:
+                self._preempt(victim, out, swap_out)
             decode = [r for r in decode if r is not victim]
         for r in decode:
             out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, 1, True))
@@ -191,7 +199,7 @@ class Scheduler:
             self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
             and not self.swapped and not out.preempted
         ):  # fmt: skip
-            request = self._waiting[0][3]
+            request = self._waiting[0][-1]
             remaining_new = request.max_new_tokens - len(request.output_token_ids)
             try:
                 admission = self.manager.admit(
@@ -205,10 +213,19 @@ class Scheduler:
                 continue
             if admission is None:
                 break
-            chunk = self._chunk(request.num_tokens - admission.num_cached_tokens, budget)
-            if chunk == 0:  # budget too small for an unchunked prompt: give the blocks back, retry later
+            uncached = request.num_tokens - admission.num_cached_tokens
+            chunk = self._chunk(uncached, budget)
+            if chunk == 0:  # budget too small for an unchunked prompt: give the blocks back
                 self.manager.free(admission.seq_id)
-                break
+                if uncached <= self.config.max_num_batched_tokens:
+                    break  # a later step with a whole budget will take it
+                heapq.heappop(self._waiting)  # no step ever will: without chunking it can never run
+                self._finish(request, "rejected", error=(
+                    f"{uncached} tokens to compute exceed max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget"
+                ))  # fmt: skip
+                out.rejected.append(request)
+                continue
             heapq.heappop(self._waiting)
             request.seq_id = admission.seq_id
             request.num_computed_tokens = admission.num_cached_tokens
@@ -309,7 +326,7 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
         elif request.status is RequestStatus.WAITING:
-            self._waiting = [w for w in self._waiting if w[3] is not request]
+            self._waiting = [w for w in self._waiting if w[-1] is not request]
             heapq.heapify(self._waiting)
         if request.seq_id is not None:
             self.manager.free(request.seq_id)
