@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.core.prefix import BlockKeys
 from pagedkv.core.protocol import Admission, BlockCopies
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
@@ -127,7 +128,7 @@ class ContiguousKVManager(TableViews):
         priority: int = 0,
         salt: bytes = b"",
         num_lookahead: int = 0,
-        keys: object = None,
+        keys: BlockKeys | None = None,
     ) -> Admission | None:
         """Reserve prompt + max_new_tokens (+ lookahead) contiguously, first fit. `None` if no hole fits."""
         n = len(as_tokens(token_ids))

@@ -23,6 +23,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core.prefix import BlockKeys
+
 IntArray = npt.NDArray[np.int64]
 TokenIds = npt.ArrayLike  # a 1-D sequence of non-negative ints (list, tuple, numpy array)
 
@@ -77,7 +79,10 @@ class KVManager(Protocol):
         priority: int = 0,
         salt: bytes = b"",
         num_lookahead: int = 0,
-    ) -> Admission | None: ...
+        keys: BlockKeys | None = None,
+    ) -> Admission | None:
+        """Allocate for `token_ids`; `keys` (a request's `BlockKeys`) lets re-admissions skip hashing."""
+        ...
 
     def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
         """Blocks that `append(seq_ids, num_tokens)` would take from the pool."""
@@ -100,7 +105,7 @@ class KVManager(Protocol):
         ...
 
     def fork(self, seq_id: int) -> int | None:
-        """A new sequence sharing all of `seq_id`'s blocks; `None` if copy-on-write room is short."""
+        """A new sequence with `seq_id`'s tokens: sharing its blocks (paged), or a copy (`None` if no room)."""
         ...
 
     def num_tokens(self, seq_id: int) -> int: ...

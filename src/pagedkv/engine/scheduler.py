@@ -205,7 +205,7 @@ class Scheduler:
                 admission = self.manager.admit(
                     request.all_token_ids, max_new_tokens=remaining_new, priority=request.priority,
                     keys=request.keys,
-                )  # type: ignore[call-arg]
+                )
             except CapacityError as e:
                 heapq.heappop(self._waiting)
                 self._finish(request, "rejected", error=str(e))
