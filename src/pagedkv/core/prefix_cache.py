@@ -118,18 +118,22 @@ class PrefixCache:
                 index.update(zip(segment, segment_ids))
                 boxed = np.empty(count, dtype=object)
                 boxed[:] = segment
-                key_of[block_ids[pos - count : pos]] = boxed
-                stored.extend(segment_ids)
+                fresh = block_ids[pos - count : pos]
+                key_of[fresh] = boxed
+                keyed[fresh] = True
+                if pool.record_events:
+                    pool.events.extend(CacheEvent("stored", k, b) for k, b in zip(segment, segment_ids))
                 continue
             for key, block_id in zip(segment, segment_ids):
                 if key_of[block_id] is None and ((other := index.get(key)) is None or key_of[other] != key):
                     index[key] = block_id
                     key_of[block_id] = key
                     stored.append(block_id)
-        pool.keyed[stored] = True
+        if stored:
+            keyed[stored] = True
+            if pool.record_events:
+                pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
         pool._maybe_compact()
-        if pool.record_events:
-            pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
 
     def _extend_keys(self, keys: BlockKeys, start: int, stop: int, data: bytes) -> None:
         """Hash blocks [len(keys) .. stop) of a row from their token bytes (`data` covers [start, stop))."""

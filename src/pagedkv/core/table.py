@@ -48,6 +48,7 @@ class BlockTables:
         self.on_device = np.zeros(rows, dtype=bool)  # alive and not swapped: batch views allowed
         self._free_rows = list(range(rows - 1, -1, -1))
         self._stamp = np.zeros(rows, dtype=np.int64)
+        self._positions = np.arange(256, dtype=np.int64)
         self.num_alive = 0
 
     # --- rows -----------------------------------------------------------------------------------
@@ -124,7 +125,9 @@ class BlockTables:
         stamp = self._stamp
         if len(stamp) < len(self.alive):
             stamp = self._stamp = np.zeros(len(self.alive), dtype=np.int64)
-        positions = np.arange(len(rows))
+        if len(self._positions) < len(rows):
+            self._positions = np.arange(max(len(rows), 2 * len(self._positions)), dtype=np.int64)
+        positions = self._positions[: len(rows)]
         stamp[rows] = positions
         return bool((stamp[rows] != positions).any())
 
