@@ -65,10 +65,12 @@ class PrefixCache:
         t, pool = self.tables, self.pool
         starts = t.num_published[rows]
         t.num_published[rows] = upto
+        counts = upto - starts
         if len(rows) == 1:  # one sequence (an admitted prompt): its blocks are one slice of its row
             block_ids = t.table[rows[0], starts[0] : upto[0]]
+        elif counts.max() == 1:  # decode: each row filled exactly one block
+            block_ids = t.table[rows, starts]
         else:
-            counts = upto - starts
             owner = np.repeat(rows, counts)
             first = np.cumsum(counts) - counts
             block_ids = t.table[owner, np.arange(len(owner)) + np.repeat(starts - first, counts)]
