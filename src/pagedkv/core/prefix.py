@@ -83,7 +83,7 @@ class BlockKeys:
         self.salt = salt
         self.extra = extra
         self.block_extra: Mapping[int, bytes] = dict(block_extra or {})
-        self.keys: list[Key] = []
+        self.keys: list[Key] = []  # keys[0] is the root, keys[i + 1] the key of block i
         self.epoch = -1
         self._fn: KeyFunction | None = None
 
@@ -93,9 +93,6 @@ class BlockKeys:
             self.keys.clear()
             self.epoch, self._fn = epoch, fn
             self.keys.append(root_key(fn, epoch, self.salt, self.extra))
-
-    def parent(self, block_index: int) -> Key:
-        return self.keys[block_index]  # keys[0] is the root, keys[i + 1] the key of block i
 
     def num_keys(self) -> int:
         """How many leading blocks have a key."""

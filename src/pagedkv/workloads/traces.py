@@ -21,7 +21,7 @@ import csv
 import gzip
 import io
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
@@ -181,14 +181,3 @@ def prompt_token_ids(request: TraceRequest) -> npt.NDArray[np.int32]:
 def generated_token_ids(request: TraceRequest, start: int, stop: int) -> npt.NDArray[np.int32]:
     """Synthetic output tokens [start, stop) of a request: private to it."""
     return synth_tokens(STREAM_GENERATED, request.index, np.arange(start, stop))
-
-
-def trace_summary(requests: Sequence[TraceRequest]) -> str:
-    if not requests:
-        return "0 requests"
-    p = np.array([r.prompt_len for r in requests])
-    o = np.array([r.output_len for r in requests])
-    return (
-        f"{len(requests)} requests, prompt mean {p.mean():.0f} / max {p.max()}, "
-        f"output mean {o.mean():.0f} / max {o.max()}"
-    )
