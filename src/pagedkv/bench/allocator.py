@@ -4,7 +4,8 @@ The loop is defined so that other allocators can replay exactly the same work (P
 trace order, timestamps ignored; each step
 
   1. admits waiting requests first-come-first-served while fewer than `max_running` run and the
-     allocator holds the whole prompt (blocks written this step are hittable from the next step);
+     allocator holds the whole prompt; the admitted prompts are published after the admission loop (the
+     peers cache blocks at allocation), so no request admitted in the same step hits another's blocks;
   2. while growing every running request by one token does not fit, preempts the most recently admitted
      request (recompute: it goes back to the head of the queue with its prompt plus generated tokens);
   3. grows every running request by one token (and marks the step's KV computed);

@@ -162,11 +162,14 @@ class Scheduler:
         decode = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
         decode = decode[:budget]
         while decode:
-            # a request re-admitted with all but its last token cached already holds that slot
-            need = [r for r in decode if self.manager.num_tokens(r.seq_id) < r.num_tokens]  # type: ignore[arg-type]
-            if not need:
+            # a request re-admitted with all but its last token cached already holds that slot:
+            # compare slots held with tokens in one batched query, not one manager call per request
+            all_ids = np.array([r.seq_id for r in decode], dtype=np.int64)
+            short = self.manager.seq_lens(all_ids) < np.array([r.num_tokens for r in decode])
+            if not short.any():
                 break
-            seq_ids = np.array([r.seq_id for r in need], dtype=np.int64)
+            need = [r for r, s in zip(decode, short.tolist()) if s]
+            seq_ids = all_ids[short]
             tokens = np.array([r.output_token_ids[-1] for r in need], dtype=np.int64)
             if self.manager.append(seq_ids, tokens):
                 break
