@@ -22,11 +22,13 @@ VOCAB = 3  # tiny vocabulary: prompts collide often, so prefix sharing is exerci
 class ManagerMachine(RuleBasedStateMachine):
     record_events = True  # with events off, evicted keys are dropped lazily: both paths are checked
     hash_fn = "sha256"
+    native: bool | None = None  # the C hot path when built
 
     def __init__(self) -> None:
         super().__init__()
         self.m = PagedKVManager(
-            num_blocks=24, block_size=BS, num_host_blocks=8, record_events=self.record_events, hash_fn=self.hash_fn
+            num_blocks=24, block_size=BS, num_host_blocks=8, record_events=self.record_events, hash_fn=self.hash_fn,
+            native=self.native,
         )
         self.tokens: dict[int, list[int]] = {}  # seq id -> expected token ids
         self.keys: dict[int, BlockKeys] = {}
@@ -168,8 +170,16 @@ class LazyFastManagerMachine(ManagerMachine):
     hash_fn = "fast"
 
 
+class PythonHotPathMachine(ManagerMachine):
+    """The pure-Python reference of the hot loops (what runs where the C extension is not built)."""
+
+    native = False
+
+
 _settings = settings(max_examples=400, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ManagerMachine.TestCase.settings = _settings
 LazyFastManagerMachine.TestCase.settings = _settings
+PythonHotPathMachine.TestCase.settings = settings(_settings, max_examples=200)
 TestManagerMachine = ManagerMachine.TestCase
+TestPythonHotPathMachine = PythonHotPathMachine.TestCase
 TestLazyFastManagerMachine = LazyFastManagerMachine.TestCase

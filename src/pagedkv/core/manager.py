@@ -101,6 +101,7 @@ class PagedKVManager(SwapMixin, TableViews):
         null_block: bool = True,
         num_host_blocks: int = 0,
         record_events: bool = False,
+        native: bool | None = None,
     ) -> None:
         as_count(block_size, "block_size", minimum=1)
         as_count(num_host_blocks, "num_host_blocks")
@@ -113,7 +114,7 @@ class PagedKVManager(SwapMixin, TableViews):
         self.verify_hits = verify_hits
         self.prefix = PrefixCache(
             self.pool, self.tables, block_size, key_function(hash_fn), enabled=enable_prefix_caching,
-            verify_hits=verify_hits,
+            verify_hits=verify_hits, native=native,
         )  # fmt: skip
         self._keys = self.prefix.keys
         # Token ids of every block's slots, mirroring the KV content: hashing, verification, copy-on-write.

@@ -14,8 +14,8 @@ is a numpy array with a top pointer (popping k blocks is one slice); the evictio
 per retention priority, kept as numpy arrays of (block id, stamp) with lazy deletion: a hit takes a
 block out of the order in O(1) by bumping the block's stamp (its queue entry goes stale), and evicting k
 blocks filters a window of the queue head in a few numpy calls. Dropping an evicted block's key is lazy
-too: `key_of` is cleared in one vectorised store and stale index entries are skipped on lookup (and
-compacted when they outnumber the live ones). The pool owns the key <-> block index, because a block's
+too: only `key_of` (a list, so the C hot path can read it) is cleared, and stale index entries are
+skipped on lookup (and compacted when they outnumber the live ones). The pool owns the key <-> block index, because a block's
 state depends on having a key.
 
 At most one block holds a given key (the index is a map). A block computed twice concurrently stays
@@ -93,7 +93,7 @@ class BlockPool:
         self.ref = np.zeros(num_blocks, dtype=np.int32)
         self.pins = np.zeros(num_blocks, dtype=np.int32)
         self.keyed = np.zeros(num_blocks, dtype=bool)
-        self.key_of = np.full(num_blocks, None, dtype=object)  # the block's key, or None
+        self.key_of: list[Key | None] = [None] * num_blocks  # the block's key, or None (a list: C reads it)
         self.index: dict[Key, int] = {}  # key -> block; entries whose block no longer holds the key are stale
         # Free stack: the top is the end; initial order hands out ascending ids.
         self._stack = np.arange(num_blocks - 1, self.first_id - 1, -1, dtype=np.int64)
@@ -180,12 +180,16 @@ class BlockPool:
         if len(out) != n:
             raise InvariantError(f"pool: eviction found {len(out)} of {n} cached-free blocks")
         stamp[out] += 1
+        key_of = self.key_of
         if self.record_events:
             for block_id in out.tolist():
-                key = self.key_of[block_id]
+                key = key_of[block_id]
                 del self.index[key]
                 self.events.append(CacheEvent("removed", key, block_id))
-        self.key_of[out] = None
+                key_of[block_id] = None
+        else:
+            for block_id in out.tolist():
+                key_of[block_id] = None
         self.keyed[out] = False
         self._num_evictable -= n
         self.stats.evictions += n
@@ -194,8 +198,8 @@ class BlockPool:
 
     def _maybe_compact(self) -> None:
         if len(self.index) > 2 * self.num_blocks + 1024:  # stale entries dominate: rebuild, amortised O(1)
-            keyed = np.flatnonzero(self.keyed)
-            self.index = dict(zip(self.key_of[keyed].tolist(), keyed.tolist()))
+            key_of = self.key_of
+            self.index = {key: b for b in np.flatnonzero(self.keyed).tolist() if (key := key_of[b]) is not None}
 
     def touch_hit(self, block_id: int) -> None:
         """A prefix hit takes one more reference; a cached-free block leaves the eviction order."""
@@ -267,7 +271,7 @@ class BlockPool:
             self._stack[self._top : self._top + len(cached)] = cached
             self._top += len(cached)
         self.index.clear()
-        self.key_of[:] = None
+        self.key_of[:] = [None] * self.num_blocks
         self.keyed[:] = False
         if self.record_events:
             self.events.append(CacheEvent("cleared", None, None))
@@ -296,7 +300,7 @@ class BlockPool:
             self.ref.tobytes(),
             self.pins.tobytes(),
             self.keyed.tobytes(),
-            tuple(self.key_of.tolist()),
+            tuple(self.key_of),
             tuple(sorted(live.items(), key=repr)),
             self._stack[: self._top].tobytes(),
             tuple((p, q.live(self._stamp).tobytes()) for p, q in sorted(self._queues.items())),
@@ -326,11 +330,12 @@ class BlockPool:
             fail(f"conservation: {len(free)} free + {len(cached)} cached + {in_use} in use != {self.num_usable_blocks}")
         if (self.ref < 0).any() or (self.pins < 0).any() or (self.pins > np.maximum(self.ref, 0)).any():
             fail("negative ref count or pins above ref count")
-        has_key = np.array([k is not None for k in self.key_of.tolist()], dtype=bool)
+        has_key = np.array([k is not None for k in self.key_of], dtype=bool)
         if not np.array_equal(has_key, self.keyed):
             fail("keyed flags and keys disagree")
         for block_id in np.flatnonzero(self.keyed).tolist():
-            if self.index.get(self.key_of[block_id]) != block_id:
+            key = self.key_of[block_id]
+            if key is None or self.index.get(key) != block_id:
                 fail(f"block {block_id} holds a key the index does not map back to it")
         if self.has_null_block and (self.keyed[NULL_BLOCK_ID] or self.ref[NULL_BLOCK_ID] != 1):
             fail("the null block was touched")
