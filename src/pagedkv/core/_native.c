@@ -1,0 +1,845 @@
+/*
+ * pagedkv.core._native: the two per-block loops of prefix caching, in C.
+ *
+ * The specification is src/pagedkv/core/hotpath.py (`PythonBackend`); `match` and `publish_rows` below
+ * mirror it statement by statement (same order of dict/list reads and writes, same comparisons), and the
+ * tests check them against it. The module also has its own SHA-256 (portable C, plus the x86 SHA
+ * instructions when the CPU has them), exposed as `sha256` and `has_sha_ni` for the tests.
+ *
+ * Keys (kind SHA256 = 0, FAST = 1; `chunk` is one block's token bytes, `width` bytes long):
+ *   SHA256: sha256(parent + chunk).digest(), a 32-byte bytes object;
+ *   FAST:   hash((parent, chunk, b"")), computed by CPython itself on that very tuple.
+ *
+ * Where the extension is stricter than the reference (documented, tested): `index` must be a dict and
+ * `key_of`, `known` and each row of `key_lists` lists, of exactly those types (the C API would bypass a
+ * subclass's methods); `starts`, `stops` and `ids` C-contiguous 1-D int64 arrays (or lists/tuples of
+ * ints), with one start and one stop per row, 0 <= start <= stop, and at least one id per block (extra ids
+ * are ignored, as by the reference); `kind` 0 or 1; `width` >= 0; and `data` must hold every block it has
+ * to hash (the reference would hash a short slice). Block ids index `key_of` like Python list indices
+ * (negative ones count from the end), as in the reference.
+ *
+ * Errors and partial state: argument, length and row-bound checks all happen before anything is
+ * mutated. Errors raised inside the loops leave the work done so far in place, exactly where the
+ * reference would also stop midway: in `match`, keys already appended to `known`; in `publish_rows`, the
+ * rows before the failing one (and the failing row's appended keys or blocks published so far). Those are
+ * the ValueError for a row whose keys end before its start, the ValueError for data too short for a block
+ * to hash, the IndexError for a block id out of range of key_of, and any error from hashing or comparing
+ * keys. Reference counts are exact on every path; the GIL is held throughout.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define PAGEDKV_SHA_NI 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+enum { KIND_SHA256 = 0, KIND_FAST = 1 };
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* SHA-256 (FIPS 180-4)                                                                                    */
+/* ------------------------------------------------------------------------------------------------------ */
+
+static const uint32_t SHA_K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+static const uint32_t SHA_H0[8] = {
+    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+};
+
+/* Runs the compression function over `nblocks` consecutive 64-byte blocks. */
+typedef void (*sha_compress_fn)(uint32_t state[8], const uint8_t *blocks, size_t nblocks);
+
+static inline uint32_t load_be32(const uint8_t *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | (uint32_t)p[3];
+}
+
+static inline void store_be32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)(v >> 24);
+    p[1] = (uint8_t)(v >> 16);
+    p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
+}
+
+static inline uint32_t rotr32(uint32_t x, unsigned n) { return (x >> n) | (x << (32 - n)); }
+
+/* Portable compression: expand the 64-word schedule, then 64 rounds on eight working variables. */
+static void sha_compress_portable(uint32_t state[8], const uint8_t *p, size_t nblocks)
+{
+    for (; nblocks > 0; nblocks--, p += 64) {
+        uint32_t w[64];
+        for (int t = 0; t < 16; t++)
+            w[t] = load_be32(p + 4 * t);
+        for (int t = 16; t < 64; t++) {
+            uint32_t s0 = rotr32(w[t - 15], 7) ^ rotr32(w[t - 15], 18) ^ (w[t - 15] >> 3);
+            uint32_t s1 = rotr32(w[t - 2], 17) ^ rotr32(w[t - 2], 19) ^ (w[t - 2] >> 10);
+            w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+        }
+        uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
+        uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
+        for (int t = 0; t < 64; t++) {
+            uint32_t s1 = rotr32(e, 6) ^ rotr32(e, 11) ^ rotr32(e, 25);
+            uint32_t t1 = h + s1 + ((e & f) ^ (~e & g)) + SHA_K[t] + w[t];
+            uint32_t s0 = rotr32(a, 2) ^ rotr32(a, 13) ^ rotr32(a, 22);
+            uint32_t t2 = s0 + ((a & b) ^ (a & c) ^ (b & c));
+            h = g;
+            g = f;
+            f = e;
+            e = d + t1;
+            d = c;
+            c = b;
+            b = a;
+            a = t1 + t2;
+        }
+        state[0] += a;
+        state[1] += b;
+        state[2] += c;
+        state[3] += d;
+        state[4] += e;
+        state[5] += f;
+        state[6] += g;
+        state[7] += h;
+    }
+}
+
+#ifdef PAGEDKV_SHA_NI
+/*
+ * Compression with the x86 SHA extensions. SHA256RNDS2 does two rounds on the state held as two vectors,
+ * {A,B,E,F} and {C,D,G,H} (first letter in the highest lane), taking W[t] + K[t] for its two rounds from
+ * the low lanes of its third operand. Each group of four rounds therefore calls it twice, moving the
+ * upper two message words down in between; SHA256MSG1/MSG2 (with an ALIGNR for the W[t-7] term) extend
+ * the message schedule four words at a time, so that m0..m3 always hold the sixteen most recent words.
+ */
+#define SHA_NI_FOUR_ROUNDS(msg, group)                                                                     \
+    do {                                                                                                   \
+        __m128i wk_ = _mm_add_epi32((msg), _mm_loadu_si128((const __m128i *)&SHA_K[4 * (group)]));         \
+        cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk_);                                                     \
+        abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(wk_, 0x0E));                            \
+    } while (0)
+
+__attribute__((target("sha,sse4.1,ssse3"))) static void
+sha_compress_shani(uint32_t state[8], const uint8_t *p, size_t nblocks)
+{
+    /* byte order within each 32-bit lane: the message words are big-endian */
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
+
+    /* {A,B,C,D}, {E,F,G,H} (A in the lowest lane) -> {A,B,E,F}, {C,D,G,H} (A in the highest) */
+    __m128i badc = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&state[0]), 0xB1);
+    __m128i hgfe = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&state[4]), 0x1B);
+    __m128i abef = _mm_alignr_epi8(badc, hgfe, 8);
+    __m128i cdgh = _mm_blend_epi16(hgfe, badc, 0xF0);
+
+    for (; nblocks > 0; nblocks--, p += 64) {
+        const __m128i abef_in = abef, cdgh_in = cdgh;
+        __m128i m0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 0)), bswap);
+        __m128i m1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16)), bswap);
+        __m128i m2 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 32)), bswap);
+        __m128i m3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 48)), bswap);
+        SHA_NI_FOUR_ROUNDS(m0, 0);
+        SHA_NI_FOUR_ROUNDS(m1, 1);
+        SHA_NI_FOUR_ROUNDS(m2, 2);
+        SHA_NI_FOUR_ROUNDS(m3, 3);
+        for (int group = 4; group < 16; group++) {
+            /* W[t..t+3] = W[t-16] + s0(W[t-15]) + W[t-7] + s1(W[t-2]) */
+            __m128i next = _mm_add_epi32(_mm_sha256msg1_epu32(m0, m1), _mm_alignr_epi8(m3, m2, 4));
+            next = _mm_sha256msg2_epu32(next, m3);
+            m0 = m1;
+            m1 = m2;
+            m2 = m3;
+            m3 = next;
+            SHA_NI_FOUR_ROUNDS(next, group);
+        }
+        abef = _mm_add_epi32(abef, abef_in);
+        cdgh = _mm_add_epi32(cdgh, cdgh_in);
+    }
+
+    /* back to {A,B,C,D}, {E,F,G,H} */
+    __m128i abef_low = _mm_shuffle_epi32(abef, 0x1B);
+    __m128i ghcd = _mm_shuffle_epi32(cdgh, 0xB1);
+    _mm_storeu_si128((__m128i *)&state[0], _mm_blend_epi16(abef_low, ghcd, 0xF0));
+    _mm_storeu_si128((__m128i *)&state[4], _mm_alignr_epi8(ghcd, abef_low, 8));
+}
+
+#undef SHA_NI_FOUR_ROUNDS
+
+/* CPUID: SHA (leaf 7 subleaf 0, EBX bit 29), SSSE3 and SSE4.1 (leaf 1, ECX bits 9 and 19). */
+static int cpu_has_sha_ni(void)
+{
+    unsigned int eax, ebx, ecx, edx;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return 0;
+    __cpuid(1, eax, ebx, ecx, edx);
+    if (!(ecx & (1u << 9)) || !(ecx & (1u << 19)))
+        return 0;
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    return (ebx & (1u << 29)) != 0;
+}
+#endif
+
+/* The compression function the keys use: chosen once, at import. */
+static sha_compress_fn sha_compress_best = sha_compress_portable;
+
+/* Streaming state: the chaining value, a partial block and the message length. */
+typedef struct {
+    uint32_t state[8];
+    uint64_t length;
+    size_t fill;
+    uint8_t block[64];
+    sha_compress_fn compress;
+} Sha256;
+
+static void sha_init(Sha256 *s, sha_compress_fn compress)
+{
+    memcpy(s->state, SHA_H0, sizeof s->state);
+    s->length = 0;
+    s->fill = 0;
+    s->compress = compress;
+}
+
+/* Top up the partial block first; whole blocks of the input are then compressed straight from it. */
+static void sha_update(Sha256 *s, const uint8_t *p, size_t n)
+{
+    s->length += n;
+    if (s->fill > 0) {
+        size_t take = 64 - s->fill < n ? 64 - s->fill : n;
+        if (take > 0)
+            memcpy(s->block + s->fill, p, take);
+        s->fill += take;
+        p += take;
+        n -= take;
+        if (s->fill < 64)
+            return;
+        s->compress(s->state, s->block, 1);
+        s->fill = 0;
+    }
+    if (n >= 64) {
+        s->compress(s->state, p, n / 64);
+        p += n - n % 64;
+        n %= 64;
+    }
+    if (n > 0)
+        memcpy(s->block, p, n);
+    s->fill = n;
+}
+
+/* Padding: 0x80, zeros, then the bit length big-endian in the last 8 bytes of the last block. */
+static void sha_final(Sha256 *s, uint8_t out[32])
+{
+    uint64_t bits = s->length * 8;
+    s->block[s->fill++] = 0x80;
+    if (s->fill > 56) {
+        memset(s->block + s->fill, 0, 64 - s->fill);
+        s->compress(s->state, s->block, 1);
+        s->fill = 0;
+    }
+    memset(s->block + s->fill, 0, 56 - s->fill);
+    store_be32(s->block + 56, (uint32_t)(bits >> 32));
+    store_be32(s->block + 60, (uint32_t)bits);
+    s->compress(s->state, s->block, 1);
+    for (int i = 0; i < 8; i++)
+        store_be32(out + 4 * i, s->state[i]);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* Keys                                                                                                    */
+/* ------------------------------------------------------------------------------------------------------ */
+
+/* SHA256 kind: sha256(parent + chunk).digest(), streamed (no concatenated copy), into a new bytes. */
+static PyObject *sha_key(PyObject *parent, const uint8_t *chunk, Py_ssize_t width)
+{
+    if (!PyBytes_Check(parent)) {
+        PyErr_Format(PyExc_TypeError, "sha256 keys chain from bytes, not %.100s", Py_TYPE(parent)->tp_name);
+        return NULL;
+    }
+    PyObject *key = PyBytes_FromStringAndSize(NULL, 32);
+    if (key == NULL)
+        return NULL;
+    Sha256 s;
+    sha_init(&s, sha_compress_best);
+    sha_update(&s, (const uint8_t *)PyBytes_AS_STRING(parent), (size_t)PyBytes_GET_SIZE(parent));
+    sha_update(&s, chunk, (size_t)width);
+    sha_final(&s, (uint8_t *)PyBytes_AS_STRING(key));
+    return key;
+}
+
+/* FAST kind: hash((parent, chunk, b"")), the very tuple the reference hashes, as a Python int. */
+static PyObject *fast_key(PyObject *parent, const uint8_t *chunk, Py_ssize_t width)
+{
+    PyObject *tuple = PyTuple_New(3);
+    if (tuple == NULL)
+        return NULL;
+    Py_INCREF(parent);
+    PyTuple_SET_ITEM(tuple, 0, parent);
+    PyObject *item = PyBytes_FromStringAndSize((const char *)chunk, width);
+    if (item == NULL) {
+        Py_DECREF(tuple);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(tuple, 1, item);
+    item = PyBytes_FromStringAndSize(NULL, 0);
+    if (item == NULL) {
+        Py_DECREF(tuple);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(tuple, 2, item);
+    Py_hash_t hash = PyObject_Hash(tuple);
+    Py_DECREF(tuple);
+    if (hash == -1)
+        return NULL;
+    return PyLong_FromSsize_t(hash);
+}
+
+/* hotpath._chain: the key of the block with bytes `chunk` whose parent key is `parent` (new reference). */
+static PyObject *chain(int kind, PyObject *parent, const uint8_t *chunk, Py_ssize_t width)
+{
+    return kind == KIND_SHA256 ? sha_key(parent, chunk, width) : fast_key(parent, chunk, width);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* Arguments                                                                                               */
+/* ------------------------------------------------------------------------------------------------------ */
+
+/*
+ * Vectorcall arguments (METH_FASTCALL | METH_KEYWORDS) into `out[0..n)` (borrowed), by position (the
+ * first `npos` names) or keyword; the first `nrequired` are required, the others stay NULL when absent.
+ */
+static int parse_args(const char *fname, const char *const *names, Py_ssize_t n, Py_ssize_t npos,
+                      Py_ssize_t nrequired, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      PyObject **out)
+{
+    if (nargs > npos) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments but %zd were given", fname, npos,
+                     nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        Py_ssize_t i = 0;
+        while (i < n && PyUnicode_CompareWithASCIIString(name, names[i]) != 0)
+            i++;
+        if (i == n) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fname, name);
+            return -1;
+        }
+        if (out[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname, names[i]);
+            return -1;
+        }
+        out[i] = args[nargs + k];
+    }
+    for (Py_ssize_t i = 0; i < nrequired; i++) {
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int get_kind(const char *fname, PyObject *obj, int *kind)
+{
+    long value = PyLong_AsLong(obj);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value != KIND_SHA256 && value != KIND_FAST) {
+        PyErr_Format(PyExc_ValueError, "%s: kind must be SHA256 (0) or FAST (1), not %ld", fname, value);
+        return -1;
+    }
+    *kind = (int)value;
+    return 0;
+}
+
+static int get_ssize(PyObject *obj, Py_ssize_t *value)
+{
+    *value = PyNumber_AsSsize_t(obj, PyExc_OverflowError);
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int check_exact(const char *fname, const char *what, PyObject *obj, PyTypeObject *type)
+{
+    if (Py_IS_TYPE(obj, type))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a %s, not %.100s", fname, what, type->tp_name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+/* `data` as raw bytes (any C-contiguous buffer); release with PyBuffer_Release. */
+static int get_data(const char *fname, PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) == 0)
+        return 0;
+    view->obj = NULL;
+    PyErr_Format(PyExc_TypeError, "%s: data must be a C-contiguous bytes-like object, not %.100s", fname,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+/* Whether bytes [block * width, (block + 1) * width) lie within `size` bytes (without overflowing). */
+static int holds_block(Py_ssize_t block, Py_ssize_t width, Py_ssize_t size)
+{
+    return width == 0 || (width <= size && block <= (size - width) / width);
+}
+
+/*
+ * A 1-D sequence of int64: a C-contiguous buffer of format 'q' or 'l' with 8-byte items (a numpy int64
+ * array), read in place; or a list/tuple of ints, copied. Release with i64s_release.
+ */
+typedef struct {
+    const int64_t *values;
+    Py_ssize_t len;
+    Py_buffer view; /* view.obj != NULL while a buffer is held */
+    int64_t *copy;  /* the list/tuple case */
+} I64s;
+
+static int i64_format_ok(const char *format)
+{
+    if (format == NULL)
+        return 0;
+#if PY_BIG_ENDIAN
+    if (*format == '@' || *format == '=' || *format == '>' || *format == '!')
+#else
+    if (*format == '@' || *format == '=' || *format == '<')
+#endif
+        format++;
+    return (format[0] == 'q' || format[0] == 'l') && format[1] == '\0';
+}
+
+static void i64s_release(I64s *a)
+{
+    if (a->view.obj != NULL)
+        PyBuffer_Release(&a->view);
+    PyMem_Free(a->copy);
+    a->copy = NULL;
+}
+
+static int i64s_get(const char *fname, const char *what, PyObject *obj, I64s *a)
+{
+    memset(a, 0, sizeof *a);
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+        a->copy = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+        if (a->copy == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            /* re-read the item each time: __index__ of a previous item may have changed the list */
+            if (i >= PySequence_Fast_GET_SIZE(obj)) {
+                PyErr_Format(PyExc_RuntimeError, "%s: %s changed size while being read", fname, what);
+                goto fail;
+            }
+            PyObject *item = PySequence_Fast_GET_ITEM(obj, i);
+            Py_INCREF(item);
+            long long value = PyLong_AsLongLong(item);
+            Py_DECREF(item);
+            if (value == -1 && PyErr_Occurred())
+                goto fail;
+            a->copy[i] = (int64_t)value;
+        }
+        a->values = a->copy;
+        a->len = n;
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, &a->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        a->view.obj = NULL;
+        goto wrong_type;
+    }
+    if (a->view.ndim != 1 || a->view.itemsize != 8 || !i64_format_ok(a->view.format))
+        goto wrong_type;
+    a->values = (const int64_t *)a->view.buf;
+    a->len = a->view.shape[0];
+    return 0;
+
+wrong_type:
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s must be a C-contiguous 1-D int64 array or a list of ints, not %.100s", fname, what,
+                 Py_TYPE(obj)->tp_name);
+fail:
+    i64s_release(a);
+    return -1;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The loops                                                                                               */
+/* ------------------------------------------------------------------------------------------------------ */
+
+/* `key_of[obj]`'s position, with Python's list-index rules (an index, negative counts from the end). */
+static int key_of_position(PyObject *key_of, PyObject *obj, Py_ssize_t *at)
+{
+    Py_ssize_t i = PyNumber_AsSsize_t(obj, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(key_of);
+    Py_ssize_t j = i < 0 ? i + n : i;
+    if (j < 0 || j >= n) {
+        PyErr_Format(PyExc_IndexError, "block id %zd out of range of key_of (%zd blocks)", i, n);
+        return -1;
+    }
+    *at = j;
+    return 0;
+}
+
+/*
+ * Whether `key` has a live entry in the index: `index.get(key)` is a block id `b` (not None) with
+ * `key_of[b] == key` (the reference's `not (b is None or key_of[b] != key)`, same comparison). Returns 1
+ * (then `*block`, if not NULL, is a new reference to `b`), 0, or -1 with an exception set.
+ */
+static int live_entry(PyObject *index, PyObject *key_of, PyObject *key, PyObject **block)
+{
+    PyObject *value = PyDict_GetItemWithError(index, key);
+    if (value == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (value == Py_None)
+        return 0;
+    Py_INCREF(value); /* held across the comparison, which may run Python code */
+    Py_ssize_t at;
+    if (key_of_position(key_of, value, &at) < 0) {
+        Py_DECREF(value);
+        return -1;
+    }
+    PyObject *held = PyList_GET_ITEM(key_of, at);
+    Py_INCREF(held);
+    int differs = PyObject_RichCompareBool(held, key, Py_NE);
+    Py_DECREF(held);
+    if (differs != 0 || block == NULL) {
+        Py_DECREF(value);
+        return differs < 0 ? -1 : !differs;
+    }
+    *block = value;
+    return 1;
+}
+
+/*
+ * match(kind, index, key_of, known, data, width, max_blocks) -> list[int]  (PythonBackend.match)
+ *
+ * For i in range(max_blocks): block i's key is known[i + 1] if present, else chained from known[-1] and
+ * the block's bytes data[i*width : (i+1)*width] and appended to `known`; stop at the first key without a
+ * live index entry, else collect the entry's block id.
+ */
+static PyObject *native_match(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
+{
+    static const char *const names[] = {"kind", "index", "key_of", "known", "data", "width", "max_blocks"};
+    PyObject *a[7];
+    int kind;
+    Py_ssize_t width, max_blocks;
+    if (parse_args("match", names, 7, 7, 7, args, nargs, kwnames, a) < 0 ||
+        get_kind("match", a[0], &kind) < 0 || check_exact("match", "index", a[1], &PyDict_Type) < 0 ||
+        check_exact("match", "key_of", a[2], &PyList_Type) < 0 ||
+        check_exact("match", "known", a[3], &PyList_Type) < 0 || get_ssize(a[5], &width) < 0 ||
+        get_ssize(a[6], &max_blocks) < 0)
+        return NULL;
+    if (width < 0)
+        return PyErr_Format(PyExc_ValueError, "match: width must be >= 0, not %zd", width);
+    PyObject *index = a[1], *key_of = a[2], *known = a[3];
+    Py_buffer data;
+    if (get_data("match", a[4], &data) < 0)
+        return NULL;
+    const uint8_t *bytes = (const uint8_t *)data.buf;
+
+    PyObject *hits = PyList_New(0);
+    if (hits == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < max_blocks; i++) {
+        PyObject *key;
+        Py_ssize_t have = PyList_GET_SIZE(known);
+        if (i + 1 < have) {
+            key = PyList_GET_ITEM(known, i + 1);
+            Py_INCREF(key);
+        } else {
+            if (have == 0) {
+                PyErr_SetString(PyExc_ValueError, "match: known must start with the root key");
+                goto fail;
+            }
+            if (!holds_block(i, width, data.len)) {
+                PyErr_Format(PyExc_ValueError, "match: data (%zd bytes) ends before block %zd", data.len, i);
+                goto fail;
+            }
+            PyObject *parent = PyList_GET_ITEM(known, have - 1);
+            Py_INCREF(parent);
+            key = chain(kind, parent, bytes + i * width, width);
+            Py_DECREF(parent);
+            if (key == NULL)
+                goto fail;
+            if (PyList_Append(known, key) < 0) {
+                Py_DECREF(key);
+                goto fail;
+            }
+        }
+        PyObject *block;
+        int live = live_entry(index, key_of, key, &block);
+        Py_DECREF(key);
+        if (live < 0)
+            goto fail;
+        if (!live)
+            break;
+        int appended = PyList_Append(hits, block);
+        Py_DECREF(block);
+        if (appended < 0)
+            goto fail;
+    }
+    PyBuffer_Release(&data);
+    return hits;
+
+fail:
+    Py_XDECREF(hits);
+    PyBuffer_Release(&data);
+    return NULL;
+}
+
+/*
+ * publish_rows(kind, index, key_of, key_lists, starts, stops, data, width, ids) -> list[int]
+ * (PythonBackend.publish_rows)
+ *
+ * Validation first (types; one start/stop per row with 0 <= start <= stop; at least as many ids as
+ * blocks), then row by row, `pos` counting the blocks of the rows before: extend the row's keys
+ * `known` from len(known) - 1 to `stop` by chaining over the row's block bytes (block j's bytes at block
+ * pos + j - start of `data`), then for each block j in [start, stop) with id b = ids[pos + j - start] and
+ * key = known[j + 1]: if key_of[b] is None and the key has no live index entry, index[key] = b,
+ * key_of[b] = key, and b joins the returned list.
+ */
+static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames)
+{
+    static const char *const names[] = {"kind", "index", "key_of", "key_lists", "starts",
+                                        "stops", "data",  "width",  "ids"};
+    const char *const fname = "publish_rows";
+    PyObject *a[9];
+    int kind;
+    Py_ssize_t width;
+    if (parse_args(fname, names, 9, 9, 9, args, nargs, kwnames, a) < 0 || get_kind(fname, a[0], &kind) < 0 ||
+        check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
+        check_exact(fname, "key_of", a[2], &PyList_Type) < 0 || get_ssize(a[7], &width) < 0)
+        return NULL;
+    if (width < 0)
+        return PyErr_Format(PyExc_ValueError, "publish_rows: width must be >= 0, not %zd", width);
+    PyObject *index = a[1], *key_of = a[2];
+
+    /* a tuple of the rows, so that the loop keeps them even if Python code run by a key's hash or
+       comparison changes `key_lists` */
+    PyObject *rows = PySequence_Tuple(a[3]);
+    if (rows == NULL)
+        return NULL;
+    PyObject *stored = NULL;
+    I64s starts = {0}, stops = {0}, ids = {0};
+    Py_buffer data = {0};
+    if (i64s_get(fname, "starts", a[4], &starts) < 0 || i64s_get(fname, "stops", a[5], &stops) < 0 ||
+        i64s_get(fname, "ids", a[8], &ids) < 0 || get_data(fname, a[6], &data) < 0)
+        goto fail;
+    const uint8_t *bytes = (const uint8_t *)data.buf;
+
+    Py_ssize_t nrows = PyTuple_GET_SIZE(rows);
+    if (starts.len != nrows || stops.len != nrows) {
+        PyErr_Format(PyExc_ValueError, "publish_rows: %zd rows of keys but %zd starts and %zd stops", nrows,
+                     starts.len, stops.len);
+        goto fail;
+    }
+    Py_ssize_t total = 0; /* blocks to publish, all rows */
+    for (Py_ssize_t r = 0; r < nrows; r++) {
+        int64_t start = starts.values[r], stop = stops.values[r];
+        if (check_exact(fname, "each row of key_lists", PyTuple_GET_ITEM(rows, r), &PyList_Type) < 0)
+            goto fail;
+        if (start < 0 || stop < start || stop >= PY_SSIZE_T_MAX) {
+            PyErr_Format(PyExc_ValueError, "publish_rows: row %zd has blocks [%lld, %lld)", r,
+                         (long long)start, (long long)stop);
+            goto fail;
+        }
+        if (stop - start > ids.len - total) {
+            PyErr_Format(PyExc_ValueError,
+                         "publish_rows: ids holds %zd block ids, fewer than the rows' blocks", ids.len);
+            goto fail;
+        }
+        total += (Py_ssize_t)(stop - start);
+    }
+
+    stored = PyList_New(0);
+    if (stored == NULL)
+        goto fail;
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t r = 0; r < nrows; r++) {
+        PyObject *known = PyTuple_GET_ITEM(rows, r);
+        Py_ssize_t start = (Py_ssize_t)starts.values[r], stop = (Py_ssize_t)stops.values[r];
+        Py_ssize_t have = PyList_GET_SIZE(known) - 1;
+        if (have < start) {
+            PyErr_SetString(PyExc_ValueError,
+                            "publish_rows: a row's keys end before its first block to publish");
+            goto fail;
+        }
+
+        /* the row's missing keys, chained from its last known one */
+        PyObject *parent = PyList_GET_ITEM(known, have);
+        Py_INCREF(parent);
+        for (Py_ssize_t j = have; j < stop; j++) {
+            Py_ssize_t block = pos + j - start;
+            if (!holds_block(block, width, data.len)) {
+                PyErr_Format(PyExc_ValueError, "publish_rows: data (%zd bytes) ends before block %zd",
+                             data.len, block);
+                Py_DECREF(parent);
+                goto fail;
+            }
+            PyObject *key = chain(kind, parent, bytes + block * width, width);
+            Py_DECREF(parent);
+            if (key == NULL)
+                goto fail;
+            parent = key;
+            if (PyList_Append(known, key) < 0) {
+                Py_DECREF(parent);
+                goto fail;
+            }
+        }
+        Py_DECREF(parent);
+
+        /* index the blocks not keyed yet whose key no other block holds */
+        for (Py_ssize_t j = start; j < stop; j++) {
+            if (j + 1 >= PyList_GET_SIZE(known)) {
+                PyErr_SetString(PyExc_IndexError, "publish_rows: a row's keys changed while publishing it");
+                goto fail;
+            }
+            PyObject *key = PyList_GET_ITEM(known, j + 1);
+            int64_t id = ids.values[pos + j - start];
+            Py_ssize_t n = PyList_GET_SIZE(key_of);
+            Py_ssize_t at = (Py_ssize_t)(id < 0 ? id + n : id);
+            if (id < -(int64_t)n || id >= (int64_t)n) {
+                PyErr_Format(PyExc_IndexError, "block id %lld out of range of key_of (%zd blocks)",
+                             (long long)id, n);
+                goto fail;
+            }
+            if (PyList_GET_ITEM(key_of, at) != Py_None)
+                continue;
+            Py_INCREF(key);
+            int live = live_entry(index, key_of, key, NULL);
+            if (live != 0) { /* another block holds the key (this one stays private), or an error */
+                Py_DECREF(key);
+                if (live < 0)
+                    goto fail;
+                continue;
+            }
+            PyObject *block = PyLong_FromLongLong(id);
+            if (block == NULL || PyDict_SetItem(index, key, block) < 0) {
+                Py_DECREF(key);
+                Py_XDECREF(block);
+                goto fail;
+            }
+            /* PyList_SetItem steals `key`, even when it fails */
+            if (PyList_SetItem(key_of, at, key) < 0 || PyList_Append(stored, block) < 0) {
+                Py_DECREF(block);
+                goto fail;
+            }
+            Py_DECREF(block);
+        }
+        pos += stop - start;
+    }
+    Py_DECREF(rows);
+    i64s_release(&starts);
+    i64s_release(&stops);
+    i64s_release(&ids);
+    PyBuffer_Release(&data);
+    return stored;
+
+fail:
+    Py_DECREF(rows);
+    Py_XDECREF(stored);
+    i64s_release(&starts);
+    i64s_release(&stops);
+    i64s_release(&ids);
+    PyBuffer_Release(&data);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* Test hooks and the module                                                                               */
+/* ------------------------------------------------------------------------------------------------------ */
+
+/* sha256(data, *, portable=False) -> bytes: the digest of a bytes-like object. */
+static PyObject *native_sha256(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames)
+{
+    static const char *const names[] = {"data", "portable"};
+    PyObject *a[2];
+    if (parse_args("sha256", names, 2, 1, 1, args, nargs, kwnames, a) < 0)
+        return NULL;
+    int portable = a[1] == NULL ? 0 : PyObject_IsTrue(a[1]);
+    if (portable < 0)
+        return NULL;
+    Py_buffer data;
+    if (get_data("sha256", a[0], &data) < 0)
+        return NULL;
+    PyObject *digest = PyBytes_FromStringAndSize(NULL, 32);
+    if (digest != NULL) {
+        Sha256 s;
+        sha_init(&s, portable ? sha_compress_portable : sha_compress_best);
+        sha_update(&s, (const uint8_t *)data.buf, (size_t)data.len);
+        sha_final(&s, (uint8_t *)PyBytes_AS_STRING(digest));
+    }
+    PyBuffer_Release(&data);
+    return digest;
+}
+
+static PyObject *native_has_sha_ni(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(sha_compress_best != sha_compress_portable);
+}
+
+PyDoc_STRVAR(match_doc,
+             "match(kind, index, key_of, known, data, width, max_blocks) -> list[int]\n\n"
+             "Leading blocks of `data` found in the cache; hotpath.PythonBackend.match in C.");
+PyDoc_STRVAR(publish_rows_doc,
+             "publish_rows(kind, index, key_of, key_lists, starts, stops, data, width, ids) -> list[int]\n\n"
+             "Key and index the blocks [starts[r], stops[r]) of each row; hotpath.PythonBackend.publish_rows "
+             "in C.");
+PyDoc_STRVAR(sha256_doc, "sha256(data, *, portable=False) -> bytes\n\n"
+                         "SHA-256 digest of a bytes-like object (SHA-NI when available unless portable).");
+PyDoc_STRVAR(has_sha_ni_doc,
+             "has_sha_ni() -> bool\n\nWhether keys are hashed with the x86 SHA instructions.");
+
+static PyMethodDef native_methods[] = {
+    {"match", (PyCFunction)(void (*)(void))native_match, METH_FASTCALL | METH_KEYWORDS, match_doc},
+    {"publish_rows", (PyCFunction)(void (*)(void))native_publish_rows, METH_FASTCALL | METH_KEYWORDS,
+     publish_rows_doc},
+    {"sha256", (PyCFunction)(void (*)(void))native_sha256, METH_FASTCALL | METH_KEYWORDS, sha256_doc},
+    {"has_sha_ni", native_has_sha_ni, METH_NOARGS, has_sha_ni_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "pagedkv.core._native",
+    .m_doc = "The per-block loops of prefix caching in C (see pagedkv.core.hotpath).",
+    .m_size = -1,
+    .m_methods = native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+#ifdef PAGEDKV_SHA_NI
+    if (cpu_has_sha_ni())
+        sha_compress_best = sha_compress_shani;
+#endif
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddStringConstant(module, "NAME", "native") < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

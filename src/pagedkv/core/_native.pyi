@@ -1,0 +1,37 @@
+"""Stub of the C extension `pagedkv.core._native` (src/pagedkv/core/_native.c).
+
+`match` and `publish_rows` are `hotpath.PythonBackend`'s, in C; the parameters are typed as loosely as
+the `hotpath.Backend` protocol's, so that the module satisfies it. At run time `index` must be a dict,
+`key_of`, `known` and each row of `key_lists` lists, `data` a C-contiguous buffer, and `starts`, `stops`
+and `ids` C-contiguous 1-D int64 arrays (or lists of ints).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from _typeshed import ReadableBuffer
+
+NAME: str
+
+def match(
+    kind: int,
+    index: dict[Any, int],
+    key_of: list[Any],
+    known: list[Any],
+    data: Any,
+    width: int,
+    max_blocks: int,
+) -> list[int]: ...
+def publish_rows(
+    kind: int,
+    index: dict[Any, int],
+    key_of: list[Any],
+    key_lists: Sequence[list[Any]],
+    starts: Any,
+    stops: Any,
+    data: Any,
+    width: int,
+    ids: Any,
+) -> list[int]: ...
+def sha256(data: ReadableBuffer, *, portable: bool = False) -> bytes: ...
+def has_sha_ni() -> bool: ...
