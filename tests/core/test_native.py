@@ -1,8 +1,9 @@
 """The C extension `pagedkv.core._native` against its specification, `hotpath.PythonBackend`.
 
 Equivalence is checked on random cache states (stale index entries, blocks already keyed, keys shared by
-rows, rows whose keys already reach past their stop, negative block ids), comparing the return values
-and the complete resulting index, key_of and key lists. Its SHA-256 is checked against hashlib, both the
+rows, rows whose keys already reach past their stop, negative block ids in the index, repeated ids, block
+ids out of range of key_of or of a short block store), comparing the return values or errors and the
+complete resulting index, key_of, keyed flags and key lists. Its SHA-256 is checked against hashlib, both the
 portable C and (where the CPU has it) the SHA-NI path.
 """
 
@@ -159,9 +160,15 @@ def row_contents() -> st.SearchStrategy[list[int]]:
 
 @st.composite
 def publish_cases(draw: st.DrawFn) -> dict[str, Any]:
+    """A batch of rows over a block store of NUM_BLOCKS blocks (or a few fewer: a short store).
+
+    The rows' block ids are distinct (mostly: one may repeat, or be out of range of key_of), and each
+    published block's bytes in the store are its row's content, so that keys the rows share collide.
+    """
     kind, root, block_size = draw(st.shared(kinds(), key="kind"))
     rows: list[tuple[list[int], int]] = []
-    key_lists, starts, stops, ids, tokens = [], [], [], [], []
+    key_lists, starts, stops = [], [], []
+    spans: list[list[int]] = []  # the contents of each row's blocks to publish
     for _ in range(draw(st.integers(0, 4) | st.just(3))):
         contents = draw(row_contents())
         if rows and draw(st.booleans()):  # continue another row's prefix
@@ -173,12 +180,24 @@ def publish_cases(draw: st.DrawFn) -> dict[str, Any]:
         key_lists.append(keys_of(kind, root, contents, block_size)[: have + 1])
         starts.append(start)
         stops.append(stop)
-        ids.extend(
-            draw(st.lists(st.integers(-2, NUM_BLOCKS - 1), min_size=stop - start, max_size=stop - start))
-        )
-        tokens.extend(block_tokens(c, block_size) for c in contents[start:stop])
+        spans.append(contents[start:stop])
+    total = sum(len(span) for span in spans)
+    ids: list[int] = list(draw(st.permutations(range(NUM_BLOCKS))))[:total]
+    while len(ids) < total:  # more blocks than the store: ids repeat
+        ids.append(draw(st.integers(0, NUM_BLOCKS - 1)))
+    if ids and draw(st.integers(0, 9)) == 0:  # a repeated id
+        ids[draw(st.integers(0, total - 1))] = draw(st.sampled_from(ids))
+    store = np.stack([block_tokens(100 + b, block_size) for b in range(NUM_BLOCKS)])
+    for b, content in zip(ids, [c for span in spans for c in span]):
+        store[b] = block_tokens(content, block_size)
+    store = store[: draw(st.just(NUM_BLOCKS) | st.integers(NUM_BLOCKS - 4, NUM_BLOCKS))]
+    if ids and draw(st.integers(0, 9)) == 0:  # an id out of range of key_of
+        ids[draw(st.integers(0, total - 1))] = draw(st.sampled_from([-1, -2, NUM_BLOCKS, 2**40]))
     index, key_of = draw(cache_states(rows))
-    data = np.array(tokens, dtype=np.int32).reshape(len(tokens), block_size)
+    flags = np.array(draw(st.lists(st.booleans(), min_size=NUM_BLOCKS + 3, max_size=NUM_BLOCKS + 3)))
+    keyed = draw(  # None, or flags already set on some blocks (as many as key_of or more; numpy or not)
+        st.sampled_from([None, flags[:NUM_BLOCKS].copy(), flags, bytearray(flags.astype(np.uint8).tobytes())])
+    )
     return {
         "kind": kind,
         "index": index,
@@ -186,9 +205,10 @@ def publish_cases(draw: st.DrawFn) -> dict[str, Any]:
         "key_lists": key_lists,
         "starts": np.array(starts, dtype=np.int64),
         "stops": np.array(stops, dtype=np.int64),
-        "data": as_data(draw, data),
+        "blocks": as_data(draw, store),
         "width": 4 * block_size,
         "ids": np.array(ids, dtype=np.int64),
+        "keyed": keyed,
     }
 
 
@@ -218,6 +238,8 @@ def copy_case(case: dict[str, Any]) -> dict[str, Any]:
         out["known"] = list(case["known"])
     else:
         out["key_lists"] = [list(k) for k in case["key_lists"]]
+    if case.get("keyed") is not None:
+        out["keyed"] = case["keyed"].copy()
     return out
 
 
@@ -226,6 +248,16 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["key_of"] == b["key_of"]
     assert a.get("known") == b.get("known")
     assert a.get("key_lists") == b.get("key_lists")
+    if a.get("keyed") is not None or b.get("keyed") is not None:
+        assert bytes(a["keyed"]) == bytes(b["keyed"])
+
+
+def outcome(call: Any, case: dict[str, Any]) -> Any:
+    """What a call returns, or the type of the error it raises."""
+    try:
+        return call(**case)
+    except (IndexError, ValueError) as exc:
+        return type(exc)
 
 
 # ---------------------------------------------------------------------------------------------- equivalence
@@ -235,12 +267,20 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
 @given(case=publish_cases())
 def test_publish_rows_matches_reference(case: dict[str, Any]) -> None:
     ours = copy_case(case)
-    expected = REF.publish_rows(**case)
-    assert native.publish_rows(**ours) == expected
+    before = copy_case(case)
+    expected = outcome(REF.publish_rows, case)
+    assert outcome(native.publish_rows, ours) == expected
     assert_same_state(ours, case)
-    again = copy_case(ours)  # publishing the same blocks again stores nothing new, in both
-    assert native.publish_rows(**again) == REF.publish_rows(**ours) == []
-    assert_same_state(again, ours)
+    if expected is IndexError:  # an id out of range of key_of: checked before anything changes
+        assert_same_state(ours, before)
+    if isinstance(expected, list):
+        if case["keyed"] is not None:  # exactly the stored blocks were flagged (on top of the flags before)
+            flagged = np.frombuffer(bytes(case["keyed"]), dtype=np.uint8).astype(bool)
+            was = np.frombuffer(bytes(before["keyed"]), dtype=np.uint8).astype(bool)
+            assert np.array_equal(flagged[: len(was)], was | np.isin(np.arange(len(was)), expected))
+        again = copy_case(ours)  # publishing the same blocks again stores nothing new, in both
+        assert native.publish_rows(**again) == REF.publish_rows(**ours) == []
+        assert_same_state(again, ours)
 
 
 @SETTINGS
@@ -259,12 +299,16 @@ def test_publish_then_match_a_prompt() -> None:
     """A prompt published by the extension is found by it (and by the reference)."""
     for kind, root in [(SHA256, hashlib.sha256(b"r").digest()), (FAST, 0)]:
         tokens = np.arange(37 * 16, dtype=np.int32).reshape(37, 16)
+        store = np.zeros((64, 16), dtype=np.int32)  # the whole block store, the prompt's blocks scattered
+        ids = np.random.default_rng(kind).permutation(64)[:37].astype(np.int64)
+        store[ids] = tokens
         index: dict[Any, int] = {}
         key_of: list[Any] = [None] * 64
+        keyed = np.zeros(64, dtype=bool)
         keys = [root]
-        ids = np.arange(10, 47, dtype=np.int64)
-        stored = native.publish_rows(kind, index, key_of, [keys], [0], [37], tokens, 64, ids)
+        stored = native.publish_rows(kind, index, key_of, [keys], [0], [37], store, 64, ids, keyed)
         assert stored == ids.tolist() and len(keys) == 38 and len(index) == 37
+        assert np.flatnonzero(keyed).tolist() == sorted(stored)
         for backend in (native, REF):
             assert backend.match(kind, index, key_of, [root], tokens, 64, 37) == stored
 
@@ -272,15 +316,27 @@ def test_publish_then_match_a_prompt() -> None:
 def test_positional_lists_and_keywords() -> None:
     """Lists of ints stand for the int64 arrays; arguments may be passed by keyword."""
     root = hashlib.sha256(b"r").digest()
-    data = np.arange(32, dtype=np.int32)
+    store = np.arange(64, dtype=np.int32).reshape(4, 16)
+    data = store[[3, 1]]
     key_of: list[Any] = [None] * 4
     index: dict[Any, int] = {}
+    keyed = np.zeros(4, dtype=bool)
     stored = native.publish_rows(
-        kind=SHA256, index=index, key_of=key_of, key_lists=[[root]], starts=[0], stops=[2], data=data,
-        width=64, ids=(3, 1),
+        kind=SHA256, index=index, key_of=key_of, key_lists=[[root]], starts=[0], stops=[2], blocks=store,
+        width=64, ids=(3, 1), keyed=keyed,
     )  # fmt: skip
-    assert stored == [3, 1]
+    assert stored == [3, 1] and keyed.tolist() == [False, True, False, True]
     assert native.match(SHA256, index, key_of, [root], data, width=64, max_blocks=2) == [3, 1]
+    keyed[:] = False  # keyed by position too, and None means none
+    for flags in (keyed, None):
+        stored = native.publish_rows(SHA256, {}, [None] * 4, [[root]], [0], [2], store, 64, [3, 1], flags)
+        assert stored == [3, 1]
+    assert keyed.tolist() == [False, True, False, True]
+    args: tuple[Any, ...] = (SHA256, {}, [None] * 4, [[root]], [0], [2])
+    with pytest.raises(TypeError, match="unexpected keyword"):  # `data` is now `blocks`
+        native.publish_rows(*args, width=64, ids=[3, 1], data=store)  # type: ignore[call-arg, misc]
+    with pytest.raises(TypeError, match="takes 10 positional arguments"):
+        native.publish_rows(*args, store, 64, [3, 1], None, None)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="unexpected keyword"):
         native.match(SHA256, index, key_of, [root], data, 64, max_block=2)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="missing required argument 'max_blocks'"):
@@ -300,9 +356,10 @@ def small_publish(**changes: Any) -> dict[str, Any]:
         "key_lists": [[hashlib.sha256(b"r").digest()]],
         "starts": np.array([0], dtype=np.int64),
         "stops": np.array([2], dtype=np.int64),
-        "data": np.arange(8, dtype=np.int32),
+        "blocks": np.arange(16, dtype=np.int32),
         "width": 16,
-        "ids": np.array([0, 1], dtype=np.int64),
+        "ids": np.array([2, 1], dtype=np.int64),
+        "keyed": np.zeros(4, dtype=bool),
     }
     args.update(changes)
     return args
@@ -341,8 +398,8 @@ class DictSubclass(dict[Any, int]):
         {"stops": np.array([2, 0, 2, 0], dtype=np.int64)[::2]},  # not contiguous
         {"ids": [0, "1"]},
         {"ids": None},
-        {"data": 12},
-        {"data": np.arange(16, dtype=np.int32)[::2]},
+        {"blocks": 12},
+        {"blocks": np.arange(32, dtype=np.int32)[::2]},
         {"width": 16.0},
         {"key_lists": [[12]]},  # a SHA256 key must chain from bytes
     ],
@@ -352,12 +409,49 @@ def test_publish_rows_type_errors(changes: dict[str, Any]) -> None:
         native.publish_rows(**small_publish(**changes))
 
 
+def read_only(flags: np.ndarray) -> np.ndarray:
+    flags.setflags(write=False)
+    return flags
+
+
+@pytest.mark.parametrize(
+    "keyed",
+    [
+        3,
+        "keyed",
+        bytes(4),  # read-only
+        read_only(np.zeros(4, dtype=bool)),
+        np.zeros(4, dtype=np.int32),  # 4-byte items
+        np.zeros(8, dtype=bool)[::2],  # not contiguous
+        np.zeros((2, 2), dtype=bool),  # 2-D
+    ],
+)
+def test_publish_rows_keyed_type_errors(keyed: Any) -> None:
+    for backend in (native, REF):
+        args = small_publish(keyed=keyed)
+        with pytest.raises(TypeError):
+            backend.publish_rows(**args)
+        assert (
+            args["index"] == {}
+            and args["key_of"] == [None] * 4
+            and args["key_lists"][0] == args["key_lists"][0][:1]
+        )
+
+
+def test_publish_rows_keyed_too_short() -> None:
+    for backend in (native, REF):
+        args = small_publish(keyed=np.zeros(3, dtype=bool))
+        with pytest.raises(ValueError, match="keyed .*shorter than key_of"):
+            backend.publish_rows(**args)
+        assert args["index"] == {} and args["key_of"] == [None] * 4 and len(args["key_lists"][0]) == 1
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"kind": 2}, "kind must be"),
         ({"width": -4}, "width must be"),
-        ({"data": np.arange(7, dtype=np.int32)}, "data .* ends before block 1"),
+        ({"blocks": np.arange(11, dtype=np.int32)}, r"blocks \(44 bytes\) ends before block id 2"),
         ({"starts": np.array([0, 0], dtype=np.int64)}, "starts"),
         ({"stops": np.array([], dtype=np.int64)}, "stops"),
         ({"starts": np.array([-1], dtype=np.int64)}, "row 0 has blocks"),
@@ -373,24 +467,48 @@ def test_publish_rows_value_errors(changes: dict[str, Any], message: str) -> Non
     args = small_publish(**changes)
     with pytest.raises(ValueError, match=message):
         native.publish_rows(**args)
-    if changes.keys() != {"data"}:  # checked before anything changes
-        assert args["index"] == {} and args["key_of"] == [None] * 4
+    assert args["index"] == {} and args["key_of"] == [None] * 4 and not args["keyed"].any()
+    if changes.keys() != {"blocks"}:  # checked before anything changes
         assert all(len(k) == 1 for k in args["key_lists"])
 
 
-def test_publish_rows_reference_error_on_short_keys_too() -> None:
+def test_publish_rows_reference_value_errors_too() -> None:
     args = small_publish(starts=np.array([1], dtype=np.int64))
     with pytest.raises(ValueError, match="keys end before its first block"):
         REF.publish_rows(**args)
+    args = small_publish(blocks=np.arange(11, dtype=np.int32))
+    with pytest.raises(ValueError, match=r"blocks \(44 bytes\) ends before block id 2"):
+        REF.publish_rows(**args)
 
 
-@pytest.mark.parametrize("bad", [4, -5, 2**62])
+def test_publish_rows_short_store_fails_only_for_blocks_to_hash() -> None:
+    """Blocks whose keys the row already holds are not read: their ids may lie past the store's end."""
+    root = hashlib.sha256(b"r").digest()
+    store = np.arange(16, dtype=np.int32).reshape(4, 4)
+    for backend in (native, REF):
+        keys = keys_of(SHA256, root, [0], 4)  # block 0's key known: its id (5) is not read
+        keyed = np.zeros(8, dtype=bool)
+        stored = backend.publish_rows(SHA256, {}, [None] * 8, [keys], [0], [2], store, 16, [5, 3], keyed)
+        assert stored == [5, 3] and np.flatnonzero(keyed).tolist() == [3, 5]
+        assert keys[2] == chain(SHA256, keys[1], store[3].tobytes())
+        keys, index, key_of = [root], dict[Any, int](), [None] * 8
+        with pytest.raises(ValueError, match=r"blocks \(64 bytes\) ends before block id 5"):
+            backend.publish_rows(SHA256, index, key_of, [[root], keys], [0, 0], [1, 2], store, 16, [2, 3, 5])
+        assert list(index.values()) == [2] and len(keys) == 2  # the first row stays published
+
+
+@pytest.mark.parametrize("bad", [4, -1, -5, 2**62])
 def test_publish_rows_index_error(bad: int) -> None:
-    args = small_publish(ids=np.array([0, bad], dtype=np.int64))
-    with pytest.raises(IndexError, match="out of range of key_of"):
-        native.publish_rows(**args)
-    # block 0 was published before block `bad` failed, as in the reference (documented partial state)
-    assert list(args["index"].values()) == [0] and args["key_of"][0] is not None
+    """Ids to publish must lie in [0, len(key_of)): checked before anything changes, in both."""
+    for backend in (native, REF):
+        args = small_publish(ids=np.array([0, bad], dtype=np.int64))
+        with pytest.raises(IndexError, match="out of range of key_of"):
+            backend.publish_rows(**args)
+        assert args["index"] == {} and args["key_of"] == [None] * 4 and not args["keyed"].any()
+        assert len(args["key_lists"][0]) == 1
+        # ids past the rows' blocks are not used, so not checked
+        args = small_publish(ids=np.array([0, 1, bad], dtype=np.int64))
+        assert backend.publish_rows(**args) == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -450,6 +568,13 @@ def test_errors_from_key_comparison_propagate() -> None:
     args["key_of"][1] = Unequal()
     with pytest.raises(RuntimeError, match="no comparison"):
         native.match(**args)
+    for backend in (native, REF):  # publishing a block whose key that entry holds compares too
+        publish = small_publish(kind=FAST, key_lists=[[0]], stops=np.array([1], dtype=np.int64), ids=[0])
+        publish["index"][key] = 1
+        publish["key_of"][1] = args["key_of"][1]
+        with pytest.raises(RuntimeError, match="no comparison"):
+            backend.publish_rows(**publish)
+        assert publish["index"] == {key: 1} and publish["key_of"][0] is None and not publish["keyed"].any()
 
 
 # ------------------------------------------------------------------------------------- reference counts
@@ -459,29 +584,47 @@ def test_reference_counts_are_exact() -> None:
     # block ids and the FAST root beyond the small-int cache, whose reference counts move all the time
     for kind, root in [(SHA256, hashlib.sha256(b"root").digest()), (FAST, 10**6 + 7)]:
         tokens = np.arange(5 * 4, dtype=np.int32).reshape(5, 4)
+        store = np.zeros((1000, 4), dtype=np.int32)
+        store[100:105] = store[500:505] = store[600:605] = tokens
         keys = keys_of(kind, root, [], 4)
         index: dict[Any, int] = {}
         key_of: list[Any] = [None] * 1000
+        keyed = np.zeros(1000, dtype=bool)
         ids = np.arange(500, 505, dtype=np.int64)
         starts, stops = np.array([0], dtype=np.int64), np.array([5], dtype=np.int64)
-        native.publish_rows(kind, index, key_of, [keys], starts, stops, tokens, 16, ids)
-        watched: list[Any] = [root, index, key_of, keys, tokens, ids, starts, stops, *keys, *index.values()]
+        native.publish_rows(kind, index, key_of, [keys], starts, stops, store, 16, ids, keyed)
+        watched: list[Any] = [root, index, key_of, keys, store, keyed, ids, starts, stops]
+        watched += [*keys, *index.values()]
         before = [sys.getrefcount(x) for x in watched]
         for _ in range(2000):
-            native.publish_rows(kind, index, key_of, [keys], starts, stops, tokens, 16, ids)
+            native.publish_rows(kind, index, key_of, [keys], starts, stops, store, 16, ids, keyed)
+            # the keys are live: blocks 600.. stay private (one probe finds the entry, which stays)
+            assert native.publish_rows(kind, index, key_of, [keys], starts, stops, store, 16, ids + 100) == []
             assert native.match(kind, index, key_of, keys, tokens, 16, 5) == ids.tolist()
             known = [root]
             native.match(kind, index, key_of, known, tokens, 16, 5)
+            # a fresh pool whose index holds stale entries: one whose block holds another key, one whose
+            # value is None, and one whose value is the very (cached small) int object being published
+            fresh: dict[Any, Any] = {keys[1]: 700, keys[2]: None, keys[3]: 102}
+            fresh_key_of: list[Any] = [None] * 1000
+            fresh_key_of[700] = keys[4]
+            small = ids - 400
+            stored = native.publish_rows(kind, fresh, fresh_key_of, [keys], starts, stops, store, 16, small)
+            assert stored == small.tolist() and list(fresh.values()) == stored
             with pytest.raises(IndexError):
-                native.publish_rows(kind, index, key_of, [[root]], starts, stops, tokens, 16, ids + 1000)
-        del known
+                native.publish_rows(kind, index, key_of, [[root]], starts, stops, store, 16, ids + 999, keyed)
+            with pytest.raises(ValueError, match="blocks"):
+                native.publish_rows(kind, {}, [None] * 2000, [[root]], starts, stops, store, 16, ids + 1000)
+        del known, fresh, fresh_key_of
         assert [sys.getrefcount(x) for x in watched] == before
 
 
 def test_memory_stays_flat() -> None:
     """Fresh states published and matched over and over: no allocation outlives its call."""
     tokens = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)
-    ids = np.arange(8, dtype=np.int64)
+    store = np.ascontiguousarray(tokens[::-1])
+    keyed = np.zeros(8, dtype=bool)
+    ids = np.arange(8, dtype=np.int64)[::-1].copy()
     starts, stops = np.array([0, 0], dtype=np.int64), np.array([3, 5], dtype=np.int64)
     roots = {SHA256: hashlib.sha256(b"root").digest(), FAST: 7}
 
@@ -491,7 +634,7 @@ def test_memory_stays_flat() -> None:
             index: dict[Any, int] = {}
             key_of: list[Any] = [None] * 8
             native.publish_rows(
-                kind, index, key_of, [[roots[kind]], [roots[kind]]], starts, stops, tokens, 64, ids
+                kind, index, key_of, [[roots[kind]], [roots[kind]]], starts, stops, store, 64, ids, keyed
             )
             native.match(kind, index, key_of, [roots[kind]], tokens, 64, 8)
             native.sha256(tokens)

@@ -1,30 +1,37 @@
 /*
- * pagedkv.core._native: the two per-block loops of prefix caching, in C.
+ * pagedkv.core._native: the two per-block loops of prefix caching, in C, plus two per-element helpers
+ * of the core's batch calls (`forget_keys` for eviction, `check_rows` for validating sequence handles).
  *
  * The specification is src/pagedkv/core/hotpath.py (`PythonBackend`); `match` and `publish_rows` below
  * mirror it statement by statement (same order of dict/list reads and writes, same comparisons), and the
- * tests check them against it. The module also has its own SHA-256 (portable C, plus the x86 SHA
+ * tests check every function against it. The module also has its own SHA-256 (portable C, plus the x86 SHA
  * instructions when the CPU has them), exposed as `sha256` and `has_sha_ni` for the tests.
  *
  * Keys (kind SHA256 = 0, FAST = 1; `chunk` is one block's token bytes, `width` bytes long):
  *   SHA256: sha256(parent + chunk).digest(), a 32-byte bytes object;
  *   FAST:   hash((parent, chunk, b"")), computed by CPython itself on that very tuple.
  *
+ * Block bytes: `match` reads block i of the prompt at data[i*width : (i+1)*width]; `publish_rows` reads
+ * block id b of the whole block store at blocks[b*width : (b+1)*width] (the blocks being published are
+ * named by their ids, so the caller passes the store as is, with no gather).
+ *
  * Where the extension is stricter than the reference (documented, tested): `index` must be a dict and
  * `key_of`, `known` and each row of `key_lists` lists, of exactly those types (the C API would bypass a
  * subclass's methods); `starts`, `stops` and `ids` C-contiguous 1-D int64 arrays (or lists/tuples of
  * ints), with one start and one stop per row, 0 <= start <= stop, and at least one id per block (extra ids
- * are ignored, as by the reference); `kind` 0 or 1; `width` >= 0; and `data` must hold every block it has
- * to hash (the reference would hash a short slice). Block ids index `key_of` like Python list indices
- * (negative ones count from the end), as in the reference.
+ * are ignored, as by the reference); `kind` 0 or 1; `width` >= 0; and `match`'s `data` must hold every
+ * block it has to hash (the reference would hash a short slice). The block ids `publish_rows` publishes
+ * must lie in [0, len(key_of)) (IndexError, checked up front, by both); the block ids found in the index
+ * index `key_of` like Python list indices (negative ones count from the end), as in the reference.
  *
- * Errors and partial state: argument, length and row-bound checks all happen before anything is
- * mutated. Errors raised inside the loops leave the work done so far in place, exactly where the
- * reference would also stop midway: in `match`, keys already appended to `known`; in `publish_rows`, the
- * rows before the failing one (and the failing row's appended keys or blocks published so far). Those are
- * the ValueError for a row whose keys end before its start, the ValueError for data too short for a block
- * to hash, the IndexError for a block id out of range of key_of, and any error from hashing or comparing
- * keys. Reference counts are exact on every path; the GIL is held throughout.
+ * Errors and partial state: argument, length, row-bound and publish_rows' block-id checks all happen
+ * before anything is mutated. Errors raised inside the loops leave the work done so far in place, exactly
+ * where the reference would also stop midway: in `match`, keys already appended to `known`; in
+ * `publish_rows`, the rows before the failing one (and the failing row's appended keys or blocks
+ * published so far). Those are the ValueError for a row whose keys end before its start, the ValueError
+ * for `data`/`blocks` too short for a block to hash, the IndexError for an index entry's block id out of
+ * range of key_of, and any error from hashing or comparing keys. Reference counts are exact on every
+ * path; the GIL is held throughout.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -382,13 +389,13 @@ static int check_exact(const char *fname, const char *what, PyObject *obj, PyTyp
     return -1;
 }
 
-/* `data` as raw bytes (any C-contiguous buffer); release with PyBuffer_Release. */
-static int get_data(const char *fname, PyObject *obj, Py_buffer *view)
+/* Argument `what` as raw bytes (any C-contiguous buffer); release with PyBuffer_Release. */
+static int get_data(const char *fname, const char *what, PyObject *obj, Py_buffer *view)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) == 0)
         return 0;
     view->obj = NULL;
-    PyErr_Format(PyExc_TypeError, "%s: data must be a C-contiguous bytes-like object, not %.100s", fname,
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a C-contiguous bytes-like object, not %.100s", fname, what,
                  Py_TYPE(obj)->tp_name);
     return -1;
 }
@@ -499,30 +506,39 @@ static int key_of_position(PyObject *key_of, PyObject *obj, Py_ssize_t *at)
 }
 
 /*
- * Whether `key` has a live entry in the index: `index.get(key)` is a block id `b` (not None) with
- * `key_of[b] == key` (the reference's `not (b is None or key_of[b] != key)`, same comparison). Returns 1
- * (then `*block`, if not NULL, is a new reference to `b`), 0, or -1 with an exception set.
+ * Whether the index entry `key` -> `value` is live: `value` is a block id `b` (not None) with
+ * `key_of[b] == key` (the reference's `not (b is None or key_of[b] != key)`, same comparison). The caller
+ * holds a reference to `value` (the comparison may run Python code). Returns 1, 0, or -1 with an
+ * exception set.
+ */
+static int live_value(PyObject *key_of, PyObject *key, PyObject *value)
+{
+    if (value == Py_None)
+        return 0;
+    Py_ssize_t at;
+    if (key_of_position(key_of, value, &at) < 0)
+        return -1;
+    PyObject *held = PyList_GET_ITEM(key_of, at);
+    Py_INCREF(held);
+    int differs = PyObject_RichCompareBool(held, key, Py_NE);
+    Py_DECREF(held);
+    return differs < 0 ? -1 : !differs;
+}
+
+/*
+ * Whether `key` has a live entry in the index (`index.get(key)`, then `live_value`). Returns 1 (then
+ * `*block` is a new reference to the entry's block id), 0, or -1 with an exception set.
  */
 static int live_entry(PyObject *index, PyObject *key_of, PyObject *key, PyObject **block)
 {
     PyObject *value = PyDict_GetItemWithError(index, key);
     if (value == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    if (value == Py_None)
-        return 0;
-    Py_INCREF(value); /* held across the comparison, which may run Python code */
-    Py_ssize_t at;
-    if (key_of_position(key_of, value, &at) < 0) {
+    Py_INCREF(value);
+    int live = live_value(key_of, key, value);
+    if (live != 1) {
         Py_DECREF(value);
-        return -1;
-    }
-    PyObject *held = PyList_GET_ITEM(key_of, at);
-    Py_INCREF(held);
-    int differs = PyObject_RichCompareBool(held, key, Py_NE);
-    Py_DECREF(held);
-    if (differs != 0 || block == NULL) {
-        Py_DECREF(value);
-        return differs < 0 ? -1 : !differs;
+        return live;
     }
     *block = value;
     return 1;
@@ -552,7 +568,7 @@ static PyObject *native_match(PyObject *Py_UNUSED(module), PyObject *const *args
         return PyErr_Format(PyExc_ValueError, "match: width must be >= 0, not %zd", width);
     PyObject *index = a[1], *key_of = a[2], *known = a[3];
     Py_buffer data;
-    if (get_data("match", a[4], &data) < 0)
+    if (get_data("match", "data", a[4], &data) < 0)
         return NULL;
     const uint8_t *bytes = (const uint8_t *)data.buf;
 
@@ -607,27 +623,35 @@ fail:
 }
 
 /*
- * publish_rows(kind, index, key_of, key_lists, starts, stops, data, width, ids) -> list[int]
+ * publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) -> list[int]
  * (PythonBackend.publish_rows)
  *
  * Validation first (types; one start/stop per row with 0 <= start <= stop; at least as many ids as
- * blocks), then row by row, `pos` counting the blocks of the rows before: extend the row's keys
- * `known` from len(known) - 1 to `stop` by chaining over the row's block bytes (block j's bytes at block
- * pos + j - start of `data`), then for each block j in [start, stop) with id b = ids[pos + j - start] and
+ * blocks; every id to publish in [0, len(key_of)), else IndexError; `keyed`, if not None, a writable
+ * C-contiguous 1-D buffer of 1-byte items at least len(key_of) long), then row by row, `pos` counting
+ * the blocks of the rows before: extend the row's keys `known` from len(known) - 1 to `stop` by chaining
+ * over the row's block bytes (block j's id b = ids[pos + j - start], its bytes
+ * blocks[b*width : (b+1)*width] of the whole block store), then for each block j in [start, stop) with
  * key = known[j + 1]: if key_of[b] is None and the key has no live index entry, index[key] = b,
- * key_of[b] = key, and b joins the returned list.
+ * key_of[b] = key, keyed[b] = 1, and b joins the returned list.
+ *
+ * The index is probed once per block, by PyDict_SetDefault(index, key, b): an absent key is inserted
+ * right there (where the reference's `index[key] = b` inserts it, at the end of the dict); a present one,
+ * `other`, is left alone if live, else overwritten (PyDict_SetItem, in place, as the reference's
+ * assignment). Only the number of times Python-level __hash__/__eq__ of exotic keys run differs from the
+ * reference (one probe instead of two).
  */
 static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames)
 {
-    static const char *const names[] = {"kind", "index", "key_of", "key_lists", "starts",
-                                        "stops", "data",  "width",  "ids"};
+    static const char *const names[] = {"kind",  "index",  "key_of", "key_lists", "starts",
+                                        "stops", "blocks", "width",  "ids",       "keyed"};
     const char *const fname = "publish_rows";
-    PyObject *a[9];
+    PyObject *a[10];
     int kind;
     Py_ssize_t width;
-    if (parse_args(fname, names, 9, 9, 9, args, nargs, kwnames, a) < 0 || get_kind(fname, a[0], &kind) < 0 ||
-        check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
+    if (parse_args(fname, names, 10, 10, 9, args, nargs, kwnames, a) < 0 ||
+        get_kind(fname, a[0], &kind) < 0 || check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[2], &PyList_Type) < 0 || get_ssize(a[7], &width) < 0)
         return NULL;
     if (width < 0)
@@ -641,11 +665,12 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
         return NULL;
     PyObject *stored = NULL;
     I64s starts = {0}, stops = {0}, ids = {0};
-    Py_buffer data = {0};
+    Py_buffer blocks = {0}, flags = {0};
+    uint8_t *keyed = NULL;
     if (i64s_get(fname, "starts", a[4], &starts) < 0 || i64s_get(fname, "stops", a[5], &stops) < 0 ||
-        i64s_get(fname, "ids", a[8], &ids) < 0 || get_data(fname, a[6], &data) < 0)
+        i64s_get(fname, "ids", a[8], &ids) < 0 || get_data(fname, "blocks", a[6], &blocks) < 0)
         goto fail;
-    const uint8_t *bytes = (const uint8_t *)data.buf;
+    const uint8_t *bytes = (const uint8_t *)blocks.buf;
 
     Py_ssize_t nrows = PyTuple_GET_SIZE(rows);
     if (starts.len != nrows || stops.len != nrows) {
@@ -670,6 +695,33 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
         }
         total += (Py_ssize_t)(stop - start);
     }
+    Py_ssize_t nkeys = PyList_GET_SIZE(key_of);
+    for (Py_ssize_t p = 0; p < total; p++) {
+        if (ids.values[p] < 0 || ids.values[p] >= (int64_t)nkeys) {
+            PyErr_Format(PyExc_IndexError, "publish_rows: block id %lld out of range of key_of (%zd blocks)",
+                         (long long)ids.values[p], nkeys);
+            goto fail;
+        }
+    }
+    if (a[9] != NULL && a[9] != Py_None) {
+        if (PyObject_GetBuffer(a[9], &flags, PyBUF_RECORDS_RO) < 0) {
+            flags.obj = NULL;
+            goto fail;
+        }
+        if (flags.readonly || flags.ndim != 1 || flags.itemsize != 1 || !PyBuffer_IsContiguous(&flags, 'C')) {
+            PyErr_Format(PyExc_TypeError,
+                         "publish_rows: keyed must be a writable C-contiguous 1-D array of 1-byte items, "
+                         "not %.100s",
+                         Py_TYPE(a[9])->tp_name);
+            goto fail;
+        }
+        if (flags.len < nkeys) {
+            PyErr_Format(PyExc_ValueError, "publish_rows: keyed (%zd items) is shorter than key_of (%zd)",
+                         flags.len, nkeys);
+            goto fail;
+        }
+        keyed = (uint8_t *)flags.buf;
+    }
 
     stored = PyList_New(0);
     if (stored == NULL)
@@ -678,6 +730,7 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
     for (Py_ssize_t r = 0; r < nrows; r++) {
         PyObject *known = PyTuple_GET_ITEM(rows, r);
         Py_ssize_t start = (Py_ssize_t)starts.values[r], stop = (Py_ssize_t)stops.values[r];
+        const Py_ssize_t first = pos - start; /* block j's id: ids.values[first + j] */
         Py_ssize_t have = PyList_GET_SIZE(known) - 1;
         if (have < start) {
             PyErr_SetString(PyExc_ValueError,
@@ -685,14 +738,14 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
             goto fail;
         }
 
-        /* the row's missing keys, chained from its last known one */
+        /* the row's missing keys, chained from its last known one over its blocks' bytes */
         PyObject *parent = PyList_GET_ITEM(known, have);
         Py_INCREF(parent);
         for (Py_ssize_t j = have; j < stop; j++) {
-            Py_ssize_t block = pos + j - start;
-            if (!holds_block(block, width, data.len)) {
-                PyErr_Format(PyExc_ValueError, "publish_rows: data (%zd bytes) ends before block %zd",
-                             data.len, block);
+            Py_ssize_t block = (Py_ssize_t)ids.values[first + j]; /* 0 <= block < nkeys: checked above */
+            if (!holds_block(block, width, blocks.len)) {
+                PyErr_Format(PyExc_ValueError, "publish_rows: blocks (%zd bytes) ends before block id %zd",
+                             blocks.len, block);
                 Py_DECREF(parent);
                 goto fail;
             }
@@ -714,37 +767,55 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
                 PyErr_SetString(PyExc_IndexError, "publish_rows: a row's keys changed while publishing it");
                 goto fail;
             }
-            PyObject *key = PyList_GET_ITEM(known, j + 1);
-            int64_t id = ids.values[pos + j - start];
-            Py_ssize_t n = PyList_GET_SIZE(key_of);
-            Py_ssize_t at = (Py_ssize_t)(id < 0 ? id + n : id);
-            if (id < -(int64_t)n || id >= (int64_t)n) {
-                PyErr_Format(PyExc_IndexError, "block id %lld out of range of key_of (%zd blocks)",
-                             (long long)id, n);
+            Py_ssize_t at = (Py_ssize_t)ids.values[first + j];
+            if (at >= PyList_GET_SIZE(key_of)) { /* a key's __eq__ shrank key_of */
+                PyErr_Format(PyExc_IndexError,
+                             "publish_rows: block id %zd out of range of key_of (%zd blocks)", at,
+                             PyList_GET_SIZE(key_of));
                 goto fail;
             }
             if (PyList_GET_ITEM(key_of, at) != Py_None)
                 continue;
+            PyObject *key = PyList_GET_ITEM(known, j + 1);
             Py_INCREF(key);
-            int live = live_entry(index, key_of, key, NULL);
-            if (live != 0) { /* another block holds the key (this one stays private), or an error */
+            PyObject *block = PyLong_FromSsize_t(at);
+            if (block == NULL) {
                 Py_DECREF(key);
-                if (live < 0)
-                    goto fail;
-                continue;
-            }
-            PyObject *block = PyLong_FromLongLong(id);
-            if (block == NULL || PyDict_SetItem(index, key, block) < 0) {
-                Py_DECREF(key);
-                Py_XDECREF(block);
                 goto fail;
             }
-            /* PyList_SetItem steals `key`, even when it fails */
-            if (PyList_SetItem(key_of, at, key) < 0 || PyList_Append(stored, block) < 0) {
+            Py_ssize_t size = PyDict_GET_SIZE(index);
+            PyObject *other = PyDict_SetDefault(index, key, block); /* borrowed */
+            if (other == NULL) {
+                Py_DECREF(key);
                 Py_DECREF(block);
                 goto fail;
             }
+            /* `block` itself comes back when the key was absent (and is now inserted), but also when the
+               entry already held that very int object (small ints are shared): the size tells them apart */
+            if (other != block || PyDict_GET_SIZE(index) != size + 1) {
+                Py_INCREF(other);
+                int live = live_value(key_of, key, other);
+                Py_DECREF(other);
+                if (live == 0 && PyDict_SetItem(index, key, block) < 0) /* stale: overwrite it */
+                    live = -1;
+                if (live != 0) { /* another block holds the key (this one stays private), or an error */
+                    Py_DECREF(key);
+                    Py_DECREF(block);
+                    if (live < 0)
+                        goto fail;
+                    continue;
+                }
+            }
+            if (PyList_SetItem(key_of, at, key) < 0) { /* steals `key`, even when it fails */
+                Py_DECREF(block);
+                goto fail;
+            }
+            if (keyed != NULL)
+                keyed[at] = 1;
+            int appended = PyList_Append(stored, block);
             Py_DECREF(block);
+            if (appended < 0)
+                goto fail;
         }
         pos += stop - start;
     }
@@ -752,7 +823,9 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
     i64s_release(&starts);
     i64s_release(&stops);
     i64s_release(&ids);
-    PyBuffer_Release(&data);
+    PyBuffer_Release(&blocks);
+    if (flags.obj != NULL)
+        PyBuffer_Release(&flags);
     return stored;
 
 fail:
@@ -761,7 +834,137 @@ fail:
     i64s_release(&starts);
     i64s_release(&stops);
     i64s_release(&ids);
-    PyBuffer_Release(&data);
+    if (blocks.obj != NULL)
+        PyBuffer_Release(&blocks);
+    if (flags.obj != NULL)
+        PyBuffer_Release(&flags);
+    return NULL;
+}
+
+/*
+ * forget_keys(index, key_of, ids) -> None  (PythonBackend.forget_keys)
+ *
+ * Eviction drops keys eagerly, so the index never holds a stale entry: for each block b of `ids` holding
+ * a key, delete index[key] if it maps to b, then key_of[b] = None. Every id is checked (0 <= b <
+ * len(key_of)) before anything changes.
+ */
+static PyObject *native_forget_keys(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames)
+{
+    static const char *const names[] = {"index", "key_of", "ids"};
+    const char *const fname = "forget_keys";
+    PyObject *a[3];
+    if (parse_args(fname, names, 3, 3, 3, args, nargs, kwnames, a) < 0 ||
+        check_exact(fname, "index", a[0], &PyDict_Type) < 0 ||
+        check_exact(fname, "key_of", a[1], &PyList_Type) < 0)
+        return NULL;
+    PyObject *index = a[0], *key_of = a[1];
+    I64s ids;
+    if (i64s_get(fname, "ids", a[2], &ids) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(key_of);
+    for (Py_ssize_t i = 0; i < ids.len; i++) {
+        if (ids.values[i] < 0 || ids.values[i] >= (int64_t)n) {
+            PyErr_Format(PyExc_IndexError, "forget_keys: block id %lld out of range of key_of (%zd blocks)",
+                         (long long)ids.values[i], n);
+            goto fail;
+        }
+    }
+    for (Py_ssize_t i = 0; i < ids.len; i++) {
+        Py_ssize_t b = (Py_ssize_t)ids.values[i];
+        if (b >= PyList_GET_SIZE(key_of)) { /* a key's __eq__ shrank the list: stop cleanly */
+            PyErr_SetString(PyExc_RuntimeError, "forget_keys: key_of changed size");
+            goto fail;
+        }
+        PyObject *key = PyList_GET_ITEM(key_of, b);
+        if (key == Py_None)
+            continue;
+        Py_INCREF(key);
+        PyObject *value = PyDict_GetItemWithError(index, key);
+        if (value == NULL && PyErr_Occurred()) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        if (value != NULL && PyLong_CheckExact(value)) {
+            int overflow;
+            long long held = PyLong_AsLongLongAndOverflow(value, &overflow);
+            if (!overflow && held == (long long)b && PyDict_DelItem(index, key) < 0) {
+                Py_DECREF(key);
+                goto fail;
+            }
+        }
+        Py_DECREF(key);
+        Py_INCREF(Py_None);
+        PyList_SetItem(key_of, b, Py_None); /* steals the None, releases the key */
+    }
+    i64s_release(&ids);
+    Py_RETURN_NONE;
+
+fail:
+    i64s_release(&ids);
+    return NULL;
+}
+
+/*
+ * check_rows(on_device, mark, rows) -> int  (PythonBackend.check_rows)
+ *
+ * Validates a batch of sequence handles in one pass: 1 if a row is out of [0, len(on_device)) or not on
+ * the device, else 2 if a row appears twice, else 0. `on_device` is a 1-byte-per-row buffer (numpy bool),
+ * `mark` a writable int64 scratch array at least as long, used only by this function: each call stamps
+ * its rows with a fresh generation number, so a row already holding this call's stamp is a duplicate.
+ */
+static int64_t check_rows_generation = 0;
+
+static PyObject *native_check_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames)
+{
+    static const char *const names[] = {"on_device", "mark", "rows"};
+    const char *const fname = "check_rows";
+    PyObject *a[3];
+    if (parse_args(fname, names, 3, 3, 3, args, nargs, kwnames, a) < 0)
+        return NULL;
+    Py_buffer on = {0}, mark = {0};
+    I64s rows = {0};
+    long status = 0;
+    if (PyObject_GetBuffer(a[0], &on, PyBUF_C_CONTIGUOUS) < 0) {
+        on.obj = NULL;
+        goto fail;
+    }
+    if (PyObject_GetBuffer(a[1], &mark, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        mark.obj = NULL;
+        goto fail;
+    }
+    if (on.itemsize != 1 || mark.itemsize != 8 || !i64_format_ok(mark.format) || mark.len / 8 < on.len) {
+        PyErr_SetString(PyExc_TypeError,
+                        "check_rows: on_device must be a 1-byte array and mark an int64 array at least as long");
+        goto fail;
+    }
+    if (i64s_get(fname, "rows", a[2], &rows) < 0)
+        goto fail;
+    const uint8_t *live = (const uint8_t *)on.buf;
+    int64_t *stamp = (int64_t *)mark.buf;
+    int64_t generation = ++check_rows_generation;
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i];
+        if (r < 0 || r >= (int64_t)on.len || !live[r]) {
+            status = 1;
+            break;
+        }
+        if (stamp[r] == generation)
+            status = 2; /* keep scanning: an invalid row later still answers 1 */
+        stamp[r] = generation;
+    }
+    PyBuffer_Release(&on);
+    PyBuffer_Release(&mark);
+    i64s_release(&rows);
+    return PyLong_FromLong(status);
+
+fail:
+    if (on.obj != NULL)
+        PyBuffer_Release(&on);
+    if (mark.obj != NULL)
+        PyBuffer_Release(&mark);
+    i64s_release(&rows);
     return NULL;
 }
 
@@ -781,7 +984,7 @@ static PyObject *native_sha256(PyObject *Py_UNUSED(module), PyObject *const *arg
     if (portable < 0)
         return NULL;
     Py_buffer data;
-    if (get_data("sha256", a[0], &data) < 0)
+    if (get_data("sha256", "data", a[0], &data) < 0)
         return NULL;
     PyObject *digest = PyBytes_FromStringAndSize(NULL, 32);
     if (digest != NULL) {
@@ -803,9 +1006,16 @@ PyDoc_STRVAR(match_doc,
              "match(kind, index, key_of, known, data, width, max_blocks) -> list[int]\n\n"
              "Leading blocks of `data` found in the cache; hotpath.PythonBackend.match in C.");
 PyDoc_STRVAR(publish_rows_doc,
-             "publish_rows(kind, index, key_of, key_lists, starts, stops, data, width, ids) -> list[int]\n\n"
+             "publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) "
+             "-> list[int]\n\n"
              "Key and index the blocks [starts[r], stops[r]) of each row; hotpath.PythonBackend.publish_rows "
              "in C.");
+PyDoc_STRVAR(forget_keys_doc,
+             "forget_keys(index, key_of, ids) -> None\n\n"
+             "Drop the keys of evicted blocks from the index and key_of; hotpath.PythonBackend.forget_keys in C.");
+PyDoc_STRVAR(check_rows_doc,
+             "check_rows(on_device, mark, rows) -> int\n\n"
+             "0 if every row is on the device and distinct, 1 if one is not on the device, 2 if one repeats.");
 PyDoc_STRVAR(sha256_doc, "sha256(data, *, portable=False) -> bytes\n\n"
                          "SHA-256 digest of a bytes-like object (SHA-NI when available unless portable).");
 PyDoc_STRVAR(has_sha_ni_doc,
@@ -815,6 +1025,10 @@ static PyMethodDef native_methods[] = {
     {"match", (PyCFunction)(void (*)(void))native_match, METH_FASTCALL | METH_KEYWORDS, match_doc},
     {"publish_rows", (PyCFunction)(void (*)(void))native_publish_rows, METH_FASTCALL | METH_KEYWORDS,
      publish_rows_doc},
+    {"forget_keys", (PyCFunction)(void (*)(void))native_forget_keys, METH_FASTCALL | METH_KEYWORDS,
+     forget_keys_doc},
+    {"check_rows", (PyCFunction)(void (*)(void))native_check_rows, METH_FASTCALL | METH_KEYWORDS,
+     check_rows_doc},
     {"sha256", (PyCFunction)(void (*)(void))native_sha256, METH_FASTCALL | METH_KEYWORDS, sha256_doc},
     {"has_sha_ni", native_has_sha_ni, METH_NOARGS, has_sha_ni_doc},
     {NULL, NULL, 0, NULL},

@@ -1,9 +1,11 @@
 """Stub of the C extension `pagedkv.core._native` (src/pagedkv/core/_native.c).
 
-`match` and `publish_rows` are `hotpath.PythonBackend`'s, in C; the parameters are typed as loosely as
-the `hotpath.Backend` protocol's, so that the module satisfies it. At run time `index` must be a dict,
-`key_of`, `known` and each row of `key_lists` lists, `data` a C-contiguous buffer, and `starts`, `stops`
-and `ids` C-contiguous 1-D int64 arrays (or lists of ints).
+`match`, `publish_rows`, `forget_keys` and `check_rows` are `hotpath.PythonBackend`'s, in C; the
+parameters are typed as loosely as the `hotpath.Backend` protocol's, so that the module satisfies it. At
+run time `index` must be a dict, `key_of`, `known` and each row of `key_lists` lists, `data` (match: the
+prompt's blocks) and `blocks` (publish_rows: the whole block store, read by block id) C-contiguous
+buffers, `keyed` None or a writable C-contiguous 1-D buffer of 1-byte items (numpy bool) at least
+`len(key_of)` long, and `starts`, `stops` and `ids` C-contiguous 1-D int64 arrays (or lists of ints).
 """
 
 from collections.abc import Sequence
@@ -29,9 +31,12 @@ def publish_rows(
     key_lists: Sequence[list[Any]],
     starts: Any,
     stops: Any,
-    data: Any,
+    blocks: Any,
     width: int,
     ids: Any,
+    keyed: Any = None,
 ) -> list[int]: ...
+def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
+def check_rows(on_device: Any, mark: Any, rows: Any) -> int: ...
 def sha256(data: ReadableBuffer, *, portable: bool = False) -> bytes: ...
 def has_sha_ni() -> bool: ...

@@ -4,7 +4,9 @@ Everything else in the core is batched numpy; these two loops are not, because a
 its parent's and the index is a Python dict:
 
 - `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache;
-- `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them.
+- `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them;
+- `forget_keys`: drop the keys of evicted blocks (eagerly, so the index never holds a stale entry);
+- `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass.
 
 `pagedkv.core._native` is a small C extension with exactly these functions (and its own SHA-256, with the
 x86 SHA instructions when the CPU has them), built when the package is installed with a C compiler at
@@ -14,8 +16,10 @@ disabled with `PAGEDKV_NATIVE=0`), and the specification the extension is tested
 Contract of both backends (`kind` is `SHA256` or `FAST`):
 
 - key of a block = `sha256(parent + block bytes).digest()` (SHA256) or `hash((parent, block bytes, b""))`
-  (FAST), where block bytes are its token ids as little-endian int32 (`width` bytes);
-- `index` is the pool's key -> block dict (entries may be stale: valid only while `key_of[block] == key`);
+  (FAST), where block bytes are its token ids as little-endian int32 (`width` bytes): `match` reads them
+  from the prompt's tokens, `publish_rows` from the whole block store, by block id;
+- `index` is the pool's key -> block dict (an entry counts only while `key_of[block] == key`; the pool
+  keeps none stale, but the functions do not rely on it);
   `key_of` is the pool's list block -> key or None;
 - publishing a block whose key another block already holds leaves it private (not indexed), so the index
   stays a map and events stay exact.
@@ -46,8 +50,12 @@ class Backend(Protocol):
 
     def publish_rows(
         self, kind: int, index: dict[Any, int], key_of: list[Any], key_lists: Sequence[list[Any]],
-        starts: Any, stops: Any, data: Any, width: int, ids: Any,
+        starts: Any, stops: Any, blocks: Any, width: int, ids: Any, keyed: Any = None,
     ) -> list[int]: ...  # fmt: skip
+
+    def forget_keys(self, index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
+
+    def check_rows(self, on_device: Any, mark: Any, rows: Any) -> int: ...
 
 
 def _chain(kind: int, parent: Key, chunk: bytes) -> Key:
@@ -97,15 +105,36 @@ class PythonBackend:
     @staticmethod
     def publish_rows(
         kind: int, index: dict[Any, int], key_of: list[Any], key_lists: Sequence[list[Any]],
-        starts: Any, stops: Any, data: Any, width: int, ids: Any,
+        starts: Any, stops: Any, blocks: Any, width: int, ids: Any, keyed: Any = None,
     ) -> list[int]:  # fmt: skip
         """Publish blocks [starts[r], stops[r]) of each row r; returns the block ids that entered the index.
 
-        `data` holds those blocks' token bytes and `ids` their block ids, row after row. Row r's keys are
-        `key_lists[r]` (root first); it must hold at least `starts[r] + 1` keys, and is extended to
-        `stops[r] + 1` from the data.
+        `ids` holds those blocks' ids, row after row; `blocks` is the whole block store, a C-contiguous
+        buffer with block b's token bytes at `blocks[b * width : (b + 1) * width]` (the pool's int32
+        matrix of all blocks' tokens). Row r's keys are `key_lists[r]` (root first); it must hold at least
+        `starts[r] + 1` keys, and is extended to `stops[r] + 1` by chaining over its blocks' bytes, read
+        through their ids. A block b enters the index only if `key_of[b]` is None and no live entry holds
+        its key (an entry is live while `key_of[entry] == key`; a stale one is overwritten): then
+        `index[key] = b`, `key_of[b] = key` and, if `keyed` is given (a writable C-contiguous 1-D array
+        of 1-byte items, e.g. numpy bool, at least `len(key_of)` long), `keyed[b] = True`.
+
+        Checked before anything changes: IndexError if an id to publish is outside [0, len(key_of))
+        (negative ids included), TypeError or ValueError for a `keyed` of the wrong kind or length.
+        Checked in the loop (the rows before stay published): ValueError if a row's keys end before its
+        start, or if `blocks` ends before the bytes of a block id it has to hash.
         """
-        buf, block_ids = _as_bytes(data), _as_list(ids)
+        view = memoryview(blocks).cast("B")  # C-contiguous bytes, no copy (TypeError otherwise)
+        block_ids = _as_list(ids)
+        total = sum(stop - start for start, stop in zip(_as_list(starts), _as_list(stops)))
+        used = block_ids[:total]
+        if used and not (min(used) >= 0 and max(used) < len(key_of)):
+            raise IndexError("publish_rows: block id out of range of key_of")
+        if keyed is not None:
+            flags = memoryview(keyed)
+            if flags.readonly or flags.itemsize != 1 or flags.ndim != 1 or not flags.c_contiguous:
+                raise TypeError("publish_rows: keyed must be a writable 1-D array of 1-byte items")
+            if flags.nbytes < len(key_of):
+                raise ValueError("publish_rows: keyed is shorter than key_of")
         stored: list[int] = []
         pos = 0
         for known, start, stop in zip(key_lists, _as_list(starts), _as_list(stops)):
@@ -114,8 +143,12 @@ class PythonBackend:
                 raise ValueError("publish_rows: a row's keys end before its first block to publish")
             parent = known[-1]
             for j in range(have, stop):
-                offset = (pos + j - start) * width
-                parent = _chain(kind, parent, buf[offset : offset + width])
+                block_id = block_ids[pos + j - start]
+                if (block_id + 1) * width > view.nbytes:
+                    raise ValueError(
+                        f"publish_rows: blocks ({view.nbytes} bytes) ends before block id {block_id}"
+                    )
+                parent = _chain(kind, parent, bytes(view[block_id * width : (block_id + 1) * width]))
                 known.append(parent)
             for j in range(start, stop):
                 key, block_id = known[j + 1], block_ids[pos + j - start]
@@ -124,19 +157,52 @@ class PythonBackend:
                     if other is None or key_of[other] != key:
                         index[key] = block_id
                         key_of[block_id] = key
+                        if keyed is not None:
+                            keyed[block_id] = True
                         stored.append(block_id)
             pos += stop - start
         return stored
+
+    @staticmethod
+    def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None:
+        """Eviction: drop the keys of blocks `ids` from `key_of`, and from the index where it maps to them."""
+        block_ids = _as_list(ids)
+        if block_ids and not (min(block_ids) >= 0 and max(block_ids) < len(key_of)):
+            raise IndexError("forget_keys: block id out of range of key_of")
+        for block_id in block_ids:
+            key = key_of[block_id]
+            if key is not None:
+                if index.get(key) == block_id:
+                    del index[key]
+                key_of[block_id] = None
+
+    @staticmethod
+    def check_rows(on_device: Any, mark: Any, rows: Any) -> int:
+        """1 if a row is outside `on_device` or not on the device, else 2 if one repeats, else 0.
+
+        `mark` is an int64 scratch array at least as long as `on_device` (the positions of the rows are
+        written into it and read back: a repeated row reads a later position).
+        """
+        if len(rows) == 0:
+            return 0
+        try:  # as unsigned, a negative row is out of range too: one gather checks range and device
+            if not on_device[rows.view(np.uint64)].all():
+                return 1
+        except IndexError:
+            return 1
+        positions = np.arange(len(rows))
+        mark[rows] = positions
+        return 2 if (mark[rows] != positions).any() else 0
 
 
 def _load_native() -> Backend | None:
     if os.environ.get("PAGEDKV_NATIVE", "1") == "0":
         return None
     try:
-        from pagedkv.core import _native  # type: ignore[attr-defined]
+        from pagedkv.core import _native
     except ImportError:
         return None
-    return _native  # type: ignore[no-any-return]
+    return _native
 
 
 NATIVE: Backend | None = _load_native()
