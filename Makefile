@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile setup.py src/pagedkv/core/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -m pip install -q -e '.[torch,hf,triton,plot,dev]' 2>&1 | { grep -v 'is ignored' || true; }

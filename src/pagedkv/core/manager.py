@@ -106,10 +106,10 @@ class PagedKVManager(SwapMixin, TableViews):
         as_count(block_size, "block_size", minimum=1)
         as_count(num_host_blocks, "num_host_blocks")
         self._block_size = block_size
-        self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events)
+        self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events, native=native)
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)
-        self.tables = BlockTables(block_size, NULL_BLOCK_ID)
+        self.tables = BlockTables(block_size, NULL_BLOCK_ID, native=native)
         self.enable_prefix_caching = enable_prefix_caching
         self.verify_hits = verify_hits
         self.prefix = PrefixCache(
@@ -177,11 +177,11 @@ class PagedKVManager(SwapMixin, TableViews):
     def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0, salt: bytes = b"") -> bool:
         tokens = as_tokens(token_ids)
         hits = self.prefix.match(tokens, BlockKeys(as_salt(salt)), (len(tokens) - 1) // self._block_size) if self.enable_prefix_caching else []
-        return self._blocks_short(len(tokens), 0, hits) <= 0
+        return self._blocks_short(len(tokens), 0, np.array(hits, dtype=np.int64)) <= 0
 
-    def _blocks_short(self, n: int, lookahead: int, hits: list[int]) -> int:
+    def _blocks_short(self, n: int, lookahead: int, hits: IntArray) -> int:
         need = -(-(n + lookahead) // self._block_size) - len(hits)
-        cached_hits = int(np.count_nonzero(self.pool.ref[hits] == 0)) if hits else 0
+        cached_hits = int(np.count_nonzero(self.pool.ref[hits] == 0)) if len(hits) else 0
         return need - (self.pool.num_available - cached_hits)
 
     # --- admission ------------------------------------------------------------------------------
@@ -213,20 +213,20 @@ class PagedKVManager(SwapMixin, TableViews):
         n, bs = len(tokens), self._block_size
         if -(-(n + num_lookahead) // bs) > self.num_blocks:
             raise CapacityError(f"a sequence of {n + num_lookahead} tokens needs more than the {self.num_blocks} blocks of the pool")
-        hits: list[int] = []
+        hits = _EMPTY
         if self.enable_prefix_caching:
             keys = keys if keys is not None else BlockKeys(salt)
-            hits = self.prefix.match(tokens, keys, (n - 1) // bs)
+            hits = np.array(self.prefix.match(tokens, keys, (n - 1) // bs), dtype=np.int64)
         if self._blocks_short(n, num_lookahead, hits) > 0:
             return None
         # --- commit (nothing below can fail) ---
         pool, t = self.pool, self.tables
-        for block_id in hits:
-            pool.touch_hit(block_id)
         h = len(hits)
+        if h:
+            pool.touch_hits(hits)
         new = pool.allocate(-(-(n + num_lookahead) // bs) - h)
         row = t.new_row()
-        t.set_blocks(row, np.concatenate([np.asarray(hits, dtype=np.int64), new]) if hits else new)
+        t.set_blocks(row, np.concatenate([hits, new]) if h else new)
         t.num_tokens[row] = n
         t.num_computed[row] = h * bs
         t.num_published[row] = h
@@ -247,14 +247,15 @@ class PagedKVManager(SwapMixin, TableViews):
 
     # --- growth ---------------------------------------------------------------------------------
 
-    def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray, IntArray]:
-        """Blocks each row needs for k more tokens; the rows/blocks needing copy-on-write first; and the
-        private keyed blocks that writes will change (they must be unpublished first)."""
+    def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
+        """Tokens each row holds; blocks each needs for k more; the rows/blocks needing copy-on-write
+        first; and the private keyed blocks that writes will change (they must be unpublished first)."""
         t = self.tables
         old = t.num_tokens[rows]
-        need = np.maximum(-(-(old + k) // self._block_size) - t.num_blocks[rows], 0)
+        need = (old + (k + self._block_size - 1)) // self._block_size - t.num_blocks[rows]
+        np.maximum(need, 0, out=need)
         cow_rows, cow_src, unkey = _EMPTY, _EMPTY, _EMPTY
-        if t.cow_risk.any():
+        if t.any_cow_risk and t.cow_risk.any():
             risky = t.cow_risk[rows] & (old % self._block_size != 0)
             if risky.any():
                 cand = rows[risky]
@@ -262,11 +263,11 @@ class PagedKVManager(SwapMixin, TableViews):
                 shared = self.pool.ref[src] > 1
                 cow_rows, cow_src = _writers_to_move(cand[shared], src[shared], self.pool.ref)
                 unkey = src[~shared]  # rolled back into a block the others have since released
-        return need, cow_rows, cow_src, unkey
+        return old, need, cow_rows, cow_src, unkey
 
     def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
         rows = self.tables.rows(seq_ids)
-        need, cow_rows, _, _ = self._growth(rows, as_count(num_tokens, "num_tokens"))
+        _, need, cow_rows, _, _ = self._growth(rows, as_count(num_tokens, "num_tokens"))
         return int(need.sum()) + len(cow_rows)
 
     def append(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1) -> bool:
@@ -281,29 +282,31 @@ class PagedKVManager(SwapMixin, TableViews):
         tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
         if len(rows) == 0 or k == 0:
             return True
-        need, cow_rows, cow_src, unkey = self._growth(rows, k)
+        old, need, cow_rows, cow_src, unkey = self._growth(rows, k)
         total_new = int(need.sum())
         if total_new + len(cow_rows) > self.pool.num_available:
             return False
         # --- commit ---
         for block_id in unkey.tolist():
             self.pool.unpublish(block_id)
-        ids = self.pool.allocate(total_new + len(cow_rows))
         if len(cow_rows):
+            ids = self.pool.allocate(total_new + len(cow_rows))
             self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
             ids = ids[len(cow_rows) :]
-        old = t.num_tokens[rows]
+        elif total_new:
+            ids = self.pool.allocate(total_new)
         if total_new:
             t.add_blocks(rows, need, ids)
         t.num_tokens[rows] = old + k
-        if t.cow_risk.any():
+        if t.any_cow_risk:
             t.cow_risk[rows] = False  # every appended row now writes into a private last block
+            t.any_cow_risk = bool(t.cow_risk.any())
         if self.enable_prefix_caching:
             if tok is None:
                 t.hashable_tokens[rows] = np.minimum(t.hashable_tokens[rows], old)
             elif k == 1:
-                slots = t.table[rows, old // self._block_size].astype(np.int64) * self._block_size + old % self._block_size
-                self.block_tokens.reshape(-1)[slots] = tok[:, 0]
+                block, offset = np.divmod(old, self._block_size)
+                self.block_tokens[t.table[rows, block], offset] = tok[:, 0]
             else:
                 self.block_tokens.reshape(-1)[t.slot_mapping(rows, old, old + k)] = tok.reshape(-1)
         return True
@@ -379,7 +382,7 @@ class PagedKVManager(SwapMixin, TableViews):
             getattr(t, name)[child] = getattr(t, name)[row]
         self.pool.ref[blocks] += 1
         if n_tok % self._block_size:
-            t.cow_risk[row] = t.cow_risk[child] = True
+            t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
         if row in self._keys:
             self._keys[child] = self._keys[row].copy()
         return child
@@ -409,7 +412,7 @@ class PagedKVManager(SwapMixin, TableViews):
         if new % bs:
             last = int(blocks[keep - 1])
             if self.pool.ref[last] > 1:
-                t.cow_risk[row] = True  # shared: the next write copies it
+                t.cow_risk[row] = t.any_cow_risk = True  # shared: the next write copies it
             else:
                 self.pool.unpublish(last)  # private: its content past `new` will change
 

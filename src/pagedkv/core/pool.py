@@ -13,9 +13,9 @@ Allocation, release, eviction and hits are O(1) per block, and batched where the
 is a numpy array with a top pointer (popping k blocks is one slice); the eviction order is one FIFO queue
 per retention priority, kept as numpy arrays of (block id, stamp) with lazy deletion: a hit takes a
 block out of the order in O(1) by bumping the block's stamp (its queue entry goes stale), and evicting k
-blocks filters a window of the queue head in a few numpy calls. Dropping an evicted block's key is lazy
-too: only `key_of` (a list, so the C hot path can read it) is cleared, and stale index entries are
-skipped on lookup (and compacted when they outnumber the live ones). The pool owns the key <-> block index, because a block's
+blocks filters a window of the queue head in a few numpy calls. An evicted block's key leaves the index
+at once (`hotpath.forget_keys`, one C call per eviction), so every index entry is live. The pool owns the
+key <-> block index (`index` and `key_of`, a list so that the C hot path can read it), because a block's
 state depends on having a key.
 
 At most one block holds a given key (the index is a map). A block computed twice concurrently stays
@@ -32,6 +32,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core import hotpath
 from pagedkv.core.errors import InvalidArgumentError, InvariantError
 from pagedkv.core.prefix import Key
 
@@ -82,7 +83,9 @@ class _Queue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, *, null_block: bool = True, record_events: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, *, null_block: bool = True, record_events: bool = False, native: bool | None = None
+    ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < (2 if null_block else 1):
             raise InvalidArgumentError(
                 f"num_blocks must be an int >= {2 if null_block else 1} (one is the null block), got {num_blocks!r}"
@@ -94,7 +97,8 @@ class BlockPool:
         self.pins = np.zeros(num_blocks, dtype=np.int32)
         self.keyed = np.zeros(num_blocks, dtype=bool)
         self.key_of: list[Key | None] = [None] * num_blocks  # the block's key, or None (a list: C reads it)
-        self.index: dict[Key, int] = {}  # key -> block; entries whose block no longer holds the key are stale
+        self.index: dict[Key, int] = {}  # key -> the block holding it
+        self._hot = hotpath.backend(native)
         # Free stack: the top is the end; initial order hands out ascending ids.
         self._stack = np.arange(num_blocks - 1, self.first_id - 1, -1, dtype=np.int64)
         self._top = len(self._stack)
@@ -180,26 +184,14 @@ class BlockPool:
         if len(out) != n:
             raise InvariantError(f"pool: eviction found {len(out)} of {n} cached-free blocks")
         stamp[out] += 1
-        key_of = self.key_of
         if self.record_events:
-            for block_id in out.tolist():
-                key = key_of[block_id]
-                del self.index[key]
-                self.events.append(CacheEvent("removed", key, block_id))
-                key_of[block_id] = None
-        else:
-            for block_id in out.tolist():
-                key_of[block_id] = None
+            key_of = self.key_of
+            self.events.extend(CacheEvent("removed", key_of[b], b) for b in out.tolist())
+        self._hot.forget_keys(self.index, self.key_of, out)
         self.keyed[out] = False
         self._num_evictable -= n
         self.stats.evictions += n
-        self._maybe_compact()
         return out
-
-    def _maybe_compact(self) -> None:
-        if len(self.index) > 2 * self.num_blocks + 1024:  # stale entries dominate: rebuild, amortised O(1)
-            key_of = self.key_of
-            self.index = {key: b for b in np.flatnonzero(self.keyed).tolist() if (key := key_of[b]) is not None}
 
     def touch_hit(self, block_id: int) -> None:
         """A prefix hit takes one more reference; a cached-free block leaves the eviction order."""
@@ -207,6 +199,15 @@ class BlockPool:
             self._stamp[block_id] += 1  # its queue entry goes stale
             self._num_evictable -= 1
         self.ref[block_id] += 1
+
+    def touch_hits(self, block_ids: IntArray) -> None:
+        """`touch_hit` for distinct blocks at once (a prompt's cached prefix)."""
+        ref = self.ref
+        cached = block_ids[ref[block_ids] == 0]
+        if len(cached):
+            self._stamp[cached] += 1
+            self._num_evictable -= len(cached)
+        ref[block_ids] += 1
 
     def release(self, block_ids: IntArray, priority: int = 0) -> None:
         """Drop one reference from each (distinct) block, in the given order (give tail blocks first).
@@ -337,5 +338,7 @@ class BlockPool:
             key = self.key_of[block_id]
             if key is None or self.index.get(key) != block_id:
                 fail(f"block {block_id} holds a key the index does not map back to it")
+        if len(self.index) != int(self.keyed.sum()):
+            fail(f"the index holds {len(self.index)} keys for {int(self.keyed.sum())} keyed blocks (a stale entry)")
         if self.has_null_block and (self.keyed[NULL_BLOCK_ID] or self.ref[NULL_BLOCK_ID] != 1):
             fail("the null block was touched")

@@ -87,22 +87,20 @@ class PrefixCache:
             owner = np.repeat(rows, counts)
             first = np.cumsum(counts) - counts
             block_ids = t.table[owner, np.arange(len(owner)) + np.repeat(starts - first, counts)].astype(np.int64)
-        data = self.block_tokens[block_ids]
         seq_keys = [self.keys[row] for row in rows.tolist()]
         epoch = self.epoch
-        if self._kind is not None and all(k.epoch == epoch and not k.block_extra for k in seq_keys):
+        lists = [k.keys for k in seq_keys if k.epoch == epoch and not k.block_extra]
+        if self._kind is not None and len(lists) == len(seq_keys):
             stored = self.hot.publish_rows(
-                self._kind, pool.index, pool.key_of, [k.keys for k in seq_keys], starts, upto, data, self._width,
-                block_ids,
+                self._kind, pool.index, pool.key_of, lists, starts, upto, self.block_tokens, self._width, block_ids,
+                pool.keyed,
             )  # fmt: skip
         else:
-            stored = self._publish_generic(seq_keys, starts, upto, data, block_ids)
-        if stored:
+            stored = self._publish_generic(seq_keys, starts, upto, self.block_tokens[block_ids], block_ids)
             pool.keyed[stored] = True
-            if pool.record_events:
-                key_of = pool.key_of
-                pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
-        pool._maybe_compact()
+        if stored and pool.record_events:
+            key_of = pool.key_of
+            pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
 
     def _publish_generic(
         self, seq_keys: list[BlockKeys], starts: IntArray, upto: IntArray, data: npt.NDArray[np.int32],

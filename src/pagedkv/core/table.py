@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core import hotpath
 from pagedkv.core.errors import InvalidArgumentError, InvariantError, UnknownSequenceError
 from pagedkv.core.protocol import CSRPages
 
@@ -31,7 +32,9 @@ class BlockTables:
         "num_published", "hashable_tokens", "priority", "cow_risk", "swapped", "on_device",
     )
 
-    def __init__(self, block_size: int, pad_id: int, *, rows: int = 64, cols: int = 16) -> None:
+    def __init__(
+        self, block_size: int, pad_id: int, *, rows: int = 64, cols: int = 16, native: bool | None = None
+    ) -> None:
         self.block_size = block_size
         self.pad_id = pad_id
         self.table = np.full((rows, cols), pad_id, dtype=np.int32)
@@ -44,11 +47,12 @@ class BlockTables:
         self.hashable_tokens = np.zeros(rows, dtype=np.int64)  # ids of tokens [0, n) are known
         self.priority = np.zeros(rows, dtype=np.int64)
         self.cow_risk = np.zeros(rows, dtype=bool)  # the last partial block may be shared
+        self.any_cow_risk = False  # False: no row has cow_risk (True may be stale: then check the array)
         self.swapped = np.zeros(rows, dtype=bool)  # the table holds host block ids
         self.on_device = np.zeros(rows, dtype=bool)  # alive and not swapped: batch views allowed
         self._free_rows = list(range(rows - 1, -1, -1))
-        self._stamp = np.zeros(rows, dtype=np.int64)
-        self._positions = np.arange(256, dtype=np.int64)
+        self._mark = np.zeros(rows, dtype=np.int64)  # scratch of `check_rows`
+        self._check_rows = hotpath.backend(native).check_rows
         self.num_alive = 0
 
     # --- rows -----------------------------------------------------------------------------------
@@ -83,6 +87,7 @@ class BlockTables:
             grown = np.zeros(rows, dtype=arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
+        self._mark = np.zeros(rows, dtype=np.int64)
 
     def ensure_cols(self, cols: int) -> None:
         if cols > self.table.shape[1]:
@@ -104,32 +109,16 @@ class BlockTables:
         rows = np.asarray(seq_ids)
         if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"seq_ids must be a 1-D array of ints, got shape {rows.shape}, {rows.dtype}")
-        rows = rows.astype(np.int64, copy=False)
-        if rows.size == 0:
-            return rows
-        try:  # as unsigned, a negative id is out of range too: one lookup checks range, liveness, device
-            ok = bool(self.on_device[rows.view(np.uint64)].all())
-        except IndexError:
-            ok = False
-        if not ok:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        status = self._check_rows(self.on_device, self._mark, rows)  # one pass: range, device, duplicates
+        if status == 1:
             bad = [int(r) for r in rows if not (0 <= r < len(self.alive)) or not self.alive[r]]
             if bad:
                 raise UnknownSequenceError(f"sequences {bad[:8]} are not live (never admitted, or already freed)")
             raise InvalidArgumentError(f"sequences {rows[self.swapped[rows]][:8].tolist()} are swapped out; swap_in first")
-        if rows.size > 1 and self._has_duplicates(rows):
+        if status == 2:
             raise InvalidArgumentError("seq_ids has duplicates; each sequence may appear once per call")
         return rows
-
-    def _has_duplicates(self, rows: IntArray) -> bool:
-        # O(B) without sorting: stamp each row with its position, read the stamps back.
-        stamp = self._stamp
-        if len(stamp) < len(self.alive):
-            stamp = self._stamp = np.zeros(len(self.alive), dtype=np.int64)
-        if len(self._positions) < len(rows):
-            self._positions = np.arange(max(len(rows), 2 * len(self._positions)), dtype=np.int64)
-        positions = self._positions[: len(rows)]
-        stamp[rows] = positions
-        return bool((stamp[rows] != positions).any())
 
     def blocks_of(self, row: int) -> IntArray:
         return self.table[row, : self.num_blocks[row]].astype(np.int64)
@@ -218,6 +207,8 @@ class BlockTables:
         padding = cols >= self.num_blocks[:, None]
         if (self.table[padding] != self.pad_id).any():
             fail("a table entry past a sequence's blocks is not the pad id")
+        if self.cow_risk.any() and not self.any_cow_risk:
+            fail("a row may share its last block but the any-row flag is off")
         if not np.array_equal(self.on_device, live & ~self.swapped):
             fail("the on-device mask disagrees with alive and swapped")
         if (~live & ((self.num_blocks != 0) | (self.num_tokens != 0))).any():
