@@ -1,6 +1,7 @@
 /*
- * pagedkv.core._native: the two per-block loops of prefix caching, in C, plus two per-element helpers
- * of the core's batch calls (`forget_keys` for eviction, `check_rows` for validating sequence handles).
+ * pagedkv.core._native: the two per-block loops of prefix caching, in C, plus the per-element helpers
+ * of the core's batch calls (`forget_keys` for eviction, `check_rows` for validating sequence handles,
+ * `growth` and `grow` for a decode step's append).
  *
  * The specification is src/pagedkv/core/hotpath.py (`PythonBackend`); `match` and `publish_rows` below
  * mirror it statement by statement (same order of dict/list reads and writes, same comparisons), and the
@@ -969,6 +970,225 @@ fail:
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
+/* Growing a batch of block tables (the decode step's append)                                              */
+/* ------------------------------------------------------------------------------------------------------ */
+
+/*
+ * A C-contiguous numpy array as a buffer of `itemsize`-byte integers ('q'/'l' for 8, 'i' for 4), with
+ * `ndim` dimensions; writable if asked. Release with PyBuffer_Release when view->obj != NULL.
+ */
+static int int_array(const char *fname, const char *what, PyObject *obj, int ndim, Py_ssize_t itemsize,
+                     int writable, Py_buffer *view)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        view->obj = NULL;
+        PyErr_Clear();
+        goto wrong;
+    }
+    const char *f = view->format;
+    if (f != NULL && (*f == '@' || *f == '=' || *f == '<'))
+        f++;
+    int format_ok = f != NULL && f[1] == '\0' &&
+                    (itemsize == 8 ? (f[0] == 'q' || f[0] == 'l') : (f[0] == 'i' || f[0] == 'l'));
+    if (view->ndim == ndim && view->itemsize == itemsize && format_ok)
+        return 0;
+    PyBuffer_Release(view);
+    view->obj = NULL;
+wrong:
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a C-contiguous %d-D int%d%s numpy array", fname, what, ndim,
+                 (int)(itemsize * 8), writable ? " (writable)" : "");
+    return -1;
+}
+
+static void release_all(Py_buffer *views, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (views[i].obj != NULL)
+            PyBuffer_Release(&views[i]);
+}
+
+/* Blocks a row needs to hold `tokens` tokens when it holds `blocks`: max(ceil(tokens / bs) - blocks, 0). */
+static inline int64_t blocks_needed(int64_t tokens, int64_t blocks, int64_t bs)
+{
+    int64_t need = (tokens + bs - 1) / bs - blocks;
+    return need > 0 ? need : 0;
+}
+
+/*
+ * growth(rows, num_tokens, num_blocks, k, block_size) -> (total_new, max_cols)  (PythonBackend.growth)
+ *
+ * For k more tokens in each row: the blocks all rows need together, and the widest table row afterwards
+ * (max of num_blocks[r] + need[r]; 0 for no rows). Reads only.
+ */
+static PyObject *native_growth(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames)
+{
+    static const char *const names[] = {"rows", "num_tokens", "num_blocks", "k", "block_size"};
+    const char *const fname = "growth";
+    PyObject *a[5];
+    Py_ssize_t k, bs;
+    if (parse_args(fname, names, 5, 5, 5, args, nargs, kwnames, a) < 0 || get_ssize(a[3], &k) < 0 ||
+        get_ssize(a[4], &bs) < 0)
+        return NULL;
+    if (k < 0 || bs <= 0)
+        return PyErr_Format(PyExc_ValueError, "growth: needs k >= 0 and block_size > 0");
+    I64s rows;
+    Py_buffer v[2] = {{0}, {0}};
+    if (i64s_get(fname, "rows", a[0], &rows) < 0)
+        return NULL;
+    if (int_array(fname, "num_tokens", a[1], 1, 8, 0, &v[0]) < 0 ||
+        int_array(fname, "num_blocks", a[2], 1, 8, 0, &v[1]) < 0)
+        goto fail;
+    const int64_t *tokens = v[0].buf, *blocks = v[1].buf;
+    Py_ssize_t n = v[0].shape[0] < v[1].shape[0] ? v[0].shape[0] : v[1].shape[0];
+    int64_t total = 0, widest = 0;
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i];
+        if (r < 0 || r >= (int64_t)n) {
+            PyErr_Format(PyExc_IndexError, "growth: row %lld out of range", (long long)r);
+            goto fail;
+        }
+        int64_t need = blocks_needed(tokens[r] + k, blocks[r], bs);
+        total += need;
+        if (blocks[r] + need > widest)
+            widest = blocks[r] + need;
+    }
+    release_all(v, 2);
+    i64s_release(&rows);
+    return Py_BuildValue("(LL)", (long long)total, (long long)widest);
+
+fail:
+    release_all(v, 2);
+    i64s_release(&rows);
+    return NULL;
+}
+
+/*
+ * grow(rows, num_tokens, num_blocks, table, k, block_size, ids, tokens, block_tokens) -> None
+ * (PythonBackend.grow)
+ *
+ * Row i of the batch (r = rows[i]) takes the next need[r] ids (in batch order) as new table columns
+ * num_blocks[r].., then its k new tokens tokens[i, :] are written into the token mirror at their slots
+ * (block table[r, pos // bs], offset pos % bs, for pos in [num_tokens[r], num_tokens[r] + k)), and
+ * num_tokens[r] += k. `tokens` and `block_tokens` are both None (no token ids) or both arrays.
+ * Everything is checked before anything changes: rows in range, the table wide enough, exactly as many
+ * ids as blocks needed, every id and every block the tokens land in within the token mirror.
+ */
+static PyObject *native_grow(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    static const char *const names[] = {"rows", "num_tokens", "num_blocks", "table", "k", "block_size",
+                                        "ids",  "tokens",     "block_tokens"};
+    const char *const fname = "grow";
+    PyObject *a[9];
+    Py_ssize_t k, bs;
+    if (parse_args(fname, names, 9, 9, 9, args, nargs, kwnames, a) < 0 || get_ssize(a[4], &k) < 0 ||
+        get_ssize(a[5], &bs) < 0)
+        return NULL;
+    if (k < 0 || bs <= 0)
+        return PyErr_Format(PyExc_ValueError, "grow: needs k >= 0 and block_size > 0");
+    int with_tokens = a[7] != Py_None;
+    if (with_tokens != (a[8] != Py_None))
+        return PyErr_Format(PyExc_ValueError, "grow: pass tokens and block_tokens together, or neither");
+    I64s rows, ids = {0};
+    Py_buffer v[5] = {{0}, {0}, {0}, {0}, {0}};
+    if (i64s_get(fname, "rows", a[0], &rows) < 0)
+        return NULL;
+    if (i64s_get(fname, "ids", a[6], &ids) < 0 || int_array(fname, "num_tokens", a[1], 1, 8, 1, &v[0]) < 0 ||
+        int_array(fname, "num_blocks", a[2], 1, 8, 1, &v[1]) < 0 ||
+        int_array(fname, "table", a[3], 2, 4, 1, &v[2]) < 0 ||
+        (with_tokens && (int_array(fname, "tokens", a[7], 2, 4, 0, &v[3]) < 0 ||
+                         int_array(fname, "block_tokens", a[8], 2, 4, 1, &v[4]) < 0)))
+        goto fail;
+    int64_t *num_tokens = v[0].buf, *num_blocks = v[1].buf;
+    int32_t *table = v[2].buf;
+    Py_ssize_t n = v[0].shape[0] < v[1].shape[0] ? v[0].shape[0] : v[1].shape[0];
+    if (v[2].shape[0] < n)
+        n = v[2].shape[0];
+    Py_ssize_t cols = v[2].shape[1];
+    const int32_t *tokens = with_tokens ? v[3].buf : NULL;
+    int32_t *mirror = with_tokens ? v[4].buf : NULL;
+    Py_ssize_t mirror_blocks = with_tokens ? v[4].shape[0] : 0;
+    if (with_tokens && (v[3].shape[0] != rows.len || v[3].shape[1] != k || v[4].shape[1] != bs)) {
+        PyErr_Format(PyExc_ValueError, "grow: tokens must be [%zd, %zd] and block_tokens [N, %zd]", rows.len,
+                     k, bs);
+        goto fail;
+    }
+
+    /* check everything first */
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i];
+        if (r < 0 || r >= (int64_t)n) {
+            PyErr_Format(PyExc_IndexError, "grow: row %lld out of range", (long long)r);
+            goto fail;
+        }
+        int64_t need = blocks_needed(num_tokens[r] + k, num_blocks[r], bs);
+        if (num_blocks[r] + need > (int64_t)cols) {
+            PyErr_Format(PyExc_ValueError, "grow: row %lld needs %lld table columns, the table has %zd",
+                         (long long)r, (long long)(num_blocks[r] + need), cols);
+            goto fail;
+        }
+        if (with_tokens) { /* the existing blocks the new tokens land in */
+            for (int64_t pos = num_tokens[r]; pos < num_tokens[r] + k && pos / bs < num_blocks[r]; pos++) {
+                int32_t b = table[r * cols + pos / bs];
+                if (b < 0 || b >= mirror_blocks) {
+                    PyErr_Format(PyExc_IndexError, "grow: block %d out of range of block_tokens", (int)b);
+                    goto fail;
+                }
+            }
+        }
+        total += need;
+    }
+    if (total != (int64_t)ids.len) {
+        PyErr_Format(PyExc_ValueError, "grow: %zd ids for %lld new blocks", ids.len, (long long)total);
+        goto fail;
+    }
+    for (Py_ssize_t p = 0; p < ids.len; p++) {
+        if (ids.values[p] < 0 || ids.values[p] > INT32_MAX || (with_tokens && ids.values[p] >= mirror_blocks)) {
+            PyErr_Format(PyExc_IndexError, "grow: new block id %lld out of range", (long long)ids.values[p]);
+            goto fail;
+        }
+    }
+
+    /* then change it */
+    Py_ssize_t p = 0;
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i];
+        int32_t *row = table + r * cols;
+        int64_t old = num_tokens[r];
+        int64_t need = blocks_needed(old + k, num_blocks[r], bs);
+        if (num_blocks[r] + need > (int64_t)cols || need > (int64_t)(ids.len - p)) {
+            /* only a row listed twice gets here (the checks above saw each row once): stop before
+               writing out of bounds; the rows before stay grown */
+            PyErr_SetString(PyExc_ValueError, "grow: a row is listed twice");
+            goto fail;
+        }
+        for (int64_t j = 0; j < need; j++)
+            row[num_blocks[r] + j] = (int32_t)ids.values[p++];
+        num_blocks[r] += need;
+        if (with_tokens) {
+            for (Py_ssize_t j = 0; j < k; j++) {
+                int64_t pos = old + j;
+                mirror[(Py_ssize_t)row[pos / bs] * bs + pos % bs] = tokens[i * k + j];
+            }
+        }
+        num_tokens[r] = old + k;
+    }
+    release_all(v, 5);
+    i64s_release(&rows);
+    i64s_release(&ids);
+    Py_RETURN_NONE;
+
+fail:
+    release_all(v, 5);
+    i64s_release(&rows);
+    i64s_release(&ids);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
 /* Test hooks and the module                                                                               */
 /* ------------------------------------------------------------------------------------------------------ */
 
@@ -1016,6 +1236,11 @@ PyDoc_STRVAR(forget_keys_doc,
 PyDoc_STRVAR(check_rows_doc,
              "check_rows(on_device, mark, rows) -> int\n\n"
              "0 if every row is on the device and distinct, 1 if one is not on the device, 2 if one repeats.");
+PyDoc_STRVAR(growth_doc, "growth(rows, num_tokens, num_blocks, k, block_size) -> (total_new, max_cols)\n\n"
+                         "Blocks a batch needs for k more tokens each; hotpath.PythonBackend.growth in C.");
+PyDoc_STRVAR(grow_doc,
+             "grow(rows, num_tokens, num_blocks, table, k, block_size, ids, tokens, block_tokens) -> None\n\n"
+             "Append new blocks and k tokens to each row; hotpath.PythonBackend.grow in C.");
 PyDoc_STRVAR(sha256_doc, "sha256(data, *, portable=False) -> bytes\n\n"
                          "SHA-256 digest of a bytes-like object (SHA-NI when available unless portable).");
 PyDoc_STRVAR(has_sha_ni_doc,
@@ -1029,6 +1254,8 @@ static PyMethodDef native_methods[] = {
      forget_keys_doc},
     {"check_rows", (PyCFunction)(void (*)(void))native_check_rows, METH_FASTCALL | METH_KEYWORDS,
      check_rows_doc},
+    {"growth", (PyCFunction)(void (*)(void))native_growth, METH_FASTCALL | METH_KEYWORDS, growth_doc},
+    {"grow", (PyCFunction)(void (*)(void))native_grow, METH_FASTCALL | METH_KEYWORDS, grow_doc},
     {"sha256", (PyCFunction)(void (*)(void))native_sha256, METH_FASTCALL | METH_KEYWORDS, sha256_doc},
     {"has_sha_ni", native_has_sha_ni, METH_NOARGS, has_sha_ni_doc},
     {NULL, NULL, 0, NULL},

@@ -6,7 +6,8 @@ its parent's and the index is a Python dict:
 - `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache;
 - `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them;
 - `forget_keys`: drop the keys of evicted blocks (eagerly, so the index never holds a stale entry);
-- `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass.
+- `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass;
+- `growth` / `grow`: a decode step's append (count the new blocks, then write them and the new tokens).
 
 `pagedkv.core._native` is a small C extension with exactly these functions (and its own SHA-256, with the
 x86 SHA instructions when the CPU has them), built when the package is installed with a C compiler at
@@ -56,6 +57,13 @@ class Backend(Protocol):
     def forget_keys(self, index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
 
     def check_rows(self, on_device: Any, mark: Any, rows: Any) -> int: ...
+
+    def growth(self, rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]: ...
+
+    def grow(
+        self, rows: Any, num_tokens: Any, num_blocks: Any, table: Any, k: int, block_size: int, ids: Any,
+        tokens: Any, block_tokens: Any,
+    ) -> None: ...  # fmt: skip
 
 
 def _chain(kind: int, parent: Key, chunk: bytes) -> Key:
@@ -193,6 +201,37 @@ class PythonBackend:
         positions = np.arange(len(rows))
         mark[rows] = positions
         return 2 if (mark[rows] != positions).any() else 0
+
+    @staticmethod
+    def growth(rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]:
+        """For k more tokens in each row: (blocks needed by all rows, widest table row afterwards)."""
+        if len(rows) == 0:
+            return 0, 0
+        held = num_blocks[rows]
+        need = np.maximum((num_tokens[rows] + (k + block_size - 1)) // block_size - held, 0)
+        return int(need.sum()), int((held + need).max())
+
+    @staticmethod
+    def grow(
+        rows: Any, num_tokens: Any, num_blocks: Any, table: Any, k: int, block_size: int, ids: Any, tokens: Any,
+        block_tokens: Any,
+    ) -> None:  # fmt: skip
+        """Grow each row by k tokens: its new blocks are the next `ids` (in batch order), appended to its table
+        row; the tokens (`[B, k]`, or None) are written into `block_tokens` at their slots."""
+        if (tokens is None) != (block_tokens is None):
+            raise ValueError("grow: pass tokens and block_tokens together, or neither")
+        old, held = num_tokens[rows], num_blocks[rows]
+        need = np.maximum((old + (k + block_size - 1)) // block_size - held, 0)
+        if int(need.sum()) != len(ids):
+            raise ValueError(f"grow: {len(ids)} ids for {int(need.sum())} new blocks")
+        if len(ids):
+            first = np.cumsum(need) - need
+            table[np.repeat(rows, need), np.repeat(held - first, need) + np.arange(len(ids))] = ids
+        num_blocks[rows] = held + need
+        if tokens is not None:
+            pos = old[:, None] + np.arange(k)
+            block_tokens[table[rows[:, None], pos // block_size], pos % block_size] = tokens
+        num_tokens[rows] = old + k
 
 
 def _load_native() -> Backend | None:

@@ -117,6 +117,7 @@ class PagedKVManager(SwapMixin, TableViews):
             verify_hits=verify_hits, native=native,
         )  # fmt: skip
         self._keys = self.prefix.keys
+        self._hot = self.prefix.hot
         # Token ids of every block's slots, mirroring the KV content: hashing, verification, copy-on-write.
         self.block_tokens = self.prefix.block_tokens
         self._copies_src: list[IntArray] = []
@@ -282,6 +283,28 @@ class PagedKVManager(SwapMixin, TableViews):
         tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
         if len(rows) == 0 or k == 0:
             return True
+        if t.any_cow_risk and t.cow_risk.any():
+            return self._append_shared(rows, k, tok)
+        # no row writes into a shared block: two backend calls (count, then write blocks and tokens)
+        t.any_cow_risk = False
+        total_new, width = self._hot.growth(rows, t.num_tokens, t.num_blocks, k, self._block_size)
+        if total_new > self.pool.num_available:
+            return False
+        # --- commit ---
+        ids = self.pool.allocate(total_new) if total_new else _EMPTY
+        t.ensure_cols(width)
+        mirror = self.enable_prefix_caching and tok is not None
+        if self.enable_prefix_caching and tok is None:
+            t.hashable_tokens[rows] = np.minimum(t.hashable_tokens[rows], t.num_tokens[rows])
+        self._hot.grow(
+            rows, t.num_tokens, t.num_blocks, t.table, k, self._block_size, ids,
+            np.ascontiguousarray(tok) if mirror else None, self.block_tokens if mirror else None,
+        )  # fmt: skip
+        return True
+
+    def _append_shared(self, rows: IntArray, k: int, tok: npt.NDArray[np.int32] | None) -> bool:
+        """`append` when some rows may write into a block they share (after fork or rollback)."""
+        t = self.tables
         old, need, cow_rows, cow_src, unkey = self._growth(rows, k)
         total_new = int(need.sum())
         if total_new + len(cow_rows) > self.pool.num_available:
