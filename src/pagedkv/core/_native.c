@@ -1,7 +1,7 @@
 /*
  * pagedkv.core._native: the two per-block loops of prefix caching, in C, plus the per-element helpers
  * of the core's batch calls (`forget_keys` for eviction, `check_rows` for validating sequence handles,
- * `growth` and `grow` for a decode step's append).
+ * `growth` and `grow` for a decode step's append, `publish_computed` for a whole `mark_computed`).
  *
  * The specification is src/pagedkv/core/hotpath.py (`PythonBackend`); `match` and `publish_rows` below
  * mirror it statement by statement (same order of dict/list reads and writes, same comparisons), and the
@@ -624,6 +624,106 @@ fail:
 }
 
 /*
+ * One row of `publish_rows` (and of `publish_computed`): extend the row's keys `known` to `stop` by
+ * chaining over its blocks' bytes, then index blocks [start, stop). Block j's id is `ids[j - start]`
+ * (already checked to lie in [0, len(key_of))); its bytes are at
+ * `bytes + id * width` within `nbytes`. Stored ids are appended to `stored`; `keyed` may be NULL.
+ * Returns 0, or -1 with an exception set (the blocks before stay published, as in the reference).
+ */
+static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *keyed, PyObject *known,
+                       Py_ssize_t start, Py_ssize_t stop, const int64_t *ids, const uint8_t *bytes,
+                       Py_ssize_t nbytes, Py_ssize_t width, PyObject *stored)
+{
+    Py_ssize_t have = PyList_GET_SIZE(known) - 1;
+    if (have < start) {
+        PyErr_SetString(PyExc_ValueError,
+                        "publish_rows: a row's keys end before its first block to publish");
+        return -1;
+    }
+
+    /* the row's missing keys, chained from its last known one over its blocks' bytes */
+    PyObject *parent = PyList_GET_ITEM(known, have);
+    Py_INCREF(parent);
+    for (Py_ssize_t j = have; j < stop; j++) {
+        Py_ssize_t block = (Py_ssize_t)ids[j - start]; /* 0 <= block < nkeys: checked above */
+        if (!holds_block(block, width, nbytes)) {
+            PyErr_Format(PyExc_ValueError, "publish_rows: blocks (%zd bytes) ends before block id %zd",
+                         nbytes, block);
+            Py_DECREF(parent);
+            return -1;
+        }
+        PyObject *key = chain(kind, parent, bytes + block * width, width);
+        Py_DECREF(parent);
+        if (key == NULL)
+            return -1;
+        parent = key;
+        if (PyList_Append(known, key) < 0) {
+            Py_DECREF(parent);
+            return -1;
+        }
+    }
+    Py_DECREF(parent);
+
+    /* index the blocks not keyed yet whose key no other block holds */
+    for (Py_ssize_t j = start; j < stop; j++) {
+        if (j + 1 >= PyList_GET_SIZE(known)) {
+            PyErr_SetString(PyExc_IndexError, "publish_rows: a row's keys changed while publishing it");
+            return -1;
+        }
+        Py_ssize_t at = (Py_ssize_t)ids[j - start];
+        if (at >= PyList_GET_SIZE(key_of)) { /* a key's __eq__ shrank key_of */
+            PyErr_Format(PyExc_IndexError,
+                         "publish_rows: block id %zd out of range of key_of (%zd blocks)", at,
+                         PyList_GET_SIZE(key_of));
+            return -1;
+        }
+        if (PyList_GET_ITEM(key_of, at) != Py_None)
+            continue;
+        PyObject *key = PyList_GET_ITEM(known, j + 1);
+        Py_INCREF(key);
+        PyObject *block = PyLong_FromSsize_t(at);
+        if (block == NULL) {
+            Py_DECREF(key);
+            return -1;
+        }
+        Py_ssize_t size = PyDict_GET_SIZE(index);
+        PyObject *other = PyDict_SetDefault(index, key, block); /* borrowed */
+        if (other == NULL) {
+            Py_DECREF(key);
+            Py_DECREF(block);
+            return -1;
+        }
+        /* `block` itself comes back when the key was absent (and is now inserted), but also when the
+           entry already held that very int object (small ints are shared): the size tells them apart */
+        if (other != block || PyDict_GET_SIZE(index) != size + 1) {
+            Py_INCREF(other);
+            int live = live_value(key_of, key, other);
+            Py_DECREF(other);
+            if (live == 0 && PyDict_SetItem(index, key, block) < 0) /* stale: overwrite it */
+                live = -1;
+            if (live != 0) { /* another block holds the key (this one stays private), or an error */
+                Py_DECREF(key);
+                Py_DECREF(block);
+                if (live < 0)
+                    return -1;
+                continue;
+            }
+        }
+        if (PyList_SetItem(key_of, at, key) < 0) { /* steals `key`, even when it fails */
+            Py_DECREF(block);
+            return -1;
+        }
+        if (keyed != NULL)
+            keyed[at] = 1;
+        int appended = PyList_Append(stored, block);
+        Py_DECREF(block);
+        if (appended < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/*
  * publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) -> list[int]
  * (PythonBackend.publish_rows)
  *
@@ -671,7 +771,6 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
     if (i64s_get(fname, "starts", a[4], &starts) < 0 || i64s_get(fname, "stops", a[5], &stops) < 0 ||
         i64s_get(fname, "ids", a[8], &ids) < 0 || get_data(fname, "blocks", a[6], &blocks) < 0)
         goto fail;
-    const uint8_t *bytes = (const uint8_t *)blocks.buf;
 
     Py_ssize_t nrows = PyTuple_GET_SIZE(rows);
     if (starts.len != nrows || stops.len != nrows) {
@@ -729,95 +828,10 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
         goto fail;
     Py_ssize_t pos = 0;
     for (Py_ssize_t r = 0; r < nrows; r++) {
-        PyObject *known = PyTuple_GET_ITEM(rows, r);
         Py_ssize_t start = (Py_ssize_t)starts.values[r], stop = (Py_ssize_t)stops.values[r];
-        const Py_ssize_t first = pos - start; /* block j's id: ids.values[first + j] */
-        Py_ssize_t have = PyList_GET_SIZE(known) - 1;
-        if (have < start) {
-            PyErr_SetString(PyExc_ValueError,
-                            "publish_rows: a row's keys end before its first block to publish");
+        if (publish_row(kind, index, key_of, keyed, PyTuple_GET_ITEM(rows, r), start, stop,
+                        ids.values + pos, (const uint8_t *)blocks.buf, blocks.len, width, stored) < 0)
             goto fail;
-        }
-
-        /* the row's missing keys, chained from its last known one over its blocks' bytes */
-        PyObject *parent = PyList_GET_ITEM(known, have);
-        Py_INCREF(parent);
-        for (Py_ssize_t j = have; j < stop; j++) {
-            Py_ssize_t block = (Py_ssize_t)ids.values[first + j]; /* 0 <= block < nkeys: checked above */
-            if (!holds_block(block, width, blocks.len)) {
-                PyErr_Format(PyExc_ValueError, "publish_rows: blocks (%zd bytes) ends before block id %zd",
-                             blocks.len, block);
-                Py_DECREF(parent);
-                goto fail;
-            }
-            PyObject *key = chain(kind, parent, bytes + block * width, width);
-            Py_DECREF(parent);
-            if (key == NULL)
-                goto fail;
-            parent = key;
-            if (PyList_Append(known, key) < 0) {
-                Py_DECREF(parent);
-                goto fail;
-            }
-        }
-        Py_DECREF(parent);
-
-        /* index the blocks not keyed yet whose key no other block holds */
-        for (Py_ssize_t j = start; j < stop; j++) {
-            if (j + 1 >= PyList_GET_SIZE(known)) {
-                PyErr_SetString(PyExc_IndexError, "publish_rows: a row's keys changed while publishing it");
-                goto fail;
-            }
-            Py_ssize_t at = (Py_ssize_t)ids.values[first + j];
-            if (at >= PyList_GET_SIZE(key_of)) { /* a key's __eq__ shrank key_of */
-                PyErr_Format(PyExc_IndexError,
-                             "publish_rows: block id %zd out of range of key_of (%zd blocks)", at,
-                             PyList_GET_SIZE(key_of));
-                goto fail;
-            }
-            if (PyList_GET_ITEM(key_of, at) != Py_None)
-                continue;
-            PyObject *key = PyList_GET_ITEM(known, j + 1);
-            Py_INCREF(key);
-            PyObject *block = PyLong_FromSsize_t(at);
-            if (block == NULL) {
-                Py_DECREF(key);
-                goto fail;
-            }
-            Py_ssize_t size = PyDict_GET_SIZE(index);
-            PyObject *other = PyDict_SetDefault(index, key, block); /* borrowed */
-            if (other == NULL) {
-                Py_DECREF(key);
-                Py_DECREF(block);
-                goto fail;
-            }
-            /* `block` itself comes back when the key was absent (and is now inserted), but also when the
-               entry already held that very int object (small ints are shared): the size tells them apart */
-            if (other != block || PyDict_GET_SIZE(index) != size + 1) {
-                Py_INCREF(other);
-                int live = live_value(key_of, key, other);
-                Py_DECREF(other);
-                if (live == 0 && PyDict_SetItem(index, key, block) < 0) /* stale: overwrite it */
-                    live = -1;
-                if (live != 0) { /* another block holds the key (this one stays private), or an error */
-                    Py_DECREF(key);
-                    Py_DECREF(block);
-                    if (live < 0)
-                        goto fail;
-                    continue;
-                }
-            }
-            if (PyList_SetItem(key_of, at, key) < 0) { /* steals `key`, even when it fails */
-                Py_DECREF(block);
-                goto fail;
-            }
-            if (keyed != NULL)
-                keyed[at] = 1;
-            int appended = PyList_Append(stored, block);
-            Py_DECREF(block);
-            if (appended < 0)
-                goto fail;
-        }
         pos += stop - start;
     }
     Py_DECREF(rows);
@@ -1188,6 +1202,159 @@ fail:
     return NULL;
 }
 
+/*
+ * publish_computed(kind, index, key_of, keyed, seq_keys, epoch, rows, computed, num_tokens, num_computed,
+ *                  hashable, num_published, table, blocks) -> list[int]  (PythonBackend.publish_computed)
+ *
+ * `mark_computed` for a batch in one call. Row i (r = rows[i]) has c = computed[i] tokens computed (or
+ * num_tokens[r] when computed is None): num_computed[r] = c, and its full blocks not published yet,
+ * [num_published[r], f) with f = min(c, hashable[r]) // block_size, are published with `publish_row`
+ * (num_published[r] = f), keyed by seq_keys[r].keys -- unless seq_keys[r] is None or was computed under
+ * another epoch (seq_keys[r].epoch != epoch): then they stay private. Block j's id is table[r, j];
+ * `blocks` is the int32 [num_blocks, block_size] token store (block_size = its second dimension).
+ * Rows, table columns and block ids are all checked before anything changes.
+ */
+static PyObject *str_keys, *str_epoch; /* interned attribute names, set at import */
+
+static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                         PyObject *kwnames)
+{
+    static const char *const names[] = {"kind",     "index",        "key_of",     "keyed",
+                                        "seq_keys", "epoch",        "rows",       "computed",
+                                        "num_tokens", "num_computed", "hashable", "num_published",
+                                        "table",    "blocks"};
+    const char *const fname = "publish_computed";
+    PyObject *a[14];
+    int kind;
+    if (parse_args(fname, names, 14, 14, 14, args, nargs, kwnames, a) < 0 || get_kind(fname, a[0], &kind) < 0 ||
+        check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
+        check_exact(fname, "key_of", a[2], &PyList_Type) < 0 ||
+        check_exact(fname, "seq_keys", a[4], &PyList_Type) < 0)
+        return NULL;
+    PyObject *index = a[1], *key_of = a[2], *seq_keys = a[4], *epoch = a[5];
+    int with_computed = a[7] != Py_None;
+    I64s rows, computed = {0};
+    /* num_tokens, num_computed, hashable, num_published, table, blocks, keyed */
+    Py_buffer v[7] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    PyObject *stored = NULL;
+    int64_t small[64], *ids = small;
+    if (i64s_get(fname, "rows", a[6], &rows) < 0)
+        return NULL;
+    if ((with_computed && i64s_get(fname, "computed", a[7], &computed) < 0) ||
+        int_array(fname, "num_tokens", a[8], 1, 8, 0, &v[0]) < 0 ||
+        int_array(fname, "num_computed", a[9], 1, 8, 1, &v[1]) < 0 ||
+        int_array(fname, "hashable", a[10], 1, 8, 0, &v[2]) < 0 ||
+        int_array(fname, "num_published", a[11], 1, 8, 1, &v[3]) < 0 ||
+        int_array(fname, "table", a[12], 2, 4, 0, &v[4]) < 0 || int_array(fname, "blocks", a[13], 2, 4, 0, &v[5]) < 0)
+        goto fail;
+    if (PyObject_GetBuffer(a[3], &v[6], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        v[6].obj = NULL;
+        goto fail;
+    }
+    const int64_t *num_tokens = v[0].buf, *hashable = v[2].buf;
+    int64_t *num_computed = v[1].buf, *num_published = v[3].buf;
+    const int32_t *table = v[4].buf;
+    Py_ssize_t cols = v[4].shape[1], bs = v[5].shape[1], nkeys = PyList_GET_SIZE(key_of);
+    Py_ssize_t n = v[0].shape[0];
+    for (int i = 1; i < 4; i++)
+        if (v[i].shape[0] < n)
+            n = v[i].shape[0];
+    if (v[4].shape[0] < n)
+        n = v[4].shape[0];
+    if (PyList_GET_SIZE(seq_keys) < n)
+        n = PyList_GET_SIZE(seq_keys);
+    if (bs <= 0 || v[6].itemsize != 1 || v[6].len < nkeys || (with_computed && computed.len != rows.len)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: empty blocks, keyed not 1-byte items or shorter than key_of, or computed not one per row",
+                     fname);
+        goto fail;
+    }
+
+    /* check everything first */
+    Py_ssize_t widest = 0;
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i];
+        if (r < 0 || r >= (int64_t)n) {
+            PyErr_Format(PyExc_IndexError, "%s: row %lld out of range", fname, (long long)r);
+            goto fail;
+        }
+        int64_t c = with_computed ? computed.values[i] : num_tokens[r];
+        int64_t full = (c < hashable[r] ? c : hashable[r]) / bs;
+        if (c < 0 || full > (int64_t)cols) {
+            PyErr_Format(PyExc_ValueError, "%s: row %lld has %lld computed tokens", fname, (long long)r,
+                         (long long)c);
+            goto fail;
+        }
+        for (int64_t j = num_published[r] < 0 ? 0 : num_published[r]; j < full; j++) {
+            int32_t b = table[r * cols + j];
+            if (b < 0 || b >= nkeys || b >= v[5].shape[0]) {
+                PyErr_Format(PyExc_IndexError, "%s: block id %d out of range", fname, (int)b);
+                goto fail;
+            }
+        }
+        if (full - num_published[r] > widest)
+            widest = (Py_ssize_t)(full - num_published[r]);
+    }
+    if (widest > 64 && (ids = PyMem_Malloc((size_t)widest * sizeof(int64_t))) == NULL) {
+        ids = small;
+        PyErr_NoMemory();
+        goto fail;
+    }
+
+    stored = PyList_New(0);
+    if (stored == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i];
+        int64_t c = with_computed ? computed.values[i] : num_tokens[r];
+        num_computed[r] = c;
+        int64_t full = (c < hashable[r] ? c : hashable[r]) / bs, start = num_published[r];
+        if (full <= start)
+            continue;
+        num_published[r] = full;
+        PyObject *keys = PyList_GET_ITEM(seq_keys, r);
+        if (keys == Py_None)
+            continue;
+        Py_INCREF(keys);
+        PyObject *row_epoch = PyObject_GetAttr(keys, str_epoch);
+        int same = row_epoch == NULL ? -1 : PyObject_RichCompareBool(row_epoch, epoch, Py_EQ);
+        Py_XDECREF(row_epoch);
+        PyObject *known = same > 0 ? PyObject_GetAttr(keys, str_keys) : NULL;
+        Py_DECREF(keys);
+        if (same < 0 || (same > 0 && known == NULL))
+            goto fail;
+        if (!same) /* keys of an earlier epoch: never matchable, so not published */
+            continue;
+        if (!PyList_CheckExact(known)) {
+            Py_DECREF(known);
+            PyErr_Format(PyExc_TypeError, "%s: seq_keys[%lld].keys must be a list", fname, (long long)r);
+            goto fail;
+        }
+        for (int64_t j = start; j < full; j++)
+            ids[j - start] = table[r * cols + j];
+        int failed = publish_row(kind, index, key_of, (uint8_t *)v[6].buf, known, (Py_ssize_t)start,
+                                 (Py_ssize_t)full, ids, (const uint8_t *)v[5].buf, v[5].len, 4 * bs, stored);
+        Py_DECREF(known);
+        if (failed < 0)
+            goto fail;
+    }
+    if (ids != small)
+        PyMem_Free(ids);
+    release_all(v, 7);
+    i64s_release(&rows);
+    i64s_release(&computed);
+    return stored;
+
+fail:
+    if (ids != small)
+        PyMem_Free(ids);
+    Py_XDECREF(stored);
+    release_all(v, 7);
+    i64s_release(&rows);
+    i64s_release(&computed);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------------------------------------------ */
 /* Test hooks and the module                                                                               */
 /* ------------------------------------------------------------------------------------------------------ */
@@ -1241,6 +1408,10 @@ PyDoc_STRVAR(growth_doc, "growth(rows, num_tokens, num_blocks, k, block_size) ->
 PyDoc_STRVAR(grow_doc,
              "grow(rows, num_tokens, num_blocks, table, k, block_size, ids, tokens, block_tokens) -> None\n\n"
              "Append new blocks and k tokens to each row; hotpath.PythonBackend.grow in C.");
+PyDoc_STRVAR(publish_computed_doc,
+             "publish_computed(kind, index, key_of, keyed, seq_keys, epoch, rows, computed, num_tokens, "
+             "num_computed, hashable, num_published, table, blocks) -> list[int]\n\n"
+             "mark_computed's publishing for a batch; hotpath.PythonBackend.publish_computed in C.");
 PyDoc_STRVAR(sha256_doc, "sha256(data, *, portable=False) -> bytes\n\n"
                          "SHA-256 digest of a bytes-like object (SHA-NI when available unless portable).");
 PyDoc_STRVAR(has_sha_ni_doc,
@@ -1256,6 +1427,8 @@ static PyMethodDef native_methods[] = {
      check_rows_doc},
     {"growth", (PyCFunction)(void (*)(void))native_growth, METH_FASTCALL | METH_KEYWORDS, growth_doc},
     {"grow", (PyCFunction)(void (*)(void))native_grow, METH_FASTCALL | METH_KEYWORDS, grow_doc},
+    {"publish_computed", (PyCFunction)(void (*)(void))native_publish_computed, METH_FASTCALL | METH_KEYWORDS,
+     publish_computed_doc},
     {"sha256", (PyCFunction)(void (*)(void))native_sha256, METH_FASTCALL | METH_KEYWORDS, sha256_doc},
     {"has_sha_ni", native_has_sha_ni, METH_NOARGS, has_sha_ni_doc},
     {NULL, NULL, 0, NULL},
@@ -1275,6 +1448,10 @@ PyMODINIT_FUNC PyInit__native(void)
     if (cpu_has_sha_ni())
         sha_compress_best = sha_compress_shani;
 #endif
+    str_keys = PyUnicode_InternFromString("keys");
+    str_epoch = PyUnicode_InternFromString("epoch");
+    if (str_keys == NULL || str_epoch == NULL)
+        return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;

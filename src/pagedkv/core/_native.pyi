@@ -38,6 +38,22 @@ def publish_rows(
 ) -> list[int]: ...
 def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
 def check_rows(on_device: Any, mark: Any, rows: Any) -> int: ...
+def publish_computed(
+    kind: int,
+    index: dict[Any, int],
+    key_of: list[Any],
+    keyed: Any,
+    seq_keys: list[Any],
+    epoch: int,
+    rows: Any,
+    computed: Any,
+    num_tokens: Any,
+    num_computed: Any,
+    hashable: Any,
+    num_published: Any,
+    table: Any,
+    blocks: Any,
+) -> list[int]: ...
 def growth(rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]: ...
 def grow(
     rows: Any,

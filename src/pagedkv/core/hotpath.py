@@ -7,7 +7,8 @@ its parent's and the index is a Python dict:
 - `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them;
 - `forget_keys`: drop the keys of evicted blocks (eagerly, so the index never holds a stale entry);
 - `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass;
-- `growth` / `grow`: a decode step's append (count the new blocks, then write them and the new tokens).
+- `growth` / `grow`: a decode step's append (count the new blocks, then write them and the new tokens);
+- `publish_computed`: a whole `mark_computed` (advance the computed counts, publish the newly full blocks).
 
 `pagedkv.core._native` is a small C extension with exactly these functions (and its own SHA-256, with the
 x86 SHA instructions when the CPU has them), built when the package is installed with a C compiler at
@@ -59,6 +60,12 @@ class Backend(Protocol):
     def check_rows(self, on_device: Any, mark: Any, rows: Any) -> int: ...
 
     def growth(self, rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]: ...
+
+    def publish_computed(
+        self, kind: int, index: dict[Any, int], key_of: list[Any], keyed: Any, seq_keys: list[Any], epoch: int,
+        rows: Any, computed: Any, num_tokens: Any, num_computed: Any, hashable: Any, num_published: Any,
+        table: Any, blocks: Any,
+    ) -> list[int]: ...  # fmt: skip
 
     def grow(
         self, rows: Any, num_tokens: Any, num_blocks: Any, table: Any, k: int, block_size: int, ids: Any,
@@ -201,6 +208,35 @@ class PythonBackend:
         positions = np.arange(len(rows))
         mark[rows] = positions
         return 2 if (mark[rows] != positions).any() else 0
+
+    @staticmethod
+    def publish_computed(
+        kind: int, index: dict[Any, int], key_of: list[Any], keyed: Any, seq_keys: list[Any], epoch: int,
+        rows: Any, computed: Any, num_tokens: Any, num_computed: Any, hashable: Any, num_published: Any,
+        table: Any, blocks: Any,
+    ) -> list[int]:  # fmt: skip
+        """`mark_computed` for a batch: row i (r = rows[i]) has computed[i] tokens computed (num_tokens[r]
+        when computed is None); its full blocks not published yet, up to min(computed, hashable[r]) //
+        block_size, are published with the keys of seq_keys[r] (a `BlockKeys`) unless it is None or of
+        another epoch (then they stay private). Block j's id is table[r, j]; `blocks` is the int32
+        [num_blocks, block_size] token store."""
+        block_size = blocks.shape[1]
+        stored: list[int] = []
+        for i, r in enumerate(_as_list(rows)):
+            c = int(num_tokens[r] if computed is None else computed[i])
+            num_computed[r] = c
+            full, start = min(c, int(hashable[r])) // block_size, int(num_published[r])
+            if full <= start:
+                continue
+            num_published[r] = full
+            keys = seq_keys[r]
+            if keys is None or keys.epoch != epoch:
+                continue
+            ids = table[r, start:full].astype(np.int64)
+            stored += PythonBackend.publish_rows(
+                kind, index, key_of, [keys.keys], [start], [full], blocks, 4 * block_size, ids, keyed
+            )
+        return stored
 
     @staticmethod
     def growth(rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]:

@@ -234,7 +234,7 @@ class PagedKVManager(SwapMixin, TableViews):
         t.priority[row] = priority
         if self.enable_prefix_caching:
             assert keys is not None, "manager: prefix caching needs block keys"
-            self._keys[row] = keys
+            self.prefix.attach(row, keys)
             t.hashable_tokens[row] = ALL_TOKENS_KNOWN
             rest = tokens[h * bs :]
             m = -(-len(rest) // bs)
@@ -357,12 +357,15 @@ class PagedKVManager(SwapMixin, TableViews):
         """KV is written for tokens [0, num_computed) of each sequence; publish the full blocks among them."""
         t = self.tables
         rows = t.rows(seq_ids)
-        if num_computed_tokens is None:
-            computed = t.num_tokens[rows]
-        else:
-            computed = np.broadcast_to(np.asarray(num_computed_tokens, dtype=np.int64), rows.shape)
-            if (computed > t.num_tokens[rows]).any() or (computed < t.num_computed[rows]).any():
+        given: IntArray | None = None
+        if num_computed_tokens is not None:
+            given = np.ascontiguousarray(np.broadcast_to(np.asarray(num_computed_tokens, dtype=np.int64), rows.shape))
+            if (given > t.num_tokens[rows]).any() or (given < t.num_computed[rows]).any():
                 raise InvalidArgumentError("num_computed_tokens must not go backwards nor past the tokens a sequence holds")
+        if self.enable_prefix_caching and self.prefix.publishes_in_one_call:
+            self.prefix.publish_computed(rows, given)  # one call: computed counts and publishing
+            return
+        computed = t.num_tokens[rows] if given is None else given
         t.num_computed[rows] = computed
         if not self.enable_prefix_caching:
             return
@@ -383,7 +386,7 @@ class PagedKVManager(SwapMixin, TableViews):
             self.host_pool.release(blocks)
         else:
             self.pool.release(blocks, int(t.priority[row]))
-        self._keys.pop(row, None)
+        self.prefix.detach(row)
         t.drop_row(row)
 
     def preempt(self, seq_id: int) -> int:
@@ -407,7 +410,7 @@ class PagedKVManager(SwapMixin, TableViews):
         if n_tok % self._block_size:
             t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
         if row in self._keys:
-            self._keys[child] = self._keys[row].copy()
+            self.prefix.attach(child, self._keys[row].copy())
         return child
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:

@@ -35,12 +35,46 @@ class PrefixCache:
         self.epoch = 0
         self.verify_failures = 0
         self.keys: dict[int, BlockKeys] = {}  # live sequence -> its block keys
+        self.by_row: list[BlockKeys | None] = []  # the same, indexed by row (what the C hot path reads)
+        self._rows_with_extras = 0  # live sequences with per-block extra keys (they take the Python path)
         num_blocks = pool.num_blocks if enabled else 0
         self.block_tokens = np.zeros((num_blocks, block_size), np.int32)
         self.hot = hotpath.backend(native)
         # the key function as a hot-path kind; None: a custom function (plain Python path)
         self._kind = hotpath.SHA256 if key_fn is sha256_key else hotpath.FAST if key_fn is fast_key else None
         self._width = 4 * block_size  # bytes of one block's token ids
+
+    def attach(self, row: int, keys: BlockKeys) -> None:
+        """Sequence `row` publishes with `keys` from now on."""
+        self.detach(row)
+        self.keys[row] = keys
+        if row >= len(self.by_row):
+            self.by_row.extend([None] * (row + 1 - len(self.by_row)))
+        self.by_row[row] = keys
+        self._rows_with_extras += bool(keys.block_extra)
+
+    def detach(self, row: int) -> None:
+        keys = self.keys.pop(row, None)
+        if keys is not None:
+            self.by_row[row] = None
+            self._rows_with_extras -= bool(keys.block_extra)
+
+    @property
+    def publishes_in_one_call(self) -> bool:
+        """Whether `publish_computed` can take a whole batch (no custom key function, no block extras)."""
+        return self._kind is not None and not self._rows_with_extras
+
+    def publish_computed(self, rows: IntArray, computed: IntArray | None) -> None:
+        """`mark_computed`'s work in one backend call (callers check `publishes_in_one_call` first)."""
+        assert self._kind is not None, "prefix: publish_computed needs a built-in key function"
+        t, pool = self.tables, self.pool
+        stored = self.hot.publish_computed(
+            self._kind, pool.index, pool.key_of, pool.keyed, self.by_row, self.epoch, rows, computed,
+            t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table, self.block_tokens,
+        )  # fmt: skip
+        if stored and pool.record_events:
+            key_of = pool.key_of
+            pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
 
     def match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
