@@ -1,7 +1,8 @@
 /*
  * pagedkv.core._native: the two per-block loops of prefix caching, in C, plus the per-element helpers
  * of the core's batch calls (`forget_keys` for eviction, `check_rows` for validating sequence handles,
- * `growth` and `grow` for a decode step's append, `publish_computed` for a whole `mark_computed`).
+ * `growth` and `grow` for a decode step's append, `publish_computed` for a whole `mark_computed`,
+ * `take_live` for eviction's scan of an LRU queue).
  *
  * The specification is src/pagedkv/core/hotpath.py (`PythonBackend`); `match` and `publish_rows` below
  * mirror it statement by statement (same order of dict/list reads and writes, same comparisons), and the
@@ -1355,6 +1356,60 @@ fail:
     return NULL;
 }
 
+/*
+ * take_live(queue_ids, queue_stamps, head, tail, stamp, out, filled) -> (head, filled)
+ * (PythonBackend.take_live)
+ *
+ * Eviction's scan of one LRU queue: from `head`, each entry (queue_ids[h], queue_stamps[h]) is live while
+ * the block's stamp still equals the entry's; live blocks are taken in order into out[filled:] (their
+ * stamp bumped, so the entry goes stale) until `out` is full or the queue ends at `tail`. Returns the new
+ * head (just past the last entry taken, or `tail`) and how much of `out` is filled.
+ */
+static PyObject *native_take_live(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames)
+{
+    static const char *const names[] = {"queue_ids", "queue_stamps", "head", "tail", "stamp", "out", "filled"};
+    const char *const fname = "take_live";
+    PyObject *a[7];
+    Py_ssize_t head, tail, filled;
+    if (parse_args(fname, names, 7, 7, 7, args, nargs, kwnames, a) < 0 || get_ssize(a[2], &head) < 0 ||
+        get_ssize(a[3], &tail) < 0 || get_ssize(a[6], &filled) < 0)
+        return NULL;
+    Py_buffer v[4] = {{0}, {0}, {0}, {0}};
+    if (int_array(fname, "queue_ids", a[0], 1, 8, 0, &v[0]) < 0 ||
+        int_array(fname, "queue_stamps", a[1], 1, 8, 0, &v[1]) < 0 ||
+        int_array(fname, "stamp", a[4], 1, 8, 1, &v[2]) < 0 || int_array(fname, "out", a[5], 1, 8, 1, &v[3]) < 0)
+        goto fail;
+    const int64_t *ids = v[0].buf, *stamps = v[1].buf;
+    int64_t *stamp = v[2].buf, *out = v[3].buf;
+    Py_ssize_t nstamp = v[2].shape[0], nout = v[3].shape[0];
+    if (head < 0 || tail < head || tail > v[0].shape[0] || tail > v[1].shape[0] || filled < 0 || filled > nout) {
+        PyErr_Format(PyExc_ValueError, "%s: needs 0 <= head <= tail <= queue length and 0 <= filled <= len(out)",
+                     fname);
+        goto fail;
+    }
+    for (Py_ssize_t h = head; h < tail; h++) { /* checked first: nothing changes on a bad id */
+        if (ids[h] < 0 || ids[h] >= (int64_t)nstamp) {
+            PyErr_Format(PyExc_IndexError, "%s: block id %lld out of range of stamp", fname, (long long)ids[h]);
+            goto fail;
+        }
+    }
+    while (head < tail && filled < nout) {
+        int64_t b = ids[head];
+        if (stamp[b] == stamps[head]) {
+            out[filled++] = b;
+            stamp[b] += 1;
+        }
+        head++;
+    }
+    release_all(v, 4);
+    return Py_BuildValue("(nn)", head, filled);
+
+fail:
+    release_all(v, 4);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------------------------------------------ */
 /* Test hooks and the module                                                                               */
 /* ------------------------------------------------------------------------------------------------------ */
@@ -1412,6 +1467,9 @@ PyDoc_STRVAR(publish_computed_doc,
              "publish_computed(kind, index, key_of, keyed, seq_keys, epoch, rows, computed, num_tokens, "
              "num_computed, hashable, num_published, table, blocks) -> list[int]\n\n"
              "mark_computed's publishing for a batch; hotpath.PythonBackend.publish_computed in C.");
+PyDoc_STRVAR(take_live_doc,
+             "take_live(queue_ids, queue_stamps, head, tail, stamp, out, filled) -> (head, filled)\n\n"
+             "Eviction's scan of one LRU queue; hotpath.PythonBackend.take_live in C.");
 PyDoc_STRVAR(sha256_doc, "sha256(data, *, portable=False) -> bytes\n\n"
                          "SHA-256 digest of a bytes-like object (SHA-NI when available unless portable).");
 PyDoc_STRVAR(has_sha_ni_doc,
@@ -1429,6 +1487,7 @@ static PyMethodDef native_methods[] = {
     {"grow", (PyCFunction)(void (*)(void))native_grow, METH_FASTCALL | METH_KEYWORDS, grow_doc},
     {"publish_computed", (PyCFunction)(void (*)(void))native_publish_computed, METH_FASTCALL | METH_KEYWORDS,
      publish_computed_doc},
+    {"take_live", (PyCFunction)(void (*)(void))native_take_live, METH_FASTCALL | METH_KEYWORDS, take_live_doc},
     {"sha256", (PyCFunction)(void (*)(void))native_sha256, METH_FASTCALL | METH_KEYWORDS, sha256_doc},
     {"has_sha_ni", native_has_sha_ni, METH_NOARGS, has_sha_ni_doc},
     {NULL, NULL, 0, NULL},

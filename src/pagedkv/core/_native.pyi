@@ -54,6 +54,9 @@ def publish_computed(
     table: Any,
     blocks: Any,
 ) -> list[int]: ...
+def take_live(
+    queue_ids: Any, queue_stamps: Any, head: int, tail: int, stamp: Any, out: Any, filled: int
+) -> tuple[int, int]: ...
 def growth(rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]: ...
 def grow(
     rows: Any,

@@ -8,7 +8,8 @@ its parent's and the index is a Python dict:
 - `forget_keys`: drop the keys of evicted blocks (eagerly, so the index never holds a stale entry);
 - `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass;
 - `growth` / `grow`: a decode step's append (count the new blocks, then write them and the new tokens);
-- `publish_computed`: a whole `mark_computed` (advance the computed counts, publish the newly full blocks).
+- `publish_computed`: a whole `mark_computed` (advance the computed counts, publish the newly full blocks);
+- `take_live`: eviction's scan of an LRU queue with lazily deleted entries.
 
 `pagedkv.core._native` is a small C extension with exactly these functions (and its own SHA-256, with the
 x86 SHA instructions when the CPU has them), built when the package is installed with a C compiler at
@@ -60,6 +61,10 @@ class Backend(Protocol):
     def check_rows(self, on_device: Any, mark: Any, rows: Any) -> int: ...
 
     def growth(self, rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]: ...
+
+    def take_live(
+        self, queue_ids: Any, queue_stamps: Any, head: int, tail: int, stamp: Any, out: Any, filled: int
+    ) -> tuple[int, int]: ...
 
     def publish_computed(
         self, kind: int, index: dict[Any, int], key_of: list[Any], keyed: Any, seq_keys: list[Any], epoch: int,
@@ -237,6 +242,29 @@ class PythonBackend:
                 kind, index, key_of, [keys.keys], [start], [full], blocks, 4 * block_size, ids, keyed
             )
         return stored
+
+    @staticmethod
+    def take_live(
+        queue_ids: Any, queue_stamps: Any, head: int, tail: int, stamp: Any, out: Any, filled: int
+    ) -> tuple[int, int]:
+        """Eviction's scan of one LRU queue: take live entries (block stamp == entry stamp) from `head` into
+        out[filled:], bumping their stamps, until `out` is full or `tail`; returns (new head, filled)."""
+        if not (0 <= head <= tail <= len(queue_ids) and 0 <= filled <= len(out)):
+            raise ValueError("take_live: needs 0 <= head <= tail <= queue length and 0 <= filled <= len(out)")
+        if tail > head and not (queue_ids[head:tail].min() >= 0 and queue_ids[head:tail].max() < len(stamp)):
+            raise IndexError("take_live: block id out of range of stamp")
+        need = len(out) - filled
+        while need and head < tail:
+            window = min(tail - head, max(2 * need, 64))
+            ids = queue_ids[head : head + window]
+            live = np.flatnonzero(stamp[ids] == queue_stamps[head : head + window])[:need]
+            head += int(live[-1]) + 1 if len(live) == need else window
+            got = ids[live]
+            out[filled : filled + len(got)] = got
+            stamp[got] += 1
+            filled += len(got)
+            need -= len(got)
+        return head, filled
 
     @staticmethod
     def growth(rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]:

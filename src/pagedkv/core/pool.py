@@ -161,29 +161,18 @@ class BlockPool:
 
     def _evict(self, n: int) -> IntArray:
         """The `n` oldest cached-free blocks, lowest priority first; their keys are dropped."""
-        taken: list[IntArray] = []
-        need = n
-        stamp = self._stamp
-        for prio in sorted(self._queues):
-            q = self._queues[prio]
-            while need and q.head < q.tail:
-                window = min(q.tail - q.head, max(2 * need, 64))
-                ids = q.ids[q.head : q.head + window]
-                live = np.flatnonzero(stamp[ids] == q.stamps[q.head : q.head + window])[:need]
-                if len(live) == need:
-                    q.head += int(live[-1]) + 1
-                else:
-                    q.head += window
-                taken.append(ids[live])
-                need -= len(live)
+        out = np.empty(n, dtype=np.int64)
+        filled = 0
+        queues = self._queues
+        for prio in sorted(queues) if len(queues) > 1 else list(queues):
+            q = queues[prio]  # taken entries' stamps are bumped: they go stale in the queue
+            q.head, filled = self._hot.take_live(q.ids, q.stamps, q.head, q.tail, self._stamp, out, filled)
             if q.head == q.tail:
-                del self._queues[prio]
-            if not need:
+                del queues[prio]
+            if filled == n:
                 break
-        out = np.concatenate(taken) if len(taken) != 1 else taken[0].copy()
-        if len(out) != n:
-            raise InvariantError(f"pool: eviction found {len(out)} of {n} cached-free blocks")
-        stamp[out] += 1
+        if filled != n:
+            raise InvariantError(f"pool: eviction found {filled} of {n} cached-free blocks")
         if self.record_events:
             key_of = self.key_of
             self.events.extend(CacheEvent("removed", key_of[b], b) for b in out.tolist())
