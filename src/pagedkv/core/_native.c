@@ -926,11 +926,9 @@ fail:
  *
  * Validates a batch of sequence handles in one pass: 1 if a row is out of [0, len(on_device)) or not on
  * the device, else 2 if a row appears twice, else 0. `on_device` is a 1-byte-per-row buffer (numpy bool),
- * `mark` a writable int64 scratch array at least as long, used only by this function: each call stamps
- * its rows with a fresh generation number, so a row already holding this call's stamp is a duplicate.
+ * `mark` a writable int64 scratch array at least as long (any contents): each row's batch position is
+ * written into it and read back, so a repeated row reads a later position.
  */
-static int64_t check_rows_generation = 0;
-
 static PyObject *native_check_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames)
 {
@@ -959,16 +957,19 @@ static PyObject *native_check_rows(PyObject *Py_UNUSED(module), PyObject *const 
         goto fail;
     const uint8_t *live = (const uint8_t *)on.buf;
     int64_t *stamp = (int64_t *)mark.buf;
-    int64_t generation = ++check_rows_generation;
     for (Py_ssize_t i = 0; i < rows.len; i++) {
         int64_t r = rows.values[i];
         if (r < 0 || r >= (int64_t)on.len || !live[r]) {
             status = 1;
             break;
         }
-        if (stamp[r] == generation)
-            status = 2; /* keep scanning: an invalid row later still answers 1 */
-        stamp[r] = generation;
+    }
+    if (status == 0) { /* each row's position, read back: a repeated row reads a later one */
+        for (Py_ssize_t i = 0; i < rows.len; i++)
+            stamp[rows.values[i]] = (int64_t)i;
+        for (Py_ssize_t i = 0; i < rows.len && status == 0; i++)
+            if (stamp[rows.values[i]] != (int64_t)i)
+                status = 2;
     }
     PyBuffer_Release(&on);
     PyBuffer_Release(&mark);

@@ -205,10 +205,7 @@ class PythonBackend:
         """
         if len(rows) == 0:
             return 0
-        try:  # as unsigned, a negative row is out of range too: one gather checks range and device
-            if not on_device[rows.view(np.uint64)].all():
-                return 1
-        except IndexError:
+        if rows.min() < 0 or rows.max() >= len(on_device) or not on_device[rows].all():
             return 1
         positions = np.arange(len(rows))
         mark[rows] = positions
