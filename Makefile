@@ -31,4 +31,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy src/pagedkv/core
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/pagedkv/core/_native*.so

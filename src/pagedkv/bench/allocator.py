@@ -64,6 +64,7 @@ class ReplayResult:
     max_running: int
     prefix_caching: bool
     hash_fn: str
+    backend: str  # the prefix cache's hot-path backend: "native" (the C extension) or "python"
     # per step, for plots (not in the JSON): running requests, blocks in use, slots holding KV
     series: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -213,6 +214,7 @@ def replay(
         max_running=max_running,
         prefix_caching=prefix_caching and paged,
         hash_fn=hash_fn if paged and prefix_caching else "-",
+        backend=m.prefix.hot.NAME if paged else "-",
         series=series,
     )
 
@@ -257,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(next(iter(rows.values())) if len(rows) == 1 else rows, indent=1))
         return 0
     print(f"trace {Path(path).name}, first {len(requests)} requests; block size {args.block_size}, "
-          f"{args.num_blocks} blocks, at most {args.max_running} running")  # fmt: skip
+          f"{args.num_blocks} blocks, at most {args.max_running} running; hot path: {results[0].backend}")  # fmt: skip
     header = ("allocator", "steps", "sched tokens", "preempt", "hit rate", "us/token", "peak blocks", "kv util", "floor")
     print("{:<22} {:>6} {:>13} {:>8} {:>9} {:>9} {:>12} {:>8} {:>7}".format(*header))
     for r in results:

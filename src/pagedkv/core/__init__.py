@@ -1,4 +1,6 @@
-"""pagedkv.core: the torch-free allocator. Pure Python + numpy; only integers cross into it.
+"""pagedkv.core: the torch-free allocator. Python + numpy; only integers cross into it. Its hot loops
+(`hotpath`) run in a small optional C extension when the package was built with a C compiler, else in
+their Python reference.
 
 Public surface: `PagedKVManager` (paged, prefix caching, copy-on-write), `ContiguousKVManager` (the
 baseline), the `KVManager` protocol they share, `BlockKeys` (a request's reusable prefix keys) and the

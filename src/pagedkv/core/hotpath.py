@@ -1,7 +1,8 @@
-"""The per-block loops of prefix caching, in two interchangeable backends.
+"""The core's per-element loops, in two interchangeable backends.
 
-Everything else in the core is batched numpy; these two loops are not, because a block's key chains from
-its parent's and the index is a Python dict:
+Everything else in the core is batched numpy. These are the loops numpy cannot batch (a block's key chains
+from its parent's, and the prefix index is a Python dict) and the few batch calls of every scheduler step
+whose numpy form costs a dozen small array operations each:
 
 - `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache;
 - `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them;

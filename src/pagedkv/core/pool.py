@@ -150,12 +150,15 @@ class BlockPool:
         """
         if n > self._top + self._num_evictable:
             raise InvariantError(f"pool: allocate({n}) with only {self.num_available} available")
-        take = min(n, self._top)
         top = self._top
-        ids = self._stack[top - take : top][::-1].copy()
-        self._top = top - take
-        if take < n:
-            ids = np.concatenate([ids, self._evict(n - take)])
+        if top == 0:  # a full pool: every block comes from the eviction order
+            ids = self._evict(n)
+        else:
+            take = min(n, top)
+            ids = self._stack[top - take : top][::-1].copy()
+            self._top = top - take
+            if take < n:
+                ids = np.concatenate([ids, self._evict(n - take)])
         self.ref[ids] = 1
         return ids
 
