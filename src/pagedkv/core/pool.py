@@ -13,8 +13,8 @@ Allocation, release, eviction and hits are O(1) per block, and batched where the
 is a numpy array with a top pointer (popping k blocks is one slice); the eviction order is one FIFO queue
 per retention priority, kept as numpy arrays of (block id, stamp) with lazy deletion: a hit takes a
 block out of the order in O(1) by bumping the block's stamp (its queue entry goes stale), and evicting k
-blocks filters a window of the queue head in a few numpy calls. An evicted block's key leaves the index
-at once (`hotpath.forget_keys`, one C call per eviction), so every index entry is live. The pool owns the
+blocks scans the queue head for live entries (`hotpath.take_live`, one backend call per queue). An evicted
+block's key leaves the index at once (`hotpath.forget_keys`), so every index entry is live. The pool owns the
 key <-> block index (`index` and `key_of`, a list so that the C hot path can read it), because a block's
 state depends on having a key.
 
