@@ -352,16 +352,9 @@ def both(*changes: Any) -> Any:
 
 
 def keyed_mismatch(label: str, make: Any, what: str) -> Any:
-    """A `keyed` publish_rows rejects with TypeError (as it does any keyed that is not a writable C-contiguous
-    1-D array of 1-byte items); native publish_computed checks only the item size and the length."""
-    return pytest.param(
-        label,
-        setter("keyed", make),
-        TypeError,
-        marks=pytest.mark.xfail(
-            strict=True, reason=f"native publish_computed {what}; publish_rows raises TypeError"
-        ),
-    )
+    """A `keyed` that is not a writable C-contiguous 1-D array of 1-byte items: TypeError, as from
+    publish_rows (`what` says how the C code once got it wrong)."""
+    return pytest.param(label, setter("keyed", make), TypeError)
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

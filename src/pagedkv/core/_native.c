@@ -1249,8 +1249,14 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
         int_array(fname, "num_published", a[11], 1, 8, 1, &v[3]) < 0 ||
         int_array(fname, "table", a[12], 2, 4, 0, &v[4]) < 0 || int_array(fname, "blocks", a[13], 2, 4, 0, &v[5]) < 0)
         goto fail;
-    if (PyObject_GetBuffer(a[3], &v[6], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+    if (PyObject_GetBuffer(a[3], &v[6], PyBUF_RECORDS_RO) < 0) {
         v[6].obj = NULL;
+        PyErr_Clear();
+    }
+    if (v[6].obj == NULL || v[6].readonly || v[6].ndim != 1 || v[6].itemsize != 1 ||
+        !PyBuffer_IsContiguous(&v[6], 'C')) {
+        PyErr_Format(PyExc_TypeError, "%s: keyed must be a writable C-contiguous 1-D array of 1-byte items, not %.100s",
+                     fname, Py_TYPE(a[3])->tp_name);
         goto fail;
     }
     const int64_t *num_tokens = v[0].buf, *hashable = v[2].buf;
