@@ -1320,6 +1320,10 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
         if (full <= start)
             continue;
         num_published[r] = full;
+        if (r >= PyList_GET_SIZE(seq_keys)) { /* only Python code run by an odd key object could shrink it */
+            PyErr_Format(PyExc_RuntimeError, "%s: seq_keys changed size", fname);
+            goto fail;
+        }
         PyObject *keys = PyList_GET_ITEM(seq_keys, r);
         if (keys == Py_None)
             continue;
