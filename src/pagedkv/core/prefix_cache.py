@@ -5,8 +5,9 @@ It owns what makes KV content addressable: the key function and the cache epoch,
 and copy-on-write read it). The block pool owns the key <-> block index; the manager decides when to call.
 
 The per-block loops (hash, look up, index) run in `hotpath`'s backend: the C extension when it is built,
-else its Python reference. Everything around them is one numpy gather per call. Custom key functions,
-per-block extra keys and keys of an earlier epoch take a plain Python path with the same semantics.
+else its Python reference. A whole `mark_computed` is one backend call (`publish_computed`, reading the
+block table and each row's `BlockKeys` through `by_row`); custom key functions and per-block extra keys
+take a plain Python path with the same semantics, and keys of an earlier epoch are never published.
 """
 
 from __future__ import annotations
