@@ -11,31 +11,19 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import os
-import shutil
 import sys
 import tracemalloc
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from native_support import REF, SETTINGS, chain, content_tokens, native
 
-from pagedkv.core.hotpath import FAST, SHA256, PythonBackend
+from pagedkv.core.hotpath import FAST, SHA256
 
-try:
-    from pagedkv.core import _native as native
-except ImportError as exc:  # a machine with a C compiler must have built it: fail rather than skip
-    if os.environ.get("PAGEDKV_NATIVE", "1") != "0" and (shutil.which("cc") or shutil.which("gcc")):
-        pytest.fail(
-            f"pagedkv.core._native is not built although a C compiler is present: {exc}", pytrace=False
-        )
-    pytest.skip("pagedkv.core._native is not built (no C compiler, or PAGEDKV_NATIVE=0)", allow_module_level=True)
-
-REF = PythonBackend()
 NUM_BLOCKS = 24
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ------------------------------------------------------------------------------------------------- SHA-256
@@ -83,21 +71,10 @@ def test_sha256_accepts_buffers_and_sha_ni_flag() -> None:
 # ----------------------------------------------------------------------------------------- random states
 
 
-def chain(kind: int, parent: Any, chunk: bytes) -> Any:
-    """The key contract of hotpath's module docstring, written out independently."""
-    if kind == SHA256:
-        return hashlib.sha256(parent + chunk).digest()
-    return hash((parent, chunk, b""))
-
-
-def block_tokens(content: int, block_size: int) -> np.ndarray:
-    return (np.arange(block_size, dtype=np.int64) * 7919 + content * 1_000_003).astype(np.int32)
-
-
 def keys_of(kind: int, root: Any, contents: list[int], block_size: int) -> list[Any]:
     keys = [root]
     for c in contents:
-        keys.append(chain(kind, keys[-1], block_tokens(c, block_size).tobytes()))
+        keys.append(chain(kind, keys[-1], content_tokens(c, block_size).tobytes()))
     return keys
 
 
@@ -187,9 +164,9 @@ def publish_cases(draw: st.DrawFn) -> dict[str, Any]:
         ids.append(draw(st.integers(0, NUM_BLOCKS - 1)))
     if ids and draw(st.integers(0, 9)) == 0:  # a repeated id
         ids[draw(st.integers(0, total - 1))] = draw(st.sampled_from(ids))
-    store = np.stack([block_tokens(100 + b, block_size) for b in range(NUM_BLOCKS)])
+    store = np.stack([content_tokens(100 + b, block_size) for b in range(NUM_BLOCKS)])
     for b, content in zip(ids, [c for span in spans for c in span]):
-        store[b] = block_tokens(content, block_size)
+        store[b] = content_tokens(content, block_size)
     store = store[: draw(st.just(NUM_BLOCKS) | st.integers(NUM_BLOCKS - 4, NUM_BLOCKS))]
     if ids and draw(st.integers(0, 9)) == 0:  # an id out of range of key_of
         ids[draw(st.integers(0, total - 1))] = draw(st.sampled_from([-1, -2, NUM_BLOCKS, 2**40]))
@@ -219,7 +196,7 @@ def match_cases(draw: st.DrawFn) -> dict[str, Any]:
     others = draw(st.lists(row_contents(), max_size=2))
     cached = keys_of(kind, root, contents, block_size)[1 : draw(st.integers(0, len(contents))) + 1]
     index, key_of = draw(cache_states([(contents, 0)] + [(c, 0) for c in others], cached))
-    tokens = np.array([block_tokens(c, block_size) for c in contents], dtype=np.int32).reshape(-1, block_size)
+    tokens = np.array([content_tokens(c, block_size) for c in contents], dtype=np.int32).reshape(-1, block_size)
     return {
         "kind": kind,
         "index": index,

@@ -10,31 +10,14 @@ state are compared with the reference, and `grow` also with a per-row model writ
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import sys
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-
-from pagedkv.core.hotpath import PythonBackend
-
-try:
-    from pagedkv.core import _native as native
-except ImportError as exc:  # a machine with a C compiler must have built it: fail rather than skip
-    if os.environ.get("PAGEDKV_NATIVE", "1") != "0" and (shutil.which("cc") or shutil.which("gcc")):
-        pytest.fail(
-            f"pagedkv.core._native is not built although a C compiler is present: {exc}", pytrace=False
-        )
-    pytest.skip(
-        "pagedkv.core._native is not built (no C compiler, or PAGEDKV_NATIVE=0)", allow_module_level=True
-    )
-
-REF = PythonBackend()
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+from native_support import REF, SETTINGS, native
 
 
 def outcome(call: Any, *args: Any) -> Any:

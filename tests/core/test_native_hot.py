@@ -13,45 +13,19 @@ loop. Invalid inputs must raise before anything changes.
 from __future__ import annotations
 
 import copy
-import hashlib
-import os
-import shutil
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from native_support import REF, SETTINGS, chain, content_tokens, native
 
-from pagedkv.core.hotpath import FAST, SHA256, PythonBackend
+from pagedkv.core.hotpath import FAST, SHA256
 from pagedkv.core.prefix import BlockKeys, key_function
 
-try:
-    from pagedkv.core import _native as native
-except ImportError as exc:  # a machine with a C compiler must have built it: fail rather than skip
-    if os.environ.get("PAGEDKV_NATIVE", "1") != "0" and (shutil.which("cc") or shutil.which("gcc")):
-        pytest.fail(
-            f"pagedkv.core._native is not built although a C compiler is present: {exc}", pytrace=False
-        )
-    pytest.skip(
-        "pagedkv.core._native is not built (no C compiler, or PAGEDKV_NATIVE=0)", allow_module_level=True
-    )
-
-REF = PythonBackend()
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RARELY = st.sampled_from([False, False, False, False, True])
 EPOCH = 5
-
-
-def chain(kind: int, parent: Any, chunk: bytes) -> Any:
-    """The key contract of hotpath's module docstring, written out independently."""
-    if kind == SHA256:
-        return hashlib.sha256(parent + chunk).digest()
-    return hash((parent, chunk, b""))
-
-
-def content_tokens(content: int, block_size: int) -> np.ndarray:
-    return (np.arange(block_size, dtype=np.int64) * 7919 + content * 1_000_003).astype(np.int32)
 
 
 # ------------------------------------------------------------------------------------------ publish_computed

@@ -1,0 +1,39 @@
+"""Shared by the tests of the C extension: loading it (fail, not skip, where a compiler could have built
+it), the Python reference it is compared with, and the key contract written out independently."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+from pagedkv.core.hotpath import SHA256, PythonBackend
+
+try:
+    from pagedkv.core import _native as native
+except ImportError as exc:  # a machine with a C compiler must have built it: fail rather than skip
+    if os.environ.get("PAGEDKV_NATIVE", "1") != "0" and (shutil.which("cc") or shutil.which("gcc")):
+        pytest.fail(f"pagedkv.core._native is not built although a C compiler is present: {exc}", pytrace=False)
+    pytest.skip("pagedkv.core._native is not built (no C compiler, or PAGEDKV_NATIVE=0)", allow_module_level=True)
+
+REF = PythonBackend()
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+__all__ = ["REF", "SETTINGS", "chain", "content_tokens", "native"]
+
+
+def chain(kind: int, parent: Any, chunk: bytes) -> Any:
+    """The key contract of hotpath's module docstring, written out independently."""
+    if kind == SHA256:
+        return hashlib.sha256(parent + chunk).digest()
+    return hash((parent, chunk, b""))
+
+
+def content_tokens(content: int, block_size: int) -> np.ndarray:
+    """One block's token ids, a function of `content` alone (equal contents: equal blocks)."""
+    return (np.arange(block_size, dtype=np.int64) * 7919 + content * 1_000_003).astype(np.int32)
