@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
 
 from pagedkv.bench.allocator import replay
+from pagedkv.core import hotpath
 from pagedkv.workloads.traces import TraceRequest, default_trace_path, load_trace
 
 
@@ -51,3 +56,25 @@ def test_plot_is_written(tmp_path) -> None:
     assert len(results[0].series["blocks_in_use"]) == results[0].steps
     path = plot_replay(results, tmp_path / "a.png")
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
+
+
+@pytest.mark.skipif(hotpath.NATIVE is None, reason="the C extension is not built: only one backend to compare")
+@pytest.mark.parametrize(("trace", "limit", "num_blocks", "hash_fn"), [
+    ("azure", 300, 2048, "sha256"), ("azure", 300, 2048, "fast"), ("mooncake", 60, 1024, "sha256"),
+])  # fmt: skip
+def test_both_backends_replay_identically(trace: str, limit: int, num_blocks: int, hash_fn: str) -> None:
+    """The C hot path and its Python reference give the same schedule, hits and per-step pool use."""
+    reqs = load_trace(default_trace_path() if trace == "azure" else MOONCAKE, limit=limit)
+    runs = [
+        replay(reqs, "paged", num_blocks=num_blocks, hash_fn=hash_fn, check_every=10, native=native)
+        for native in (True, False)
+    ]
+    assert runs[0].backend == "native" and runs[1].backend == "python"
+    volatile = {"wall_s", "us_per_token", "backend"}
+    c, py = ({k: v for k, v in asdict(r).items() if k not in volatile} for r in runs)
+    assert c == py
+    assert runs[0].preemptions > 0 and runs[0].prefix_hit_rate > 0  # the interesting paths ran
+    assert runs[0].series == runs[1].series

@@ -70,10 +70,13 @@ class ReplayResult:
 
 
 def make_manager(
-    allocator: str, num_blocks: int, block_size: int, *, prefix_caching: bool, hash_fn: str = "sha256"
+    allocator: str, num_blocks: int, block_size: int, *, prefix_caching: bool, hash_fn: str = "sha256",
+    native: bool | None = None,
 ) -> PagedKVManager | ContiguousKVManager:
     if allocator == "paged":
-        return PagedKVManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn)
+        return PagedKVManager(
+            num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
+        )
     if allocator == "contiguous":
         return ContiguousKVManager(num_blocks, block_size)
     raise InvalidArgumentError(f"unknown allocator {allocator!r}; choose paged or contiguous")
@@ -91,9 +94,11 @@ def replay(
     trace_name: str = "",
     check_every: int = 0,
     clock: str = "cpu",
+    native: bool | None = None,
 ) -> ReplayResult:
-    """Run the loop above; `check_every > 0` also checks the manager's invariants every that many steps."""
-    m = make_manager(allocator, num_blocks, block_size, prefix_caching=prefix_caching, hash_fn=hash_fn)
+    """Run the loop above; `check_every > 0` also checks the manager's invariants every that many steps.
+    `native`: the hot-path backend (None: the C extension if built; False: the Python reference)."""
+    m = make_manager(allocator, num_blocks, block_size, prefix_caching=prefix_caching, hash_fn=hash_fn, native=native)
     paged = isinstance(m, PagedKVManager)
     n_req = len(requests)
     out_len = np.array([r.output_len for r in requests], dtype=np.int64)
