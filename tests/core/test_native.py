@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
+import subprocess
 import sys
 import tracemalloc
 from typing import Any
@@ -629,3 +631,13 @@ def test_memory_stays_flat() -> None:
     finally:
         tracemalloc.stop()
     assert grown < 64 * 1024, grown
+
+
+def test_portable_sha_can_be_chosen_at_import() -> None:
+    """PAGEDKV_SHA=portable: keys come from the portable code (what a CPU without SHA-NI runs), unchanged."""
+    code = (
+        "import hashlib; from pagedkv.core import _native as n; "
+        "assert not n.has_sha_ni(); d = bytes(range(96)); assert n.sha256(d) == hashlib.sha256(d).digest()"
+    )
+    env = {**os.environ, "PAGEDKV_SHA": "portable"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)

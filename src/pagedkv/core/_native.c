@@ -40,6 +40,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -1515,7 +1516,9 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC PyInit__native(void)
 {
 #ifdef PAGEDKV_SHA_NI
-    if (cpu_has_sha_ni())
+    /* PAGEDKV_SHA=portable keeps the portable code (to measure or test what a CPU without SHA-NI gets) */
+    const char *choice = getenv("PAGEDKV_SHA");
+    if (cpu_has_sha_ni() && !(choice != NULL && strcmp(choice, "portable") == 0))
         sha_compress_best = sha_compress_shani;
 #endif
     str_keys = PyUnicode_InternFromString("keys");
