@@ -248,9 +248,9 @@ class PagedKVManager(SwapMixin, TableViews):
 
     # --- growth ---------------------------------------------------------------------------------
 
-    def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
-        """Tokens each row holds; blocks each needs for k more; the rows/blocks needing copy-on-write
-        first; and the private keyed blocks that writes will change (they must be unpublished first)."""
+    def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+        """Blocks each row needs for k more tokens; the rows/blocks needing copy-on-write first; and the
+        private keyed blocks that writes will change (they must be unpublished first)."""
         t = self.tables
         old = t.num_tokens[rows]
         need = (old + (k + self._block_size - 1)) // self._block_size - t.num_blocks[rows]
@@ -264,11 +264,11 @@ class PagedKVManager(SwapMixin, TableViews):
                 shared = self.pool.ref[src] > 1
                 cow_rows, cow_src = _writers_to_move(cand[shared], src[shared], self.pool.ref)
                 unkey = src[~shared]  # rolled back into a block the others have since released
-        return old, need, cow_rows, cow_src, unkey
+        return need, cow_rows, cow_src, unkey
 
     def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
         rows = self.tables.rows(seq_ids)
-        _, need, cow_rows, _, _ = self._growth(rows, as_count(num_tokens, "num_tokens"))
+        need, cow_rows, _, _ = self._growth(rows, as_count(num_tokens, "num_tokens"))
         return int(need.sum()) + len(cow_rows)
 
     def append(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1) -> bool:
@@ -285,13 +285,41 @@ class PagedKVManager(SwapMixin, TableViews):
             return True
         if t.any_cow_risk and t.cow_risk.any():
             return self._append_shared(rows, k, tok)
-        # no row writes into a shared block: two backend calls (count, then write blocks and tokens)
+        # no row writes into a shared block: count the new blocks, then write blocks and tokens
         t.any_cow_risk = False
         total_new, width = self._hot.growth(rows, t.num_tokens, t.num_blocks, k, self._block_size)
         if total_new > self.pool.num_available:
             return False
         # --- commit ---
-        ids = self.pool.allocate(total_new) if total_new else _EMPTY
+        self._write_growth(rows, k, tok, self.pool.allocate(total_new) if total_new else _EMPTY, width)
+        return True
+
+    def _append_shared(self, rows: IntArray, k: int, tok: npt.NDArray[np.int32] | None) -> bool:
+        """`append` when some rows may write into a block they share (after fork or rollback): those move
+        to a copy first."""
+        t = self.tables
+        need, cow_rows, cow_src, unkey = self._growth(rows, k)
+        total_new = int(need.sum())
+        if total_new + len(cow_rows) > self.pool.num_available:
+            return False
+        # --- commit ---
+        for block_id in unkey.tolist():
+            self.pool.unpublish(block_id)
+        ids = self.pool.allocate(total_new + len(cow_rows)) if total_new + len(cow_rows) else _EMPTY
+        if len(cow_rows):
+            self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
+            ids = ids[len(cow_rows) :]
+        t.cow_risk[rows] = False  # every appended row now writes into a private last block
+        t.any_cow_risk = bool(t.cow_risk.any())
+        self._write_growth(rows, k, tok, ids, int((t.num_blocks[rows] + need).max()))
+        return True
+
+    def _write_growth(
+        self, rows: IntArray, k: int, tok: npt.NDArray[np.int32] | None, ids: IntArray, width: int
+    ) -> None:
+        """Append the new blocks `ids` to the rows (in batch order), write the token ids into the mirror
+        (or mark them unknown), and count the k tokens: one backend call."""
+        t = self.tables
         t.ensure_cols(width)
         mirror = self.enable_prefix_caching and tok is not None
         if self.enable_prefix_caching and tok is None:
@@ -300,39 +328,6 @@ class PagedKVManager(SwapMixin, TableViews):
             rows, t.num_tokens, t.num_blocks, t.table, k, self._block_size, ids,
             np.ascontiguousarray(tok) if mirror else None, self.block_tokens if mirror else None,
         )  # fmt: skip
-        return True
-
-    def _append_shared(self, rows: IntArray, k: int, tok: npt.NDArray[np.int32] | None) -> bool:
-        """`append` when some rows may write into a block they share (after fork or rollback)."""
-        t = self.tables
-        old, need, cow_rows, cow_src, unkey = self._growth(rows, k)
-        total_new = int(need.sum())
-        if total_new + len(cow_rows) > self.pool.num_available:
-            return False
-        # --- commit ---
-        for block_id in unkey.tolist():
-            self.pool.unpublish(block_id)
-        if len(cow_rows):
-            ids = self.pool.allocate(total_new + len(cow_rows))
-            self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
-            ids = ids[len(cow_rows) :]
-        elif total_new:
-            ids = self.pool.allocate(total_new)
-        if total_new:
-            t.add_blocks(rows, need, ids)
-        t.num_tokens[rows] = old + k
-        if t.any_cow_risk:
-            t.cow_risk[rows] = False  # every appended row now writes into a private last block
-            t.any_cow_risk = bool(t.cow_risk.any())
-        if self.enable_prefix_caching:
-            if tok is None:
-                t.hashable_tokens[rows] = np.minimum(t.hashable_tokens[rows], old)
-            elif k == 1:
-                block, offset = np.divmod(old, self._block_size)
-                self.block_tokens[t.table[rows, block], offset] = tok[:, 0]
-            else:
-                self.block_tokens.reshape(-1)[t.slot_mapping(rows, old, old + k)] = tok.reshape(-1)
-        return True
 
     def _copy_on_write(self, rows: IntArray, src: IntArray, dst: IntArray) -> None:
         t = self.tables

@@ -132,23 +132,6 @@ class BlockTables:
             self.table[row, n:old] = self.pad_id
         self.num_blocks[row] = n
 
-    def add_blocks(self, rows: IntArray, counts: IntArray, block_ids: IntArray) -> None:
-        """Append `counts[i]` blocks to row `rows[i]`, taking them in order from `block_ids`."""
-        if len(block_ids) == 0:
-            return
-        grow = counts > 0
-        rows, counts = rows[grow], counts[grow]
-        starts = self.num_blocks[rows]
-        self.ensure_cols(int((starts + counts).max()))
-        if len(rows) == len(block_ids):  # the decode case: one block each
-            self.table[rows, starts] = block_ids
-        else:
-            owner = np.repeat(rows, counts)
-            first = np.cumsum(counts) - counts
-            col = np.repeat(starts - first, counts) + np.arange(len(block_ids))
-            self.table[owner, col] = block_ids
-        self.num_blocks[rows] = starts + counts
-
     # --- batch views ----------------------------------------------------------------------------
 
     def block_table(self, rows: IntArray, pad_id: int | None = None) -> npt.NDArray[np.int32]:
