@@ -167,7 +167,7 @@ class BlockPool:
         out = np.empty(n, dtype=np.int64)
         filled = 0
         queues = self._queues
-        for prio in sorted(queues) if len(queues) > 1 else list(queues):
+        for prio in sorted(queues):
             q = queues[prio]  # taken entries' stamps are bumped: they go stale in the queue
             q.head, filled = self._hot.take_live(q.ids, q.stamps, q.head, q.tail, self._stamp, out, filled)
             if q.head == q.tail:
@@ -185,15 +185,9 @@ class BlockPool:
         self.stats.evictions += n
         return out
 
-    def touch_hit(self, block_id: int) -> None:
-        """A prefix hit takes one more reference; a cached-free block leaves the eviction order."""
-        if self.ref[block_id] == 0:
-            self._stamp[block_id] += 1  # its queue entry goes stale
-            self._num_evictable -= 1
-        self.ref[block_id] += 1
-
     def touch_hits(self, block_ids: IntArray) -> None:
-        """`touch_hit` for distinct blocks at once (a prompt's cached prefix)."""
+        """Prefix hits on distinct blocks take one more reference each; cached-free ones leave the eviction
+        order (their stamp is bumped, so their queue entries go stale)."""
         ref = self.ref
         cached = block_ids[ref[block_ids] == 0]
         if len(cached):
@@ -277,7 +271,7 @@ class BlockPool:
     # --- pins -----------------------------------------------------------------------------------
 
     def pin(self, block_id: int) -> None:
-        self.touch_hit(block_id)
+        self.touch_hits(np.array([block_id], dtype=np.int64))
         self.pins[block_id] += 1
 
     def unpin(self, block_id: int, priority: int = 0) -> None:
