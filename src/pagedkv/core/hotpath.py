@@ -94,6 +94,49 @@ def _as_list(values: Any) -> list[int]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
+def _extend_keys(kind: int, known: list[Any], data: bytes, width: int) -> None:
+    """Append the keys of the consecutive `width`-byte blocks in `data`, chained from `known[-1]`."""
+    parent = known[-1]
+    if kind == SHA256:
+        sha = hashlib.sha256
+        for off in range(0, len(data), width):
+            parent = sha(parent + data[off : off + width]).digest()
+            known.append(parent)
+    else:
+        for off in range(0, len(data), width):
+            parent = hash((parent, data[off : off + width], b""))
+            known.append(parent)
+
+
+def _index_blocks(
+    index: dict[Any, int], key_of: list[Any], keyed: Any, keys: list[Any], ids: list[int], stored: list[int]
+) -> None:
+    """Index block ids[i] under keys[i], unless it holds a key already or another block holds that key
+    (a live entry: `key_of[entry] == key`; then the block stays private). Stored ids go to `stored`, and
+    to `keyed` (a bool array, or None). A fresh prompt (nothing to de-duplicate) is indexed in bulk."""
+    fresh = len(ids) > 1 and index.keys().isdisjoint(keys) and all(key_of[b] is None for b in ids)
+    if fresh and len(set(keys)) == len(keys) == len(set(ids)):
+        index.update(zip(keys, ids))
+        for key, b in zip(keys, ids):
+            key_of[b] = key
+        if isinstance(keyed, np.ndarray):
+            keyed[ids] = True
+        elif keyed is not None:  # any writable buffer of 1-byte items
+            for b in ids:
+                keyed[b] = True
+        stored += ids
+        return
+    for key, b in zip(keys, ids):
+        if key_of[b] is None:
+            other = index.get(key)
+            if other is None or key_of[other] != key:
+                index[key] = b
+                key_of[b] = key
+                if keyed is not None:
+                    keyed[b] = True
+                stored.append(b)
+
+
 class PythonBackend:
     """The reference implementation (and the fallback when the C extension is not built)."""
 
@@ -162,25 +205,13 @@ class PythonBackend:
             have = len(known) - 1
             if have < start:
                 raise ValueError("publish_rows: a row's keys end before its first block to publish")
-            parent = known[-1]
-            for j in range(have, stop):
-                block_id = block_ids[pos + j - start]
-                if (block_id + 1) * width > view.nbytes:
-                    raise ValueError(
-                        f"publish_rows: blocks ({view.nbytes} bytes) ends before block id {block_id}"
-                    )
-                parent = _chain(kind, parent, bytes(view[block_id * width : (block_id + 1) * width]))
-                known.append(parent)
-            for j in range(start, stop):
-                key, block_id = known[j + 1], block_ids[pos + j - start]
-                if key_of[block_id] is None:
-                    other = index.get(key)
-                    if other is None or key_of[other] != key:
-                        index[key] = block_id
-                        key_of[block_id] = key
-                        if keyed is not None:
-                            keyed[block_id] = True
-                        stored.append(block_id)
+            to_hash = block_ids[pos + have - start : pos + stop - start]
+            short = next((b for b in to_hash if (b + 1) * width > view.nbytes), None)
+            reachable = to_hash if short is None else to_hash[: to_hash.index(short)]
+            _extend_keys(kind, known, b"".join(view[b * width : (b + 1) * width] for b in reachable), width)
+            if short is not None:  # the keys before it are kept, as the C code does
+                raise ValueError(f"publish_rows: blocks ({view.nbytes} bytes) ends before block id {short}")
+            _index_blocks(index, key_of, keyed, known[start + 1 : stop + 1], block_ids[pos : pos + stop - start], stored)
             pos += stop - start
         return stored
 
@@ -238,7 +269,6 @@ class PythonBackend:
             return []
         rows, full, first = rows[todo], full[todo], first[todo]
         num_published[rows] = full
-        sha = hashlib.sha256
         stored: list[int] = []
         for r, start, stop in zip(rows.tolist(), first.tolist(), full.tolist()):
             keys = seq_keys[r]
@@ -249,37 +279,8 @@ class PythonBackend:
             if have < start:
                 raise ValueError("publish_computed: a row's keys end before its first block to publish")
             if have < stop:  # hash the missing keys, chained from the last known one
-                data = blocks[table[r, have:stop]].tobytes()
-                parent = known[-1]
-                if kind == SHA256:
-                    for off in range(0, len(data), width):
-                        parent = sha(parent + data[off : off + width]).digest()
-                        known.append(parent)
-                else:
-                    for off in range(0, len(data), width):
-                        parent = hash((parent, data[off : off + width], b""))
-                        known.append(parent)
-            segment, ids = known[start + 1 : stop + 1], table[r, start:stop].tolist()
-            if (
-                len(ids) > 1
-                and index.keys().isdisjoint(segment)
-                and all(key_of[b] is None for b in ids)
-                and len(set(segment)) == len(segment)
-            ):
-                index.update(zip(segment, ids))  # a fresh prompt: nothing to de-duplicate
-                for key, b in zip(segment, ids):
-                    key_of[b] = key
-                keyed[ids] = True
-                stored += ids
-                continue
-            for key, b in zip(segment, ids):
-                if key_of[b] is None:
-                    other = index.get(key)
-                    if other is None or key_of[other] != key:
-                        index[key] = b
-                        key_of[b] = key
-                        keyed[b] = True
-                        stored.append(b)
+                _extend_keys(kind, known, blocks[table[r, have:stop]].tobytes(), width)
+            _index_blocks(index, key_of, keyed, known[start + 1 : stop + 1], table[r, start:stop].tolist(), stored)
         return stored
 
     @staticmethod
