@@ -90,10 +90,6 @@ class ContiguousKVManager(TableViews):
         self._pending_copies: list[tuple[IntArray, IntArray]] = []
 
     @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @property
     def num_blocks(self) -> int:
         return self._num_blocks
 
@@ -104,14 +100,6 @@ class ContiguousKVManager(TableViews):
     @property
     def num_used_blocks(self) -> int:
         return self._num_blocks - self.runs.num_free
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self._num_blocks * self._block_size
-
-    @property
-    def num_sequences(self) -> int:
-        return self.tables.num_alive
 
     def _reservation(self, n: int, max_new_tokens: int) -> int:
         return -(-(n + max_new_tokens) // self._block_size)

@@ -128,10 +128,6 @@ class PagedKVManager(SwapMixin, TableViews):
     # --- queries --------------------------------------------------------------------------------
 
     @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @property
     def num_blocks(self) -> int:
         """Usable blocks (the null block excluded)."""
         return self.pool.num_usable_blocks
@@ -143,15 +139,6 @@ class PagedKVManager(SwapMixin, TableViews):
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_in_use
-
-    @property
-    def capacity_tokens(self) -> int:
-        """The most tokens one sequence can ever hold."""
-        return self.num_blocks * self._block_size
-
-    @property
-    def num_sequences(self) -> int:
-        return self.tables.num_alive
 
     @property
     def stats(self) -> ManagerStats:

@@ -203,6 +203,24 @@ class TableViews:
 
     tables: BlockTables
 
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks (a null block excluded)."""
+        raise NotImplementedError
+
+    @property
+    def block_size(self) -> int:
+        return self.tables.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can ever hold."""
+        return self.num_blocks * self.tables.block_size
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tables.num_alive
+
     def num_tokens(self, seq_id: int) -> int:
         return int(self.tables.num_tokens[self.tables.row(seq_id)])
 
