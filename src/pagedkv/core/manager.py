@@ -116,7 +116,6 @@ class PagedKVManager(SwapMixin, TableViews):
             self.pool, self.tables, block_size, key_function(hash_fn), enabled=enable_prefix_caching,
             verify_hits=verify_hits, native=native,
         )  # fmt: skip
-        self._keys = self.prefix.keys
         self._hot = self.prefix.hot
         # Token ids of every block's slots, mirroring the KV content: hashing, verification, copy-on-write.
         self.block_tokens = self.prefix.block_tokens
@@ -391,8 +390,8 @@ class PagedKVManager(SwapMixin, TableViews):
         self.pool.ref[blocks] += 1
         if n_tok % self._block_size:
             t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
-        if row in self._keys:
-            self.prefix.attach(child, self._keys[row].copy())
+        if (keys := self.prefix.keys_of(row)) is not None:
+            self.prefix.attach(child, keys.copy())
         return child
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
@@ -415,8 +414,8 @@ class PagedKVManager(SwapMixin, TableViews):
         t.num_published[row] = min(int(t.num_published[row]), new // bs)
         if t.hashable_tokens[row] >= new:
             t.hashable_tokens[row] = ALL_TOKENS_KNOWN  # the unknown tokens were rolled back
-        if row in self._keys:
-            self._keys[row].truncate(new // bs)
+        if (keys := self.prefix.keys_of(row)) is not None:
+            keys.truncate(new // bs)
         if new % bs:
             last = int(blocks[keep - 1])
             if self.pool.ref[last] > 1:
@@ -469,7 +468,7 @@ class PagedKVManager(SwapMixin, TableViews):
         """Everything observable, for atomicity tests."""
         t = self.tables
         rows = tuple(getattr(t, name).tobytes() for name in t._ROW_ARRAYS)
-        keys = tuple((r, tuple(k.keys)) for r, k in sorted(self._keys.items()))
+        keys = tuple((r, tuple(k.keys)) for r, k in enumerate(self.prefix.by_row) if k is not None)
         host = self.host_pool.snapshot() if self.host_pool else ()
         return (self.pool.snapshot(), host, t.table.tobytes(), rows, keys, self.block_tokens.tobytes(),
                 self.epoch, self.stats, len(self._copies_src))  # fmt: skip
@@ -495,5 +494,5 @@ class PagedKVManager(SwapMixin, TableViews):
             raise InvariantError("manager: a keyed block is partial in a sequence that may write into it")
         if (t.num_published > t.num_computed // bs).any():
             raise InvariantError("manager: more blocks published than computed")
-        if set(self._keys) - set(np.nonzero(t.alive)[0].tolist()):
+        if any(k is not None and not t.alive[r] for r, k in enumerate(self.prefix.by_row)):
             raise InvariantError("manager: block keys kept for a dead sequence")

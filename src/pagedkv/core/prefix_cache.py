@@ -35,8 +35,7 @@ class PrefixCache:
         self.verify_hits = verify_hits
         self.epoch = 0
         self.verify_failures = 0
-        self.keys: dict[int, BlockKeys] = {}  # live sequence -> its block keys
-        self.by_row: list[BlockKeys | None] = []  # the same, indexed by row (what the C hot path reads)
+        self.by_row: list[BlockKeys | None] = []  # each live sequence's block keys, by row (C reads it too)
         self._rows_with_extras = 0  # live sequences with per-block extra keys (they take the Python path)
         num_blocks = pool.num_blocks if enabled else 0
         self.block_tokens = np.zeros((num_blocks, block_size), np.int32)
@@ -45,17 +44,19 @@ class PrefixCache:
         self._kind = hotpath.SHA256 if key_fn is sha256_key else hotpath.FAST if key_fn is fast_key else None
         self._width = 4 * block_size  # bytes of one block's token ids
 
+    def keys_of(self, row: int) -> BlockKeys | None:
+        return self.by_row[row] if row < len(self.by_row) else None
+
     def attach(self, row: int, keys: BlockKeys) -> None:
         """Sequence `row` publishes with `keys` from now on."""
         self.detach(row)
-        self.keys[row] = keys
         if row >= len(self.by_row):
             self.by_row.extend([None] * (row + 1 - len(self.by_row)))
         self.by_row[row] = keys
         self._rows_with_extras += bool(keys.block_extra)
 
     def detach(self, row: int) -> None:
-        keys = self.keys.pop(row, None)
+        keys = self.keys_of(row)
         if keys is not None:
             self.by_row[row] = None
             self._rows_with_extras -= bool(keys.block_extra)
@@ -122,7 +123,8 @@ class PrefixCache:
             owner = np.repeat(rows, counts)
             first = np.cumsum(counts) - counts
             block_ids = t.table[owner, np.arange(len(owner)) + np.repeat(starts - first, counts)].astype(np.int64)
-        seq_keys = [self.keys[row] for row in rows.tolist()]
+        by_row = self.by_row
+        seq_keys = [by_row[row] for row in rows.tolist()]
         epoch = self.epoch
         lists = [k.keys for k in seq_keys if k.epoch == epoch and not k.block_extra]
         if self._kind is not None and len(lists) == len(seq_keys):
