@@ -420,7 +420,9 @@ typedef struct {
     int64_t *copy;  /* the list/tuple case */
 } I64s;
 
-static int i64_format_ok(const char *format)
+/* Whether a buffer format is a native-order signed integer of `itemsize` bytes (8: 'q' or 'l'; 4: 'i';
+   the caller also checks the item size, which settles what 'l' is on this platform). */
+static int int_format_ok(const char *format, Py_ssize_t itemsize)
 {
     if (format == NULL)
         return 0;
@@ -430,7 +432,9 @@ static int i64_format_ok(const char *format)
     if (*format == '@' || *format == '=' || *format == '<')
 #endif
         format++;
-    return (format[0] == 'q' || format[0] == 'l') && format[1] == '\0';
+    if (format[0] == '\0' || format[1] != '\0')
+        return 0;
+    return itemsize == 8 ? (format[0] == 'q' || format[0] == 'l') : (format[0] == 'i' || format[0] == 'l');
 }
 
 static void i64s_release(I64s *a)
@@ -473,7 +477,7 @@ static int i64s_get(const char *fname, const char *what, PyObject *obj, I64s *a)
         a->view.obj = NULL;
         goto wrong_type;
     }
-    if (a->view.ndim != 1 || a->view.itemsize != 8 || !i64_format_ok(a->view.format))
+    if (a->view.ndim != 1 || a->view.itemsize != 8 || !int_format_ok(a->view.format, 8))
         goto wrong_type;
     a->values = (const int64_t *)a->view.buf;
     a->len = a->view.shape[0];
@@ -949,7 +953,7 @@ static PyObject *native_check_rows(PyObject *Py_UNUSED(module), PyObject *const 
         mark.obj = NULL;
         goto fail;
     }
-    if (on.itemsize != 1 || mark.itemsize != 8 || !i64_format_ok(mark.format) || mark.len / 8 < on.len) {
+    if (on.itemsize != 1 || mark.itemsize != 8 || !int_format_ok(mark.format, 8) || mark.len / 8 < on.len) {
         PyErr_SetString(PyExc_TypeError,
                         "check_rows: on_device must be a 1-byte array and mark an int64 array at least as long");
         goto fail;
@@ -1003,12 +1007,7 @@ static int int_array(const char *fname, const char *what, PyObject *obj, int ndi
         PyErr_Clear();
         goto wrong;
     }
-    const char *f = view->format;
-    if (f != NULL && (*f == '@' || *f == '=' || *f == '<'))
-        f++;
-    int format_ok = f != NULL && f[1] == '\0' &&
-                    (itemsize == 8 ? (f[0] == 'q' || f[0] == 'l') : (f[0] == 'i' || f[0] == 'l'));
-    if (view->ndim == ndim && view->itemsize == itemsize && format_ok)
+    if (view->ndim == ndim && view->itemsize == itemsize && int_format_ok(view->format, itemsize))
         return 0;
     PyBuffer_Release(view);
     view->obj = NULL;
