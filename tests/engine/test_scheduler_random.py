@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.core import ContiguousKVManager, PagedKVManager
+from pagedkv.core import CapacityError, ContiguousKVManager, PagedKVManager
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -60,7 +60,12 @@ def test_random_workloads_finish_without_leaks(
         if fork_every and mode != "contiguous" and step % fork_every == 0:
             for c in out.scheduled:
                 if c.produces_token and not c.request.output_token_ids and forks < 4:
-                    child = s.fork(c.request, f"{c.request.request_id}#{forks}")
+                    try:  # children count against max_num_seqs: a full batch refuses the fork
+                        child = s.fork(c.request, f"{c.request.request_id}#{forks}")
+                    except CapacityError:
+                        assert s.num_running >= config.max_num_seqs, "fork refused with room to spare"
+                        break
+                    assert s.num_running <= config.max_num_seqs
                     sampled[child.request_id] = int(rng.integers(0, 4))
                     forks += 1
                     break

@@ -3,27 +3,65 @@
 One step is an explicit data contract (no hidden forward context):
 
 ```
-out     = scheduler.schedule()              # which chunks run, which blocks move (torch-free)
+out     = scheduler.schedule(now)           # which chunks run, which blocks move (torch-free)
 logits  = runner.execute(manager, out)      # block moves, one packed forward, logits of sampling chunks
 sampled = sample(logits, params, gens)      # one token per sampling chunk (+ n-1 children on first token)
-done    = scheduler.update(out, sampled, t) # append tokens, max-tokens / EOS stops, free finished
-engine:   stop token ids, stop strings, streaming callbacks, outputs
+done    = scheduler.update(out, sampled, t) # append tokens, max-tokens / EOS / stop-token stops, free finished
+engine:   stop strings, step statistics, then streaming callbacks, then the step's outputs
 ```
 
 The scheduler owns the queue (priority, then arrival), the token budget, chunked prefill, prefix caching,
-preemption (recompute or swap); the allocator is chosen here (`EngineConfig.allocator`). A request that can
-never fit the KV capacity (prompt + max_new_tokens above it) is refused at `add_request` with a
-`CapacityError`; `generate` turns that into a "rejected" output and completes the rest.
+preemption (recompute or swap); the allocator is chosen here (`EngineConfig.allocator`).
+
+Promises (each has a test in tests/engine):
+
+- **Validation at the door.** `add_request` checks everything before it queues anything: the
+  `SamplingParams` (which check themselves on construction), token ids (ints in `[0, vocab)`), the priority
+  (an int), the id, the callback, stop strings (they need a tokenizer), the cache salt. Misuse raises
+  `InvalidArgumentError` and leaves the engine exactly as it was. A request that can never be served
+  (prompt + max_new_tokens above the KV capacity or the model's positions, or, without chunked prefill, a
+  prompt above `max_num_batched_tokens`) raises `CapacityError`; `generate` turns that into a "rejected"
+  output and completes the rest.
+- **One request's failure is its own.** Whatever goes wrong because of one request in a step (logits that
+  cannot be sampled, a stop-string check that raises, an allocator refusal at admission, its callback
+  raising) ends that request with finish_reason "error" and the message in `error`; the others go on.
+  Sampling checks every row before any row draws, so no seeded request loses a draw to a neighbour.
+  A failure that belongs to no request (the model's forward raising) propagates out of `step()` with the
+  engine consistent: the block moves the step planned have been applied, nothing was sampled or recorded,
+  and the next `step()` recomputes the same tokens.
+- **Callbacks see a final state.** `on_token(output)` runs once per new token, after the step's state is
+  final (tokens appended, stops applied, statistics sampled), with a snapshot taken before any callback of
+  the step runs. A callback may call `finish` for any request, or `add_request`; not `step`. A callback that
+  raises is caught and logged; its request ends with "error" (unless it already ended in the step) and the
+  message is recorded in that request's `error`; it is not called again. No other request is touched.
+- **Every end is reported once.** `step()` returns the final output of every request that ended since the
+  previous `step()` returned (in the step, by `finish`, by a callback), each exactly once; `output(id)` keeps
+  it. `has_unfinished()` is True until then, so `run()` always delivers every end.
+- **Ids.** Child i of an `n > 1` request "A" is "A.i"; those ids are reserved when "A" is added, so a user id
+  never collides with a child (`add_request` refuses an id that is in use or reserved, and a request whose
+  children's ids are taken). Automatic ids ("req-N") skip every id in use. `generate` releases the ids of
+  the outputs it returns.
+- **finish(id, reason)**: reason "abort" (default) or "stop"; an id this engine never accepted (or already
+  handed back by `generate`) is an `InvalidArgumentError`; a request that already ended is left as it is
+  (returns False). Finishing an `n > 1` parent finishes its unfinished children with the same reason (they
+  are one client request); finishing a child finishes only that child.
+- **Parallel sampling and `max_num_seqs`**: forked children count as running requests; a child that cannot
+  be forked (no room in `max_num_seqs` or in KV) is queued as a fresh request that finds the prompt in the
+  prefix cache.
+- **Tenants.** `cache_salt` (str or bytes, per request) keys the prefix cache: requests with different salts
+  never share a KV block, equal salts share as usual (see docs/engine.md for the timing side channel this
+  closes).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,26 +70,31 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.outputs import EngineStats, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.sampler import make_generator, sample
+from pagedkv.engine.sampler import bad_rows, make_generator, sample
 from pagedkv.hf.attention import prepare_model
 from pagedkv.hf.cache import PagedKVCache
 
+if TYPE_CHECKING:
+    from pagedkv.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
 TokenCallback = Callable[[RequestOutput], None]
+CALLER_FINISH_REASONS = ("abort", "stop")
 
 
 @dataclass(slots=True)
 class _Tracked:
-    """Engine-side state of one scheduled request (the scheduler owns the `Request`)."""
+    """Engine-side state of one accepted request (the scheduler owns the `Request`)."""
 
-    request: Any
+    request: Request
     params: SamplingParams
     generator: torch.Generator | None
     on_token: TokenCallback | None
     parent_id: str | None = None
     children_forked: bool = False
-    text_checked_upto: int = 0
     stop_text: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    callback_failed: bool = False
 
 
 class Engine:
@@ -119,9 +162,13 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.cache)
         self.stats = EngineStats()
-        self._tracked: dict[str, _Tracked] = {}
-        self._outputs: dict[str, RequestOutput] = {}
-        self._ids = itertools.count()
+        self._tracked: dict[str, _Tracked] = {}  # accepted and not yet ended
+        self._outputs: dict[str, RequestOutput] = {}  # final outputs, until `generate` hands them back
+        self._undelivered: list[str] = []  # ended since the last `step()` returned
+        self._ids_in_use: set[str] = set()  # accepted ids and the child ids they reserve
+        self._auto_ids = itertools.count()
+        self._in_callbacks = False
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
 
@@ -132,9 +179,12 @@ class Engine:
         return int(self.manager.capacity_tokens)
 
     def encode(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
-        """Token ids of a prompt: ids pass through; text needs the tokenizer (chat template if `chat`)."""
+        """Token ids of a prompt: ids pass through (ints >= 0, checked); text needs the tokenizer (chat
+        template if `chat`)."""
+        from pagedkv.engine.request import as_prompt_tokens
+
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return as_prompt_tokens(prompt)
         if self.tokenizer is None:
             raise InvalidArgumentError(
                 "text prompts need a tokenizer; pass token ids or Engine(model, tokenizer)"
@@ -144,8 +194,8 @@ class Engine:
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return [int(t) for t in ids]
-        return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+            return as_prompt_tokens(ids)
+        return as_prompt_tokens(self.tokenizer(prompt)["input_ids"])
 
     def add_request(
         self,
@@ -157,18 +207,65 @@ class Engine:
         arrival_time: float | None = None,
         on_token: TokenCallback | None = None,
         chat: bool = False,
+        cache_salt: str | bytes | None = None,
     ) -> str:
-        """Queue one request; returns its id. `CapacityError` if it can never fit the KV capacity."""
+        """Queue one request; returns its id. Everything is checked first (see the module docstring):
+        `InvalidArgumentError` for misuse, `CapacityError` if it can never be served; either way nothing
+        is queued. `cache_salt` isolates its prefix cache entries from requests with another salt."""
+        params = params if params is not None else SamplingParams()
+        rid = request_id if request_id is not None else self._new_id(_n_of(params))
+        tracked = self._prepare(prompt, params, rid, priority, arrival_time, on_token, chat, cache_salt)
+        self._accept(tracked)
+        return rid
+
+    def _new_id(self, n: int) -> str:
+        """The next automatic id whose own and children's ids are all free."""
+        while True:
+            rid = f"req-{next(self._auto_ids)}"
+            if not any(i in self._ids_in_use for i in _family_ids(rid, n)):
+                return rid
+
+    def _prepare(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        rid: str,
+        priority: int,
+        arrival_time: float | None,
+        on_token: TokenCallback | None,
+        chat: bool,
+        cache_salt: str | bytes | None,
+    ) -> _Tracked:
+        """Check one request and build it; changes nothing (the door every request goes through)."""
         from pagedkv.engine.request import Request
 
-        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidArgumentError(f"request_id must be a non-empty string, got {rid!r}")
+        taken = [i for i in _family_ids(rid, params.n) if i in self._ids_in_use]
+        if taken:
+            raise InvalidArgumentError(
+                f"request id {taken[0]!r} is already in use (by a request, or reserved for a child of an n > 1 "
+                f"request: child i of 'A' is 'A.i'); choose another request_id"
+            )
+        if on_token is not None and not callable(on_token):
+            raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
+        if not isinstance(chat, bool):
+            raise InvalidArgumentError(f"chat must be a bool, got {chat!r}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError(
+                f"request {rid!r}: stop strings need a tokenizer (Engine(model, tokenizer)); use stop_token_ids"
+            )
+        salt = _salt_bytes(cache_salt)
         ids = self.encode(prompt, chat=chat)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if not ids:
-            raise InvalidArgumentError(f"request {rid}: empty prompt")
-        if rid in self._tracked or rid in self._outputs:
-            raise InvalidArgumentError(f"request id {rid!r} is already in use")
-        self._check_fits(rid, len(ids), params)
+        for what, tokens in (("prompt token", ids), ("stop token id", params.stop_token_ids)):
+            out_of_range = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if out_of_range:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: {what} {out_of_range[0]} is outside the model's vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
         request = Request(
             rid,
             ids,
@@ -177,10 +274,16 @@ class Engine:
             priority=priority,
             eos_token_id=None if params.ignore_eos else self.eos_token_id,
             stop_token_ids=tuple(params.stop_token_ids),
-        )
-        self._tracked[rid] = _Tracked(request, params, make_generator(params.child_seed(0)), on_token)
+            salt=salt,
+        )  # checks the priority, arrival time and salt types
+        self._check_fits(rid, len(ids), params)
+        return _Tracked(request, params, make_generator(params.child_seed(0)), on_token)
+
+    def _accept(self, tracked: _Tracked) -> None:
+        request = tracked.request
         self.scheduler.add_request(request)
-        return rid
+        self._tracked[request.request_id] = tracked
+        self._ids_in_use.update(_family_ids(request.request_id, tracked.params.n))
 
     def _check_fits(self, rid: str, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_new_tokens
@@ -190,7 +293,14 @@ class Engine:
                 f"request {rid}: prompt ({num_prompt}) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the model's {max_pos} positions"
             )
-        bs = self.config.block_size
+        cfg = self.config
+        if not cfg.enable_chunked_prefill and num_prompt > cfg.max_num_batched_tokens:
+            raise CapacityError(
+                f"request {rid} can never be scheduled: without chunked prefill its prompt ({num_prompt} tokens) "
+                f"must run in one step of max_num_batched_tokens={cfg.max_num_batched_tokens}; enable chunked "
+                "prefill or raise the budget"
+            )
+        bs = cfg.block_size
         need_tokens = math.ceil(total / bs) * bs * params.n - (params.n - 1) * (num_prompt // bs) * bs
         if need_tokens > self.capacity_tokens:
             raise CapacityError(
@@ -199,16 +309,41 @@ class Engine:
                 f"{self.capacity_tokens} ({self.manager.num_blocks} blocks of {bs}); raise --kv-budget or shorten it"
             )
 
-    def finish(self, request_id: str, reason: str = "abort") -> None:
-        """Stop a running or waiting request now (client abort, an external stop condition)."""
+    def finish(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request now (a client abort, a stop the caller detects); True if it ended it, False if it
+        had already ended. Allowed from an `on_token` callback, for any request. Finishing an `n > 1`
+        parent finishes its unfinished children too. See the module docstring."""
+        if reason not in CALLER_FINISH_REASONS:
+            raise InvalidArgumentError(
+                f"finish reason must be one of {', '.join(CALLER_FINISH_REASONS)}, got {reason!r}"
+            )
         tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.request.is_finished:
+            self._collect(tracked)
+            return False
         if tracked is None:
-            return
-        if not _is_finished(tracked.request):
-            self.scheduler.finish(tracked.request, reason, now=self.clock())
+            if request_id in self._outputs:
+                return False
+            raise InvalidArgumentError(
+                f"no request {request_id!r} in this engine (never added, not forked yet, or already returned by "
+                "generate)"
+            )
+        now = self.clock()
+        family = [tracked]
+        if tracked.parent_id is None:
+            tracked.children_forked = True  # an ended parent forks nothing
+            family += [t for t in self._tracked.values() if t.parent_id == request_id]
+        for t in family:
+            self._end(t, reason, now)
+        return True
+
+    def _end(self, tracked: _Tracked, reason: str, now: float, error: str | None = None) -> None:
+        """Finish `tracked` in the scheduler (if it has not finished) and record its final output."""
+        if not tracked.request.is_finished:
+            self.scheduler.finish(tracked.request, reason, now, error=error)
         self._collect(tracked)
 
-    def get_request(self, request_id: str) -> Any:
+    def get_request(self, request_id: str) -> Request:
         """The scheduler's `Request` of an unfinished request (its seq_id, tokens, progress)."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
@@ -222,55 +357,82 @@ class Engine:
         return self._outputs[request_id]
 
     def has_unfinished(self) -> bool:
-        return bool(self._tracked)
+        """True while a request has not ended, or its end has not been returned by `step()` yet."""
+        return bool(self._tracked or self._undelivered)
 
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One schedule -> run -> update round; returns the outputs that finished in it."""
-        out = self.scheduler.schedule()
-        chunks = [c for c in out.scheduled]
+        """One schedule -> run -> update round; returns every output that ended since the last call."""
+        if self._in_callbacks:
+            raise InvalidArgumentError("step() cannot be called from an on_token callback")
+        out = self.scheduler.schedule(now=self.clock())
+        chunks = out.scheduled
         if not chunks:
             if self.scheduler.has_unfinished() and not out.rejected:
                 raise CapacityError(
                     "the scheduler made no progress: nothing runs and no waiting request can be admitted "
                     "(the head of the queue needs more KV than can be freed)"
                 )
-            return self._drain_finished()
+            self._collect_finished()
+            return self._deliver()
+        # a failure here belongs to no request: it propagates, and the next step redoes this one
         logits = self.runner.execute(self.manager, out)
         producing = [c for c in chunks if c.produces_token]
-        tracked = [self._tracked[c.request.request_id] for c in producing]
-        tokens = sample(logits, [t.params for t in tracked], [t.generator for t in tracked])
-        sampled = {c.request.request_id: tok for c, tok in zip(producing, tokens)}
-        for row, (chunk, parent) in enumerate(zip(producing, tracked)):
-            if parent.params.n > 1 and not parent.children_forked and not chunk.request.output_token_ids:
-                self._fork_children(parent, chunk, logits[row : row + 1], sampled)
+        tokens, errors = self._sample(logits, [self._tracked[c.request.request_id] for c in producing])
         now = self.clock()
+        sampled: dict[str, int] = {}
+        for row, chunk in enumerate(producing):
+            tracked = self._tracked[chunk.request.request_id]
+            if row in errors:
+                self.scheduler.finish(tracked.request, "error", now, error=errors[row])
+                continue
+            sampled[chunk.request.request_id] = tokens[row]
+            if tracked.params.n > 1 and not tracked.children_forked and not chunk.request.output_token_ids:
+                self._fork_children(tracked, logits[row : row + 1], sampled)
         self.scheduler.update(out, sampled, now)
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted)
         self.stats.num_scheduled_tokens += out.num_batched_tokens
         self.stats.num_swapped_out_blocks += len(out.swap_out.src)
         self.stats.num_swapped_in_blocks += len(out.swap_in.src)
-        for rid in sampled:
-            self._after_token(self._tracked[rid], now)
+        got_token = [self._tracked[rid] for rid in sampled]
+        for tracked in got_token:
+            self._check_stop_strings(tracked, now)
         self._record_step(now)
-        return self._drain_finished()
+        # the step's state is final: snapshot it for every callback, then run them
+        notes = [(t, self._snapshot(t)) for t in got_token if t.on_token is not None]
+        self._collect_finished()
+        self._run_callbacks(notes)
+        return self._deliver()
 
-    def _fork_children(
-        self, parent: _Tracked, chunk: Any, logits: torch.Tensor, sampled: dict[str, int]
-    ) -> None:
+    def _sample(self, logits: torch.Tensor, tracked: list[_Tracked]) -> tuple[list[int], dict[int, str]]:
+        """One token per row, and an error message per row that cannot be sampled. `sample` checks every row
+        before any draws, so dropping the bad rows and sampling the rest costs no seeded stream a draw."""
+        params = [t.params for t in tracked]
+        generators = [t.generator for t in tracked]
+        bad = bad_rows(logits)
+        if not bad:
+            return sample(logits, params, generators), {}
+        good = [i for i in range(len(tracked)) if i not in set(bad)]
+        drawn = sample(logits[good], [params[i] for i in good], [generators[i] for i in good])
+        tokens = [0] * len(tracked)
+        for i, token in zip(good, drawn):
+            tokens[i] = token
+        message = "the model's logits for this request hold NaN or +inf (or nothing finite); cannot sample"
+        return tokens, {i: message for i in bad}
+
+    def _fork_children(self, parent: _Tracked, logits: torch.Tensor, sampled: dict[str, int]) -> None:
         """Parallel sampling: after the prompt's last chunk, n-1 children share its blocks (fork, copy-on-write
         on their first divergent write) and each samples its first token from the same logits with its own
-        generator. A child that cannot be forked now (no room for its copy) is queued as a fresh request; it
-        finds the prompt in the prefix cache."""
+        generator. A child that cannot be forked now (`max_num_seqs` running, or no room for its copy) is
+        queued as a fresh request; it finds the prompt in the prefix cache."""
         from pagedkv.engine.request import Request
 
         parent.children_forked = True
         request, params = parent.request, parent.params
-        for i in range(1, params.n):
-            child_id = f"{request.request_id}.{i}"
-            generator = make_generator(params.child_seed(i))
+        for child_id in _family_ids(request.request_id, params.n)[1:]:
+            generator = make_generator(params.child_seed(int(child_id.rsplit(".", 1)[1])))
             try:
                 child = self.scheduler.fork(request, child_id)
             except CapacityError:
@@ -288,43 +450,72 @@ class Engine:
             else:  # the scheduler counts this step's chunk as computed for the child too
                 sampled[child_id] = sample(logits, [params], [generator])[0]
             self._tracked[child_id] = _Tracked(
-                child, params, generator, parent.on_token, parent_id=request.request_id
+                child, params, generator, parent.on_token, parent_id=request.request_id, children_forked=True
             )
-            self._tracked[child_id].children_forked = True
 
-    def _after_token(self, tracked: _Tracked, now: float) -> None:
-        """Stop strings (the scheduler handles max tokens, EOS and stop token ids), then streaming."""
+    def _check_stop_strings(self, tracked: _Tracked, now: float) -> None:
+        """Stop strings (the scheduler handles max tokens, EOS and stop token ids); a decode that raises ends
+        this request with "error"."""
         request, params = tracked.request, tracked.params
-        if params.stop and self.tokenizer is not None and tracked.stop_text is None:
+        if not params.stop or tracked.stop_text is not None:
+            return
+        try:
             text = self._decode(request.output_token_ids)
-            cuts = [i for i in (text.find(stop) for stop in params.stop) if i >= 0]
-            if cuts:
-                tracked.stop_text = text[: min(cuts)]
-                if not _is_finished(request):
-                    self.scheduler.finish(request, "stop", now=now)
-        if tracked.on_token is not None:
-            tracked.on_token(self._snapshot(tracked))
+        except Exception as e:  # the tokenizer failed on this request's tokens: its failure, not the step's
+            if not request.is_finished:
+                self.scheduler.finish(request, "error", now, error=f"stop-string check: decode raised {e!r}")
+            return
+        cuts = [i for i in (text.find(stop) for stop in params.stop) if i >= 0]
+        if cuts:
+            tracked.stop_text = text[: min(cuts)]
+            if not request.is_finished:
+                self.scheduler.finish(request, "stop", now)
+
+    def _run_callbacks(self, notes: list[tuple[_Tracked, RequestOutput]]) -> None:
+        """Call each `on_token` with its snapshot; an exception is caught, logged and ends only its request."""
+        self._in_callbacks = True
+        try:
+            for tracked, snapshot in notes:
+                if tracked.callback_failed or tracked.on_token is None:
+                    continue
+                try:
+                    tracked.on_token(snapshot)
+                except Exception as e:
+                    rid = tracked.request.request_id
+                    message = f"on_token callback raised {type(e).__name__}: {e}"
+                    logger.warning("request %r: %s", rid, message, exc_info=True)
+                    tracked.callback_failed = True
+                    if tracked.request.is_finished:  # it had ended already: keep its reason, record the error
+                        if rid in self._outputs:
+                            self._outputs[rid].error = message
+                    else:
+                        self._end(tracked, "error", self.clock(), error=message)
+        finally:
+            self._in_callbacks = False
 
     def _record_step(self, now: float) -> None:
-        running = [
-            t.request for t in self._tracked.values() if getattr(t.request, "seq_id", None) is not None
-        ]
-        running = [r for r in running if not _is_finished(r)]
+        running = [t.request for t in self._tracked.values() if t.request.seq_id is not None]
+        running = [r for r in running if not r.is_finished]
         self.stats.step_times.append(now)
         self.stats.running.append(len(running))
         self.stats.live_tokens.append(sum(int(r.num_computed_tokens) for r in running))
         self.stats.used_blocks.append(int(self.manager.num_used_blocks))
 
-    def _drain_finished(self) -> list[RequestOutput]:
-        done = [t for t in self._tracked.values() if _is_finished(t.request)]
-        return [self._collect(t) for t in done]
+    def _collect_finished(self) -> None:
+        for tracked in [t for t in self._tracked.values() if t.request.is_finished]:
+            self._collect(tracked)
 
-    def _collect(self, tracked: _Tracked) -> RequestOutput:
-        output = self._snapshot(tracked)
+    def _collect(self, tracked: _Tracked) -> None:
         rid = tracked.request.request_id
-        self._tracked.pop(rid, None)
-        self._outputs[rid] = output
-        return output
+        if self._tracked.pop(rid, None) is None:
+            return  # collected already
+        self._outputs[rid] = self._snapshot(tracked)
+        self._undelivered.append(rid)
+
+    def _deliver(self) -> list[RequestOutput]:
+        done = [self._outputs[rid] for rid in self._undelivered if rid in self._outputs]
+        self._undelivered = []
+        return done
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
@@ -335,10 +526,8 @@ class Engine:
         text = None
         if self.tokenizer is not None:
             text = tracked.stop_text if tracked.stop_text is not None else self._decode(out_ids)
-        arrival = float(r.arrival_time)
-        first = getattr(r, "first_token_time", None)
-        finish = getattr(r, "finish_time", None)
-        finished = _is_finished(r)
+        arrival, first, finish = r.arrival_time, r.first_token_time, r.finish_time
+        finished = r.is_finished
         ttft = None if first is None else first - arrival
         tpot = None
         if finished and first is not None and finish is not None:
@@ -349,20 +538,20 @@ class Engine:
             output_token_ids=out_ids,
             output_text=text,
             finished=finished,
-            finish_reason=getattr(r, "finish_reason", None) if finished else None,
-            num_cached_tokens=int(getattr(r, "num_cached_tokens", 0) or 0),
-            num_preemptions=int(getattr(r, "num_preemptions", 0) or 0),
+            finish_reason=r.finish_reason if finished else None,
+            num_cached_tokens=int(r.num_cached_tokens),
+            num_preemptions=int(r.num_preemptions),
             ttft_s=ttft,
             tpot_s=tpot,
             e2e_s=(finish - arrival) if finished and finish is not None else None,
             parent_id=tracked.parent_id,
-            error=getattr(r, "error", None),
+            error=r.error,
         )
 
     # --- batch API ------------------------------------------------------------------------------
 
     def run(self, *, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
-        """Step until every queued request has finished."""
+        """Step until every queued request has ended and its end has been delivered."""
         while self.has_unfinished():
             finished = self.step()
             if on_step is not None:
@@ -376,36 +565,64 @@ class Engine:
         on_token: TokenCallback | None = None,
         chat: bool = False,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        cache_salt: str | bytes | None | Sequence[str | bytes | None] = None,
     ) -> list[RequestOutput]:
         """Run a batch to completion; one output per completion, in prompt order (children after parents).
-        A prompt that can never fit is returned as finish_reason "rejected" with the error."""
+        Every prompt is checked before any is queued: misuse raises `InvalidArgumentError` with nothing
+        queued; a prompt that can never be served is returned as finish_reason "rejected" with the error.
+        `cache_salt` is one salt for every prompt or one per prompt."""
+        if isinstance(prompts, str):
+            raise InvalidArgumentError("generate takes a list of prompts; wrap one prompt in a list")
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidArgumentError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        salts = (
+            [cache_salt] * len(prompts)
+            if cache_salt is None or isinstance(cache_salt, str | bytes)
+            else list(cache_salt)
+        )
+        if len(salts) != len(prompts):
+            raise InvalidArgumentError(f"{len(prompts)} prompts but {len(salts)} cache salts")
         order: list[str] = []
-        for prompt, p in zip(prompts, plist):
-            rid = f"req-{next(self._ids)}"
+        accepted: list[_Tracked] = []
+        rejected: dict[str, RequestOutput] = {}
+        for prompt, p, salt in zip(prompts, plist, salts):
+            rid = self._new_id(_n_of(p))  # automatic ids differ from each other: no reservation needed yet
             order.append(rid)
             try:
-                self.add_request(prompt, p, request_id=rid, on_token=on_token, chat=chat)
+                accepted.append(self._prepare(prompt, p, rid, 0, None, on_token, chat, salt))
             except CapacityError as err:
                 ids = self.encode(prompt, chat=chat)
-                self._outputs[rid] = RequestOutput(
-                    rid, ids, [], "" if self.tokenizer else None, True, "rejected", str(err)
-                )
+                rejected[rid] = RequestOutput(rid, ids, [], "" if self.tokenizer else None, True, "rejected", str(err))
+        for tracked in accepted:
+            self._accept(tracked)
+        self._ids_in_use.update(rejected)
+        self._outputs.update(rejected)
         self.run(on_step=on_step)
         results: list[RequestOutput] = []
-        for rid in order:
-            results.append(self._outputs.pop(rid))
-            children = sorted(k for k, o in self._outputs.items() if o.parent_id == rid)
-            results.extend(self._outputs.pop(k) for k in children)
+        for rid, p in zip(order, plist):
+            family = _family_ids(rid, p.n)
+            results.extend(self._outputs.pop(i) for i in family if i in self._outputs)
+            self._ids_in_use.difference_update(family)
         return results
 
 
-def _is_finished(request: Any) -> bool:
-    finished = getattr(request, "is_finished", None)
-    if callable(finished):
-        return bool(finished())
-    if finished is not None:
-        return bool(finished)
-    return getattr(request, "finish_reason", None) is not None
+def _n_of(params: object) -> int:
+    n = getattr(params, "n", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+def _family_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request and of its n - 1 children ("A", "A.1", ..., "A.{n-1}")."""
+    return [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
+
+
+def _salt_bytes(cache_salt: object) -> bytes:
+    """A cache salt as the allocator's bytes; None and "" mean the shared (unsalted) cache."""
+    if cache_salt is None:
+        return b""
+    if isinstance(cache_salt, str):
+        return cache_salt.encode("utf-8")
+    if isinstance(cache_salt, bytes):
+        return cache_salt
+    raise InvalidArgumentError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")

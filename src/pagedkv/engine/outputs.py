@@ -5,6 +5,8 @@ Timing (seconds, from the engine's clock):
 - `tpot_s` = (finish time - first token time) / (output tokens - 1), the mean gap between output tokens
   (0.0 for a one-token output);
 - `e2e_s` = finish time - arrival time.
+All three are None until known; a request rejected before it ran has no tokens, so its `ttft_s` and `tpot_s`
+are None and its `e2e_s` is the time it waited (>= 0), or None when `generate` refused it at the door.
 Torch-free.
 """
 
@@ -22,7 +24,7 @@ class RequestOutput:
     output_token_ids: list[int]
     output_text: str | None = None
     finished: bool = False
-    finish_reason: str | None = None  # "length" | "stop" | "abort" | "rejected"
+    finish_reason: str | None = None  # one of pagedkv.engine.request.FINISH_REASONS
     error: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0

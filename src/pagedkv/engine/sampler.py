@@ -4,6 +4,10 @@ Contract: `sample(logits, params, generators)` with `logits[i]` the last-positio
 `params[i]` its `SamplingParams` and `generators[i]` its own `torch.Generator` (or None when unseeded).
 Greedy rows take the argmax; the others go temperature -> top-k -> top-p -> multinomial with their own
 generator, so a seeded sequence draws the same tokens whatever else is in the batch.
+
+Every row is checked before any row draws (a row with NaN or +inf logits, or no finite one, is refused with
+`InvalidArgumentError` naming it), so a call that raises has consumed no generator's randomness: the
+caller can drop the bad rows (`bad_rows`) and sample the rest with every seeded stream intact.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Scaled logits of one row `[V]` with everything outside top-k and the top-p nucleus set to -inf."""
-    scaled = logits.float() / temperature
+    """Scaled logits of one row `[V]` with everything outside top-k and the top-p nucleus set to -inf.
+
+    The row's maximum is subtracted first, so a tiny temperature scales finite gaps, never inf / inf."""
+    row = logits.float()
+    scaled = (row - row.max()) / temperature
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -54,6 +61,9 @@ def sample(
         )
     if logits.shape[0] == 0:
         return []
+    bad = bad_rows(logits)
+    if bad:
+        raise InvalidArgumentError(f"sample: rows {bad} of the logits hold NaN or +inf (or nothing finite); cannot sample them")
     greedy = logits.argmax(-1)
     if all(p.greedy for p in params):
         return [int(t) for t in greedy.tolist()]
@@ -65,3 +75,9 @@ def sample(
         probs = filter_logits(logits[i], p.temperature, p.top_k, p.top_p).softmax(-1)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
     return out
+
+
+def bad_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of `[K, V]` logits that cannot be sampled: any NaN or +inf, or no finite value at all."""
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    return [int(i) for i in bad.nonzero().flatten().tolist()]

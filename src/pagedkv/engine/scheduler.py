@@ -14,6 +14,17 @@ budget (`max_num_batched_tokens`) over the requests:
      blocking is deliberate: a request that does not fit stops admission, so big requests do not starve.
      A step that preempted admits nothing (as vLLM does): admitting would only thrash.
 
+Without chunked prefill a new prompt runs in one step, so a prompt longer than `max_num_batched_tokens`
+is rejected at admission, whatever the prefix cache holds (the answer must not depend on it). A request
+preempted by recompute is re-run in budget-sized chunks even then: chunking is a policy for new prompts,
+and an accepted request must never become unservable because it was preempted.
+
+A request whose admission the allocator refuses as misuse (`InvalidArgumentError`, e.g. a token id the
+allocator cannot store) ends with finish_reason "error" and the message; the step goes on without it, and
+nothing was planned for it (the allocator's checks run before it changes any state).
+
+Forked children (`fork`) count against `max_num_seqs` like any running request.
+
 The scheduler knows nothing about models: the engine runs the `SchedulerOutput` on one, the simulator
 times it with a roofline model; both call `update` with the sampled tokens.
 """
@@ -30,7 +41,7 @@ import numpy as np
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.protocol import BlockCopies, KVManager
-from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request import FINISH_REASONS, Request, RequestStatus
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -143,7 +154,8 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Plan one step. `now` stamps the finish time of requests rejected in it (None: their arrival)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         swap_out: list[SwapBlocks] = []
@@ -175,7 +187,7 @@ class Scheduler:
                 break
             victim = self._victim()
             if len(self.running) == 1:  # alone and still short of one slot: it can never grow
-                self._finish(victim, "rejected", error=(
+                self._finish(victim, "rejected", now=now, error=(
                     f"request needs more than the KV capacity ({self.manager.num_blocks} blocks of "
                     f"{self.manager.block_size} tokens) to grow past {victim.num_tokens - 1} tokens"
                 ))  # fmt: skip
@@ -193,7 +205,7 @@ class Scheduler:
             remaining = r.num_tokens - r.num_computed_tokens
             if remaining <= 1 and r.num_computed_tokens == r.num_tokens - 1:
                 continue  # decode, handled above
-            chunk = self._chunk(remaining, budget)
+            chunk = self._chunk(remaining, budget, r)
             if chunk:
                 out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, chunk, chunk == remaining))
                 budget -= chunk
@@ -204,31 +216,34 @@ class Scheduler:
         ):  # fmt: skip
             request = self._waiting[0][-1]
             remaining_new = request.max_new_tokens - len(request.output_token_ids)
+            if not self._chunkable(request) and request.num_tokens > self.config.max_num_batched_tokens:
+                # judged on the whole prompt, not on what the prefix cache holds now
+                heapq.heappop(self._waiting)
+                self._finish(request, "rejected", now=now, error=(
+                    f"a prompt of {request.num_tokens} tokens exceeds max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget"
+                ))  # fmt: skip
+                out.rejected.append(request)
+                continue
             try:
                 admission = self.manager.admit(
                     request.all_token_ids, max_new_tokens=remaining_new, priority=request.priority,
-                    keys=request.keys,
+                    salt=request.salt, keys=request.keys,
                 )
-            except CapacityError as e:
+            except (CapacityError, InvalidArgumentError) as e:
+                # the allocator checks before it changes anything: this request goes, the step goes on
                 heapq.heappop(self._waiting)
-                self._finish(request, "rejected", error=str(e))
+                reason = "rejected" if isinstance(e, CapacityError) else "error"
+                self._finish(request, reason, now=now, error=str(e))
                 out.rejected.append(request)
                 continue
             if admission is None:
                 break
             uncached = request.num_tokens - admission.num_cached_tokens
-            chunk = self._chunk(uncached, budget)
-            if chunk == 0:  # budget too small for an unchunked prompt: give the blocks back
+            chunk = self._chunk(uncached, budget, request)
+            if chunk == 0:  # budget too small for an unchunked prompt now: give the blocks back
                 self.manager.free(admission.seq_id)
-                if uncached <= self.config.max_num_batched_tokens:
-                    break  # a later step with a whole budget will take it
-                heapq.heappop(self._waiting)  # no step ever will: without chunking it can never run
-                self._finish(request, "rejected", error=(
-                    f"{uncached} tokens to compute exceed max_num_batched_tokens="
-                    f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget"
-                ))  # fmt: skip
-                out.rejected.append(request)
-                continue
+                break  # a later step with a whole budget will take it (the prompt fits one)
             heapq.heappop(self._waiting)
             request.seq_id = admission.seq_id
             request.num_computed_tokens = admission.num_cached_tokens
@@ -248,10 +263,15 @@ class Scheduler:
             out.swap_in = SwapBlocks(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
         return out
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunkable(self, request: Request) -> bool:
+        """May this request's tokens be computed over several steps? Always after a preemption (see the
+        module docstring), else only with chunked prefill."""
+        return self.config.enable_chunked_prefill or request.num_preemptions > 0
+
+    def _chunk(self, remaining: int, budget: int, request: Request) -> int:
         if remaining <= budget:
             return remaining
-        if self.config.enable_chunked_prefill:
+        if self._chunkable(request):
             return budget
         return 0
 
@@ -317,13 +337,16 @@ class Scheduler:
             return "length"
         return None
 
-    def finish(self, request: Request, reason: str, now: float = 0.0) -> None:
-        """Finish a request early (stop string, abort); frees its KV."""
+    def finish(self, request: Request, reason: str, now: float | None = None, *, error: str | None = None) -> None:
+        """Finish a request early (stop string, abort, error); frees its KV. A finished request is left as
+        it is. `reason` must be one of `FINISH_REASONS`."""
+        if reason not in FINISH_REASONS:
+            raise InvalidArgumentError(f"finish reason must be one of {', '.join(FINISH_REASONS)}; got {reason!r}")
         if request.status is RequestStatus.FINISHED:
             return
-        self._finish(request, reason, now=now)
+        self._finish(request, reason, now=now, error=error)
 
-    def _finish(self, request: Request, reason: str, *, now: float = 0.0, error: str | None = None) -> None:
+    def _finish(self, request: Request, reason: str, *, now: float | None = None, error: str | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:
@@ -337,7 +360,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
-        request.finish_time = now
+        # never before its arrival: a rejection planned without a clock is stamped at the arrival
+        request.finish_time = request.arrival_time if now is None else now
         self._by_id.pop(request.request_id, None)
         self._order_of.pop(request.request_id, None)
 
@@ -347,12 +371,15 @@ class Scheduler:
         """A running copy of `parent` sharing its KV blocks (copy-on-write); it continues independently.
 
         Call it after the step that computed the parent's prompt, before `update`, and give the child its
-        own sampled token in `update`'s `sampled`.
+        own sampled token in `update`'s `sampled`. `CapacityError` (nothing changed) when `max_num_seqs`
+        requests already run or the allocator has no room for the fork.
         """
         if parent.status is not RequestStatus.RUNNING or parent.seq_id is None:
             raise InvalidArgumentError(f"can only fork a running request; {parent.request_id!r} is {parent.status.value}")
         if request_id in self._by_id:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise CapacityError(f"max_num_seqs={self.config.max_num_seqs} requests are running; cannot fork another")
         seq_id = self.manager.fork(parent.seq_id)
         if seq_id is None:
             raise CapacityError("not enough KV blocks to fork")
