@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv.core import ContiguousKVManager, InvalidArgumentError, PagedKVManager
+from pagedkv.core import CapacityError, ContiguousKVManager, InvalidArgumentError, PagedKVManager
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -166,3 +166,79 @@ def test_a_preempted_request_goes_back_ahead_of_later_arrivals() -> None:
         out, _ = step(s)
     assert [r.request_id for r in out.preempted] == ["b"]
     assert s._waiting[0][-1].request_id == "b"  # ahead of c, which was added after it
+
+
+def test_a_malformed_admission_ends_that_request_with_error_and_the_planned_swap_in_stands() -> None:
+    """Defence in depth behind the engine's door (issue 15, case 1): the allocator refuses a token id it
+    cannot store while a swap-in is already planned; the bad request ends with "error", the step keeps its
+    swap-in and everyone else's chunks."""
+    m = PagedKVManager(12, 4, num_host_blocks=12)
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap"))
+    s.add_request(Request("a", list(range(10, 22)), 20, arrival_time=0.0))
+    s.add_request(Request("b", list(range(40, 52)), 20, arrival_time=0.0, priority=-1))
+    while not s.swapped:
+        step(s)
+    s.finish(s.get("a"), "abort")  # room for b to come back
+    s.add_request(Request("bad", [5, 2**31], 2, arrival_time=3.0))
+    out = s.schedule(now=7.0)
+    assert len(out.swap_in.src) > 0 and [c.request.request_id for c in out.scheduled] == ["b"]
+    (bad,) = out.rejected
+    assert (bad.request_id, bad.finish_reason, bad.finish_time) == ("bad", "error", 7.0)
+    assert "2^31" in (bad.error or "")
+    m.check_invariants()
+
+
+def test_rejections_are_stamped_with_the_step_time_or_the_arrival() -> None:
+    """Issue 15, case 13: a rejected request never finishes before it arrived."""
+    s = Scheduler(PagedKVManager(4, 4))  # 12 tokens
+    s.add_request(Request("big", list(range(40)), 2, arrival_time=5.0))
+    (r,) = s.schedule(now=9.0).rejected
+    assert r.finish_time == 9.0
+    s.add_request(Request("big2", list(range(41)), 2, arrival_time=6.0))
+    (r,) = s.schedule().rejected
+    assert r.finish_time == 6.0
+
+
+def test_without_chunking_rejection_ignores_the_prefix_cache_and_recompute_is_chunked() -> None:
+    """Issue 15, case 12, at the scheduler: a prompt above the budget is rejected even when most of it is
+    cached; a preempted request whose prompt + output exceed the budget is recomputed in chunks."""
+    m = PagedKVManager(64, 4)
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=15, enable_chunked_prefill=False))
+    s.add_request(Request("warm", list(range(12)) + [90, 91], 1))
+    while s.has_unfinished():
+        step(s)
+    s.add_request(Request("long", list(range(12)) + [92, 93, 94, 95], 1))  # 16 tokens, 12 of them cached
+    out = s.schedule()
+    assert [r.request_id for r in out.rejected] == ["long"] and "exceeds max_num_batched_tokens" in out.rejected[0].error
+    m2 = PagedKVManager(9, 4)  # 8 usable blocks = 32 tokens
+    s2 = Scheduler(m2, SchedulerConfig(max_num_batched_tokens=15, enable_chunked_prefill=False))
+    s2.add_request(Request("a", list(range(10, 24)), 18))
+    s2.add_request(Request("b", list(range(40, 54)), 18))
+    finished = []
+    for _ in range(200):
+        if not s2.has_unfinished():
+            break
+        finished += step(s2)[1]
+    assert s2.num_preemptions > 0
+    assert sorted((r.request_id, r.finish_reason, len(r.output_token_ids)) for r in finished) == [
+        ("a", "length", 18), ("b", "length", 18),
+    ]  # fmt: skip
+
+
+def test_forks_count_against_max_num_seqs() -> None:
+    s = Scheduler(PagedKVManager(32, 4), SchedulerConfig(max_num_seqs=2))
+    s.add_request(Request("p", list(range(10)), 5))
+    s.add_request(Request("q", list(range(20, 25)), 5))
+    s.schedule()
+    with pytest.raises(CapacityError, match="max_num_seqs"):
+        s.fork(s.get("p"), "p.1")
+    assert s.num_running == 2 and s.manager.num_sequences == 2
+
+
+def test_finish_reasons_are_checked() -> None:
+    s = Scheduler(PagedKVManager(8, 4))
+    s.add_request(Request("x", [1, 2], 3))
+    with pytest.raises(InvalidArgumentError):
+        s.finish(s.get("x"), "banana")
+    s.finish(s.get("x"), "abort", now=1.0)
+    assert not s.has_unfinished()
