@@ -30,7 +30,9 @@ def small_engine(**config: Any) -> Engine:
 
 
 def greedy(prompts: list[list[int]], max_new: int, eos: int | None = None) -> list[list[int]]:
-    return reference_generate(tiny_model("llama"), prompts, max_new, eos_token_id=eos, attn_implementation="eager")
+    return reference_generate(
+        tiny_model("llama"), prompts, max_new, eos_token_id=eos, attn_implementation="eager"
+    )
 
 
 def engine_state(engine: Engine) -> tuple[Any, ...]:
@@ -136,7 +138,9 @@ def test_case1_bad_admission_during_a_swap_leaves_the_swapped_request_intact() -
 
 def seeded_run(neighbour: Any = None) -> Engine:
     engine = small_engine()
-    engine.add_request(list(range(30, 40)), SamplingParams(max_new_tokens=6, temperature=1.0, seed=7), request_id="s")
+    engine.add_request(
+        list(range(30, 40)), SamplingParams(max_new_tokens=6, temperature=1.0, seed=7), request_id="s"
+    )
     if neighbour is not None:
         neighbour(engine)
     drain(engine)
@@ -174,7 +178,9 @@ def test_case2_a_request_whose_logits_cannot_be_sampled_ends_alone_with_error() 
     alone = seeded_run().output("s").output_token_ids
 
     def nan_neighbour(engine: Engine) -> None:
-        engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=5, temperature=0.7, seed=3), request_id="nan")
+        engine.add_request(
+            [5, 6, 7, 8], SamplingParams(max_new_tokens=5, temperature=0.7, seed=3), request_id="nan"
+        )
         poison_logits(engine, "nan", from_token=2)
 
     engine = seeded_run(nan_neighbour)
@@ -185,8 +191,10 @@ def test_case2_a_request_whose_logits_cannot_be_sampled_ends_alone_with_error() 
     assert engine.manager.num_used_blocks == 0
 
 
-def test_a_forward_that_fails_changes_nothing_and_the_next_step_redoes_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"A step that fails changes nothing": the model's forward raises right after the step's swaps were
+def test_a_forward_that_fails_changes_nothing_and_the_next_step_redoes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "A step that fails changes nothing": the model's forward raises right after the step's swaps were
     applied; step() propagates it, and continuing gives generate's tokens for everyone."""
     lengths = (6, 11, 3, 14, 9)
     rng = np.random.default_rng(9)
@@ -231,7 +239,9 @@ def test_a_forward_that_fails_changes_nothing_and_the_next_step_redoes_it(monkey
 def three_requests(engine: Engine, callback: Any) -> list[list[int]]:
     prompts = [list(range(10, 16)), list(range(20, 29)), list(range(50, 54))]
     for name, prompt in zip("abc", prompts):
-        engine.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True), request_id=name, on_token=callback)
+        engine.add_request(
+            prompt, SamplingParams(max_new_tokens=6, ignore_eos=True), request_id=name, on_token=callback
+        )
     return prompts
 
 
@@ -290,7 +300,9 @@ def test_a_callback_raising_on_the_last_token_keeps_the_reason_and_records_the_e
         if out.finished:
             raise RuntimeError("late failure")
 
-    engine.add_request([10, 11, 12], SamplingParams(max_new_tokens=2, ignore_eos=True), request_id="x", on_token=on_token)
+    engine.add_request(
+        [10, 11, 12], SamplingParams(max_new_tokens=2, ignore_eos=True), request_id="x", on_token=on_token
+    )
     (out,) = drain(engine)
     assert out.finish_reason == "length" and "late failure" in (out.error or "")
 
@@ -341,18 +353,28 @@ def test_case9_finish_validates_reason_and_id() -> None:
 
 def test_case10_aborting_a_parent_aborts_its_children() -> None:
     engine = small_engine(num_blocks=40)
-    engine.add_request([10, 11, 12, 13, 14], SamplingParams(max_new_tokens=8, temperature=1.0, seed=2, n=3), request_id="P")
+    engine.add_request(
+        [10, 11, 12, 13, 14], SamplingParams(max_new_tokens=8, temperature=1.0, seed=2, n=3), request_id="P"
+    )
     engine.step()  # prompt done: children forked
     assert {"P.1", "P.2"} <= set(engine._tracked)
     assert engine.finish("P") is True
     ended = drain(engine)
-    assert sorted((o.request_id, o.finish_reason) for o in ended) == [("P", "abort"), ("P.1", "abort"), ("P.2", "abort")]
+    assert sorted((o.request_id, o.finish_reason) for o in ended) == [
+        ("P", "abort"),
+        ("P.1", "abort"),
+        ("P.2", "abort"),
+    ]
     assert engine.manager.num_used_blocks == 0
 
 
 def test_case10_finishing_a_child_leaves_its_siblings() -> None:
     engine = small_engine(num_blocks=40)
-    engine.add_request([10, 11, 12, 13, 14], SamplingParams(max_new_tokens=4, temperature=1.0, seed=2, n=3, ignore_eos=True), request_id="P")
+    engine.add_request(
+        [10, 11, 12, 13, 14],
+        SamplingParams(max_new_tokens=4, temperature=1.0, seed=2, n=3, ignore_eos=True),
+        request_id="P",
+    )
     engine.step()
     engine.finish("P.1")
     final = {o.request_id: o for o in drain(engine)}
@@ -378,9 +400,11 @@ def test_case11_a_stop_token_on_the_last_allowed_step_is_stop_as_documented() ->
     stop = tokens[2]
     assert stop not in tokens[:2], "pick a prompt whose third token is new"
     engine = small_engine()
-    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=3, stop_token_ids=(stop,), ignore_eos=True))
+    (out,) = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=3, stop_token_ids=(stop,), ignore_eos=True)
+    )
     assert (out.finish_reason, out.output_token_ids) == ("stop", tokens)
-    assert "ends the request with \"stop\", not \"length\"" in " ".join((params_module.__doc__ or "").split())
+    assert 'ends the request with "stop", not "length"' in " ".join((params_module.__doc__ or "").split())
 
 
 # --- 12-13: scheduling without chunked prefill, timings of rejected requests -----------------------
@@ -433,7 +457,10 @@ def test_case14_different_cache_salts_never_share_a_block_and_equal_ones_do() ->
     engine.add_request(prompt, p, request_id="alice-2", cache_salt="alice")
     engine.add_request(prompt, p, request_id="nobody")
     engine.step()
-    blocks = {rid: engine.manager.block_ids(engine.get_request(rid).seq_id) for rid in ("alice-1", "bob", "alice-2", "nobody")}
+    blocks = {
+        rid: engine.manager.block_ids(engine.get_request(rid).seq_id)
+        for rid in ("alice-1", "bob", "alice-2", "nobody")
+    }
     assert engine.get_request("alice-2").num_cached_tokens == 16
     assert blocks["alice-2"][:4] == blocks["alice-1"][:4]
     for other in ("bob", "nobody"):

@@ -118,7 +118,9 @@ def draw_round(seed: int) -> Round:
             ignore_eos=bool(rng.random() < 0.5),
         )
         callback = str(rng.choice(["record"] * 7 + ["raise", "abort_other", "finish_self"]))
-        plans.append(Plan(f"r{i}", prompt, params, int(rng.integers(-1, 3)), callback, int(rng.integers(1, 4))))
+        plans.append(
+            Plan(f"r{i}", prompt, params, int(rng.integers(-1, 3)), callback, int(rng.integers(1, 4)))
+        )
     return Round(family, config, plans)
 
 
@@ -187,7 +189,11 @@ def run_round(rnd: Round, rng: np.random.Generator) -> Engine:
             before = (sorted(engine._tracked), engine.scheduler.num_waiting, engine.manager.num_used_blocks)
             with pytest.raises(InvalidArgumentError):
                 engine.add_request(prompt, **kwargs)
-            assert (sorted(engine._tracked), engine.scheduler.num_waiting, engine.manager.num_used_blocks) == before
+            assert (
+                sorted(engine._tracked),
+                engine.scheduler.num_waiting,
+                engine.manager.num_used_blocks,
+            ) == before
         elif action < 0.77 and engine._tracked and outside_aborts < 1:
             outside_aborts += 1
             victim = sorted(engine._tracked)[int(rng.integers(0, len(engine._tracked)))]
@@ -228,12 +234,22 @@ def check_round(rnd: Round, engine: Engine) -> None:
                 want, reason = expected_greedy(rnd.family, plan.prompt, plan.params)
             else:
                 want, reason = solo[rid].output_token_ids, str(solo[rid].finish_reason)
-            by_caller = rid in rnd.finished_by_self or plan.request_id in rnd.finished_by_self  # children follow
+            by_caller = (
+                rid in rnd.finished_by_self or plan.request_id in rnd.finished_by_self
+            )  # children follow
             natural = out.finish_reason in ("length", "stop") and not by_caller
             if natural:
-                assert (out.output_token_ids, out.finish_reason) == (want, reason), (rid, rnd.family, rnd.config)
+                assert (out.output_token_ids, out.finish_reason) == (want, reason), (
+                    rid,
+                    rnd.family,
+                    rnd.config,
+                )
             else:
-                assert out.output_token_ids == want[: len(out.output_token_ids)], (rid, rnd.family, rnd.config)
+                assert out.output_token_ids == want[: len(out.output_token_ids)], (
+                    rid,
+                    rnd.family,
+                    rnd.config,
+                )
                 if out.finish_reason == "abort":  # aborted itself, or its parent was
                     assert rid in rnd.aborted or plan.request_id in rnd.aborted, rid
                 if out.finish_reason == "error":

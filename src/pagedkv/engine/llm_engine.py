@@ -13,51 +13,27 @@ engine:   stop strings, step statistics, then streaming callbacks, then the step
 The scheduler owns the queue (priority, then arrival), the token budget, chunked prefill, prefix caching,
 preemption (recompute or swap); the allocator is chosen here (`EngineConfig.allocator`).
 
-Promises (each has a test in tests/engine):
+Contracts (docs/engine.md spells them out; tests/engine/test_engine_contracts.py pins each one):
 
-- **Validation at the door.** `add_request` checks everything before it queues anything: the
-  `SamplingParams` (which check themselves on construction), token ids (ints in `[0, vocab)`), the priority
-  (an int), the id, the callback, stop strings (they need a tokenizer), the cache salt. Misuse raises
-  `InvalidArgumentError` and leaves the engine exactly as it was. A request that can never be served
-  (prompt + max_new_tokens above the KV capacity or the model's positions, or, without chunked prefill, a
-  prompt above `max_num_batched_tokens`) raises `CapacityError`; `generate` turns that into a "rejected"
-  output and completes the rest.
-- **One request's failure is its own.** Whatever goes wrong because of one request in a step (logits that
-  cannot be sampled, a stop-string check that raises, an allocator refusal at admission, its callback
-  raising) ends that request with finish_reason "error" and the message in `error`; the others go on.
-  Sampling checks every row before any row draws, so no seeded request loses a draw to a neighbour.
-  A failure that belongs to no request (the model's forward raising) propagates out of `step()` with the
-  engine consistent: the block moves the step planned have been applied, nothing was sampled or recorded,
-  and the next `step()` recomputes the same tokens.
-- **Callbacks see a final state.** `on_token(output)` runs once per new token, after the step's state is
-  final (tokens appended, stops applied, statistics sampled), with a snapshot taken before any callback of
-  the step runs. A callback may call `finish` for any request, or `add_request`; not `step`. A callback that
-  raises is caught and logged; its request ends with "error" (unless it already ended in the step) and the
-  message is recorded in that request's `error`; it is not called again. No other request is touched.
-- **Every end is reported once.** `step()` returns the final output of every request that ended since the
-  previous `step()` returned (in the step, by `finish`, by a callback), each exactly once; `output(id)` keeps
-  it. `has_unfinished()` is True until then, so `run()` always delivers every end.
-- **Ids.** Child i of an `n > 1` request "A" is "A.i"; those ids are reserved when "A" is added, so a user id
-  never collides with a child (`add_request` refuses an id that is in use or reserved, and a request whose
-  children's ids are taken). Automatic ids ("req-N") skip every id in use. `generate` releases the ids of
-  the outputs it returns.
-- **finish(id, reason)**: reason "abort" (default) or "stop"; an id this engine never accepted (or already
-  handed back by `generate`) is an `InvalidArgumentError`; a request that already ended is left as it is
-  (returns False). Finishing an `n > 1` parent finishes its unfinished children with the same reason (they
-  are one client request); finishing a child finishes only that child.
-- **Parallel sampling and `max_num_seqs`**: forked children count as running requests; a child that cannot
-  be forked (no room in `max_num_seqs` or in KV) is queued as a fresh request that finds the prompt in the
-  prefix cache.
-- **Tenants.** `cache_salt` (str or bytes, per request) keys the prefix cache: requests with different salts
-  never share a KV block, equal salts share as usual (see docs/engine.md for the timing side channel this
-  closes).
+- the door: `add_request` / `generate` check everything (`pagedkv.engine.intake`) before queueing anything;
+  misuse is an `InvalidArgumentError`, a request that can never be served a `CapacityError`;
+- one request's failure (unsamplable logits, a stop-string check, an allocator refusal, its callback) ends
+  that request with finish_reason "error" and the message; the others go on. A failure that belongs to no
+  request (the forward raising) propagates with the engine consistent: the next `step()` redoes the step;
+- `on_token` runs once per new token, after the step's state is final, with a snapshot taken before any
+  callback of the step; it may `finish` any request or `add_request`, not `step`; an exception in it is
+  caught, logged and recorded on its request only (which ends with "error" unless it had already ended);
+- `step()` returns every output that ended since the previous call, each exactly once;
+- child i of an `n > 1` request "A" is "A.i", reserved when "A" is accepted; automatic ids skip ids in use;
+- `finish(id, "abort" | "stop")`: unknown ids are an error, ended ones a no-op (False); a parent takes its
+  unfinished children with it; forked children count against `max_num_seqs`;
+- `cache_salt` per request keys the prefix cache: different salts never share a block.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +43,7 @@ import torch
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.intake import RequestIntake, family_ids
 from pagedkv.engine.outputs import EngineStats, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.runner import ModelRunner
@@ -171,6 +148,16 @@ class Engine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.intake = RequestIntake(
+            vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+            block_size=cfg.block_size,
+            num_blocks=int(self.manager.num_blocks),
+            max_position_embeddings=self.spec.max_position_embeddings,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            has_tokenizer=tokenizer is not None,
+        )
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -222,7 +209,7 @@ class Engine:
         """The next automatic id whose own and children's ids are all free."""
         while True:
             rid = f"req-{next(self._auto_ids)}"
-            if not any(i in self._ids_in_use for i in _family_ids(rid, n)):
+            if not any(i in self._ids_in_use for i in family_ids(rid, n)):
                 return rid
 
     def _prepare(
@@ -236,78 +223,29 @@ class Engine:
         chat: bool,
         cache_salt: str | bytes | None,
     ) -> _Tracked:
-        """Check one request and build it; changes nothing (the door every request goes through)."""
-        from pagedkv.engine.request import Request
-
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(rid, str) or not rid:
-            raise InvalidArgumentError(f"request_id must be a non-empty string, got {rid!r}")
-        taken = [i for i in _family_ids(rid, params.n) if i in self._ids_in_use]
-        if taken:
-            raise InvalidArgumentError(
-                f"request id {taken[0]!r} is already in use (by a request, or reserved for a child of an n > 1 "
-                f"request: child i of 'A' is 'A.i'); choose another request_id"
-            )
+        """Check one request and build it; changes nothing (`RequestIntake.build` is the door)."""
         if on_token is not None and not callable(on_token):
             raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
         if not isinstance(chat, bool):
             raise InvalidArgumentError(f"chat must be a bool, got {chat!r}")
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgumentError(
-                f"request {rid!r}: stop strings need a tokenizer (Engine(model, tokenizer)); use stop_token_ids"
-            )
-        salt = _salt_bytes(cache_salt)
-        ids = self.encode(prompt, chat=chat)
-        for what, tokens in (("prompt token", ids), ("stop token id", params.stop_token_ids)):
-            out_of_range = [t for t in tokens if not 0 <= t < self.vocab_size]
-            if out_of_range:
-                raise InvalidArgumentError(
-                    f"request {rid!r}: {what} {out_of_range[0]} is outside the model's vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-        request = Request(
+        if not isinstance(params, SamplingParams):  # before its fields are read below
+            raise InvalidArgumentError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request = self.intake.build(
             rid,
-            ids,
-            params.max_new_tokens,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            self.encode(prompt, chat=chat),
+            params,
             priority=priority,
-            eos_token_id=None if params.ignore_eos else self.eos_token_id,
-            stop_token_ids=tuple(params.stop_token_ids),
-            salt=salt,
-        )  # checks the priority, arrival time and salt types
-        self._check_fits(rid, len(ids), params)
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
+            ids_in_use=self._ids_in_use,
+        )
         return _Tracked(request, params, make_generator(params.child_seed(0)), on_token)
 
     def _accept(self, tracked: _Tracked) -> None:
         request = tracked.request
         self.scheduler.add_request(request)
         self._tracked[request.request_id] = tracked
-        self._ids_in_use.update(_family_ids(request.request_id, tracked.params.n))
-
-    def _check_fits(self, rid: str, num_prompt: int, params: SamplingParams) -> None:
-        total = num_prompt + params.max_new_tokens
-        max_pos = self.spec.max_position_embeddings
-        if max_pos is not None and total > max_pos:
-            raise InvalidArgumentError(
-                f"request {rid}: prompt ({num_prompt}) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                f"exceeds the model's {max_pos} positions"
-            )
-        cfg = self.config
-        if not cfg.enable_chunked_prefill and num_prompt > cfg.max_num_batched_tokens:
-            raise CapacityError(
-                f"request {rid} can never be scheduled: without chunked prefill its prompt ({num_prompt} tokens) "
-                f"must run in one step of max_num_batched_tokens={cfg.max_num_batched_tokens}; enable chunked "
-                "prefill or raise the budget"
-            )
-        bs = cfg.block_size
-        need_tokens = math.ceil(total / bs) * bs * params.n - (params.n - 1) * (num_prompt // bs) * bs
-        if need_tokens > self.capacity_tokens:
-            raise CapacityError(
-                f"request {rid} can never fit: prompt ({num_prompt}) + max_new_tokens ({params.max_new_tokens})"
-                f"{f' x n={params.n}' if params.n > 1 else ''} needs {need_tokens} KV tokens but the cache holds "
-                f"{self.capacity_tokens} ({self.manager.num_blocks} blocks of {bs}); raise --kv-budget or shorten it"
-            )
+        self._ids_in_use.update(family_ids(request.request_id, tracked.params.n))
 
     def finish(self, request_id: str, reason: str = "abort") -> bool:
         """End a request now (a client abort, a stop the caller detects); True if it ended it, False if it
@@ -431,7 +369,7 @@ class Engine:
 
         parent.children_forked = True
         request, params = parent.request, parent.params
-        for child_id in _family_ids(request.request_id, params.n)[1:]:
+        for child_id in family_ids(request.request_id, params.n)[1:]:
             generator = make_generator(params.child_seed(int(child_id.rsplit(".", 1)[1])))
             try:
                 child = self.scheduler.fork(request, child_id)
@@ -521,32 +459,10 @@ class Engine:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     def _snapshot(self, tracked: _Tracked) -> RequestOutput:
-        r = tracked.request
-        out_ids = list(r.output_token_ids)
         text = None
         if self.tokenizer is not None:
-            text = tracked.stop_text if tracked.stop_text is not None else self._decode(out_ids)
-        arrival, first, finish = r.arrival_time, r.first_token_time, r.finish_time
-        finished = r.is_finished
-        ttft = None if first is None else first - arrival
-        tpot = None
-        if finished and first is not None and finish is not None:
-            tpot = (finish - first) / (len(out_ids) - 1) if len(out_ids) > 1 else 0.0
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt_token_ids=list(r.prompt_token_ids),
-            output_token_ids=out_ids,
-            output_text=text,
-            finished=finished,
-            finish_reason=r.finish_reason if finished else None,
-            num_cached_tokens=int(r.num_cached_tokens),
-            num_preemptions=int(r.num_preemptions),
-            ttft_s=ttft,
-            tpot_s=tpot,
-            e2e_s=(finish - arrival) if finished and finish is not None else None,
-            parent_id=tracked.parent_id,
-            error=r.error,
-        )
+            text = tracked.stop_text if tracked.stop_text is not None else self._decode(tracked.request.output_token_ids)
+        return RequestOutput.of(tracked.request, text=text, parent_id=tracked.parent_id)
 
     # --- batch API ------------------------------------------------------------------------------
 
@@ -601,7 +517,7 @@ class Engine:
         self.run(on_step=on_step)
         results: list[RequestOutput] = []
         for rid, p in zip(order, plist):
-            family = _family_ids(rid, p.n)
+            family = family_ids(rid, p.n)
             results.extend(self._outputs.pop(i) for i in family if i in self._outputs)
             self._ids_in_use.difference_update(family)
         return results
@@ -610,19 +526,3 @@ class Engine:
 def _n_of(params: object) -> int:
     n = getattr(params, "n", 1)
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-
-
-def _family_ids(request_id: str, n: int) -> list[str]:
-    """The ids of a request and of its n - 1 children ("A", "A.1", ..., "A.{n-1}")."""
-    return [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
-
-
-def _salt_bytes(cache_salt: object) -> bytes:
-    """A cache salt as the allocator's bytes; None and "" mean the shared (unsalted) cache."""
-    if cache_salt is None:
-        return b""
-    if isinstance(cache_salt, str):
-        return cache_salt.encode("utf-8")
-    if isinstance(cache_salt, bytes):
-        return cache_salt
-    raise InvalidArgumentError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")

@@ -13,6 +13,10 @@ Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedkv.engine.request import Request
 
 
 @dataclass(slots=True)
@@ -32,6 +36,31 @@ class RequestOutput:
     tpot_s: float | None = None
     e2e_s: float | None = None
     parent_id: str | None = None
+
+    @classmethod
+    def of(cls, request: Request, *, text: str | None = None, parent_id: str | None = None) -> RequestOutput:
+        """A snapshot of `request` now (a copy: later steps do not change it)."""
+        out_ids = list(request.output_token_ids)
+        arrival, first, finish = request.arrival_time, request.first_token_time, request.finish_time
+        finished = request.is_finished
+        tpot = None
+        if finished and first is not None and finish is not None:
+            tpot = (finish - first) / (len(out_ids) - 1) if len(out_ids) > 1 else 0.0
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=out_ids,
+            output_text=text,
+            finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+            error=request.error,
+            num_cached_tokens=int(request.num_cached_tokens),
+            num_preemptions=int(request.num_preemptions),
+            ttft_s=None if first is None else first - arrival,
+            tpot_s=tpot,
+            e2e_s=(finish - arrival) if finished and finish is not None else None,
+            parent_id=parent_id,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
