@@ -267,6 +267,8 @@ def test_case5_a_callback_may_finish_another_request() -> None:
     assert final["b"].finish_reason == "abort"
     assert final["b"].output_token_ids == expected[1][:2]  # b got its token of that step, then ended
     assert streamed["b"][-1].output_token_ids == final["b"].output_token_ids
+    # every callback of a step sees the state the step left, whatever an earlier callback did since
+    assert [s.finished for s in streamed["b"]] == [False, False]
     assert engine.manager.num_used_blocks == 0
 
 

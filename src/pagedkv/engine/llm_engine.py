@@ -71,7 +71,6 @@ class _Tracked:
     parent_id: str | None = None
     children_forked: bool = False
     stop_text: str | None = None
-    callback_failed: bool = False
 
 
 class Engine:
@@ -414,7 +413,7 @@ class Engine:
         self._in_callbacks = True
         try:
             for tracked, snapshot in notes:
-                if tracked.callback_failed or tracked.on_token is None:
+                if tracked.on_token is None:
                     continue
                 try:
                     tracked.on_token(snapshot)
@@ -422,7 +421,6 @@ class Engine:
                     rid = tracked.request.request_id
                     message = f"on_token callback raised {type(e).__name__}: {e}"
                     logger.warning("request %r: %s", rid, message, exc_info=True)
-                    tracked.callback_failed = True
                     if tracked.request.is_finished:  # it had ended already: keep its reason, record the error
                         if rid in self._outputs:
                             self._outputs[rid].error = message
