@@ -495,3 +495,11 @@ def test_generate_checks_every_prompt_before_queueing_any() -> None:
     with pytest.raises(InvalidArgumentError):
         engine.generate([[10, 11], [12, VOCAB], [13]], SamplingParams(max_new_tokens=2))
     assert not engine.has_unfinished() and engine.scheduler.num_waiting == 0 and not engine._ids_in_use
+
+
+def test_an_absurd_n_is_refused_quickly_with_nothing_queued() -> None:
+    engine = small_engine()
+    with pytest.raises(CapacityError, match="never fit"):
+        engine.add_request([10, 11], SamplingParams(max_new_tokens=2, n=10**9))
+    (out,) = engine.generate([[10, 11]], SamplingParams(max_new_tokens=2, n=10**9))
+    assert out.finish_reason == "rejected" and not engine.has_unfinished()

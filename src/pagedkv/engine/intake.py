@@ -73,12 +73,6 @@ class RequestIntake:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(f"request_id must be a non-empty string, got {request_id!r}")
         rid = request_id
-        taken = [i for i in family_ids(rid, params.n) if i in ids_in_use]
-        if taken:
-            raise InvalidArgumentError(
-                f"request id {taken[0]!r} is already in use (by a request, or reserved for a child of an n > 1 "
-                "request: child i of 'A' is 'A.i'); choose another request_id"
-            )
         if params.stop and not self.has_tokenizer:
             raise InvalidArgumentError(
                 f"request {rid!r}: stop strings need a tokenizer (Engine(model, tokenizer)); use stop_token_ids"
@@ -103,7 +97,13 @@ class RequestIntake:
                 raise InvalidArgumentError(
                     f"request {rid!r}: {what} {outside[0]} is outside the model's vocabulary [0, {self.vocab_size})"
                 )
-        self.check_fits(rid, request.num_prompt_tokens, params)
+        self.check_fits(rid, request.num_prompt_tokens, params)  # bounds n before its ids are listed
+        taken = [i for i in family_ids(rid, params.n) if i in ids_in_use]
+        if taken:
+            raise InvalidArgumentError(
+                f"request id {taken[0]!r} is already in use (by a request, or reserved for a child of an n > 1 "
+                "request: child i of 'A' is 'A.i'); choose another request_id"
+            )
         return request
 
     def check_fits(self, rid: str, num_prompt: int, params: SamplingParams) -> None:

@@ -205,7 +205,9 @@ class Engine:
         return rid
 
     def _new_id(self, n: int) -> str:
-        """The next automatic id whose own and children's ids are all free."""
+        """The next automatic id whose own and children's ids are all free. A request with more completions
+        than blocks is refused at the door and reserves no child id, so checking that many is enough."""
+        n = min(n, self.intake.num_blocks + 1)
         while True:
             rid = f"req-{next(self._auto_ids)}"
             if not any(i in self._ids_in_use for i in family_ids(rid, n)):
@@ -515,7 +517,7 @@ class Engine:
         self.run(on_step=on_step)
         results: list[RequestOutput] = []
         for rid, p in zip(order, plist):
-            family = family_ids(rid, p.n)
+            family = [rid] if rid in rejected else family_ids(rid, p.n)  # accepted: n <= num_blocks
             results.extend(self._outputs.pop(i) for i in family if i in self._outputs)
             self._ids_in_use.difference_update(family)
         return results
