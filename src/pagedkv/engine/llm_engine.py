@@ -95,6 +95,7 @@ class Engine:
                 cfg.block_size,
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 num_host_blocks=num_host,
+                record_events=cfg.tiers_enabled,  # the tiers follow evictions and publications
             )
         else:
             self.manager = ContiguousKVManager(num_blocks, cfg.block_size)
@@ -119,6 +120,13 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.cache)
         self.stats = EngineStats()
+        self.tiering: Any = None
+        if cfg.tiers_enabled:  # host RAM / disk / remote store below the device (pagedkv.engine.tiering)
+            from pagedkv.engine.tiering import EngineTiering
+
+            model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
+            self.tiering = EngineTiering.build(cfg, self.cache.storage, self.manager, model_id)
+            self.stats.tiers = self.tiering.stats
         self._tracked: dict[str, _Tracked] = {}
         self._outputs: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
@@ -224,11 +232,18 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
+    def close(self) -> None:
+        """Release what outlives a step: the disk tier's file and the remote store's connections."""
+        if self.tiering is not None:
+            self.tiering.close()
+
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> update round; returns the outputs that finished in it."""
         out = self.scheduler.schedule()
+        if self.tiering is not None:
+            self.tiering.before_forward(out)
         chunks = [c for c in out.scheduled]
         if not chunks:
             if self.scheduler.has_unfinished() and not out.rejected:
@@ -247,6 +262,8 @@ class Engine:
                 self._fork_children(parent, chunk, logits[row : row + 1], sampled)
         now = self.clock()
         self.scheduler.update(out, sampled, now)
+        if self.tiering is not None:
+            self.tiering.after_update()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted)
         self.stats.num_scheduled_tokens += out.num_batched_tokens
@@ -324,6 +341,8 @@ class Engine:
         rid = tracked.request.request_id
         self._tracked.pop(rid, None)
         self._outputs[rid] = output
+        if self.tiering is not None:
+            self.tiering.forget(rid)
         return output
 
     def _decode(self, token_ids: Sequence[int]) -> str:
@@ -340,6 +359,8 @@ class Engine:
         finish = getattr(r, "finish_time", None)
         finished = _is_finished(r)
         ttft = None if first is None else first - arrival
+        device = int(getattr(r, "num_cached_tokens", 0) or 0)
+        by_tier = self.tiering.cached_by_tier(r.request_id, device) if self.tiering else {"GPU": device}
         tpot = None
         if finished and first is not None and finish is not None:
             tpot = (finish - first) / (len(out_ids) - 1) if len(out_ids) > 1 else 0.0
@@ -350,7 +371,8 @@ class Engine:
             output_text=text,
             finished=finished,
             finish_reason=getattr(r, "finish_reason", None) if finished else None,
-            num_cached_tokens=int(getattr(r, "num_cached_tokens", 0) or 0),
+            num_cached_tokens=sum(by_tier.values()),
+            num_cached_tokens_by_tier=by_tier,
             num_preemptions=int(getattr(r, "num_preemptions", 0) or 0),
             ttft_s=ttft,
             tpot_s=tpot,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.tiers.store import TierStats
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -24,12 +26,13 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "rejected"
     error: str | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed: device prefix cache + tiers below it
     num_preemptions: int = 0
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
     parent_id: str | None = None
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "GPU", "CPU", "DISK", "REMOTE"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,6 +47,7 @@ class RequestOutput:
             "output_token_ids": list(self.output_token_ids),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
+            "num_cached_tokens_by_tier": dict(self.num_cached_tokens_by_tier),
             "finish_reason": self.finish_reason,
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
@@ -67,6 +71,7 @@ class EngineStats:
     running: list[int] = field(default_factory=list)
     live_tokens: list[int] = field(default_factory=list)
     used_blocks: list[int] = field(default_factory=list)
+    tiers: TierStats | None = None  # hit rates by medium and losses by reason, when tiers are on
 
     @property
     def peak_concurrency(self) -> int:
