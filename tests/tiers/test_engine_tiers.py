@@ -59,7 +59,9 @@ def test_host_tier_brings_an_evicted_prefix_back(baseline: list[list[int]]) -> N
 
 
 def test_disk_tier_behind_a_tiny_host_tier(baseline: list[list[int]], tmp_path: Path) -> None:
-    config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=2, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    config = EngineConfig(
+        num_blocks=12, block_size=BS, host_blocks=2, disk_path=str(tmp_path), disk_bytes=1 << 20
+    )
     engine, outputs = run(config)
     assert [o.output_token_ids for o in outputs] == baseline
     assert served(outputs, "DISK")[0] >= 28 and served(outputs, "DISK")[0] + served(outputs, "CPU")[0] == 36

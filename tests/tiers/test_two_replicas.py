@@ -52,7 +52,12 @@ def test_prefix_computed_on_a_is_served_on_b_from_redis(redis_url: str) -> None:
     alone = replica("", on_b)  # no tiers: the ground truth for B's prompt
     assert b[0]["ids"] == alone[0]["ids"]
     assert b[1]["ids"] == a[0]["ids"]  # A's own prompt on B: same output
-    assert b[1]["by_tier"] == {"GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 36}  # admitted with b[0]: all 9 via Redis
+    assert b[1]["by_tier"] == {
+        "GPU": 0,
+        "CPU": 0,
+        "DISK": 0,
+        "REMOTE": 36,
+    }  # admitted with b[0]: all 9 via Redis
     assert a[0]["by_tier"] == {"GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 0}
     assert b[0]["by_tier"] == {"GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 32}  # 8 blocks of 4 from A's store
     assert alone[0]["by_tier"] == {"GPU": 0}

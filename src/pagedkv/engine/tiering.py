@@ -47,7 +47,7 @@ class EngineTiering:
         self.storage = storage
         self.manager = manager
         self.block_size = storage.block_size
-        self._admitted: dict[str, int] = {}  # request id -> the seq id whose admission was counted
+        self._admitted: dict[str, int | None] = {}  # request id -> the seq id whose admission was counted
         self._miss_at: dict[str, int] = {}  # request id -> first block the tiers missed (skip later lookups)
         self._by_request: dict[str, Counter[str]] = {}  # tokens served per medium, at first admission
 

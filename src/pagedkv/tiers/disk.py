@@ -57,7 +57,7 @@ class DiskTier(LocalTier):
         assert self._fd is not None, "disk tier: write after close"
         payload = np.ascontiguousarray(value)
         head = header(self.layout, self._store_key(key), payload)
-        os.pwritev(self._fd, [head, memoryview(payload)], slot * self.slot_bytes)
+        os.pwritev(self._fd, [head, payload.data], slot * self.slot_bytes)
 
     def close(self) -> None:
         if self._fd is not None:

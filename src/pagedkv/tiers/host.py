@@ -20,7 +20,9 @@ class HostTier(LocalTier):
     medium: Medium = "CPU"
     keeps_evicted_bytes = True  # evicted blocks are handed to the next tier (disk)
 
-    def __init__(self, num_blocks: int, layout: BlockLayout, clock: LruClock, *, pin_memory: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, layout: BlockLayout, clock: LruClock, *, pin_memory: bool = False
+    ) -> None:
         super().__init__(num_blocks, layout, clock)
         if pin_memory:
             import torch

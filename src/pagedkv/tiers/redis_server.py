@@ -55,7 +55,9 @@ class RedisServer:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RedisUnavailableError(f"redis-server exited with {self._proc.returncode}; see {self.folder}/redis.log")
+                raise RedisUnavailableError(
+                    f"redis-server exited with {self._proc.returncode}; see {self.folder}/redis.log"
+                )
             if self.socket.exists():
                 try:
                     client = redis.Redis(unix_socket_path=str(self.socket))

@@ -36,9 +36,13 @@ class RedisTier:
         try:
             import redis
         except ImportError as err:  # pragma: no cover - the tiers extra installs it
-            raise InvalidArgumentError("the remote tier needs redis-py: pip install 'pagedkv[tiers]'") from err
+            raise InvalidArgumentError(
+                "the remote tier needs redis-py: pip install 'pagedkv[tiers]'"
+            ) from err
         if client is None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidArgumentError(f"remote_url must start with redis://, rediss:// or unix://, got {url!r}")
+            raise InvalidArgumentError(
+                f"remote_url must start with redis://, rediss:// or unix://, got {url!r}"
+            )
         self._errors = redis.exceptions
         self.layout = layout
         self.fingerprint = fingerprint

@@ -88,7 +88,9 @@ class SlotIndex:
         """Phase 1 of a put: a free slot for `key`, pinned and invisible. None if no slot is free (evict
         first). `stamp` keeps a demoted block's place in the LRU order."""
         if key in self.slot_of:
-            raise InvalidArgumentError(f"{self.medium} tier: key {key.hex()[:16]}.. is already stored or being stored")
+            raise InvalidArgumentError(
+                f"{self.medium} tier: key {key.hex()[:16]}.. is already stored or being stored"
+            )
         if not self._free:
             return None
         slot = self._free.pop()
@@ -145,7 +147,9 @@ class SlotIndex:
         if slot is None:
             return False
         if self.pins[slot]:
-            raise InvalidArgumentError(f"{self.medium} tier: cannot remove a pinned block (a load is in flight)")
+            raise InvalidArgumentError(
+                f"{self.medium} tier: cannot remove a pinned block (a load is in flight)"
+            )
         self._release(slot, key)
         self.events.append(TierEvent("removed", key, self.medium))
         return True

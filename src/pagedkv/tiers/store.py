@@ -89,7 +89,9 @@ class StorePlan(NamedTuple):
 
 
 class TieredStore:
-    def __init__(self, layout: BlockLayout, local: Sequence[LocalTier] = (), remote: Tier | None = None) -> None:
+    def __init__(
+        self, layout: BlockLayout, local: Sequence[LocalTier] = (), remote: Tier | None = None
+    ) -> None:
         self.layout = layout
         self.local = list(local)  # fastest first: host, then disk
         self.remote = remote
@@ -111,7 +113,9 @@ class TieredStore:
             import os
 
             path = os.path.join(disk_path, f"pagedkv-{fingerprint}-{os.getpid()}.blocks")
-            local.append(DiskTier(path, disk_bytes, layout, clock, key_prefix=f"{KEY_PREFIX}{fingerprint}:".encode()))
+            local.append(
+                DiskTier(path, disk_bytes, layout, clock, key_prefix=f"{KEY_PREFIX}{fingerprint}:".encode())
+            )
         remote: Tier | None = None
         if remote_url:
             from pagedkv.tiers.remote import RedisTier

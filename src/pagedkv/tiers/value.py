@@ -35,7 +35,14 @@ _FIXED = struct.Struct("<4sHH16s5IQI")
 HEADER_BYTES = _FIXED.size  # 56, before the key
 MAX_KEY_BYTES = 160
 
-Bytes = bytes | bytearray | memoryview
+Bytes = bytes | bytearray | memoryview | npt.NDArray[np.uint8]
+
+
+def _view(data: Bytes) -> memoryview:
+    """The bytes of `data` as a flat memoryview (no copy for contiguous inputs)."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).data.cast("B")
+    return memoryview(data).cast("B")
 
 
 class CorruptValueError(PagedKVError):
@@ -55,8 +62,12 @@ class BlockLayout:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
-            raise InvalidArgumentError(f"BlockLayout: unknown dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
-        if len(self.shape) != 5 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.shape):
+            raise InvalidArgumentError(
+                f"BlockLayout: unknown dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}"
+            )
+        if len(self.shape) != 5 or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.shape
+        ):
             raise InvalidArgumentError(f"BlockLayout: shape must be 5 positive ints, got {self.shape!r}")
 
     @property
@@ -75,7 +86,7 @@ def header(layout: BlockLayout, store_key: bytes, payload: Bytes) -> bytes:
     """The header (with the key) of a value whose payload is `payload` (the block's bytes)."""
     if len(store_key) > MAX_KEY_BYTES:
         raise InvalidArgumentError(f"store keys are at most {MAX_KEY_BYTES} bytes, got {len(store_key)}")
-    view = memoryview(payload).cast("B")
+    view = _view(payload)
     if view.nbytes != layout.nbytes:
         raise InvalidArgumentError(f"a block payload of {layout} is {layout.nbytes} bytes, got {view.nbytes}")
     fixed = _FIXED.pack(MAGIC, VERSION, len(store_key), layout.dtype.encode(), *layout.shape, view.nbytes,
@@ -85,12 +96,12 @@ def header(layout: BlockLayout, store_key: bytes, payload: Bytes) -> bytes:
 
 def pack(layout: BlockLayout, store_key: bytes, payload: Bytes) -> bytes:
     """Header + payload as one bytes object (what a remote store keeps)."""
-    return header(layout, store_key, payload) + bytes(memoryview(payload).cast("B"))
+    return header(layout, store_key, payload) + bytes(_view(payload))
 
 
 def unpack(layout: BlockLayout, store_key: bytes, value: Bytes) -> npt.NDArray[np.uint8]:
     """The payload of `value` as a read-only `uint8` array, after checking every header field."""
-    view = memoryview(value).cast("B")
+    view = _view(value)
     if view.nbytes < HEADER_BYTES:
         raise CorruptValueError("header", f"value of {view.nbytes} bytes is shorter than a header")
     magic, version, key_len, dtype, *rest = _FIXED.unpack_from(view)
@@ -98,7 +109,9 @@ def unpack(layout: BlockLayout, store_key: bytes, value: Bytes) -> npt.NDArray[n
     if magic != MAGIC or version != VERSION:
         raise CorruptValueError("header", f"bad magic/version {magic!r}/{version}")
     if dtype.rstrip(b"\0").decode("ascii", "replace") != layout.dtype or shape != layout.shape:
-        raise CorruptValueError("header", f"value holds {dtype!r} {shape}, expected {layout.dtype} {layout.shape}")
+        raise CorruptValueError(
+            "header", f"value holds {dtype!r} {shape}, expected {layout.dtype} {layout.shape}"
+        )
     if nbytes != layout.nbytes or view.nbytes != HEADER_BYTES + key_len + nbytes:
         raise CorruptValueError("header", f"value size {view.nbytes} does not match its header")
     if bytes(view[HEADER_BYTES : HEADER_BYTES + key_len]) != store_key:
