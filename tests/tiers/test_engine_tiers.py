@@ -108,6 +108,20 @@ def test_all_tiers_together(baseline: list[list[int]], redis_url: str, tmp_path:
     engine.close()
 
 
+def test_parallel_sampling_and_preemption_with_tiers() -> None:
+    """Forked children and preempted requests run as without tiers; only first admissions are counted."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1, n=2, ignore_eos=True)
+    prompts = [SHARED[:20], OTHERS[0][:20], OTHERS[1][:20]]
+    runs = []
+    for host_blocks in (0, 32):
+        engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=16, block_size=BS, host_blocks=host_blocks))
+        runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        engine.manager.check_invariants()
+    assert runs[0] == runs[1]
+    assert engine.stats.tiers is not None and engine.stats.tiers.prompt_tokens == 60
+    assert engine.stats.num_preemptions > 0
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(host_blocks=-1), dict(disk_path="/tmp/x"), dict(disk_bytes=10), dict(remote_url="http://x"),

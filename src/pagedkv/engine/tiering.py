@@ -124,7 +124,7 @@ class EngineTiering:
             if self._admitted.get(rid) != r.seq_id:  # admitted in this step
                 self._admitted[rid] = r.seq_id
                 self._miss_at.pop(rid, None)
-                if r.num_preemptions == 0:
+                if r.num_preemptions == 0 and not r.output_token_ids:  # not a re-admission, not a fork child
                     store.stats.prompt_tokens += r.num_tokens
                     store.stats.cached_tokens["GPU"] += chunk.start
             first, last = chunk.start // bs, (chunk.end - 1) // bs  # candidate blocks [first, last)
@@ -148,7 +148,7 @@ class EngineTiering:
             self.manager.mark_computed([r.seq_id], [start])  # only now: the blocks hold their KV
             r.num_computed_tokens = start
             out.scheduled[i] = chunk._replace(start=start, num_new_tokens=chunk.end - start)
-            if r.num_preemptions == 0:
+            if r.num_preemptions == 0 and not r.output_token_ids:
                 counts = self._by_request.setdefault(rid, Counter())
                 for medium in plan.media:
                     counts[medium] += bs
