@@ -114,7 +114,9 @@ def test_parallel_sampling_and_preemption_with_tiers() -> None:
     prompts = [SHARED[:20], OTHERS[0][:20], OTHERS[1][:20]]
     runs = []
     for host_blocks in (0, 32):
-        engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=16, block_size=BS, host_blocks=host_blocks))
+        engine = Engine(
+            tiny_model("llama"), None, EngineConfig(num_blocks=16, block_size=BS, host_blocks=host_blocks)
+        )
         runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
         engine.manager.check_invariants()
     assert runs[0] == runs[1]

@@ -9,6 +9,7 @@ process's cache, not a database: it is created empty (truncated) when the tier o
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,8 @@ class DiskTier(LocalTier):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # an engine that is never closed still leaves no file behind at exit
+        self._finalizer = weakref.finalize(self, _remove, self._fd, self.path)
 
     def _store_key(self, key: bytes) -> bytes:
         return self.key_prefix + key.hex().encode()
@@ -61,6 +64,10 @@ class DiskTier(LocalTier):
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
             self._fd = None
-            self.path.unlink(missing_ok=True)
+            self._finalizer()
+
+
+def _remove(fd: int, path: Path) -> None:
+    os.close(fd)
+    path.unlink(missing_ok=True)
