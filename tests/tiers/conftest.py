@@ -1,4 +1,4 @@
-"""A private redis-server per test that asks for `redis_url` (unix socket in a temp folder, never :6379).
+"""A private redis-server per test that asks for `redis_url` (or `redis_server`, to stop it early) (unix socket in a temp folder, never :6379).
 
 Where `redis-server` is missing the test is skipped with one line, unless `PAGEDKV_REQUIRE_REDIS=1`
 (set by .ci/run), which turns the skip into a failure.
@@ -15,7 +15,7 @@ from pagedkv.tiers.redis_server import RedisServer, RedisUnavailableError, redis
 
 
 @pytest.fixture
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     required = os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1"
     if redis_server_path() is None:
         if required:
@@ -29,6 +29,11 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             pytest.fail(str(err))
         pytest.skip(str(err))
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url

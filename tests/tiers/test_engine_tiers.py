@@ -89,6 +89,27 @@ def test_redis_tier_brings_an_evicted_prefix_back(baseline: list[list[int]], red
     assert engine.stats.tiers is not None and engine.stats.tiers.stored_blocks["REMOTE"] >= 10
     events = engine.tiering.take_events()
     assert {e.medium for e in events} == {"REMOTE"} and {e.kind for e in events} == {"stored"}
+    assert len(events) == engine.stats.tiers.stored_blocks["REMOTE"]
+
+
+def test_device_events_stay_readable_for_an_event_log() -> None:
+    engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=12, block_size=BS, host_blocks=8))
+    engine.tiering.device_events = []
+    engine.generate([SHARED], PARAMS)
+    engine.generate(OTHERS[:1], PARAMS)
+    kinds = [e.kind for e in engine.tiering.device_events]
+    assert kinds.count("stored") >= 10 and "removed" in kinds  # published, then evicted (written back)
+    host_keys = {e.key for e in engine.tiering.take_events() if e.kind == "stored" and e.medium == "CPU"}
+    removed = {e.key for e in engine.tiering.device_events if e.kind == "removed"}
+    assert host_keys == removed
+
+
+def test_a_redis_that_goes_away_is_a_miss_not_a_crash(baseline: list[list[int]], redis_server: Any) -> None:
+    config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=0, remote_url=redis_server.url)
+    engine, outputs = run(config, lambda engine: redis_server.stop())
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "REMOTE") == [0, 0]
+    assert engine.stats.tiers is not None and engine.stats.tiers.remote_failures["error"] > 0
 
 
 def test_chunked_prefill_loads_chunk_by_chunk(baseline: list[list[int]]) -> None:

@@ -14,7 +14,9 @@ tiering.after_update()              # write newly published blocks through to th
 ```
 
 Evictions and publications come from the manager's events (`record_events=True`): `removed` carries the
-key and the block that held it, `stored` the key and its block. Write-back happens before the forward that
+key and the block that held it, `stored` the key and its block. The tiering is the one reader that drains
+`manager.take_events()`; an event log that also wants the device's events sets `device_events = []` and
+reads the drained `CacheEvent`s there, in order. Write-back happens before the forward that
 could overwrite an evicted block; so a device block is never reused before its copy to the host finished.
 
 Loading a hit (two-phase): for a prefill chunk starting on a block boundary, the keys of the blocks fully
@@ -50,6 +52,7 @@ class EngineTiering:
         self._admitted: dict[str, int | None] = {}  # request id -> the seq id whose admission was counted
         self._miss_at: dict[str, int] = {}  # request id -> first block the tiers missed (skip later lookups)
         self._by_request: dict[str, Counter[str]] = {}  # tokens served per medium, at first admission
+        self.device_events: list[Any] | None = None  # a list: keep the manager's drained events for a reader
 
     @classmethod
     def build(cls, config: Any, storage: KVStorage, manager: Any, model_id: str) -> EngineTiering:
@@ -99,7 +102,10 @@ class EngineTiering:
         """Drain the manager's events: evicted blocks are written back, published ones written through."""
         evicted: dict[bytes, int] = {}
         published: dict[bytes, int] = {}
-        for event in self.manager.take_events():
+        drained = self.manager.take_events()
+        if self.device_events is not None:
+            self.device_events.extend(drained)
+        for event in drained:
             if event.kind == "removed" and event.key is not None:
                 evicted[key_bytes(event.key)] = int(event.block_id)
             elif event.kind == "stored" and event.key is not None:

@@ -46,12 +46,14 @@ from pagedkv.tiers.value import BlockLayout
 @dataclass(slots=True)
 class TierStats:
     """Prompt tokens seen at admission; tokens served from each medium ("GPU" = the device prefix cache);
-    blocks written to each medium; blocks lost, by reason."""
+    blocks written to each medium; blocks lost, by reason; failed remote-store calls, by reason (a failed
+    lookup loses hits it cannot count)."""
 
     prompt_tokens: int = 0
     cached_tokens: Counter[str] = field(default_factory=Counter)
     stored_blocks: Counter[str] = field(default_factory=Counter)
     losses: Counter[str] = field(default_factory=Counter)
+    remote_failures: Counter[str] = field(default_factory=Counter)
 
     def hit_rate(self, medium: str) -> float:
         return self.cached_tokens[medium] / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -64,6 +66,7 @@ class TierStats:
             "hit_rate": {m: round(self.hit_rate(m), 4) for m in media},
             "stored_blocks": dict(self.stored_blocks),
             "losses": dict(self.losses),
+            "remote_failures": dict(self.remote_failures),
         }
 
 
@@ -96,6 +99,9 @@ class TieredStore:
         self.local = list(local)  # fastest first: host, then disk
         self.remote = remote
         self.stats = TierStats()
+        failures = getattr(remote, "failures", None)
+        if failures is not None:  # the remote tier counts its failed calls straight into the stats
+            self.stats.remote_failures = failures
 
     @classmethod
     def build(cls, layout: BlockLayout, fingerprint: str, *, host_blocks: int = 0, disk_path: str | None = None,
