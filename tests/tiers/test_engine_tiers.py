@@ -153,3 +153,35 @@ def test_parallel_sampling_and_preemption_with_tiers() -> None:
 def test_bad_tier_configs_are_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgumentError):
         EngineConfig(num_blocks=8, **kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_shared_prefix_workload_is_identical_with_all_tiers(
+    seed: int, redis_url: str, tmp_path: Path
+) -> None:
+    """Requests drawn from three shared prefixes with random tails, a few at a time, on a device too small
+    to keep them: every greedy output equals the tiers-off engine's, and the tiers serve some tokens."""
+    rng = np.random.default_rng(seed)
+    heads = [rng.integers(3, VOCAB, size=int(rng.integers(8, 28))).tolist() for _ in range(3)]
+    batches = [
+        [
+            heads[int(rng.integers(3))] + rng.integers(3, VOCAB, size=int(rng.integers(1, 9))).tolist()
+            for _ in range(3)
+        ]
+        for _ in range(5)
+    ]
+    results = []
+    for tiers in (False, True):
+        extra: dict[str, Any] = (
+            dict(host_blocks=4, disk_path=str(tmp_path), disk_bytes=1 << 20, remote_url=redis_url)
+            if tiers
+            else {}
+        )
+        engine = Engine(tiny_model("qwen2"), None, EngineConfig(num_blocks=20, block_size=BS, **extra))
+        results.append([[o.output_token_ids for o in engine.generate(batch, PARAMS)] for batch in batches])
+        engine.manager.check_invariants()
+    assert results[0] == results[1]
+    stats = engine.stats.tiers
+    assert stats is not None and sum(stats.cached_tokens[m] for m in ("CPU", "DISK", "REMOTE")) > 0
+    engine.tiering.store.check_invariants()
+    engine.close()

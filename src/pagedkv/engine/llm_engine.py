@@ -360,7 +360,7 @@ class Engine:
         finished = _is_finished(r)
         ttft = None if first is None else first - arrival
         device = int(getattr(r, "num_cached_tokens", 0) or 0)
-        by_tier = self.tiering.cached_by_tier(r.request_id, device) if self.tiering else {"GPU": device}
+        by_tier = {"GPU": device} if self.tiering is None else self.tiering.cached_by_tier(r.request_id, device)
         tpot = None
         if finished and first is not None and finish is not None:
             tpot = (finish - first) / (len(out_ids) - 1) if len(out_ids) > 1 else 0.0
