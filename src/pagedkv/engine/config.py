@@ -52,6 +52,16 @@ class EngineConfig:
     preemption_mode: PreemptionMode = "recompute"
     num_host_blocks: int | None = None  # swap pool; default: as many as device blocks when swapping
     attention_backend: Literal["auto", "sdpa", "ops"] = "auto"  # see pagedkv.hf.cache.PagedKVCache
+    # Tiers below the device (docs/tiers.md): evicted prefix blocks go to host RAM, then disk; published
+    # blocks are written through to a Redis store shared by replicas ("redis://..." or "unix://...").
+    host_blocks: int = 0
+    disk_path: str | None = None
+    disk_bytes: int = 0
+    remote_url: str | None = None
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return bool(self.host_blocks or self.disk_path is not None or self.remote_url)
 
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_budget_bytes is None):
@@ -80,3 +90,16 @@ class EngineConfig:
             )
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:
+            raise InvalidArgumentError(f"host_blocks must be an int >= 0, got {self.host_blocks!r}")
+        if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes < 0:
+            raise InvalidArgumentError(f"disk_bytes must be an int >= 0, got {self.disk_bytes!r}")
+        if (self.disk_path is None) != (self.disk_bytes == 0):
+            raise InvalidArgumentError("the disk tier needs both disk_path and disk_bytes > 0 (or neither)")
+        if self.remote_url is not None and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgumentError(f"remote_url must be redis://..., rediss://... or unix://..., got {self.remote_url!r}")
+        if self.tiers_enabled and (self.allocator != "paged" or not self.enable_prefix_caching):
+            raise InvalidArgumentError("tiers need the paged allocator with prefix caching on")

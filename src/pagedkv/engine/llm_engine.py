@@ -114,6 +114,7 @@ class Engine:
                 cfg.block_size,
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 num_host_blocks=num_host,
+                record_events=cfg.tiers_enabled,  # the tiers follow evictions and publications
             )
         else:
             self.manager = ContiguousKVManager(num_blocks, cfg.block_size)
@@ -138,6 +139,13 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.cache)
         self.stats = EngineStats()
+        self.tiering: Any = None
+        if cfg.tiers_enabled:  # host RAM / disk / remote store below the device (pagedkv.engine.tiering)
+            from pagedkv.engine.tiering import EngineTiering
+
+            model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
+            self.tiering = EngineTiering.build(cfg, self.cache.storage, self.manager, model_id)
+            self.stats.tiers = self.tiering.stats
         self._tracked: dict[str, _Tracked] = {}  # accepted and not yet ended
         self._outputs: dict[str, RequestOutput] = {}  # final outputs, until `generate` hands them back
         self._undelivered: list[str] = []  # ended since the last `step()` returned
@@ -299,6 +307,11 @@ class Engine:
         """True while a request has not ended, or its end has not been returned by `step()` yet."""
         return bool(self._tracked or self._undelivered)
 
+    def close(self) -> None:
+        """Release what outlives a step: the disk tier's file and the remote store's connections."""
+        if self.tiering is not None:
+            self.tiering.close()
+
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -306,6 +319,8 @@ class Engine:
         if self._in_callbacks:
             raise InvalidArgumentError("step() cannot be called from an on_token callback")
         out = self.scheduler.schedule(now=self.clock())
+        if self.tiering is not None:
+            self.tiering.before_forward(out)
         chunks = out.scheduled
         if not chunks:
             if self.scheduler.has_unfinished() and not out.rejected:
@@ -330,6 +345,8 @@ class Engine:
             if tracked.params.n > 1 and not tracked.children_forked and not chunk.request.output_token_ids:
                 self._fork_children(tracked, logits[row : row + 1], sampled)
         self.scheduler.update(out, sampled, now)
+        if self.tiering is not None:
+            self.tiering.after_update()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted)
         self.stats.num_scheduled_tokens += out.num_batched_tokens
@@ -448,6 +465,8 @@ class Engine:
         if self._tracked.pop(rid, None) is None:
             return  # collected already
         self._outputs[rid] = self._snapshot(tracked)
+        if self.tiering is not None:
+            self.tiering.forget(rid)
         self._undelivered.append(rid)
 
     def _deliver(self) -> list[RequestOutput]:
@@ -462,7 +481,10 @@ class Engine:
         text = None
         if self.tokenizer is not None:
             text = tracked.stop_text if tracked.stop_text is not None else self._decode(tracked.request.output_token_ids)
-        return RequestOutput.of(tracked.request, text=text, parent_id=tracked.parent_id)
+        by_tier = None
+        if self.tiering is not None:
+            by_tier = self.tiering.cached_by_tier(tracked.request.request_id, int(tracked.request.num_cached_tokens))
+        return RequestOutput.of(tracked.request, text=text, parent_id=tracked.parent_id, by_tier=by_tier)
 
     # --- batch API ------------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagedkv.engine.request import Request
 
+from pagedkv.tiers.store import TierStats
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -30,16 +32,30 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # one of pagedkv.engine.request.FINISH_REASONS
     error: str | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed: device prefix cache + tiers below it
     num_preemptions: int = 0
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
     parent_id: str | None = None
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "GPU", "CPU", "DISK", "REMOTE"
 
     @classmethod
-    def of(cls, request: Request, *, text: str | None = None, parent_id: str | None = None) -> RequestOutput:
-        """A snapshot of `request` now (a copy: later steps do not change it)."""
+    def of(
+        cls,
+        request: Request,
+        *,
+        text: str | None = None,
+        parent_id: str | None = None,
+        by_tier: dict[str, int] | None = None,
+    ) -> RequestOutput:
+        """A snapshot of `request` now (a copy: later steps do not change it).
+
+        `by_tier` splits the cached prompt tokens by medium when tiers are on; without it they all came
+        from the device ("GPU").
+        """
+        if by_tier is None:
+            by_tier = {"GPU": int(request.num_cached_tokens)}
         out_ids = list(request.output_token_ids)
         arrival, first, finish = request.arrival_time, request.first_token_time, request.finish_time
         finished = request.is_finished
@@ -54,7 +70,8 @@ class RequestOutput:
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
             error=request.error,
-            num_cached_tokens=int(request.num_cached_tokens),
+            num_cached_tokens=sum(by_tier.values()),
+            num_cached_tokens_by_tier=dict(by_tier),
             num_preemptions=int(request.num_preemptions),
             ttft_s=None if first is None else first - arrival,
             tpot_s=tpot,
@@ -75,6 +92,7 @@ class RequestOutput:
             "output_token_ids": list(self.output_token_ids),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
+            "num_cached_tokens_by_tier": dict(self.num_cached_tokens_by_tier),
             "finish_reason": self.finish_reason,
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
@@ -98,6 +116,7 @@ class EngineStats:
     running: list[int] = field(default_factory=list)
     live_tokens: list[int] = field(default_factory=list)
     used_blocks: list[int] = field(default_factory=list)
+    tiers: TierStats | None = None  # hit rates by medium and losses by reason, when tiers are on
 
     @property
     def peak_concurrency(self) -> int:

@@ -1,0 +1,164 @@
+"""`RedisTier`: block values in a shared Redis (or Valkey) store, through redis-py with hiredis.
+
+One value per block under `pkv:v1:{fingerprint}:{key hex}` (see `keys.py`, `value.py`). Every batch verb is
+one round trip: `lookup`/`contains` pipeline `EXISTS` per key, `get` is one `MGET`, `put` one pipeline of
+`SET NX` (a block already stored by another replica is left alone), `touch` one `TOUCH`, `remove` one `DEL`.
+The client keeps a connection pool. The store runs its own eviction (e.g. `allkeys-lru`), so a chain may
+have holes: `lookup` stops at the first missing key, and a key that `EXISTS` saw but `MGET` no longer finds
+is reported "evicted". A value whose header or checksum does not match is deleted and reported
+"checksum". A socket timeout is reported "timeout", any other connection failure "error"; either is a miss
+for every key of the call, never an exception to the engine.
+
+Events: `stored` for keys this tier wrote, `removed` for keys it deleted or found gone. Keys evicted by
+Redis itself are not seen here (a router learns of them when a lookup misses).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.tiers.events import Medium, TierEvent
+from pagedkv.tiers.keys import store_key
+from pagedkv.tiers.tier import Rows, Spill, check_rows
+from pagedkv.tiers.value import BlockLayout, CorruptValueError, pack, unpack
+
+
+class RedisTier:
+    medium: Medium = "REMOTE"
+
+    def __init__(self, url: str, layout: BlockLayout, fingerprint: str, *, timeout_s: float = 2.0,
+                 client: Any = None) -> None:  # fmt: skip
+        try:
+            import redis
+        except ImportError as err:  # pragma: no cover - the tiers extra installs it
+            raise InvalidArgumentError(
+                "the remote tier needs redis-py: pip install 'pagedkv[tiers]'"
+            ) from err
+        if client is None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgumentError(
+                f"remote_url must start with redis://, rediss:// or unix://, got {url!r}"
+            )
+        self._errors = redis.exceptions
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.client = client or redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
+        )
+        self.events: list[TierEvent] = []
+        self.failures: Counter[str] = Counter()  # calls that failed, by reason
+        self.round_trips = 0
+
+    def _k(self, key: bytes) -> bytes:
+        return store_key(self.fingerprint, key)
+
+    def _failure(self, err: Exception) -> str:
+        reason = "timeout" if isinstance(err, self._errors.TimeoutError) else "error"
+        self.failures[reason] += 1
+        return reason
+
+    def _call(self, fn: Any) -> tuple[Any, str | None]:
+        self.round_trips += 1
+        try:
+            return fn(), None
+        except self._errors.RedisError as err:
+            return None, self._failure(err)
+        except OSError as err:
+            return None, self._failure(err)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._k(k))
+            return list(pipe.execute())
+
+        found, reason = self._call(run)
+        return [bool(x) for x in found] if reason is None else [False] * len(keys)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for present in self.contains(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[bytes], out: Rows) -> list[str | None]:
+        check_rows(self.layout, out, len(keys), "REMOTE get")
+        if not keys:
+            return []
+        skeys = [self._k(k) for k in keys]
+        values, reason = self._call(lambda: self.client.mget(skeys))
+        if reason is not None:
+            return [reason] * len(keys)
+        reasons: list[str | None] = []
+        corrupt: list[bytes] = []
+        for i, (key, skey, value) in enumerate(zip(keys, skeys, values)):
+            if value is None:
+                reasons.append("evicted")
+                self.events.append(TierEvent("removed", key, self.medium))
+                continue
+            try:
+                out[i] = unpack(self.layout, skey, value)
+            except CorruptValueError as err:
+                reasons.append(err.reason)
+                corrupt.append(key)
+                continue
+            reasons.append(None)
+        if corrupt:
+            self.remove(corrupt)
+        return reasons
+
+    def put(self, keys: Sequence[bytes], values: Rows, stamps: Sequence[int] | None = None) -> Spill:
+        check_rows(self.layout, values, len(keys), "REMOTE put")
+        if not keys:
+            return Spill(0, [], [], None)
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for i, k in enumerate(keys):
+                pipe.set(self._k(k), pack(self.layout, self._k(k), np.ascontiguousarray(values[i])), nx=True)
+            return list(pipe.execute())
+
+        done, reason = self._call(run)
+        if reason is not None:
+            return Spill(0, [], [], None)
+        stored = [k for k, ok in zip(keys, done) if ok]
+        self.events.extend(TierEvent("stored", k, self.medium) for k in stored)
+        return Spill(len(stored), [], [], None)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.delete(self._k(k))
+            return list(pipe.execute())
+
+        gone, reason = self._call(run)
+        if reason is not None:
+            return 0
+        removed = [k for k, n in zip(keys, gone) if n]
+        self.events.extend(TierEvent("removed", k, self.medium) for k in removed)
+        return len(removed)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._call(lambda: self.client.touch(*[self._k(k) for k in keys]))
+
+    def take_events(self) -> list[TierEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        self.client.close()

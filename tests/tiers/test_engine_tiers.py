@@ -1,0 +1,187 @@
+"""The engine with tiers: greedy outputs identical with tiers on and off, for a prefix evicted from the
+device to each tier (host, disk, Redis) and brought back; corrupt copies are recomputed, never served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.llm_engine import Engine
+from pagedkv.engine.params import SamplingParams
+from pagedkv.hf.tiny import VOCAB, tiny_model
+
+BS = 4
+PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+RNG = np.random.default_rng(7)
+SHARED = RNG.integers(3, VOCAB, size=40).tolist()  # 10 blocks; 9 can be served (the last token is computed)
+OTHERS = [RNG.integers(3, VOCAB, size=40).tolist() for _ in range(3)]
+AGAIN = SHARED[:36] + RNG.integers(3, VOCAB, size=4).tolist()  # same 9 blocks, new tail
+
+
+def run(config: EngineConfig, between: Any = None) -> tuple[Engine, list[Any]]:
+    """SHARED, then three other prompts that evict it from the 11-block device, then SHARED and AGAIN."""
+    engine = Engine(tiny_model("llama"), None, config)
+    outputs = [engine.generate([SHARED], PARAMS)[0]]
+    outputs += engine.generate(OTHERS, PARAMS)
+    if between is not None:
+        between(engine)
+    outputs += [engine.generate([p], PARAMS)[0] for p in (SHARED, AGAIN)]
+    engine.manager.check_invariants()
+    if engine.tiering is not None:
+        engine.tiering.store.check_invariants()
+    return engine, outputs
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[list[int]]:
+    engine, outputs = run(EngineConfig(num_blocks=12, block_size=BS))
+    assert [o.num_cached_tokens for o in outputs[-2:]] == [0, 36]  # the device alone lost the prefix
+    return [o.output_token_ids for o in outputs]
+
+
+def served(outputs: list[Any], medium: str) -> list[int]:
+    return [o.num_cached_tokens_by_tier[medium] for o in outputs[-2:]]
+
+
+def test_host_tier_brings_an_evicted_prefix_back(baseline: list[list[int]]) -> None:
+    engine, outputs = run(EngineConfig(num_blocks=12, block_size=BS, host_blocks=64))
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "CPU") == [36, 0] and served(outputs, "GPU") == [0, 36]
+    assert outputs[-2].num_cached_tokens == 36
+    stats = engine.stats.tiers
+    assert stats is not None and stats.hit_rate("CPU") > 0 and stats.stored_blocks["CPU"] > 0
+    assert outputs[-2].as_dict()["num_cached_tokens_by_tier"] == outputs[-2].num_cached_tokens_by_tier
+
+
+def test_disk_tier_behind_a_tiny_host_tier(baseline: list[list[int]], tmp_path: Path) -> None:
+    config = EngineConfig(
+        num_blocks=12, block_size=BS, host_blocks=2, disk_path=str(tmp_path), disk_bytes=1 << 20
+    )
+    engine, outputs = run(config)
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "DISK")[0] >= 28 and served(outputs, "DISK")[0] + served(outputs, "CPU")[0] == 36
+    engine.close()
+    assert not list(tmp_path.iterdir())  # the disk tier's file goes with the engine
+
+
+def test_corrupt_disk_blocks_are_recomputed_not_served(baseline: list[list[int]], tmp_path: Path) -> None:
+    def corrupt(engine: Engine) -> None:
+        disk = engine.tiering.store.local[0]
+        with open(disk.path, "r+b") as f:
+            f.write(b"\xff" * disk.path.stat().st_size)
+
+    config = EngineConfig(num_blocks=12, block_size=BS, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    engine, outputs = run(config, corrupt)
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "DISK")[0] == 0
+    assert engine.stats.tiers is not None and engine.stats.tiers.losses["header"] >= 1
+
+
+def test_redis_tier_brings_an_evicted_prefix_back(baseline: list[list[int]], redis_url: str) -> None:
+    engine, outputs = run(EngineConfig(num_blocks=12, block_size=BS, remote_url=redis_url))
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "REMOTE")[0] == 36
+    assert engine.stats.tiers is not None and engine.stats.tiers.stored_blocks["REMOTE"] >= 10
+    events = engine.tiering.take_events()
+    assert {e.medium for e in events} == {"REMOTE"} and {e.kind for e in events} == {"stored"}
+    assert len(events) == engine.stats.tiers.stored_blocks["REMOTE"]
+
+
+def test_device_events_stay_readable_for_an_event_log() -> None:
+    engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=12, block_size=BS, host_blocks=8))
+    engine.tiering.device_events = []
+    engine.generate([SHARED], PARAMS)
+    engine.generate(OTHERS[:1], PARAMS)
+    kinds = [e.kind for e in engine.tiering.device_events]
+    assert kinds.count("stored") >= 10 and "removed" in kinds  # published, then evicted (written back)
+    host_keys = {e.key for e in engine.tiering.take_events() if e.kind == "stored" and e.medium == "CPU"}
+    removed = {e.key for e in engine.tiering.device_events if e.kind == "removed"}
+    assert host_keys == removed
+
+
+def test_a_redis_that_goes_away_is_a_miss_not_a_crash(baseline: list[list[int]], redis_server: Any) -> None:
+    config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=0, remote_url=redis_server.url)
+    engine, outputs = run(config, lambda engine: redis_server.stop())
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "REMOTE") == [0, 0]
+    assert engine.stats.tiers is not None and engine.stats.tiers.remote_failures["error"] > 0
+
+
+def test_chunked_prefill_loads_chunk_by_chunk(baseline: list[list[int]]) -> None:
+    config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=64, max_num_batched_tokens=8)
+    _, outputs = run(config)
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "CPU")[0] > 0
+
+
+def test_all_tiers_together(baseline: list[list[int]], redis_url: str, tmp_path: Path) -> None:
+    config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=3, disk_path=str(tmp_path),
+                          disk_bytes=1 << 20, remote_url=redis_url)  # fmt: skip
+    engine, outputs = run(config)
+    assert [o.output_token_ids for o in outputs] == baseline
+    by_tier = outputs[-2].num_cached_tokens_by_tier
+    assert by_tier["CPU"] + by_tier["DISK"] + by_tier["REMOTE"] + by_tier["GPU"] == 36
+    engine.close()
+
+
+def test_parallel_sampling_and_preemption_with_tiers() -> None:
+    """Forked children and preempted requests run as without tiers; only first admissions are counted."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1, n=2, ignore_eos=True)
+    prompts = [SHARED[:20], OTHERS[0][:20], OTHERS[1][:20]]
+    runs = []
+    for host_blocks in (0, 32):
+        engine = Engine(
+            tiny_model("llama"), None, EngineConfig(num_blocks=16, block_size=BS, host_blocks=host_blocks)
+        )
+        runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        engine.manager.check_invariants()
+    assert runs[0] == runs[1]
+    assert engine.stats.tiers is not None and engine.stats.tiers.prompt_tokens == 60
+    assert engine.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(host_blocks=-1), dict(disk_path="/tmp/x"), dict(disk_bytes=10), dict(remote_url="http://x"),
+     dict(host_blocks=4, enable_prefix_caching=False), dict(host_blocks=4, allocator="contiguous")],
+)  # fmt: skip
+def test_bad_tier_configs_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        EngineConfig(num_blocks=8, **kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_shared_prefix_workload_is_identical_with_all_tiers(
+    seed: int, redis_url: str, tmp_path: Path
+) -> None:
+    """Requests drawn from three shared prefixes with random tails, a few at a time, on a device too small
+    to keep them: every greedy output equals the tiers-off engine's, and the tiers serve some tokens."""
+    rng = np.random.default_rng(seed)
+    heads = [rng.integers(3, VOCAB, size=int(rng.integers(8, 28))).tolist() for _ in range(3)]
+    batches = [
+        [
+            heads[int(rng.integers(3))] + rng.integers(3, VOCAB, size=int(rng.integers(1, 9))).tolist()
+            for _ in range(3)
+        ]
+        for _ in range(5)
+    ]
+    results = []
+    for tiers in (False, True):
+        extra: dict[str, Any] = (
+            dict(host_blocks=4, disk_path=str(tmp_path), disk_bytes=1 << 20, remote_url=redis_url)
+            if tiers
+            else {}
+        )
+        engine = Engine(tiny_model("qwen2"), None, EngineConfig(num_blocks=20, block_size=BS, **extra))
+        results.append([[o.output_token_ids for o in engine.generate(batch, PARAMS)] for batch in batches])
+        engine.manager.check_invariants()
+    assert results[0] == results[1]
+    stats = engine.stats.tiers
+    assert stats is not None and sum(stats.cached_tokens[m] for m in ("CPU", "DISK", "REMOTE")) > 0
+    engine.tiering.store.check_invariants()
+    engine.close()

@@ -1,0 +1,91 @@
+"""The Redis tier against a private redis-server: one round trip per verb, holes, corruption, failures."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from pagedkv.tiers.events import TierEvent
+from pagedkv.tiers.keys import store_key
+from pagedkv.tiers.remote import RedisTier
+from pagedkv.tiers.store import TieredStore
+from pagedkv.tiers.value import BlockLayout
+
+LAYOUT = BlockLayout("bfloat16", (2, 2, 4, 2, 8))
+FP = "00ff00ff00ff00ff"
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def rows(ids: list[int]) -> np.ndarray:
+    return np.stack([np.random.default_rng(i).integers(0, 256, LAYOUT.nbytes, dtype=np.uint8) for i in ids])
+
+
+def test_put_lookup_get_in_one_round_trip_each(redis_url: str) -> None:
+    tier = RedisTier(redis_url, LAYOUT, FP)
+    assert tier.put([k(0), k(1), k(2)], rows([0, 1, 2])).num_stored == 3
+    assert tier.put([k(1)], rows([7])).num_stored == 0  # SET NX: another replica's copy stays
+    assert tier.take_events() == [TierEvent("stored", k(i), "REMOTE") for i in range(3)]
+    before = tier.round_trips
+    assert tier.lookup([k(0), k(1), k(2), k(3)]) == 3
+    out = np.zeros((3, LAYOUT.nbytes), np.uint8)
+    assert tier.get([k(0), k(1), k(2)], out) == [None, None, None]
+    assert np.array_equal(out, rows([0, 1, 2]))
+    assert tier.round_trips - before == 2
+    raw = redis.Redis.from_url(redis_url)
+    assert raw.exists(store_key(FP, k(0))) == 1  # the documented key format
+    assert raw.get(store_key(FP, k(0)))[:4] == b"PKVB"  # type: ignore[index]
+
+
+def test_a_hole_stops_the_chain_and_a_vanished_value_is_evicted(redis_url: str) -> None:
+    tier = RedisTier(redis_url, LAYOUT, FP)
+    tier.put([k(i) for i in range(4)], rows([0, 1, 2, 3]))
+    raw = redis.Redis.from_url(redis_url)
+    raw.delete(store_key(FP, k(2)))  # the store's own eviction made a hole
+    store = TieredStore(LAYOUT, [], tier)
+    assert store.lookup([k(i) for i in range(4)]) == ["REMOTE", "REMOTE"]
+    out = np.zeros((2, LAYOUT.nbytes), np.uint8)
+    raw.delete(store_key(FP, k(1)))  # gone between lookup and get
+    assert tier.get([k(0), k(1)], out) == [None, "evicted"]
+
+
+def test_corrupt_value_is_a_checksum_miss_and_is_deleted(redis_url: str) -> None:
+    tier = RedisTier(redis_url, LAYOUT, FP)
+    tier.put([k(0), k(1)], rows([0, 1]))
+    raw = redis.Redis.from_url(redis_url)
+    value = bytearray(raw.get(store_key(FP, k(1))))  # type: ignore[arg-type]
+    value[-5] ^= 0xFF
+    raw.set(store_key(FP, k(1)), bytes(value))
+    store = TieredStore(LAYOUT, [], tier)
+    out = np.zeros((2, LAYOUT.nbytes), np.uint8)
+    plan = store.prepare_load([k(0), k(1)], out)
+    assert plan.keys == [k(0)] and store.stats.losses == {"checksum": 1}
+    assert raw.exists(store_key(FP, k(1))) == 0
+
+
+def test_other_fingerprint_never_sees_the_blocks(redis_url: str) -> None:
+    RedisTier(redis_url, LAYOUT, FP).put([k(0)], rows([0]))
+    assert RedisTier(redis_url, LAYOUT, "1111111111111111").lookup([k(0)]) == 0
+
+
+def test_unreachable_and_silent_servers_are_misses_not_exceptions(tmp_path: Path) -> None:
+    gone = RedisTier(f"unix://{tmp_path}/nothing.sock", LAYOUT, FP, timeout_s=0.2)
+    out = np.zeros((1, LAYOUT.nbytes), np.uint8)
+    assert gone.lookup([k(0)]) == 0 and gone.get([k(0)], out) == ["error"]
+    assert gone.put([k(0)], rows([0])).num_stored == 0
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts connections, never answers
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen(8)
+    try:
+        tier = RedisTier(f"unix://{tmp_path}/silent.sock", LAYOUT, FP, timeout_s=0.2)
+        store = TieredStore(LAYOUT, [], tier)
+        assert store.lookup([k(0)]) == []
+        assert tier.get([k(0)], out) == ["timeout"]
+        assert tier.failures["timeout"] >= 2
+    finally:
+        silent.close()
