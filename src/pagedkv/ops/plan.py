@@ -103,13 +103,14 @@ def plan_attention(
     max_seqlen_k: int | None = None,
     backend: str | None = None,
     num_splits: int | None = None,
+    launch: LaunchConfig | None = None,
 ) -> AttentionPlan:
     """Validate and prepare one step's metadata for every layer's `paged_attention` call.
 
     `query` may be any layer's query (only its shape, dtype and device are read). `max_seqlen_q` and
     `max_seqlen_k` (host ints the caller usually has) pick the decode kernel and the split count; without
     them the plan assumes the widest case, which is always correct. `num_splits` (a power of two <= 32)
-    overrides the split heuristic (tests, tuning).
+    overrides the split heuristic, `launch` the launch configuration (tests, tuning sweeps).
     """
     shape = check_attention_shapes(
         query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q, scale=None, sliding_window=None,
@@ -121,7 +122,7 @@ def plan_attention(
         check_attention_metadata(shape, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
     else:
         triton_plan = _plan_triton(shape, key_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
-                                   max_seqlen_k, num_splits)
+                                   max_seqlen_k, num_splits, launch)
     table = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else (
         block_table.to(torch.int32).contiguous()
     )
@@ -148,9 +149,10 @@ def _plan_triton(
     max_seqlen_q: int | None,
     max_seqlen_k: int | None,
     num_splits: int | None,
+    launch: LaunchConfig | None,
 ) -> TritonPlan:
     decode = max_seqlen_q == 1 if max_seqlen_q is not None else shape.num_q_tokens <= shape.num_seqs
-    config = choose_launch(
+    config = launch or choose_launch(
         decode=decode,
         group=shape.num_heads // shape.num_kv_heads,
         head_dim=shape.head_dim,
