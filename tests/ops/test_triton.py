@@ -131,3 +131,15 @@ def test_split_k_matches_reference(num_splits: int, window: int | None, max_q: i
     assert plan.triton is not None and plan.triton.num_splits == num_splits
     out = paged_attention(*batch.args(), sliding_window=window, plan=plan)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_write_reads_strided_views_in_place() -> None:
+    """The model hands K/V as [T, Hkv, D] views of [Hkv, T, D] tensors: the write reads them as they are."""
+    caches = [torch.full((6, 4, 3, 16), float("nan")) for _ in range(4)]
+    key = torch.randn(3, 5, 16).transpose(0, 1)  # [5, 3, 16], not contiguous
+    value = torch.randn(3, 5, 16).transpose(0, 1)
+    slots = torch.tensor([0, 9, 23, 4, 13], dtype=torch.int64)
+    write_kv(caches[0], caches[1], key, value, slots, backend="reference")
+    write_kv(caches[2], caches[3], key, value, slots, backend="triton")
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))

@@ -166,6 +166,7 @@ def test_write_kernel_compiles(arch: int, num_kv_heads: int, head_dim: int, dtyp
     from pagedkv.ops import triton_kernels as tk
 
     t = f"*{TRITON_TYPES[dtype]}"
-    types = {"key_ptr": t, "value_ptr": t, "key_cache_ptr": t, "value_cache_ptr": t, "slot_ptr": "*i64"}
+    types = {"key_ptr": t, "value_ptr": t, "key_cache_ptr": t, "value_cache_ptr": t, "slot_ptr": "*i64",
+             "stride_k_token": "i32", "stride_k_head": "i32", "stride_v_token": "i32", "stride_v_head": "i32"}
     compiler("_write_kv_kernel", types, tk.write_constexprs(num_kv_heads, head_dim), arch,
                       {"num_warps": 4, "num_stages": 2})

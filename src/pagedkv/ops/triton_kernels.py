@@ -6,7 +6,8 @@ specialization the launch heuristics can choose is also compiled to sm_80 and sm
 `tests/ops/test_triton_compile.py`, because the interpreter accepts things the compiler refuses (a
 non-constexpr global, for one). So: no module-level values inside kernels; constants are literals.
 
-Write: one program per token copies its `num_kv_heads * head_dim` row of K and of V to its slot.
+Write: one program per token copies its `num_kv_heads * head_dim` row of K and of V to its slot (reading
+strided `[T, Hkv, D]` views in place).
 
 Attention (one kernel for decode, prefill and chunked prefill), built like the fast paged decoders
 (flash-decoding, vLLM's and SGLang's Triton decode kernels):
@@ -56,17 +57,24 @@ def _write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_ptr,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    HEAD_DIM: tl.constexpr,
     ROW: tl.constexpr,
     ROW_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # key/value may be strided views (e.g. [T, Hkv, D] transposed from the model's [Hkv, T, D]): no copy.
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
     mask = offs < ROW
-    src = token.to(tl.int64) * ROW + offs
+    head = offs // HEAD_DIM
+    d = offs % HEAD_DIM
     dst = slot * ROW + offs
-    k = tl.load(key_ptr + src, mask=mask)
-    v = tl.load(value_ptr + src, mask=mask)
+    k = tl.load(key_ptr + token * stride_k_token + head * stride_k_head + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_v_token + head * stride_v_head + d, mask=mask)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -78,16 +86,23 @@ def write_kv_triton(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Triton `write_kv` (arguments already checked by `pagedkv.ops.write_kv`)."""
+    """Triton `write_kv` (arguments already checked by `pagedkv.ops.write_kv`); one launch, no copies of
+    `key`/`value` when only their token and head strides differ from contiguous."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
     _write_kv_kernel[(num_tokens,)](
-        key.contiguous(),
-        value.contiguous(),
+        key,
+        value,
         key_cache,
         value_cache,
-        slot_mapping.contiguous(),
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
         **write_constexprs(key_cache.shape[2], key_cache.shape[3]),
     )
 
@@ -395,7 +410,7 @@ def merge_constexprs(cfg: LaunchConfig, head_dim: int, num_splits: int) -> dict[
 def write_constexprs(num_kv_heads: int, head_dim: int) -> dict[str, object]:
     """The compile-time arguments of `_write_kv_kernel` (launch and compile test)."""
     row = num_kv_heads * head_dim
-    return {"ROW": row, "ROW_PAD": triton.next_power_of_2(row)}
+    return {"HEAD_DIM": head_dim, "ROW": row, "ROW_PAD": triton.next_power_of_2(row)}
 
 
 def _interpreting() -> bool:
