@@ -4,7 +4,13 @@ Everything here is a function of (decode or not, GQA group, head dim, block size
 the split count, of the grid and the longest context, so it is computed once per step (`pagedkv.ops.plan`)
 and the compile test (`tests/ops/test_triton_compile.py`) can enumerate every specialization it can pick.
 
-Heuristics (why each value):
+Heuristics (why each value). For comparison, the public Triton decoders pick similar shapes: SGLang's
+grouped decode kernel (python/sglang/srt/layers/attention/triton_ops/decode_attention.py) packs 16 query
+heads per program, loads 32-key tiles transposed, 4 warps, 2 stages, and splits KV across programs with a
+second merge kernel; vLLM's unified attention (vllm/v1/attention/ops/triton_unified_attention.py) packs
+(query token, head) rows into BLOCK_M = 16 (or the next power of two of the group) with 64-key tiles, and
+has a segmented variant with a reduction for small grids. None of our values is measured yet (no GPU):
+`benchmarks/gpu_attention.py` sweeps them.
 
 - `dim_pad = max(16, next_pow2(head_dim))`: `tl.arange` and `tl.dot` want powers of two >= 16; 80 and 96
   pad to 128 with a mask on the tail.
