@@ -36,8 +36,8 @@ stage() {  # stage NAME SECONDS LOG command...
   git rev-parse HEAD 2>/dev/null || true
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-stage "gpu tests" 100 "$OUT/tests_gpu.txt" $PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_gpu.py
-stage "attention benchmark" 190 "$OUT/attention.txt" $PY benchmarks/gpu_attention.py --json "$OUT/attention.json"
-stage "serving benchmark" 280 "$OUT/serving.txt" $PY benchmarks/gpu_serving.py --out "$OUT/serving" --num-requests "$NREQ"
+stage "gpu tests" 110 "$OUT/tests_gpu.txt" $PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_gpu.py
+stage "attention benchmark" 180 "$OUT/attention.txt" $PY benchmarks/gpu_attention.py --json "$OUT/attention.json"
+stage "serving benchmark" 270 "$OUT/serving.txt" $PY benchmarks/gpu_serving.py --out "$OUT/serving" --num-requests "$NREQ"
 echo "failed stages: $failed" | tee -a "$OUT/summary.txt"
 exit $failed

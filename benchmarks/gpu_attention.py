@@ -276,6 +276,7 @@ def main() -> int:
         return 2
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {_triton_version()}")
     ok, checks = check_correctness("cuda")
+    save(args.json, 0.0, checks, [], [], [], ok)  # each stage saved as it ends: a time limit keeps the rest
     copy_gbps = copy_bandwidth_gbps()
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
     dtype = getattr(torch, args.dtype)
@@ -295,6 +296,7 @@ def main() -> int:
               f"{r['ratio']:>6.2f} {r['paged_gbps']:>7.0f} {100 * r['fraction_of_copy_bw']:>6.1f}% {r['num_splits']:>6} "
               f"{verdict:>4}  {r['sdpa_backend']}", flush=True)
         ok &= math.isfinite(r["max_abs_diff"]) and r["max_abs_diff"] < 5e-2
+    save(args.json, copy_gbps, checks, rows, [], [], ok)
     prefill = []
     print(f"{'prompt':>6} {'paged ms':>9} {'sdpa ms':>9} {'ratio':>6} {'TFLOP/s':>8} goal<=1.5x")
     for length in (2048, 4096, 8192):
@@ -304,13 +306,19 @@ def main() -> int:
         print(f"{length:>6} {r['paged_ms']:>9.3f} {r['contiguous_ms']:>9.3f} {r['ratio']:>6.2f} {r['paged_tflops']:>8.1f} "
               f"{'PASS' if r['goal_met'] else 'MISS'}", flush=True)
         ok &= math.isfinite(r["max_abs_diff"]) and r["max_abs_diff"] < 5e-2
+    save(args.json, copy_gbps, checks, rows, prefill, [], ok)
     tuning = [] if args.no_sweep else sweep(copy_gbps=copy_gbps, **shape)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
-                       "copy_gbps": copy_gbps, "checks": checks, "decode": rows, "prefill": prefill,
-                       "tuning": tuning, "checks_ok": ok}, f, indent=2)
+    save(args.json, copy_gbps, checks, rows, prefill, tuning, ok)
     return 0 if ok else 1
+
+
+def save(path: str | None, copy_gbps: float, checks: list[Any], decode: list[Any], prefill: list[Any],
+         tuning: list[Any], ok: bool) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
+                       "copy_gbps": copy_gbps, "checks": checks, "decode": decode, "prefill": prefill,
+                       "tuning": tuning, "checks_ok": ok}, f, indent=2)
 
 
 def _triton_version() -> str:

@@ -30,10 +30,19 @@ def _cuda(batch):  # type: ignore[no-untyped-def]
     return [t.cuda() for t in batch.args()]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_size", [1, 7, 16, 256])
-@pytest.mark.parametrize("max_q,window,cap,splits", [(1, None, None, None), (1, None, None, 8), (40, 33, None, None),
-                                                     (9, None, 30.0, 2)])
+GPU_CASES = [  # dtype, block_size, max_q, window, soft_cap, forced splits: every value of each, not the product
+    (torch.bfloat16, 16, 1, None, None, None),
+    (torch.bfloat16, 16, 1, None, None, 8),
+    (torch.float16, 256, 1, 100, None, None),
+    (torch.float32, 7, 1, None, 30.0, 2),
+    (torch.bfloat16, 1, 40, 33, None, None),
+    (torch.float16, 16, 40, None, 30.0, 4),
+    (torch.float32, 256, 9, None, None, None),
+    (torch.bfloat16, 7, 9, 50, 20.0, None),
+]
+
+
+@pytest.mark.parametrize("dtype,block_size,max_q,window,cap,splits", GPU_CASES)
 def test_compiled_kernel_matches_reference(dtype, block_size, max_q, window, cap, splits):  # type: ignore[no-untyped-def]
     lens, q_lens = random_lengths(block_size, 5, 700, max_q)
     batch = make_batch(block_size, lens, q_lens, block_size=block_size, group=4, num_kv_heads=2, head_dim=128,
@@ -44,6 +53,20 @@ def test_compiled_kernel_matches_reference(dtype, block_size, max_q, window, cap
     out = paged_attention(*args, sliding_window=window, soft_cap=cap, plan=plan)
     assert not out.isnan().any(), "read a poisoned slot"
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA device of compute capability >= 8.9 (Triton has no fp8 e4m3 below)")
+def test_compiled_kernel_reads_fp8_caches() -> None:
+    from pagedkv.storage.slots import quantize_fp8
+
+    lens, q_lens = random_lengths(5, 4, 600, 3)
+    batch = make_batch(5, lens, q_lens, block_size=16, group=4, head_dim=128, dtype=torch.bfloat16)
+    q, kc, vc, *rest = _cuda(batch)
+    k8, v8 = quantize_fp8(kc.nan_to_num(0.0), 0.05), quantize_fp8(vc.nan_to_num(0.0), 0.02)
+    ref = paged_attention(q, k8, v8, *rest, k_scale=0.05, v_scale=0.02, backend="reference")
+    out = paged_attention(q, k8, v8, *rest, k_scale=0.05, v_scale=0.02, backend="triton")
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
 
 
 def test_compiled_write_is_bit_exact() -> None:

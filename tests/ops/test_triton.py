@@ -54,18 +54,21 @@ def test_attention_matches_reference(case: tuple) -> None:  # type: ignore[type-
     torch.testing.assert_close(planned, expected, atol=atol, rtol=rtol)
 
 
-def test_fp8_cache_matches_reference() -> None:
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_matches_reference(query_dtype: torch.dtype) -> None:
     from pagedkv.storage.slots import quantize_fp8
 
     lens, q_lens = random_lengths(21, 4, 90, 3)
     batch = make_batch(21, lens, q_lens, block_size=8, group=4, head_dim=16)
+    batch.query = batch.query.to(query_dtype)
     k_scale, v_scale = 0.05, 0.02
     kc8 = quantize_fp8(batch.key_cache.nan_to_num(0.0), k_scale)
     vc8 = quantize_fp8(batch.value_cache.nan_to_num(0.0), v_scale)
     rest = batch.args()[3:]
     ref = paged_attention(batch.query, kc8, vc8, *rest, k_scale=k_scale, v_scale=v_scale, backend="reference")
     out = paged_attention(batch.query, kc8, vc8, *rest, k_scale=k_scale, v_scale=v_scale, backend="triton")
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    atol, rtol = TOLERANCE[query_dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

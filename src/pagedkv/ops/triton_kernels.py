@@ -398,7 +398,7 @@ def attention_constexprs(
         "IS_FP8": cache_dtype == torch.float8_e4m3fn,
         "SPLIT": split,
         "DOT_PRECISION": dot_precision(query_dtype, cache_dtype),
-        "UPCAST_DOT": interpreting and cache_dtype == torch.bfloat16,
+        "UPCAST_DOT": interpreting and _dot_dtype(query_dtype, cache_dtype) == torch.bfloat16,
     }
 
 
@@ -425,5 +425,8 @@ def dot_precision(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     """IEEE float32 dots when the dot runs in float32 (TF32 would lose the reference's 1e-5 agreement).
 
     The dot dtype is the cache's, or the query's for fp8 caches (upcast on load)."""
-    compute = query_dtype if cache_dtype == torch.float8_e4m3fn else cache_dtype
-    return "ieee" if compute == torch.float32 else "tf32"
+    return "ieee" if _dot_dtype(query_dtype, cache_dtype) == torch.float32 else "tf32"
+
+
+def _dot_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    return query_dtype if cache_dtype == torch.float8_e4m3fn else cache_dtype
