@@ -134,6 +134,12 @@ def test_attention_kernel_compiles(spec: Spec, compiler: Callable[..., dict[str,
                         cache_bits=cache_dtype.itemsize * 8)
     constexprs = tk.attention_constexprs(cfg, spec.head_dim, window=spec.window, soft_cap=spec.soft_cap,
                                          query_dtype=query_dtype, cache_dtype=cache_dtype, split=spec.split)
+    # The runtime JIT turns integer arguments equal to 1 into constants; do the same for those a spec fixes.
+    for name, value in (("group", spec.group), ("block_size", spec.block_size)):
+        if value == 1:
+            constexprs = {**constexprs, name: 1}
+    if not spec.split:
+        constexprs = {**constexprs, "num_splits": 1}
     qt, ct = TRITON_TYPES["bfloat16" if spec.dtype == "fp8" else spec.dtype], TRITON_TYPES[spec.dtype]
     types = dict(POINTERS, q_ptr=f"*{qt}", out_ptr=f"*{qt}", key_cache_ptr=f"*{ct}", value_cache_ptr=f"*{ct}")
     compiler("_paged_attention_kernel", types, constexprs, spec.arch,

@@ -41,10 +41,12 @@ class TritonPlan:
     config: LaunchConfig
     num_splits: int
     num_tiles: int
-    tiles: torch.Tensor  # int32 [4, num_tiles]: sequence, first packed query token, token count, first position
+    tiles: tuple[torch.Tensor, ...]  # 4 x int32 [num_tiles]: sequence, first packed token, token count, first position
     part_m: torch.Tensor | None  # float32 [num_q_tokens, num_heads, num_splits] when num_splits > 1
     part_l: torch.Tensor | None
     part_acc: torch.Tensor | None  # float32 [num_q_tokens, num_heads, num_splits, dim_pad]
+    # compile-time arguments per (window?, soft cap?, query dtype), filled by the first layer that needs them
+    constexprs: dict[tuple[bool, bool, torch.dtype], dict[str, object]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,10 @@ def _plan_triton(
     )
     device = key_cache.device
     num_tiles = num_tiles_upper_bound(shape.num_q_tokens, shape.num_seqs, config.block_q)
-    tiles = query_tiles(seq_lens, cu_seqlens_q, config.block_q, num_tiles)
+    # Rows padded to a multiple of 4 int32s so each row starts 16-byte aligned, the alignment the compiled
+    # (and compile-tested) specialization assumes; the padding tiles are never launched.
+    padded = -(-num_tiles // 4) * 4
+    tiles = tuple(query_tiles(seq_lens, cu_seqlens_q, config.block_q, padded).unbind(0))
     if num_splits is None:
         max_context = max_seqlen_k if max_seqlen_k is not None else shape.max_blocks_per_seq * shape.block_size
         num_sms = device_sm_count(device.index or 0) if device.type == "cuda" else 0

@@ -316,16 +316,27 @@ def paged_attention_triton(
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     split = tp.num_splits > 1
+    key = (sliding_window is not None, soft_cap is not None, query.dtype)
+    constexprs = tp.constexprs.get(key)
+    if constexprs is None:
+        constexprs = attention_constexprs(
+            cfg,
+            shape.head_dim,
+            window=key[0],
+            soft_cap=key[1],
+            query_dtype=query.dtype,
+            cache_dtype=key_cache.dtype,
+            split=split,
+            interpreting=_interpreting(),
+        )
+        tp.constexprs[key] = constexprs
     _paged_attention_kernel[(tp.num_tiles, shape.num_kv_heads, tp.num_splits)](
         query,
         key_cache,
         value_cache,
         out,
         plan.block_table,
-        tp.tiles[0],
-        tp.tiles[1],
-        tp.tiles[2],
-        tp.tiles[3],
+        *tp.tiles,
         tp.part_m if split else out,
         tp.part_l if split else out,
         tp.part_acc if split else out,
@@ -345,16 +356,7 @@ def paged_attention_triton(
         key_cache.stride(0),
         key_cache.stride(1),
         plan.block_table.stride(0),
-        **attention_constexprs(
-            cfg,
-            shape.head_dim,
-            window=sliding_window is not None,
-            soft_cap=soft_cap is not None,
-            query_dtype=query.dtype,
-            cache_dtype=key_cache.dtype,
-            split=split,
-            interpreting=_interpreting(),
-        ),
+        **constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
