@@ -78,6 +78,21 @@ def test_greedy_matches_generate(family: str, backend: str) -> None:
     assert got == expected
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2-sw", "gemma2"])
+def test_greedy_matches_generate_through_the_triton_kernel(family: str) -> None:
+    """The whole model through the Triton kernels (interpreter on CPU), step by step:
+    GQA, a sliding window on one layer, soft cap + window (gemma2), chunked prefill mixed with decodes."""
+    pytest.importorskip("triton")
+    from pagedkv.ops.dispatch import use_backend
+
+    model = tiny_model(family, seed=4)
+    prompts = prompts_of([5, 17, 30], seed=4)
+    expected = reference_generate(model, prompts, 8, eos_token_id=2, attn_implementation="eager")
+    with use_backend("triton"):
+        got = paged_greedy(model, prompts, 8, chunk=11, backend="ops")
+    assert got == expected
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "ops"])
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_chunked_prefill_matches_generate(family: str, backend: str) -> None:
@@ -116,3 +131,76 @@ def test_logits_match_sdpa_closely() -> None:
     )
     got = forward_step(model, cache, batch)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference", "triton"])
+def test_step_metadata_is_computed_once_per_step_not_per_layer(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation, dispatch, query tiling and gather/mask set-up run once per step (per attention group);
+    each layer only launches its write and attention."""
+    import transformers as tf
+
+    from pagedkv.hf import cache as hf_cache
+    from pagedkv.hf import sdpa as hf_sdpa
+    from pagedkv.ops import attention as ops_attention
+    from pagedkv.ops import plan as ops_plan
+    from pagedkv.ops.dispatch import use_backend
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    num_layers = 4
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                               num_hidden_layers=num_layers, num_attention_heads=4,
+                                               num_key_value_heads=2, max_position_embeddings=128)).eval()
+    spec = prepare_model(model)
+    calls: dict[str, int] = {}
+
+    def counted(module: object, name: str) -> None:
+        original = getattr(module, name)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("check_attention_shapes", "check_attention_metadata", "choose_backend", "query_tiles"):
+        counted(ops_plan, name)
+    counted(hf_cache, "check_write_args")
+    counted(ops_attention, "run_planned")
+    monkeypatch.setattr(hf_cache.SdpaPlan, "build", _counting(hf_sdpa.SdpaPlan.build, calls, "SdpaPlan.build"))
+
+    manager = PagedKVManager(64, 4)
+    cache = PagedKVCache.for_model(spec, 64, 4, attention_backend="sdpa" if backend == "sdpa" else "ops")
+    prompts = prompts_of([9, 5, 6])
+    ids = np.array([manager.admit(p).seq_id for p in prompts])
+    manager.mark_computed(ids[1:], np.array([4, 5]))  # seqs 1 and 2 decode their last prompt token
+    starts = np.array([0, 4, 5])
+    ends = np.array([9, 5, 6])
+    batch = build_step_batch([p[s:] for p, s in zip(prompts, starts)], starts, manager.block_table(ids, pad_id=0),
+                             manager.slot_mapping(ids, starts, ends), [True, True, True])
+    num_groups = len(batch.groups)
+    assert num_groups == 2, "expected a prefill group and a decode group on CPU"
+    with use_backend("triton" if backend == "triton" else "reference"):
+        forward_step(model, cache, batch)
+    assert calls.get("check_write_args") == 1, calls
+    if backend == "sdpa":
+        assert calls.get("SdpaPlan.build") == num_groups, calls
+        assert "run_planned" not in calls, calls
+    else:
+        assert calls.get("run_planned") == num_layers * num_groups, "the layers did not all run attention"
+        assert calls.get("check_attention_shapes") == num_groups, calls
+        assert calls.get("choose_backend") == num_groups, calls
+        if backend == "triton":
+            assert calls.get("query_tiles") == num_groups, calls
+            assert "check_attention_metadata" not in calls, calls
+        else:
+            assert calls.get("check_attention_metadata") == num_groups, calls
+
+
+def _counting(fn, calls, name):  # type: ignore[no-untyped-def]
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+
+    return staticmethod(wrapper)

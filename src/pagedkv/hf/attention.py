@@ -5,7 +5,7 @@ registered under `config._attn_implementation`, passing the forward's extra keyw
 register `paged_attention_forward` as `"pagedkv"` and pass each step's `PagedStep` as the keyword
 `pagedkv_step`. Per call and layer it:
 
-1. writes the new tokens' K and V into the pages at `batch.slot_mapping` (`PagedKVCache.write`);
+1. writes the new tokens' K and V into the pages at `batch.slot_mapping` (`PagedStep.write`);
 2. runs `pagedkv.ops.paged_attention` for the packed queries against each sequence's pages, causal, with the
    layer's sliding window and soft-cap as the module passes them (transformers' semantics: a query at
    position p sees keys at positions > p - window), one call per attention group of the batch (on CPU:
@@ -13,6 +13,12 @@ register `paged_attention_forward` as `"pagedkv"` and pass each step's `PagedSte
    `attention_backend` picks the implementation: `pagedkv.hf.sdpa` (block gather + torch SDPA, the CPU
    default) where it applies, `pagedkv.ops.paged_attention` otherwise (soft-cap, CUDA, or "ops");
 3. returns `[1, T, num_heads, head_dim]`, the layout the module's output projection expects.
+
+Per-step work happens once per step, not once per layer: the `PagedStep` built by `forward_step` holds the
+write's checks and backend and, per attention group, the ops plan (`pagedkv.ops.plan`: validation,
+dispatch, query tiles, split count) or the SDPA plan (gather ids, masks); every layer reuses them and only
+launches its write and attention kernels. No CUDA graphs: capturing decode steps would remove the
+remaining launch overhead, but without a GPU to verify a capture against eager execution they are left out.
 
 No attention mask is built (transformers skips mask creation for attention functions without a registered
 mask function), and the model runs with `use_cache=False`: the pages are the only cache.
@@ -61,16 +67,16 @@ def paged_attention_forward(
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
     # [1, H, T, D] -> [T, H, D]
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    step.cache.write(layer_idx, k, v, batch.slot_mapping)
-    key_cache, value_cache = step.cache.layer(layer_idx)
-    use_sdpa = step.cache.attention_backend == "sdpa"
+    step.write(layer_idx, k, v)
+    cache = step.cache
+    use_sdpa = cache.attention_backend == "sdpa"
     parts = []
-    for g in batch.groups:
+    for i, g in enumerate(batch.groups):
         q_g = q[g.token_start : g.token_end]
         if use_sdpa and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], softcap):
             out_g = paged_sdpa(
                 q_g,
-                step.cache.layer_kv(layer_idx),
+                cache.layer_kv(layer_idx),
                 g.block_table,
                 g.seq_lens,
                 max_seqlen_q=g.max_seqlen_q,
@@ -79,8 +85,10 @@ def paged_attention_forward(
                 sliding_window=sliding_window,
                 new_key=k[g.token_start : g.token_end],
                 new_value=v[g.token_start : g.token_end],
+                plan=step.sdpa_plan(i),
             )
         else:
+            key_cache, value_cache = cache.layer(layer_idx)
             out_g = ops.paged_attention(
                 q_g,
                 key_cache,
@@ -92,6 +100,7 @@ def paged_attention_forward(
                 sliding_window=sliding_window,
                 soft_cap=softcap,
                 max_seqlen_q=g.max_seqlen_q,
+                plan=step.ops_plan(i, q_g, key_cache, value_cache),
             )
         parts.append(out_g)
     out = parts[0] if len(parts) == 1 else torch.cat(parts)

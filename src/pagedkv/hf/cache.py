@@ -17,7 +17,7 @@ the scheduler decides them), then copy-on-write copies, then the forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +26,10 @@ import torch
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.hf.metadata import StepBatch
 from pagedkv.hf.model_spec import ModelSpec
+from pagedkv.hf.sdpa import SdpaPlan
+from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.storage.kv import HostBlocks, KVStorage
+from pagedkv.storage.slots import check_write_args, scatter_kv
 
 BlockIds = npt.ArrayLike
 ATTENTION_BACKENDS = ("auto", "sdpa", "ops")
@@ -150,9 +153,71 @@ class PagedKVCache:
         return dev, host
 
 
-@dataclass(frozen=True, slots=True)
 class PagedStep:
-    """What the attention function receives through the forward's kwargs: the pages and this step's batch."""
+    """What the attention function receives through the forward's kwargs: the pages and this step's batch,
+    plus everything the layers' attention calls share, computed once per step and reused by every layer.
 
-    cache: PagedKVCache
-    batch: StepBatch
+    Per step (at the first layer that needs it): the write's argument checks and backend; per attention
+    group, the `pagedkv.ops` plan (validation, dispatch, query tiles, split count and buffers) or the
+    `pagedkv.hf.sdpa` plan (gather ids, masks per window). Per layer, `write` and the attention call only
+    launch their kernels. A step object serves one forward pass: build a new one for the next step.
+    """
+
+    __slots__ = ("_ops_plans", "_sdpa_plans", "_write", "batch", "cache")
+
+    def __init__(self, cache: PagedKVCache, batch: StepBatch) -> None:
+        self.cache = cache
+        self.batch = batch
+        self._write: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self._ops_plans: dict[int, AttentionPlan] = {}
+        self._sdpa_plans: dict[int, SdpaPlan] = {}
+
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store this step's new K/V (`[T, num_kv_heads, head_dim]`) of one layer at the batch's slots."""
+        if self._write is None:
+            self._write = self._make_write(key, value)
+        self._write(layer_idx, key, value)
+
+    def _make_write(self, key: torch.Tensor, value: torch.Tensor) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        from pagedkv.ops.dispatch import choose_backend
+
+        storage = self.cache.storage
+        k0, v0 = storage.layer(0)
+        slots = self.batch.slot_mapping
+        check_write_args(k0, v0, key, value, slots, check_range=storage.validate)
+        data = storage.data
+        if choose_backend(k0.device, cache_dtype=k0.dtype, op="write") == "triton":
+            from pagedkv.ops.triton_kernels import write_kv_triton
+
+            return lambda i, k, v: write_kv_triton(data[i, 0], data[i, 1], k, v, slots)
+        k_scales, v_scales = storage.k_scales, storage.v_scales
+        return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots, k_scale=k_scales[i], v_scale=v_scales[i])
+
+    def ops_plan(
+        self, group_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> AttentionPlan:
+        """The `pagedkv.ops` plan of attention group `group_idx` (made at its first call in this step)."""
+        plan = self._ops_plans.get(group_idx)
+        if plan is None:
+            g = self.batch.groups[group_idx]
+            plan = plan_attention(
+                query,
+                key_cache,
+                value_cache,
+                g.block_table,
+                g.seq_lens,
+                g.cu_seqlens_q,
+                max_seqlen_q=g.max_seqlen_q,
+                max_seqlen_k=g.max_seqlen_k,
+            )
+            self._ops_plans[group_idx] = plan
+        return plan
+
+    def sdpa_plan(self, group_idx: int) -> SdpaPlan:
+        """The `pagedkv.hf.sdpa` plan of attention group `group_idx` (made at its first call in this step)."""
+        plan = self._sdpa_plans.get(group_idx)
+        if plan is None:
+            g = self.batch.groups[group_idx]
+            plan = SdpaPlan.build(g.block_table, g.seq_lens, g.max_seqlen_q, g.max_seqlen_k, self.cache.block_size)
+            self._sdpa_plans[group_idx] = plan
+        return plan

@@ -12,19 +12,21 @@ Contract (fixed; the hf integration and engine code against it):
   with a valid id; entries past `ceil(seq_lens[b] / block_size)` are never read. `sliding_window=w`: a
   query at position p sees keys at positions > p - w. `soft_cap=c`: scores = c * tanh(scores / c) after
   scaling. `scale` defaults to 1/sqrt(head_dim). GQA/MQA when num_heads is a multiple of num_kv_heads.
+- `plan=`: an `AttentionPlan` from `pagedkv.ops.plan.plan_attention` made once per step for the same
+  metadata; the call then skips validation, dispatch and metadata preparation (every layer of a forward
+  shares one plan). Without it, each call plans for itself.
 - The reference backend validates metadata values (raising `InvalidArgumentError`); the Triton backend
   checks shapes only, to stay free of host syncs.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from pagedkv.ops.dispatch import choose_backend
+from pagedkv.ops.plan import AttentionPlan, default_scale, plan_attention
 from pagedkv.ops.reference import paged_attention_reference
-from pagedkv.ops.validate import check_attention_metadata, check_attention_shapes
+from pagedkv.ops.validate import check_scalar_options
 from pagedkv.storage.slots import check_write_args, scatter_kv
 
 
@@ -40,7 +42,7 @@ def write_kv(
     backend: str | None = None,
 ) -> None:
     """Store new K/V at their slots (prefill chunks and decode tokens together), in place."""
-    chosen = choose_backend(key_cache.device, backend, cache_dtype=key_cache.dtype)
+    chosen = choose_backend(key_cache.device, backend, cache_dtype=key_cache.dtype, op="write")
     check_write_args(key_cache, value_cache, key, value, slot_mapping, check_range=chosen == "reference")
     if chosen == "triton":
         from pagedkv.ops.triton_kernels import write_kv_triton
@@ -65,48 +67,55 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     backend: str | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention over paged KV for decode, prefill and chunked prefill in one call (see module docstring)."""
-    shape = check_attention_shapes(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        cu_seqlens_q,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+    if plan is None:
+        check_scalar_options(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        plan = plan_attention(
+            query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+            backend=backend,
+        )
+    else:
+        plan.check_call(query, key_cache, scale, sliding_window, soft_cap)
+    return run_planned(
+        plan, query, key_cache, value_cache, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale,
     )
-    if scale is None:
-        scale = 1.0 / math.sqrt(shape.head_dim)
-    chosen = choose_backend(query.device, backend, cache_dtype=key_cache.dtype)
-    if chosen == "triton":
+
+
+def run_planned(
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """The backend call of a planned, checked `paged_attention`."""
+    scale = default_scale(plan.shape.head_dim, scale)
+    if plan.backend == "triton":
         from pagedkv.ops.triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
-            query,
-            key_cache,
-            value_cache,
-            block_table,
-            seq_lens,
-            cu_seqlens_q,
-            scale=scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
+            query, key_cache, value_cache, plan, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scale=k_scale, v_scale=v_scale,
         )
-    check_attention_metadata(shape, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
     return paged_attention_reference(
         query,
         key_cache,
         value_cache,
-        block_table,
-        seq_lens,
-        cu_seqlens_q,
+        plan.block_table,
+        plan.seq_lens,
+        plan.cu_seqlens_q,
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        max_seqlen_q=max_seqlen_q,
+        max_seqlen_q=plan.max_seqlen_q,
         k_scale=k_scale,
         v_scale=v_scale,
     )

@@ -2,9 +2,12 @@
 
 Order of precedence: the call's `backend=` argument, then the innermost `use_backend(...)` context, then
 the environment variable `PAGEDKV_ATTENTION_BACKEND`, then the device: CUDA tensors go to Triton when it
-imports (and the cache dtype is not fp8), everything else to the reference path. Triton on CPU tensors
-works only under `TRITON_INTERPRET=1` (tests do this); asking for it otherwise is an error, not a silent
-fallback.
+imports, everything else to the reference path. Triton on CPU tensors works only under
+`TRITON_INTERPRET=1` (tests do this); asking for it otherwise is an error, not a silent fallback.
+fp8 (e4m3) caches: the Triton attention kernel reads them (dequantizing with `k_scale`/`v_scale`) on GPUs
+of compute capability 8.9 and up (Triton has no e4m3 type below), so the default sends fp8 attention to
+Triton only there; writes into fp8 caches (quantization with a scale) always take the reference path
+(`op="write"`).
 """
 
 from __future__ import annotations
@@ -49,11 +52,19 @@ def use_backend(backend: str | None) -> Iterator[None]:
         _override.reset(token)
 
 
-def choose_backend(device: torch.device, backend: str | None = None, *, cache_dtype: torch.dtype | None = None) -> str:
-    """The backend a call on `device` runs with; raises if the requested one cannot run there."""
+def choose_backend(
+    device: torch.device,
+    backend: str | None = None,
+    *,
+    cache_dtype: torch.dtype | None = None,
+    op: str = "attention",
+) -> str:
+    """The backend a call (`op` "attention" or "write") on `device` runs with; raises if it cannot run there."""
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    fp8_write = fp8 and op == "write"
     chosen = backend or _override.get() or os.environ.get(ENV_VAR) or None
     if chosen is None:
-        if device.type == "cuda" and triton_available() and cache_dtype != torch.float8_e4m3fn:
+        if device.type == "cuda" and triton_available() and not fp8_write and (not fp8 or _has_fp8(device)):
             return "triton"
         return "reference"
     chosen = _check_name(chosen)
@@ -64,9 +75,21 @@ def choose_backend(device: torch.device, backend: str | None = None, *, cache_dt
             raise InvalidArgumentError(
                 f"backend 'triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 set before import"
             )
-        if cache_dtype == torch.float8_e4m3fn:
-            raise InvalidArgumentError("the Triton kernels do not read fp8 caches yet; use backend='reference'")
+        if fp8_write:
+            if backend == "triton":
+                raise InvalidArgumentError("the Triton write kernel does not quantize to fp8; use backend='reference'")
+            return "reference"
     return chosen
+
+
+def _has_fp8(device: torch.device) -> bool:
+    return torch.cuda.is_available() and _capability(device.index or 0) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
 
 
 def _check_name(name: str) -> str:

@@ -1,25 +1,42 @@
 """Triton kernels for `write_kv` and `paged_attention`, with the reference's signatures and semantics.
 
 Imported only when the Triton backend runs (see `pagedkv.ops.dispatch`). Under `TRITON_INTERPRET=1` the
-kernels run on CPU tensors through Triton's interpreter; CI tests them that way at tiny shapes.
+kernels run on CPU tensors through Triton's interpreter (tests do this at tiny shapes); every
+specialization the launch heuristics can choose is also compiled to sm_80 and sm_90 cubins on the CPU by
+`tests/ops/test_triton_compile.py`, because the interpreter accepts things the compiler refuses (a
+non-constexpr global, for one). So: no module-level values inside kernels; constants are literals.
 
-Write: one program per token copies its `num_kv_heads * head_dim` row of K and of V to its slot.
+Write: one program per token copies its `num_kv_heads * head_dim` row of K and of V to its slot (reading
+strided `[T, Hkv, D]` views in place).
 
-Attention: one program per (query token, KV head). It holds the `group = num_heads / num_kv_heads` query
-heads that share the KV head (so each K/V row is loaded once for the whole group), walks the keys its query
-may see in tiles of `BLOCK_N` token positions, resolves each position to its slot through the block table
-(`table[pos // block_size] * block_size + pos % block_size`, any block size), and keeps a float32 online
-softmax. Only positions in `[max(0, p - window + 1), p]` are loaded: the table past `seq_lens` is never
-read. Decode, prefill and chunked prefill are the same kernel (a decode step has one query per sequence).
-The dot products are broadcast-multiply-and-sum rather than `tl.dot`, which keeps any group size and head
-dim legal (`tl.dot` wants dims >= 16) and is adequate for memory-bound decode; prefill re-reads the keys
-once per query token and is the part to tile with `tl.dot` when it matters.
+Attention (one kernel for decode, prefill and chunked prefill), built like the fast paged decoders
+(flash-decoding, vLLM's and SGLang's Triton decode kernels):
 
-Split-K (flash-decoding): when (query tokens x KV heads) programs are too few to fill the GPU (small
-decode batches, long contexts), a third grid axis splits each query's keys into `num_splits` slices; each
-program writes a partial (max, sum, accumulator) and a second kernel merges them.
+```
+grid = (query tiles, KV heads, splits)
+query tile  = up to BLOCK_Q consecutive query tokens of ONE sequence (decode: BLOCK_Q = 1)
+program     = one tile x one KV head: its M = BLOCK_Q * GROUP_PAD rows are (query token, query head of
+              the KV head's group), row r = token r // GROUP_PAD, head kv_head * group + r % GROUP_PAD
+key loop    = tiles of TILE_N key positions; per tile ONE table load per KV block it covers
+              (a scalar when BLOCK_SIZE >= TILE_N, a [TILE_N / BLOCK_SIZE] vector otherwise), then
+              K^T [DIM_PAD, TILE_N] and V [TILE_N, DIM_PAD] loaded as whole rows of the block
+              (contiguous head_dim runs), S = tl.dot(Q, K^T), O += tl.dot(P, V), float32 online softmax
+              in base 2
+split       = the tile's visible key range cut into `num_splits` runs of whole key tiles; each program
+              writes a partial (max, sum, unnormalised acc) and `_merge_splits_kernel` combines them
+```
 
-Numerics: float32 scores and accumulation (half inputs upcast on load); the sum order differs from the
+The per-tile metadata (`tile_seq`, `tile_q_start`, `tile_q_len`, `tile_pos`: which sequence, first packed
+query token, how many tokens, position of the first) is computed once per step on the device by
+`pagedkv.ops.plan` and shared by every layer; tiles past the real ones have `tile_q_len = 0` and return at
+once, so the grid size needs no host sync. Block sizes that are not a power of two take `BLOCK_SIZE = 0`:
+the block size is then a runtime value and the table is read per key position (correct for any size, one
+compile for all of them).
+
+Numerics: float32 scores and accumulation; P is rounded to the value dtype before the P.V dot (as
+FlashAttention does) for half caches (under the interpreter, whose bfloat16 dot is broken, bfloat16
+operands are upcast to float32 after that rounding); float32 caches use IEEE float32 dots (no TF32). fp8 (e4m3) caches are
+upcast to the query dtype on load and dequantized by `k_scale`/`v_scale`. The sum order differs from the
 reference's, so the two agree to rounding (tolerances in docs/attention.md), not bit for bit.
 """
 
@@ -29,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-_MASKED = -1e30
+from pagedkv.ops.launch import LaunchConfig
+from pagedkv.ops.plan import AttentionPlan
 
 
 @triton.jit
@@ -39,17 +57,24 @@ def _write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_ptr,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    HEAD_DIM: tl.constexpr,
     ROW: tl.constexpr,
     ROW_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # key/value may be strided views (e.g. [T, Hkv, D] transposed from the model's [Hkv, T, D]): no copy.
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
     mask = offs < ROW
-    src = token.to(tl.int64) * ROW + offs
+    head = offs // HEAD_DIM
+    d = offs % HEAD_DIM
     dst = slot * ROW + offs
-    k = tl.load(key_ptr + src, mask=mask)
-    v = tl.load(value_ptr + src, mask=mask)
+    k = tl.load(key_ptr + token * stride_k_token + head * stride_k_head + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_v_token + head * stride_v_head + d, mask=mask)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -61,19 +86,24 @@ def write_kv_triton(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Triton `write_kv` (arguments already checked by `pagedkv.ops.write_kv`)."""
+    """Triton `write_kv` (arguments already checked by `pagedkv.ops.write_kv`); one launch, no copies of
+    `key`/`value` when only their token and head strides differ from contiguous."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    row = key_cache.shape[2] * key_cache.shape[3]
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
     _write_kv_kernel[(num_tokens,)](
-        key.contiguous(),
-        value.contiguous(),
+        key,
+        value,
         key_cache,
         value_cache,
-        slot_mapping.contiguous(),
-        ROW=row,
-        ROW_PAD=triton.next_power_of_2(row),
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        **write_constexprs(key_cache.shape[2], key_cache.shape[3]),
     )
 
 
@@ -84,229 +114,321 @@ def _paged_attention_kernel(
     value_cache_ptr,
     out_ptr,
     block_table_ptr,
-    token_seq_ptr,
-    token_pos_ptr,
+    tile_seq_ptr,
+    tile_q_start_ptr,
+    tile_q_len_ptr,
+    tile_pos_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
     scale,
+    k_scale,
+    v_scale,
     soft_cap,
     window,
+    group,
+    num_heads,
+    num_splits,
     block_size,
-    num_kv_heads,
     stride_q_token,
     stride_q_head,
     stride_o_token,
     stride_o_head,
+    stride_cache_block,
+    stride_cache_token,
     stride_table,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    num_heads,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(token_seq_ptr + token).to(tl.int64)
-    pos = tl.load(token_pos_ptr + token)
+    q_len = tl.load(tile_q_len_ptr + tile)
+    if q_len == 0:
+        return
+    seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+    q_start = tl.load(tile_q_start_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
 
-    g = tl.arange(0, GROUP_PAD)
+    r = tl.arange(0, BLOCK_M)
+    q_idx = r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (q_idx < q_len) & (g < group)
+    heads = kv_head * group + g
+    tokens = (q_start + q_idx).to(tl.int64)
+    row_pos = pos0 + q_idx
     d = tl.arange(0, DIM_PAD)
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q_offs = token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale
+    d_ok = d < HEAD_DIM
+    q_offs = tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if not IS_FP8:
+        q = q.to(key_cache_ptr.dtype.element_ty)  # one dot dtype (fp8 K/V are upcast to the query's)
+    # Scores in base 2: exp(x) = exp2(x * log2(e)); the scales fold into one multiplier.
+    qk_scale = scale * k_scale
+    if not HAS_SOFT_CAP:
+        qk_scale = qk_scale * 1.4426950408889634
 
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(pos - window + 1, 0)
-    hi = pos + 1
-    if NUM_SPLITS > 1:
-        # Split-K (flash-decoding): this program takes one of NUM_SPLITS BLOCK_N-aligned slices of [lo, hi).
-        chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = lo + split * chunk
-        hi = tl.minimum(hi, lo + chunk)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        block = tl.load(block_table_ptr + seq * stride_table + n // block_size, mask=n_mask, other=0)
-        slot = block.to(tl.int64) * block_size + n % block_size
-        row = (slot * num_kv_heads + kv_head) * HEAD_DIM
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_N]
-        if HAS_SOFT_CAP:
-            # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly at +-1, and the interpreter has it.
-            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
-        s = tl.where(n_mask[None, :], s, _MASKED)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
-    if NUM_SPLITS > 1:
-        # Partial results [num_q_tokens, num_heads, NUM_SPLITS(, DIM_PAD)]; an empty slice leaves m = -inf,
-        # l = 0, acc = 0, which the reduction weighs by exp(-inf) = 0.
-        part = (token.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=g_mask[:, None])
+    # Visible keys of the tile: [lo, hi), lo aligned down to a whole key tile so tiles never straddle a
+    # block boundary in the middle (block sizes and TILE_N are powers of two in the fast modes).
+    hi = pos0 + q_len
+    if HAS_WINDOW:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        lo = (tl.maximum(pos0 - window + 1, 0) // TILE_N) * TILE_N
     else:
-        out = acc / l_i[:, None]
-        o_offs = token.to(tl.int64) * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        lo = pos0 * 0
+    num_tiles = (hi - lo + TILE_N - 1) // TILE_N
+    t_begin = num_tiles * 0
+    t_end = num_tiles
+    if SPLIT:
+        per_split = (num_tiles + num_splits - 1) // num_splits
+        t_begin = split * per_split
+        t_end = tl.minimum(num_tiles, t_begin + per_split)
+
+    table_row = block_table_ptr + seq * stride_table
+    head_off = kv_head * HEAD_DIM
+    n_arange = tl.arange(0, TILE_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    for t in range(t_begin, t_end):
+        start = lo + t * TILE_N
+        n = start + n_arange
+        n_ok = n < hi
+        if BLOCK_SIZE == 0:
+            # Any block size (runtime): the table entry of every key position.
+            blk = tl.load(table_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+            rows = blk * stride_cache_block + (n % block_size) * stride_cache_token
+        elif BLOCK_SIZE >= TILE_N:
+            # The key tile lies inside one block: one scalar table load.
+            blk = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
+            rows = blk * stride_cache_block + ((start % BLOCK_SIZE) + n_arange) * stride_cache_token
+        else:
+            # TILE_N // BLOCK_SIZE whole blocks: one vector load of their ids.
+            b = start // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
+            blks = tl.load(table_row + b, mask=b < (hi + BLOCK_SIZE - 1) // BLOCK_SIZE, other=0).to(tl.int64)
+            rows2 = blks[:, None] * stride_cache_block + tl.arange(0, BLOCK_SIZE)[None, :] * stride_cache_token
+            rows = tl.reshape(rows2, [TILE_N])
+        rows = rows + head_off
+        kt = tl.load(
+            key_cache_ptr + rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
+        )  # K^T [DIM_PAD, TILE_N]
+        if IS_FP8:
+            kt = kt.to(q.dtype)
+        if UPCAST_DOT:
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if HAS_SOFT_CAP:
+            # c * tanh(s / c), with tanh(x) = 1 - 2 / (exp(2x) + 1) (saturates cleanly), then to base 2.
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * 1.4426950408889634
+        visible = n[None, :] <= row_pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > row_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            value_cache_ptr + rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+        )  # [TILE_N, DIM_PAD]
+        if IS_FP8:
+            v = v.to(q.dtype)
+        if UPCAST_DOT:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    acc = acc * v_scale
+    if SPLIT:
+        # Partials [num_q_tokens, num_heads, num_splits(, DIM_PAD)]; an empty split leaves m = -inf,
+        # l = 0, acc = 0, which the merge weighs by 0.
+        part = (tokens * num_heads + heads) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_offs = tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _reduce_splits_kernel(
+def _merge_splits_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
     out_ptr,
     num_heads,
+    num_splits,
     stride_o_token,
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    sp = tl.arange(0, NUM_SPLITS)
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < num_splits
     d = tl.arange(0, DIM_PAD)
-    part = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + sp
-    m = tl.load(part_m_ptr + part)
-    denom = tl.load(part_l_ptr + part)
-    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :])
-    m_max = tl.max(m, axis=0)  # split 0 is never empty, so this is finite
-    w = tl.exp(m - m_max)
+    part = (token.to(tl.int64) * num_heads + head) * num_splits + sp
+    m = tl.load(part_m_ptr + part, mask=sp_ok, other=float("-inf"))
+    denom = tl.load(part_l_ptr + part, mask=sp_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: every query sees at least its own key, in some split
+    w = tl.exp2(m - m_max)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
     o_offs = token.to(tl.int64) * stride_o_token + head * stride_o_head + d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-def query_positions(
-    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num_q_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every packed query token: its sequence index and absolute position (int32), without host syncs.
-
-    Token n of sequence b (cu[b] <= n < cu[b+1]) sits at position seq_lens[b] - (cu[b+1] - n).
-    """
-    cu = cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    seq_ids = torch.arange(q_lens.numel(), device=cu.device)
-    token_seq = torch.repeat_interleave(seq_ids, q_lens, output_size=num_q_tokens)
-    token_pos = seq_lens.long()[token_seq] - (cu[1:][token_seq] - torch.arange(num_q_tokens, device=cu.device))
-    return token_seq.to(torch.int32), token_pos.to(torch.int32)
 
 
 def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
+    plan: AttentionPlan,
     *,
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_n: int = 32,
-    num_warps: int = 4,
-    num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Triton `paged_attention` (shapes already checked by `pagedkv.ops.paged_attention`).
-
-    `num_splits` (a power of two) splits each query's keys across programs (flash-decoding) when the
-    (token, KV head) grid alone is too small to fill the GPU; None chooses from the grid and the table
-    width (no host sync).
-    """
-    num_q_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    query = query if query.stride(-1) == 1 else query.contiguous()
+    """Triton `paged_attention` for a planned step (`pagedkv.ops.plan`): the launches and nothing else."""
+    tp = plan.triton
+    assert tp is not None, "paged_attention_triton: the plan was made for another backend"
+    cfg = tp.config
+    shape = plan.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if num_q_tokens == 0:
+    if shape.num_q_tokens == 0 or tp.num_tiles == 0:
         return out
-    token_seq, token_pos = query_positions(seq_lens, cu_seqlens_q, num_q_tokens)
-    table = block_table.to(torch.int32).contiguous()
-    dim_pad = triton.next_power_of_2(head_dim)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_q_tokens * num_kv_heads, table.shape[1] * key_cache.shape[1], block_n, query.device)
-    if num_splits & (num_splits - 1) or num_splits < 1:
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    if num_splits > 1:
-        part_m = torch.empty((num_q_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_q_tokens, num_heads, num_splits, dim_pad), dtype=torch.float32, device=query.device)
-    else:
-        part_m = part_l = part_acc = out  # unused
-    _paged_attention_kernel[(num_q_tokens, num_kv_heads, num_splits)](
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    split = tp.num_splits > 1
+    key = (sliding_window is not None, soft_cap is not None, query.dtype)
+    constexprs = tp.constexprs.get(key)
+    if constexprs is None:
+        constexprs = attention_constexprs(
+            cfg,
+            shape.head_dim,
+            window=key[0],
+            soft_cap=key[1],
+            query_dtype=query.dtype,
+            cache_dtype=key_cache.dtype,
+            split=split,
+            interpreting=_interpreting(),
+        )
+        tp.constexprs[key] = constexprs
+    _paged_attention_kernel[(tp.num_tiles, shape.num_kv_heads, tp.num_splits)](
         query,
         key_cache,
         value_cache,
         out,
-        table,
-        token_seq,
-        token_pos,
+        plan.block_table,
+        *tp.tiles,
+        tp.part_m if split else out,
+        tp.part_l if split else out,
+        tp.part_acc if split else out,
         float(scale),
+        float(k_scale),
+        float(v_scale),
         float(soft_cap or 1.0),
         int(sliding_window or 0),
-        key_cache.shape[1],
-        num_kv_heads,
+        shape.num_heads // shape.num_kv_heads,
+        shape.num_heads,
+        tp.num_splits,
+        shape.block_size,
         query.stride(0),
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        table.stride(0),
-        part_m,
-        part_l,
-        part_acc,
-        num_heads,
-        GROUP=group,
-        GROUP_PAD=max(triton.next_power_of_2(group), 1),
-        HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad,
-        BLOCK_N=block_n,
-        HAS_SOFT_CAP=soft_cap is not None,
-        HAS_WINDOW=sliding_window is not None,
-        NUM_SPLITS=num_splits,
-        num_warps=num_warps,
+        key_cache.stride(0),
+        key_cache.stride(1),
+        plan.block_table.stride(0),
+        **constexprs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
-        _reduce_splits_kernel[(num_q_tokens, num_heads)](
-            part_m,
-            part_l,
-            part_acc,
+    if split:
+        _merge_splits_kernel[(shape.num_q_tokens, shape.num_heads)](
+            tp.part_m,
+            tp.part_l,
+            tp.part_acc,
             out,
-            num_heads,
+            shape.num_heads,
+            tp.num_splits,
             out.stride(0),
             out.stride(1),
-            HEAD_DIM=head_dim,
-            DIM_PAD=dim_pad,
-            NUM_SPLITS=num_splits,
+            **merge_constexprs(cfg, shape.head_dim, tp.num_splits),
         )
     return out
 
 
-def choose_num_splits(num_programs: int, max_context: int, block_n: int, device: torch.device) -> int:
-    """Enough splits to give the GPU ~4 programs per SM, each split keeping >= 4 tiles of keys; 1 on CPU."""
-    if device.type != "cuda":
-        return 1
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    splits = 1
-    while splits < 64 and num_programs * splits < target and max_context >= 8 * block_n * splits:
-        splits *= 2
-    return splits
+def attention_constexprs(
+    cfg: LaunchConfig,
+    head_dim: int,
+    *,
+    window: bool,
+    soft_cap: bool,
+    query_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    split: bool,
+    interpreting: bool = False,
+) -> dict[str, object]:
+    """The compile-time arguments of `_paged_attention_kernel` for one call: the single source for the
+    launch above and for the compile test, which enumerates them."""
+    return {
+        "HEAD_DIM": head_dim,
+        "DIM_PAD": cfg.dim_pad,
+        "GROUP_PAD": cfg.group_pad,
+        "BLOCK_M": cfg.block_m,
+        "TILE_N": cfg.tile_n,
+        "BLOCK_SIZE": cfg.block_size_const,
+        "HAS_WINDOW": window,
+        "HAS_SOFT_CAP": soft_cap,
+        "IS_FP8": cache_dtype == torch.float8_e4m3fn,
+        "SPLIT": split,
+        "DOT_PRECISION": dot_precision(query_dtype, cache_dtype),
+        "UPCAST_DOT": interpreting and _dot_dtype(query_dtype, cache_dtype) == torch.bfloat16,
+    }
+
+
+def merge_constexprs(cfg: LaunchConfig, head_dim: int, num_splits: int) -> dict[str, object]:
+    """The compile-time arguments of `_merge_splits_kernel` (launch and compile test)."""
+    return {"HEAD_DIM": head_dim, "DIM_PAD": cfg.dim_pad, "SPLITS_PAD": num_splits}
+
+
+def write_constexprs(num_kv_heads: int, head_dim: int) -> dict[str, object]:
+    """The compile-time arguments of `_write_kv_kernel` (launch and compile test)."""
+    row = num_kv_heads * head_dim
+    return {"HEAD_DIM": head_dim, "ROW": row, "ROW_PAD": triton.next_power_of_2(row)}
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter computes bfloat16 `tl.dot` wrongly (Triton 3.9), so there the kernel upcasts
+    bfloat16 operands (after the same rounding of P) and dots in float32; compiled kernels never do."""
+    from pagedkv.ops.dispatch import triton_interpreting
+
+    return triton_interpreting()
+
+
+def dot_precision(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """IEEE float32 dots when the dot runs in float32 (TF32 would lose the reference's 1e-5 agreement).
+
+    The dot dtype is the cache's, or the query's for fp8 caches (upcast on load)."""
+    return "ieee" if _dot_dtype(query_dtype, cache_dtype) == torch.float32 else "tf32"
+
+
+def _dot_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    return query_dtype if cache_dtype == torch.float8_e4m3fn else cache_dtype

@@ -73,15 +73,20 @@ def check_attention_shapes(
     for name, t in (("query", query), ("block_table", block_table), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
         if t.device != key_cache.device:
             raise InvalidArgumentError(f"{name} is on {t.device} but the cache is on {key_cache.device}")
+    check_scalar_options(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return AttentionShape(
+        num_seqs, query.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1]
+    )
+
+
+def check_scalar_options(*, scale: float | None, sliding_window: int | None, soft_cap: float | None) -> None:
+    """The per-layer scalar options: a positive finite scale and soft cap, a positive int window."""
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise InvalidArgumentError(f"scale must be a positive finite float, got {scale!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise InvalidArgumentError(f"sliding_window must be a positive int (tokens seen, itself included), got {sliding_window!r}")
     if soft_cap is not None and not (math.isfinite(soft_cap) and soft_cap > 0):
         raise InvalidArgumentError(f"soft_cap must be a positive finite float, got {soft_cap!r}")
-    return AttentionShape(
-        num_seqs, query.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1]
-    )
 
 
 def check_attention_metadata(
