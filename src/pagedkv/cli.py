@@ -22,6 +22,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
     ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),
     ("bench", "e2e"): ("pagedkv.bench.e2e", "end-to-end serving throughput on a real model (CPU)"),
+    ("bench", "stalls"): ("pagedkv.bench.stalls", "step-latency stalls from KV-cache reallocation"),
 }
 
 
