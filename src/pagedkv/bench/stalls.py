@@ -15,7 +15,8 @@ torch thread:
 
 Per system it reports decode-step latency p50 / p99 / max, `slow_steps` (decode steps slower than
 `SLOW_FACTOR` = 2x that system's median decode step), and `bytes_copied`: the bytes of KV that reallocation
-moved. The count is observed, not assumed: after every step each layer's K and V tensors are checked, and
+moved; the same latencies in the thread's CPU time (`cpu_*`, `time.thread_time`), which other processes on a
+shared machine do not inflate; and `slow_steps_that_copied`. The copy count is observed, not assumed: after every step each layer's K and V tensors are checked, and
 when a tensor's storage moved, the bytes it held before the step are counted (a fresh allocation that holds
 nothing copies nothing). For pagedkv the storage is checked the same way (it never moves). Prefill steps
 are timed and plotted but kept out of the decode statistics. `outputs_identical` says whether the three
@@ -65,12 +66,14 @@ class StepLog:
     seconds: list[float] = field(default_factory=list)
     prefill: list[bool] = field(default_factory=list)
     copied_bytes: list[int] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)  # the thread's CPU time: blind to other load
     outputs: list[list[int]] = field(default_factory=list)
 
-    def add(self, seconds: float, prefill: bool, copied: int) -> None:
+    def add(self, seconds: float, prefill: bool, copied: int, cpu_seconds: float = float("nan")) -> None:
         self.seconds.append(seconds)
         self.prefill.append(prefill)
         self.copied_bytes.append(copied)
+        self.cpu_seconds.append(cpu_seconds)
 
 
 def next_capacity(length: int) -> int:
@@ -189,11 +192,11 @@ def run_hf(model: Any, requests: Sequence[StallRequest], make_cache: Callable[[]
             tokens: list[int] = []
             prefill = True
             while len(tokens) < r.output_len:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 out = model(input_ids=ids, cache=cache, use_cache=True)
                 tok = int(out.logits[0, -1].argmax())
-                dt = time.perf_counter() - start
-                log.add(dt, prefill, meter.observe(_layer_tensors(cache)))
+                dt, dcpu = time.perf_counter() - start, time.thread_time() - cpu
+                log.add(dt, prefill, meter.observe(_layer_tensors(cache)), dcpu)
                 tokens.append(tok)
                 ids = torch.tensor([[tok]], dtype=torch.long)
                 prefill = False
@@ -229,11 +232,11 @@ def run_paged(model: Any, requests: Sequence[StallRequest], block_size: int = 16
     outputs: dict[str, list[int]] = {}
     while engine.has_unfinished():
         before = engine.stats.num_scheduled_tokens
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         finished = engine.step()
-        dt = time.perf_counter() - start
+        dt, dcpu = time.perf_counter() - start, time.thread_time() - cpu
         scheduled = engine.stats.num_scheduled_tokens - before
-        log.add(dt, scheduled > 1, meter.observe([engine.cache.storage.data]))
+        log.add(dt, scheduled > 1, meter.observe([engine.cache.storage.data]), dcpu)
         for out in finished:
             outputs[out.request_id] = list(out.output_token_ids)
     log.outputs = [outputs[rid] for rid in rids]
@@ -246,8 +249,13 @@ def run_paged(model: Any, requests: Sequence[StallRequest], block_size: int = 16
 def summarize(log: StepLog) -> dict[str, Any]:
     """Decode-step latency percentiles, slow steps, bytes copied (see the module docstring)."""
     secs = np.asarray(log.seconds)
-    decode = secs[~np.asarray(log.prefill, dtype=bool)] if secs.size else secs
+    is_decode = ~np.asarray(log.prefill, dtype=bool)
+    decode = secs[is_decode] if secs.size else secs
+    cpu = np.asarray(log.cpu_seconds)[is_decode] if secs.size else secs
     copies = np.asarray(log.copied_bytes, dtype=np.int64)
+    copying = (copies > 0)[is_decode] if secs.size else copies > 0
+    slow = decode > SLOW_FACTOR * np.median(decode) if decode.size else copying
+    cpu_ok = cpu.size and np.isfinite(cpu).all()
     return {
         "decode_steps": int(decode.size),
         "prefill_steps": int(secs.size - decode.size),
@@ -255,6 +263,12 @@ def summarize(log: StepLog) -> dict[str, Any]:
         "step_p99_ms": float(np.percentile(decode, 99) * 1e3) if decode.size else None,
         "step_max_ms": float(decode.max() * 1e3) if decode.size else None,
         "slow_steps": slow_steps(decode),
+        "slow_steps_that_copied": int((slow & copying).sum()),
+        "cpu_p50_ms": float(np.median(cpu) * 1e3) if cpu_ok else None,
+        "cpu_p99_ms": float(np.percentile(cpu, 99) * 1e3) if cpu_ok else None,
+        "cpu_max_ms": float(cpu.max() * 1e3) if cpu_ok else None,
+        "cpu_slow_steps": slow_steps(cpu) if cpu_ok else None,
+        "copying_step_cpu_ms": float(np.mean(cpu[copying]) * 1e3) if cpu_ok and copying.any() else None,
         "bytes_copied": int(copies.sum()),
         "reallocating_steps": int((copies > 0).sum()),
         "total_s": float(secs.sum()),
@@ -274,14 +288,17 @@ def plot_logs(logs: dict[str, StepLog], path: str | Path, title: str) -> Path:
         keep = ~np.asarray(log.prefill, dtype=bool)
         x = np.arange(len(ms))
         copied = np.asarray(log.copied_bytes) > 0
-        ax.plot(x[keep], ms[keep], lw=0.6, color="tab:blue", label="decode step")
+        ax.plot(x[keep], ms[keep], lw=0.6, color="tab:blue", label="decode step (wall)")
+        cpu_ms = np.asarray(log.cpu_seconds) * 1e3
+        ax.plot(x[keep], cpu_ms[keep], lw=0.6, color="tab:orange", label="same step, thread CPU time")
         ax.scatter(x[keep & copied], ms[keep & copied], s=10, color="tab:red", zorder=3, label="copied KV")
         s = summarize(log)
         if s["step_p50_ms"] is not None:
             ax.axhline(SLOW_FACTOR * s["step_p50_ms"], color="grey", ls="--", lw=0.7, label="2x median")
         ax.set_title(
             f"{name}: p50 {s['step_p50_ms'] or 0:.1f} ms, p99 {s['step_p99_ms'] or 0:.1f} ms, "
-            f"max {s['step_max_ms'] or 0:.1f} ms, {s['slow_steps']} slow, "
+            f"max {s['step_max_ms'] or 0:.1f} ms, {s['slow_steps']} slow (CPU time: p50 "
+            f"{s['cpu_p50_ms'] or 0:.1f}, max {s['cpu_max_ms'] or 0:.1f} ms, {s['cpu_slow_steps']} slow), "
             f"{s['bytes_copied'] / 2**20:.1f} MiB copied",
             fontsize=9,
             loc="left",
@@ -512,10 +529,11 @@ def run(args: argparse.Namespace) -> int:
         f"{args.model}: prompts {prompts}, {output_len} tokens each, one at a time; "
         f"outputs identical: {result['outputs_identical']}"
     )
-    cols = ("step_p50_ms", "step_p99_ms", "step_max_ms", "slow_steps", "bytes_copied", "reallocating_steps")
-    print(f"{'system':<15}" + "".join(f"{c:>20}" for c in cols))
+    cols = ("step_p50_ms", "step_p99_ms", "step_max_ms", "slow_steps", "cpu_p50_ms", "cpu_max_ms", "cpu_slow_steps",
+            "bytes_copied", "reallocating_steps")  # fmt: skip
+    print(f"{'system':<15}" + "".join(f"{c:>19}" for c in cols))
     for name, f in figures.items():
-        cells = "".join(f"{f[c]:>20.2f}" if isinstance(f[c], float) else f"{f[c]:>20}" for c in cols)
+        cells = "".join(f"{f[c]:>19.2f}" if isinstance(f[c], float) else f"{f[c]!s:>19}" for c in cols)
         print(f"{name:<15}{cells}")
     if args.plot:
         print(f"figure written to {result['plot']}")
