@@ -357,6 +357,7 @@ def simulate_stalls(
                 "slow_steps": slow_steps(decode),
                 "bytes_copied": float(trace.realloc_bytes),
                 "copy_share_of_time": float(copy.sum() / secs.sum()),
+                "copy_max_ms": float(copy.max() * 1e3) if copy.size else 0.0,
                 "reallocating_steps": int((copy > 0).sum()),
                 "requests_per_s": summary["requests_per_s"],
                 "tpot_p99_ms": summary["tpot_p99_s"] * 1e3,

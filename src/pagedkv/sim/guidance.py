@@ -184,7 +184,7 @@ def plot_guidance(cells: Sequence[GuidanceCell], path: str | Path, title: str) -
                     j, i, f"{grid[i, j]:.2f}x\nb={c.paged_batch:.0f}", ha="center", va="center", fontsize=7
                 )
         ax.axvline(x8_pos, color="black", ls="--", lw=1)
-        ax.text(x8_pos + 0.05, len(sigmas) - 0.55, "paged batch 8", fontsize=7)
+        ax.text(x8_pos + 0.05, -0.42, "paged batch 8", fontsize=7)
         ax.set_xticks(range(len(pressures)), [str(p) for p in pressures])
         ax.set_yticks(
             range(len(sigmas)),
