@@ -100,3 +100,27 @@ def test_simulated_copies_cost_bandwidth() -> None:
     assert np.count_nonzero(doubled.realloc_s) == 1, "in one step"
     with pytest.raises(InvalidArgumentError, match="paged"):
         SimConfig(model, gpu, "paged", realloc="doubling")
+
+
+def test_command_quick_json(capsys) -> None:
+    import json
+
+    from pagedkv.cli import main
+
+    assert (
+        main(["bench", "stalls", "--quick", "--model", "tiny:llama", "--json", "--systems", "doubling"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["systems"]["doubling"]["decode_steps"] == 2 * 39, "two quick requests of 40 tokens"
+    assert out["systems"]["doubling"]["bytes_copied"] > 0, "quick lengths still cross a doubling"
+    assert main(["bench", "stalls", "--quick", "--model", "tiny:llama", "--systems", "nope"]) == 2, (
+        "one-line error"
+    )
+
+
+def test_allocator_choice_is_bit_identical_on_a_tiny_model() -> None:
+    from pagedkv.bench.bitwise import check_allocators
+    from pagedkv.hf.tiny import tiny_model
+
+    r = check_allocators(tiny_model("llama"), [[5, 6, 7], [9] * 20], 4)
+    assert r["same_schedule"] and r["bitwise_equal"] and r["max_abs_diff"] == 0.0, r

@@ -6,7 +6,9 @@ The loop, per step (simulated time `now`, in seconds):
        `think_s` after its previous turn finishes);
     2. `schedule()` picks chunks `(start, num_new_tokens)` under the token budget, admitting and
        preempting through the allocator exactly as the engine does;
-    3. the step takes `StepTimeModel.step_seconds(starts, num_new_tokens)`; `now` advances by it;
+    3. the step takes `StepTimeModel.step_seconds(starts, num_new_tokens)`, plus, with `SimConfig.realloc`,
+       the time to copy (read and write at HBM bandwidth) the KV of each sequence whose contiguous buffer
+       must grow (`realloc_copy_tokens`); `now` advances by it;
     4. each chunk that completes its request's tokens samples the request's next output token, or the
        end-of-sequence id once the request has produced its true output length; `update(..., now)` appends
        them, finishes requests and frees their blocks.
