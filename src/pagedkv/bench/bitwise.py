@@ -83,7 +83,7 @@ def engine_logits(
         schedule.append([(int(c.request.request_id[1:]), int(c.num_new_tokens)) for c in out.scheduled])
         return logits
 
-    engine.runner.execute = execute  # type: ignore[method-assign]
+    engine.runner.execute = execute  # type: ignore[method-assign,assignment]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(list(p), params, request_id=f"r{i}")

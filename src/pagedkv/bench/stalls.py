@@ -48,7 +48,7 @@ SYSTEMS = ("hf-dynamic", "doubling", "pagedkv-paged")
 SLOW_FACTOR = 2.0
 MIN_CAPACITY = 16
 DEFAULT_PROMPTS = (120, 500)
-DEFAULT_OUTPUT = 520
+DEFAULT_OUTPUT = 400
 QUICK_PROMPTS = (12, 40)
 QUICK_OUTPUT = 40
 
@@ -94,7 +94,7 @@ def doubling_copies(prompt_len: int, final_len: int) -> list[int]:
     return copies
 
 
-def slow_steps(decode_seconds: Sequence[float], factor: float = SLOW_FACTOR) -> int:
+def slow_steps(decode_seconds: Sequence[float] | np.ndarray, factor: float = SLOW_FACTOR) -> int:
     """Decode steps slower than `factor` x the median decode step."""
     values = np.asarray(decode_seconds, dtype=np.float64)
     if values.size == 0:
@@ -109,12 +109,13 @@ def doubling_cache() -> Any:
     """A transformers `Cache` whose layers are `DoublingLayer`s (built lazily, one per model layer)."""
     from transformers.cache_utils import Cache, DynamicLayer
 
-    class DoublingLayer(DynamicLayer):  # type: ignore[misc]
+    class DoublingLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         """Contiguous K/V buffers that double when full; `keys`/`values` are views of the filled part."""
 
         def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
             super().lazy_initialization(key_states, value_states)
-            self._k = self._v = None
+            self._k: Any = None
+            self._v: Any = None
             self.length = 0
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
