@@ -6,10 +6,13 @@ as bits), `max_abs_diff`, and for generation whether the greedy tokens are ident
 1. `allocator`: the pagedkv engine with the paged allocator vs the contiguous allocator, same model, same
    requests served together, greedy, prefix caching off, a KV budget large enough that both schedule the
    same chunks in the same steps (`same_schedule` checks it). Both run the same kernels over different
-   block ids, so the logits should be equal bit for bit.
+   block ids, so the logits should be equal bit for bit. `allocator_tight` repeats it with a budget that
+   holds the prompts but not the outputs, so the two batch differently (and paged preempts), and compares
+   that paged run with the ample one, to tell the allocator's effect from the schedule's.
 2. `vs-transformers`: the engine (attention backend `sdpa`: block gather + torch SDPA, the CPU default; and
    `ops`: `pagedkv.ops.paged_attention`'s reference path) vs transformers' own forward with `DynamicCache`
-   and `sdpa` (`eager` for models transformers runs on eager only, e.g. Gemma2), teacher-forced on the engine's tokens so both compute logits for the same positions; plus
+   and `sdpa` (`eager` for models transformers runs on eager only, e.g. Gemma2), teacher-forced on the
+   engine's tokens so both compute logits for the same positions; plus
    whether `model.generate` (greedy, `pagedkv.hf.reference.reference_generate`) produces the same tokens.
    Different kernels sum in a different order, so equality is not expected; the size of the difference is
    the figure. Families: every tiny model of `pagedkv.hf.tiny` (random weights, seeded) and SmolLM2-135M.
@@ -53,17 +56,23 @@ def _prompts(vocab: int, lengths: Sequence[int], seed: int) -> list[list[int]]:
 
 
 def engine_logits(
-    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int, allocator: str, backend: str = "auto"
-) -> tuple[list[list[int]], list[list[Any]], list[list[tuple[int, int]]]]:
-    """Greedy outputs, per-request logits rows (one per generated token), and the schedule (per step, the
-    (request index, new tokens) chunks) of one engine run."""
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    allocator: str,
+    backend: str = "auto",
+    num_blocks: int | None = None,
+) -> tuple[list[list[int]], list[list[Any]], list[list[tuple[int, int]]], int]:
+    """Greedy outputs, per-request logits rows (one per generated token), the schedule (per step, the
+    (request index, new tokens) chunks) and the number of preemptions of one engine run. `num_blocks`
+    None: ample for every request at once."""
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
 
     need = sum(len(p) + new_tokens for p in prompts)
     config = EngineConfig(
-        num_blocks=2 * (need // 16 + len(prompts)) + 4,  # ample: no preemption, same admission
+        num_blocks=num_blocks or 2 * (need // 16 + len(prompts)) + 4,
         block_size=16,
         allocator=allocator,  # type: ignore[arg-type]
         enable_prefix_caching=False,
@@ -92,7 +101,7 @@ def engine_logits(
         for out in engine.step():
             outputs[out.request_id] = list(out.output_token_ids)
     ids = [f"r{i}" for i in range(len(prompts))]
-    return [outputs[r] for r in ids], [rows[r] for r in ids], schedule
+    return [outputs[r] for r in ids], [rows[r] for r in ids], schedule, engine.stats.num_preemptions
 
 
 def reference_attention(model: Any) -> str:
@@ -125,13 +134,28 @@ def transformers_logits(model: Any, prompt: Sequence[int], tokens: Sequence[int]
     return out_rows
 
 
-def check_allocators(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
-    paged = engine_logits(model, prompts, new_tokens, "paged")
-    contiguous = engine_logits(model, prompts, new_tokens, "contiguous")
+def check_allocators(
+    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int, num_blocks: int | None = None
+) -> dict[str, Any]:
+    """Paged vs contiguous engine logits; with a small `num_blocks` the two batch (and preempt) differently."""
+    paged = engine_logits(model, prompts, new_tokens, "paged", num_blocks=num_blocks)
+    contiguous = engine_logits(model, prompts, new_tokens, "contiguous", num_blocks=num_blocks)
     result = _compare([r for rows in paged[1] for r in rows], [r for rows in contiguous[1] for r in rows])
     result["same_schedule"] = paged[2] == contiguous[2]
     result["tokens_identical"] = paged[0] == contiguous[0]
+    result["preemptions"] = {"paged": paged[3], "contiguous": contiguous[3]}
+    if num_blocks is not None:  # is it the allocator or the schedule? the same allocator, ample budget
+        ample = engine_logits(model, prompts, new_tokens, "paged")
+        same = _compare([r for rows in paged[1] for r in rows], [r for rows in ample[1] for r in rows])
+        result["paged_tight_vs_paged_ample"] = same
     return result
+
+
+def tight_blocks(prompts: Sequence[Sequence[int]], new_tokens: int, block_size: int = 16) -> int:
+    """A budget that holds every prompt but not every full reservation (plus the null block and one spare):
+    paging admits all requests and preempts as they grow; the contiguous allocator admits fewer."""
+    need = max(len(p) + new_tokens for p in prompts)
+    return max(sum(-(-len(p) // block_size) for p in prompts) + 2, -(-need // block_size) + 2)
 
 
 def check_vs_transformers(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
@@ -143,7 +167,7 @@ def check_vs_transformers(model: Any, prompts: Sequence[Sequence[int]], new_toke
     )
     result: dict[str, Any] = {"reference_attention": impl}
     for backend in ("sdpa", "ops"):
-        outputs, rows, _ = engine_logits(model, prompts, new_tokens, "paged", backend)
+        outputs, rows, _, _ = engine_logits(model, prompts, new_tokens, "paged", backend)
         ref_rows = [transformers_logits(model, p, o, impl) for p, o in zip(prompts, outputs)]
         cmp = _compare([r for rs in rows for r in rs], [r for rs in ref_rows for r in rs])
         cmp["greedy_tokens_identical"] = outputs == reference_tokens
@@ -234,12 +258,19 @@ def run(args: argparse.Namespace) -> int:
         from pagedkv.hf.loading import load_model
 
         models.append(("smollm2-135m", load_model("smollm2")[0]))
-    result: dict[str, Any] = {"new_tokens": new_tokens, "allocator": {}, "vs_transformers": {}}
+    result: dict[str, Any] = {
+        "new_tokens": new_tokens,
+        "allocator": {},
+        "allocator_tight": {},
+        "vs_transformers": {},
+    }
     for name, model in models:
         print(f"[bench bitwise] {name} ...", file=sys.stderr, flush=True)
         vocab = int(model.config.vocab_size)
         prompts = _prompts(vocab, (5, 23, 40), seed=0)
         result["allocator"][name] = check_allocators(model, prompts, new_tokens)
+        tight = tight_blocks(prompts, new_tokens)
+        result["allocator_tight"][name] = check_allocators(model, prompts, new_tokens, tight)
         result["vs_transformers"][name] = check_vs_transformers(model, prompts, new_tokens)
     print("[bench bitwise] triton vs reference ...", file=sys.stderr, flush=True)
     result["triton"] = check_triton()
@@ -250,6 +281,13 @@ def run(args: argparse.Namespace) -> int:
     for name, r in result["allocator"].items():
         print(f"  {name:<14} bitwise {r['bitwise_equal']!s:<5} max|diff| {r['max_abs_diff']:.3g}  "
               f"same schedule {r['same_schedule']}  tokens identical {r['tokens_identical']}")  # fmt: skip
+    print("1b. the same with a budget that holds the prompts but not the outputs (different batches)")
+    for name, r in result["allocator_tight"].items():
+        print(f"  {name:<14} bitwise {r['bitwise_equal']!s:<5} max|diff| {r['max_abs_diff']:.3g}  "
+              f"same schedule {r['same_schedule']}  tokens identical {r['tokens_identical']}  "
+              f"preemptions {r['preemptions']}; paged tight vs paged ample: bitwise "
+              f"{r['paged_tight_vs_paged_ample']['bitwise_equal']}, "
+              f"max|diff| {r['paged_tight_vs_paged_ample']['max_abs_diff']:.3g}")  # fmt: skip
     print(
         "2. pagedkv attention vs transformers + DynamicCache, sdpa (eager where unsupported): logits, greedy tokens"
     )
