@@ -1,4 +1,4 @@
-"""`pagedkv simulate | plan | generate | bench {allocator,attention,e2e,tiers}`: a thin front door.
+"""`pagedkv simulate | plan | generate | bench {allocator,attention,e2e,tiers,stalls,bitwise,soak}`: a thin front door.
 
 Each command lives in the module that owns its logic and exposes `add_arguments(parser)` and
 `run(args) -> int`. Modules are imported only when their command is chosen, so `simulate`, `plan` and
@@ -16,13 +16,21 @@ from pagedkv.core.errors import PagedKVError
 
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("simulate",): ("pagedkv.sim.commands_simulate", "replay a workload through the scheduler on a modelled GPU"),
+    ("simulate",): (
+        "pagedkv.sim.commands_simulate",
+        "replay a workload through the scheduler on a modelled GPU",
+    ),
     ("plan",): ("pagedkv.sim.commands_plan", "capacity planner: how many requests fit with each allocator"),
     ("generate",): ("pagedkv.hf.commands", "generate text with a real model served on pagedkv"),
     ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
     ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),
     ("bench", "e2e"): ("pagedkv.bench.e2e", "end-to-end serving throughput on a real model (CPU)"),
     ("bench", "tiers"): ("pagedkv.bench.tiers", "put/get throughput and lookup latency of host, disk and Redis tiers"),
+    ("bench", "stalls"): ("pagedkv.bench.stalls", "step-latency stalls from KV-cache reallocation"),
+    ("bench", "bitwise"): (
+        "pagedkv.bench.bitwise",
+        "what is bit-identical: allocators, vs transformers, Triton",
+    ),
 }
 
 

@@ -34,12 +34,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run every allocator at these block sizes, e.g. 8,16,32,64,128",
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    s.add_argument(  # pagedkv.sim.guidance
+        "--sweep-guidance",
+        metavar="PATH",
+        help="instead: sweep output-length spread x KV budget, write the decision chart (PNG) here",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedkv.sim.report import simulate_text
     from pagedkv.sim.runner import run_simulation
 
+    if getattr(args, "sweep_guidance", None):
+        from pagedkv.sim.guidance import run_guidance
+
+        try:
+            return run_guidance(args)
+        except PagedKVError as exc:
+            print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
+            return 2
     try:
         report = run_simulation(
             args.model,

@@ -6,7 +6,9 @@ The loop, per step (simulated time `now`, in seconds):
        `think_s` after its previous turn finishes);
     2. `schedule()` picks chunks `(start, num_new_tokens)` under the token budget, admitting and
        preempting through the allocator exactly as the engine does;
-    3. the step takes `StepTimeModel.step_seconds(starts, num_new_tokens)`; `now` advances by it;
+    3. the step takes `StepTimeModel.step_seconds(starts, num_new_tokens)`, plus, with `SimConfig.realloc`,
+       the time to copy (read and write at HBM bandwidth) the KV of each sequence whose contiguous buffer
+       must grow (`realloc_copy_tokens`); `now` advances by it;
     4. each chunk that completes its request's tokens samples the request's next output token, or the
        end-of-sequence id once the request has produced its true output length; `update(..., now)` appends
        them, finishes requests and frees their blocks.
@@ -35,6 +37,8 @@ from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
 
 EOS_TOKEN_ID = 50_000  # outside the synthetic vocabulary [0, 50000): sampled only to end a request
+REALLOC_MODES = ("none", "doubling", "concat")
+REALLOC_MIN_CAPACITY = 16  # tokens: the first buffer of a doubling cache
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,20 @@ class SimConfig:
     step_overhead_s: float = 0.002
     tensor_parallel: int = 1
     activation_bytes: int | None = None  # None: the profile estimate of budget.activation_reserve_bytes
+    # How a contiguous allocator's per-sequence buffer grows (time only; see `realloc_copy_tokens`):
+    # "none": reserved once at admission; "doubling": a buffer of the next power of two that is copied to
+    # one twice as large when full; "concat": the whole sequence copied every step (transformers'
+    # DynamicCache). The copy is charged at HBM bandwidth (read + write) on top of the step.
+    realloc: str = "none"
 
     def __post_init__(self) -> None:
         check_allocator(self.allocator)
+        if self.realloc not in REALLOC_MODES:
+            raise InvalidArgumentError(f"realloc must be one of {REALLOC_MODES}, got {self.realloc!r}")
+        if self.realloc != "none" and self.allocator not in CONTIGUOUS:
+            raise InvalidArgumentError(
+                f"realloc={self.realloc!r} models a contiguous buffer; allocator {self.allocator!r} is paged"
+            )
         for f in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -98,6 +113,8 @@ class SimTrace:
     bytes_moved: float = 0.0  # HBM traffic the step model charged, summed over steps
     flops: float = 0.0
     page_table_bytes: float = 0.0  # block-table entries the attention kernels read (paged allocators)
+    realloc_bytes: float = 0.0  # KV bytes copied by buffer reallocation (SimConfig.realloc), summed
+    realloc_s: list[float] = field(default_factory=list)  # per step: seconds of it spent copying
     final_used_blocks: int = -1  # blocks still in use after the last request finished (0: nothing leaked)
     arrival_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     first_token_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
@@ -105,6 +122,24 @@ class SimTrace:
     prompt_len: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     output_len: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cached_tokens: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def realloc_copy_tokens(mode: str, capacity: int, start: int, end: int) -> tuple[int, int]:
+    """(tokens copied, new capacity) when a sequence holding `start` tokens in a buffer of `capacity` grows
+    to `end` tokens under reallocation `mode`. A sequence restarting from 0 (admission, recompute) gets a
+    fresh buffer and copies nothing."""
+    if mode == "none" or end <= start:
+        return 0, capacity
+    if mode == "concat":
+        return start, end
+    if start == 0:
+        capacity = 0
+    if end <= capacity:
+        return 0, capacity
+    new = max(capacity, REALLOC_MIN_CAPACITY)
+    while new < end:
+        new *= 2
+    return (start if capacity else 0), new
 
 
 def _running_requests(scheduler: object) -> list[object]:
@@ -168,6 +203,8 @@ def simulate(
     bs = config.block_size
     now = 0.0
     steps = 0
+    capacity: dict[str, int] = {}  # realloc: each sequence's buffer, in tokens
+    kv_per_token = config.model.kv_bytes_per_token
 
     while pending or scheduler.has_unfinished():
         if not scheduler.has_unfinished() and pending[0][0] > now:
@@ -208,6 +245,21 @@ def simulate(
         news = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         cost = step_model.cost(starts, news)
         dt = cost.seconds
+        copy_s = 0.0
+        if config.realloc != "none":
+            copied = 0
+            for c in chunks:
+                rid = c.request.request_id
+                n, capacity[rid] = realloc_copy_tokens(
+                    config.realloc, capacity.get(rid, 0), c.start, c.start + c.num_new_tokens
+                )
+                copied += n
+            if copied:  # read and write every copied byte
+                copy_bytes = float(copied) * kv_per_token
+                out.realloc_bytes += copy_bytes
+                copy_s = 2 * copy_bytes / (config.tensor_parallel * config.gpu.hbm_bandwidth_bytes_per_s)
+                dt += copy_s
+        out.realloc_s.append(copy_s)
         now += dt
         out.bytes_moved += cost.bytes_moved
         out.flops += cost.flops

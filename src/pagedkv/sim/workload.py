@@ -20,7 +20,8 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.workloads import generators as gen
 from pagedkv.workloads.generators import GeneratedRequest
 
-GENERATORS = ("variable", "fixed", "shared-prefix", "multi-turn")
+GENERATORS = ("variable", "fixed", "shared-prefix", "multi-turn", "legal")
+LEGAL_ANSWER_ROOM = 512  # legal: contracts are cut to max_model_len minus this, leaving room for the answer
 ARRIVALS = ("trace", "burst", "poisson")
 DEFAULT_WORKLOAD = "azure-conv"  # the Azure conv trace shipped inside the package
 
@@ -81,6 +82,8 @@ class WorkloadSpec:
             name = f"shared-prefix (system prompt {self.system_prompt_len})"
         elif self.source == "multi-turn":
             name = f"multi-turn ({self.turns} turns)"
+        elif self.source == "legal":
+            name = "legal (CUAD-derived contract lengths, Azure conv answer lengths)"
         elif self.prompt_lognormal or self.output_lognormal:
             p = self.prompt_lognormal or gen.AZURE_CONV_PROMPT_LOGNORMAL
             o = self.output_lognormal or gen.AZURE_CONV_OUTPUT_LOGNORMAL
@@ -155,6 +158,11 @@ def _from_generator(spec: WorkloadSpec, max_model_len: int) -> list[GeneratedReq
             max_prompt_len=max_model_len - 1,
         )
         return reqs[:n]
+    if spec.source == "legal":
+        from pagedkv.workloads.legal import legal_contract
+
+        cap = max(1, max_model_len - LEGAL_ANSWER_ROOM)
+        return legal_contract(n, seed=seed, rate=rate, max_prompt_len=cap, min_prompt_len=min(256, cap))
     return gen.variable_length(
         n,
         seed=seed,
