@@ -137,18 +137,24 @@ def check_source(source: str) -> ModelSource:
 
 def set_progress_bars(enabled: bool) -> None:
     """Turn transformers' own progress bars (loading, GGUF de-quantisation) on or off."""
-    import functools
-
-    from tqdm.auto import tqdm
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     if enabled:
         hf_logging.enable_progress_bar()
     else:
         hf_logging.disable_progress_bar()
-    # the GGUF de-quantisation bar is a plain tqdm that ignores the switch above
-    gguf_utils.tqdm = tqdm if enabled else functools.partial(tqdm, disable=True)  # type: ignore[attr-defined]
+
+
+def _gguf_bar(enabled: bool) -> None:
+    """The GGUF de-quantisation bar is a plain tqdm that ignores transformers' switch: follow it here."""
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    on = enabled and hf_logging.is_progress_bar_enabled()
+    gguf_utils.tqdm = tqdm if on else functools.partial(tqdm, disable=True)  # type: ignore[attr-defined]
 
 
 def _offline() -> None:
@@ -192,6 +198,8 @@ def load_weights(source: ModelSource, *, dtype: str | None = None, tokenizer: An
     folder, kwargs = source.load_kwargs()
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype)
+    if "gguf_file" in kwargs:
+        _gguf_bar(True)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, KeyError) as err:
