@@ -151,6 +151,7 @@ def test_over_long_prompts_are_rejected_alone_and_counted_apart(
     assert lines[0].startswith("[req-0]") and lines[2].startswith("[req-2]")
     assert lines[1].startswith("[req-1] (rejected:") and "64 positions" in lines[1]
     assert "2 requests served (2 completions, 8 tokens" in err and "1 rejected" in err
+    assert "Loading weights" not in err and "it/s" not in err, "--no-progress silences transformers' bars too"
     # too big for the KV budget (4 blocks of 16 tokens: 3 usable) but within the model's positions
     too_big_for_kv = " ".join(["w8"] * 55)
     code, out, err = generate(
@@ -162,3 +163,18 @@ def test_over_long_prompts_are_rejected_alone_and_counted_apart(
     assert code == 1 and [r["id"] for r in records] == ["req-0", "req-1"]
     assert records[0]["finish_reason"] == "rejected" and len(records[1]["output_token_ids"]) == 4
     assert "1 requests served (1 completions, 4 tokens" in err and "1 rejected" in err
+
+
+def test_no_progress_switches_transformers_bars(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from pagedkv.hf.loading import check_source, load_weights, set_progress_bars
+
+    set_progress_bars(True)
+    load_weights(check_source(str(tiny_model)))
+    assert "Loading weights" in capsys.readouterr().err, "the bar is on by default"
+    set_progress_bars(False)
+    assert not hf_logging.is_progress_bar_enabled()
+    load_weights(check_source(str(tiny_model)))
+    assert "Loading weights" not in capsys.readouterr().err
+    set_progress_bars(True)
