@@ -191,6 +191,7 @@ def plot(result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     traces = list(result["traces"].values())
     fig, axes = plt.subplots(1, len(traces), figsize=(5.5 * len(traces), 3.6), squeeze=False)
@@ -201,9 +202,11 @@ def plot(result: dict, path: Path) -> None:
         hi = [s["systems"][n]["us_per_token"]["max"] - m for n, m in zip(names, med)]
         ys = list(range(len(names)))[::-1]
         ax.barh(ys, med, xerr=[lo, hi], color=["tab:blue"] + ["tab:gray"] * (len(names) - 1))
-        for y, v in zip(ys, med):
-            ax.text(v * 1.1, y, f"{v:.3f}", va="center", fontsize=8)
+        for y, v, top in zip(ys, med, hi):
+            ax.text((v + top) * 1.08, y, f"{v:.3f}", va="center", fontsize=8)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlim(right=max(m + h for m, h in zip(med, hi)) * 2.5)
         ax.set_yticks(ys, names, fontsize=8)
         ax.set_xlabel("us per scheduled token (wall, median and range)")
         ax.set_title(s["trace"], fontsize=10)
@@ -230,7 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, default=None, help="also write the figures as one JSON object here")
     p.add_argument("--plot", type=Path, default=None, help="also draw the medians and ranges into this PNG")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="run nothing: print (and --plot) the figures of an earlier --json output")  # fmt: skip
     args = p.parse_args(argv)
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        print(
+            f"{saved['date']}; CPU: {saved['cpu']}; {saved['repeats']} interleaved repeats (from {args.from_json})"
+        )
+        for s in saved["traces"].values():
+            print_trace(s)
+        if args.plot:
+            plot(saved, args.plot)
+        return 0
 
     # ../shared from the repository root, or from any folder above it (a worktree nested one level deeper)
     shared = next((d / "shared" for d in ROOT.parents if (d / "shared").is_dir()), ROOT.parent / "shared")
