@@ -1,10 +1,11 @@
 #!/bin/bash
-# Every allocator figure of docs/benchmarks.md in one run (about 5 minutes on 2 cores), then the plot
-# against PEERS.md. Usage: bash benchmarks/allocator_sweep.sh [OUT_DIR]   (default out/alloc; needs .venv
-# from `make` and ../shared/data for the Mooncake trace)
+# Every pagedkv-only allocator figure of docs/benchmarks.md in one run (about 5 minutes on 2 cores).
+# Usage: bash benchmarks/allocator_sweep.sh [OUT_DIR]   (default out/alloc; needs .venv from `make` and the
+# Mooncake trace under $PAGEDKV_DATA, default ../shared/data). Ratios against the peers come only from
+# benchmarks/allocator_vs_peers.py, which runs them side by side in one invocation.
 set -euo pipefail
 OUT=${1:-out/alloc}
-MC=../shared/data/mooncake-fast25/synthetic_trace.jsonl
+MC=${PAGEDKV_DATA:-../shared/data}/mooncake-fast25/synthetic_trace.jsonl
 mkdir -p "$OUT"
 PK=.venv/bin/pagedkv
 run() { name=$1; shift; echo "== $name: pagedkv bench allocator $*" >&2; "$PK" bench allocator "$@" --json > "$OUT/$name.json"; }
@@ -17,4 +18,3 @@ for trace in az mc; do
   PAGEDKV_NATIVE=0 run ${trace}_py "${args[@]}" --repeat 3
   run ${trace}_wall "${args[@]}" --clock wall --repeat 3
 done
-.venv/bin/python benchmarks/allocator_vs_peers.py "$OUT" --out docs/figures/bench-allocator-peers.png

@@ -58,10 +58,20 @@ def test_plot_is_written(tmp_path) -> None:
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
 
 
-MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
+# ../shared/data beside the repository (or beside a folder above it, for a worktree nested one level deeper)
+MOONCAKE = next(
+    (
+        p
+        for d in Path(__file__).resolve().parents
+        if (p := d / "shared/data/mooncake-fast25/synthetic_trace.jsonl").is_file()
+    ),
+    Path(__file__).resolve().parents[3] / "shared/data/mooncake-fast25/synthetic_trace.jsonl",
+)
 
 
-@pytest.mark.skipif(hotpath.NATIVE is None, reason="the C extension is not built: only one backend to compare")
+@pytest.mark.skipif(
+    hotpath.NATIVE is None, reason="the C extension is not built: only one backend to compare"
+)
 @pytest.mark.parametrize(("trace", "limit", "num_blocks", "hash_fn"), [
     ("azure", 300, 2048, "sha256"), ("azure", 300, 2048, "fast"), ("mooncake", 60, 1024, "sha256"),
 ])  # fmt: skip
@@ -78,3 +88,17 @@ def test_both_backends_replay_identically(trace: str, limit: int, num_blocks: in
     assert c == py
     assert runs[0].preemptions > 0 and runs[0].prefix_hit_rate > 0  # the interesting paths ran
     assert runs[0].series == runs[1].series
+
+
+def test_progress_counts_every_finished_request_of_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+    reqs = load_trace(default_trace_path(), limit=120)
+    seen: list[int] = []
+    result = replay(reqs, "paged", num_blocks=1024, progress=seen.append)
+    assert sum(seen) == result.requests == 120 and all(n > 0 for n in seen)
+    from pagedkv.cli import main
+
+    assert main(["bench", "allocator", "--limit", "60", "--repeat", "2", "--num-blocks", "1024"]) == 0
+    err = capsys.readouterr().err
+    assert "paged run 2/2" in err, "the bar names the run on stderr"
+    assert main(["bench", "allocator", "--limit", "60", "--num-blocks", "1024", "--no-progress"]) == 0
+    assert "paged run" not in capsys.readouterr().err

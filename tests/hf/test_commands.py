@@ -69,3 +69,112 @@ def test_generate_json_on_smollm2(capsys: pytest.CaptureFixture[str]) -> None:
             assert key in r
         assert r["finish_reason"] in ("stop", "length") and r["output_token_ids"]
     assert "Paris" in records[0]["output_text"]
+
+
+WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 1-layer Llama with 64 positions and a whitespace word-level tokenizer, saved as a folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(
+        folder
+    )
+    config = LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1, bos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def generate(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["generate", "--no-progress", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bad_model_sources_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    only_config = tmp_path / "only-config"
+    only_config.mkdir()
+    (only_config / "config.json").write_text("{}")
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("hello")
+    for model, needle in ((only_config, "no tokenizer"), (fake, "GGUF magic")):
+        code, out, err = generate(["hi", "--model", str(model)], capsys)
+        assert code == 2 and out == ""
+        assert len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pagedkv.hf.loading as loading
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded before the input was checked")
+
+    monkeypatch.setattr(loading, "load_weights", no_weights)
+    code, _, err = generate(["w1 w2", "--model", str(tiny_model), "--max-new-tokens", "64"], capsys)
+    assert code == 2 and "64 positions" in err and len(err.strip().splitlines()) == 1
+    code, _, err = generate(["w1 w2", "--model", str(tiny_model), "--max-new-tokens", "0"], capsys)
+    assert code == 2 and "max_new_tokens" in err
+
+
+def test_over_long_prompts_are_rejected_alone_and_counted_apart(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    short, too_long_for_model = "w3 w4 w5", " ".join(["w7"] * 70)
+    code, out, err = generate(
+        [
+            short,
+            too_long_for_model,
+            short,
+            "--model",
+            str(tiny_model),
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+        ],
+        capsys,
+    )
+    lines = out.splitlines()
+    assert code == 1
+    assert lines[0].startswith("[req-0]") and lines[2].startswith("[req-2]")
+    assert lines[1].startswith("[req-1] (rejected:") and "64 positions" in lines[1]
+    assert "2 requests served (2 completions, 8 tokens" in err and "1 rejected" in err
+    assert "Loading weights" not in err and "it/s" not in err, "--no-progress silences transformers' bars too"
+    # too big for the KV budget (4 blocks of 16 tokens: 3 usable) but within the model's positions
+    too_big_for_kv = " ".join(["w8"] * 55)
+    code, out, err = generate(
+        [too_big_for_kv, short, "--model", str(tiny_model), "--max-new-tokens", "4", "--ignore-eos",
+         "--num-blocks", "4", "--json"],
+        capsys,
+    )  # fmt: skip
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and [r["id"] for r in records] == ["req-0", "req-1"]
+    assert records[0]["finish_reason"] == "rejected" and len(records[1]["output_token_ids"]) == 4
+    assert "1 requests served (1 completions, 4 tokens" in err and "1 rejected" in err
+
+
+def test_no_progress_switches_transformers_bars(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from pagedkv.hf.loading import check_source, load_weights, set_progress_bars
+
+    set_progress_bars(True)
+    load_weights(check_source(str(tiny_model)))
+    assert "Loading weights" in capsys.readouterr().err, "the bar is on by default"
+    set_progress_bars(False)
+    assert not hf_logging.is_progress_bar_enabled()
+    load_weights(check_source(str(tiny_model)))
+    assert "Loading weights" not in capsys.readouterr().err
+    set_progress_bars(True)

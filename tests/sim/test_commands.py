@@ -102,3 +102,72 @@ def test_sim_imports_neither_torch_nor_matplotlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"pagedkv.sim pulled in {out.strip()}"
+
+
+def test_dropped_requests_warn_with_count_and_flag(capsys) -> None:
+    # max_model_len 512 drops every request of the first 40 whose prompt is >= 512 tokens
+    argv = ["--num-requests", "40", "--max-model-len", "512", "--time-scale", "20", "--no-progress", "--json"]
+    assert main(["simulate", *argv]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["dropped"] > 0
+    assert f"{data['dropped']} of 40 requests dropped" in err and "--max-model-len" in err
+    assert main(["plan", *argv[:4], "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["dropped"] == data["dropped"] and "--max-model-len" in err
+    assert main(["plan", "--num-requests", "5", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["dropped"] == 0 and "warning" not in err
+
+
+def test_block_size_sweep_draws_its_figure(tmp_path, capsys) -> None:
+    png = tmp_path / "fig.png"
+    argv = ["simulate", *SMALL, "--allocators", "paged", "--sweep-block-sizes", "16,32", "--plot", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    sweep = tmp_path / "fig-sweep.png"
+    assert sweep.is_file() and sweep.read_bytes()[:4] == b"\x89PNG" and str(sweep) in out
+
+
+def test_tensor_parallel_that_cannot_shard_the_heads_is_refused(capsys) -> None:
+    assert main(["plan", "--tensor-parallel", "3", "--num-requests", "5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "32 attention heads" in err and "1, 2, 4, 8" in err
+    assert main(["plan", "--tensor-parallel", "2", "--num-requests", "5"]) == 0
+
+
+def test_example_catalog_is_printed_in_help_and_loads(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--example-catalog"])
+    assert exit_.value.code == 0
+    example = tmp_path / "catalog.yaml"
+    example.write_text(capsys.readouterr().out)
+    assert (
+        main(
+            ["plan", "--catalog", str(example), "--model", "opt-13b", "--gpu", "l40s", "--num-requests", "5"]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    assert "memory_gib" in capsys.readouterr().out, "--help shows the catalog format"
+
+
+def test_incomplete_catalog_entry_names_the_users_keys(tmp_path, capsys) -> None:
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("gpus:\n  my-gpu:\n    memory_gib: 48\n    hbm_bandwidth_gb_per_s: 864\n")
+    assert main(["plan", "--catalog", str(partial), "--gpu", "my-gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "missing bf16_tflops" in err and "hbm_bandwidth_gb_per_s, memory_gib" in err
+    assert "bf16_flops_per_s" not in err.split("missing")[0], "names the user's keys first"
+
+
+def test_planner_output_is_in_gib_only(capsys) -> None:
+    assert main(["plan", "--num-requests", "5", "--activation-reserve-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB" in out and " GB" not in out
+    assert "activation reserve (profile estimate)         1.00 GiB" in out
+    assert main(["plan", "--model", "llama-2-70b", "--num-requests", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB" in err and " GB" not in err

@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,12 @@ class ReplayResult:
 
 
 def make_manager(
-    allocator: str, num_blocks: int, block_size: int, *, prefix_caching: bool, hash_fn: str = "sha256",
+    allocator: str,
+    num_blocks: int,
+    block_size: int,
+    *,
+    prefix_caching: bool,
+    hash_fn: str = "sha256",
     native: bool | None = None,
 ) -> PagedKVManager | ContiguousKVManager:
     if allocator == "paged":
@@ -95,19 +101,28 @@ def replay(
     check_every: int = 0,
     clock: str = "cpu",
     native: bool | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> ReplayResult:
     """Run the loop above; `check_every > 0` also checks the manager's invariants every that many steps.
-    `native`: the hot-path backend (None: the C extension if built; False: the Python reference)."""
-    m = make_manager(allocator, num_blocks, block_size, prefix_caching=prefix_caching, hash_fn=hash_fn, native=native)
+    `native`: the hot-path backend (None: the C extension if built; False: the Python reference).
+    `progress(n)` is told, outside the timed phases, that n more requests finished."""
+    m = make_manager(
+        allocator, num_blocks, block_size, prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
+    )
     paged = isinstance(m, PagedKVManager)
     n_req = len(requests)
     out_len = np.array([r.output_len for r in requests], dtype=np.int64)
     fits = np.array([r.prompt_len + r.output_len <= m.capacity_tokens for r in requests], dtype=bool)
     skipped = int((~fits).sum())
     if skipped:
-        print(f"warning: skipping {skipped} request(s) that can never fit {m.capacity_tokens} tokens", file=sys.stderr)
+        print(
+            f"warning: skipping {skipped} request(s) that can never fit {m.capacity_tokens} tokens",
+            file=sys.stderr,
+        )
     generated = np.zeros(n_req, dtype=np.int64)
-    gen_seed = sm64(np.uint64(int(sm64(0)) ^ STREAM_GENERATED) ^ (np.arange(n_req, dtype=np.uint64) << np.uint64(8)))
+    gen_seed = sm64(
+        np.uint64(int(sm64(0)) ^ STREAM_GENERATED) ^ (np.arange(n_req, dtype=np.uint64) << np.uint64(8))
+    )
     keys: list[BlockKeys | None] = [None] * n_req
     prompts: dict[int, np.ndarray] = {}
     waiting: deque[int] = deque(int(i) for i in np.nonzero(fits)[0])
@@ -118,6 +133,7 @@ def replay(
     peak_used = 0
     util_sum = floor_sum = 0.0
     util_steps = 0
+    finished_last = 0
     series: dict[str, list[int]] = {"running": [], "blocks_in_use": [], "tokens_held": []}
     bs = block_size
     clock_ns = time.thread_time_ns if clock == "cpu" else time.perf_counter_ns
@@ -187,16 +203,21 @@ def replay(
             util_steps += 1
         if check_every and steps % check_every == 0:
             m.check_invariants()
+        if progress is not None and finished_last:
+            progress(finished_last)
         t4 = clock_ns()
         # 4. free the finished
         done = generated[run_req] >= out_len[run_req]
-        if done.any():
+        finished_last = int(done.sum())
+        if finished_last:
             for sid in run_sid[done].tolist():
                 m.free(sid)
             keep = ~done
             run_req, run_sid = run_req[keep], run_sid[keep]
         timed_ns += (t1 - t0) + (t3 - t2) + (clock_ns() - t4)
     m.check_invariants()
+    if progress is not None and finished_last:
+        progress(finished_last)
     stats = getattr(m, "stats", None)
     wall = timed_ns / 1e9
     return ReplayResult(
@@ -225,38 +246,64 @@ def replay(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", type=Path, default=None, help="Azure CSV(.gz) or Mooncake JSONL (default: shipped Azure conv)")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="Azure CSV(.gz) or Mooncake JSONL (default: shipped Azure conv)",
+    )
     p.add_argument("--limit", type=int, default=3000, help="first N requests of the trace (default 3000)")
     p.add_argument("--num-blocks", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--allocator", choices=["paged", "contiguous", "both"], default="paged",
-                   help="both: the paged allocator and the contiguous baseline side by side")
+    p.add_argument(
+        "--allocator",
+        choices=["paged", "contiguous", "both"],
+        default="paged",
+        help="both: the paged allocator and the contiguous baseline side by side",
+    )
     p.add_argument("--hash", dest="hash_fn", choices=["sha256", "fast"], default="sha256")
-    p.add_argument("--repeat", type=int, default=1, help="runs per allocator; the median us/token is reported")
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
-                   help="time the phases in this thread's CPU time (default: robust on a shared machine) or wall time")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="runs per allocator; the median us/token is reported"
+    )
+    p.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="time the phases in this thread's CPU time (default: robust on a shared machine) or wall time",
+    )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG: concurrency and KV use per step")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (with --allocator both: one object keyed by allocator)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (with --allocator both: one object keyed by allocator)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     path = args.trace or default_trace_path()
     requests = load_trace(path, limit=args.limit)
     names = ["paged", "contiguous"] if args.allocator == "both" else [args.allocator]
+    repeats = max(1, args.repeat)
+    from pagedkv.sim.runner import _Progress  # the simulator's bar: tqdm when installed, else a counter
+
+    bar = _Progress(len(requests) * len(names) * repeats, enabled=not args.no_progress)
     results = []
-    for name in names:
-        runs = [
-            replay(
-                requests, name, num_blocks=args.num_blocks, block_size=args.block_size,
-                max_running=args.max_running, prefix_caching=not args.no_prefix_caching,
-                hash_fn=args.hash_fn, trace_name=Path(path).name, clock=args.clock,
-            )  # fmt: skip
-            for _ in range(max(1, args.repeat))
-        ]
-        results.append(sorted(runs, key=lambda r: r.us_per_token)[len(runs) // 2])
+    try:
+        for name in names:
+            runs = []
+            for i in range(repeats):
+                bar.describe(f"{name} run {i + 1}/{repeats}")
+                runs.append(replay(
+                    requests, name, num_blocks=args.num_blocks, block_size=args.block_size,
+                    max_running=args.max_running, prefix_caching=not args.no_prefix_caching,
+                    hash_fn=args.hash_fn, trace_name=Path(path).name, clock=args.clock, progress=bar,
+                ))  # fmt: skip
+            results.append(sorted(runs, key=lambda r: r.us_per_token)[len(runs) // 2])
+    finally:
+        bar.close()
     if args.plot:
         print(f"figure written to {plot_replay(results, args.plot)}", file=sys.stderr)
     if args.json:
@@ -265,7 +312,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"trace {Path(path).name}, first {len(requests)} requests; block size {args.block_size}, "
           f"{args.num_blocks} blocks, at most {args.max_running} running; hot path: {results[0].backend}")  # fmt: skip
-    header = ("allocator", "steps", "sched tokens", "preempt", "hit rate", "us/token", "peak blocks", "kv util", "floor")
+    header = (
+        "allocator",
+        "steps",
+        "sched tokens",
+        "preempt",
+        "hit rate",
+        "us/token",
+        "peak blocks",
+        "kv util",
+        "floor",
+    )
     print("{:<22} {:>6} {:>13} {:>8} {:>9} {:>9} {:>12} {:>8} {:>7}".format(*header))
     for r in results:
         print(f"{r.allocator:<22} {r.steps:>6} {r.scheduled_tokens:>13,} {r.preemptions:>8} {r.prefix_hit_rate:>8.1%} "

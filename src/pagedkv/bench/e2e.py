@@ -1,13 +1,22 @@
-"""`pagedkv bench e2e`: end-to-end serving throughput of a real model on this CPU, four systems, one workload.
+"""`pagedkv bench e2e`: end-to-end serving throughput of a real model on this CPU, five systems, one workload.
 
-Systems, all on the same model, the same requests and one torch thread:
-- `pagedkv-paged`: the pagedkv engine with the paged allocator (prefix caching on, preemption by swap by
-  default: host memory is the same RAM on a CPU, so a swap is a copy while a recompute redoes the forward;
-  `--preemption recompute` measures the other mode);
+Systems, all on the same model, the same requests, one torch thread and the same KV budget (`--num-blocks`
+blocks of `--block-size` tokens, every block the systems may hold counted in it):
+- `pagedkv-paged`: the pagedkv engine with the paged allocator (prefix caching on, preemption by recompute
+  by default; `--preemption swap` takes the host pool (`--host-blocks`, default a quarter of the budget)
+  out of the budget, so the device keeps `num_blocks - host_blocks` blocks and the total stays the same);
 - `pagedkv-contiguous`: the same engine with the contiguous baseline (reserves prompt + max_new_tokens);
+- `pagedkv-contiguous-oracle`: the contiguous baseline told each request's true output length (it reserves
+  prompt + true length): the gap between it and `pagedkv-contiguous` is the over-declared maximum, the gap
+  between it and `pagedkv-paged` is what paging itself buys;
 - `hf-continuous-batching`: transformers' continuous batching with the same page size and number of blocks
   (`continuous_batching_context_manager` + `add_request` with each request's own output length);
 - `hf-static`: plain `generate` over left-padded static batches (its cache is not bounded by the budget).
+
+Admission headroom is the same for every paged system: none. The pagedkv engine admits while the blocks a
+request needs are free (no watermark), so transformers' `safety_margin` (it stops admitting while fewer than
+that fraction of blocks are free; its default is 0.15) is set to 0.0. `systems[NAME]["config"]` in the JSON
+lists every setting that differs between systems, and `admission_headroom` the common value.
 
 Workload: the first `--num-requests` rows (default 32) of the Azure conv trace (Patel et al., "Splitwise",
 ISCA 2024, CC-BY 4.0), prompt length `max(8, ContextTokens // prompt_scale)` (default 16), output length
@@ -46,7 +55,14 @@ import numpy as np
 
 from pagedkv.workloads.traces import default_trace_path, load_trace
 
-SYSTEMS = ("pagedkv-paged", "pagedkv-contiguous", "hf-continuous-batching", "hf-static")
+SYSTEMS = (
+    "pagedkv-paged",
+    "pagedkv-contiguous",
+    "pagedkv-contiguous-oracle",
+    "hf-continuous-batching",
+    "hf-static",
+)
+ADMISSION_HEADROOM = 0.0  # fraction of blocks kept free before admitting; the pagedkv engine has no watermark
 TRACE_MAX_OUTPUT = 1000  # longest output of the Azure conv trace (data/README.md)
 
 
@@ -82,22 +98,67 @@ def build_workload(
 # --- systems ------------------------------------------------------------------------------------------
 
 
+def pagedkv_config(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of one pagedkv system, as the JSON reports them (`systems[NAME]["config"]`)."""
+    allocator = "paged" if system == "pagedkv-paged" else "contiguous"
+    # the contiguous baseline reserves every request's maximum up front, so it never preempts
+    mode = args.preemption if allocator == "paged" else "recompute"
+    host = args.host_blocks if mode == "swap" else 0
+    return {
+        "allocator": allocator,
+        "prefix_caching": True,
+        "preemption_mode": mode,
+        "num_blocks": args.num_blocks - host,  # device blocks; host + device = the budget
+        "host_blocks": host,
+        "watermark": ADMISSION_HEADROOM,
+        "block_size": args.block_size,
+        "max_batch_tokens": args.max_batched_tokens,
+        "declared_max_new_tokens": "true length" if system.endswith("-oracle") else args.max_new_tokens,
+        "attention": "pagedkv (engine default)",
+    }
+
+
+def hf_continuous_config(args: argparse.Namespace) -> dict[str, Any]:
+    """transformers' ContinuousBatchingConfig arguments (the page-size keyword is `page_size` from 5.17 on,
+    `block_size` before: whichever this version's config declares), plus the attention implementation."""
+    import dataclasses
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    names = (
+        {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        if dataclasses.is_dataclass(ContinuousBatchingConfig)
+        else set()
+    )
+    page_key = "page_size" if "page_size" in names or not names else "block_size"
+    return {
+        page_key: args.block_size,
+        "num_blocks": args.num_blocks,
+        "max_batch_tokens": args.max_batched_tokens,
+        "safety_margin": ADMISSION_HEADROOM,
+        "attn_implementation": "sdpa",
+        "declared_max_new_tokens": "true length",
+    }
+
+
 def run_pagedkv(
-    model: Any, workload: Sequence[BenchRequest], allocator: str, num_blocks: int, args: argparse.Namespace
+    model: Any, workload: Sequence[BenchRequest], system: str, args: argparse.Namespace
 ) -> tuple[dict[str, Timeline], dict[str, Any]]:
     """The engine's timelines, and its counters (preemptions, tokens run through the model, steps)."""
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
 
+    cfg = pagedkv_config(system, args)
     config = EngineConfig(
-        num_blocks=num_blocks,
+        num_blocks=cfg["num_blocks"],
         block_size=args.block_size,
-        allocator=allocator,  # type: ignore[arg-type]
+        allocator=cfg["allocator"],
         max_num_batched_tokens=args.max_batched_tokens,
-        # the contiguous baseline reserves every request's maximum up front, so it never preempts
-        preemption_mode=args.preemption if allocator == "paged" else "recompute",
+        preemption_mode=cfg["preemption_mode"],
+        num_host_blocks=cfg["host_blocks"],
     )
+    oracle = system.endswith("-oracle")
     engine = Engine(model, None, config)
     timelines: dict[str, Timeline] = {}
     lengths = {r.request_id: r.output_len for r in workload}
@@ -113,8 +174,9 @@ def run_pagedkv(
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     for r in workload:
         timelines[r.request_id] = Timeline([])
+        own = SamplingParams(max_new_tokens=r.output_len, ignore_eos=True) if oracle else params
         engine.add_request(
-            r.prompt_token_ids, params, request_id=r.request_id, arrival_time=t0, on_token=on_token
+            r.prompt_token_ids, own, request_id=r.request_id, arrival_time=t0, on_token=on_token
         )
     engine.run()
     stats = engine.stats
@@ -128,7 +190,7 @@ def run_pagedkv(
 
 
 def run_hf_continuous(
-    model: Any, workload: Sequence[BenchRequest], num_blocks: int, args: argparse.Namespace
+    model: Any, workload: Sequence[BenchRequest], config: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Timeline]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -136,9 +198,8 @@ def run_hf_continuous(
     gen = GenerationConfig(  # type: ignore[no-untyped-call]
         do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new_tokens
     )
-    cb = ContinuousBatchingConfig(
-        page_size=args.block_size, num_blocks=num_blocks, max_batch_tokens=args.max_batched_tokens
-    )
+    skip = ("attn_implementation", "declared_max_new_tokens")
+    cb = ContinuousBatchingConfig(**{k: v for k, v in config.items() if k not in skip})
     results: dict[str, Any] = {}
     t0 = time.perf_counter()
     with model.continuous_batching_context_manager(
@@ -280,7 +341,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=256, help="token budget per step")
     parser.add_argument(
-        "--preemption", choices=("swap", "recompute"), default="swap", help="preemption mode of pagedkv-paged"
+        "--preemption",
+        choices=("swap", "recompute"),
+        default="recompute",
+        help="preemption mode of pagedkv-paged (swap: the host pool is taken out of --num-blocks)",
+    )
+    parser.add_argument(
+        "--host-blocks",
+        type=int,
+        default=None,
+        help="with --preemption swap: host blocks, counted inside --num-blocks (default: a quarter of it)",
     )
     parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf-static")
     parser.add_argument(
@@ -305,6 +375,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
+    if args.host_blocks is not None and args.host_blocks < 0:
+        print("--host-blocks must be >= 0", file=sys.stderr)
+        return 2
     model, _ = load_model(args.model)
     spec = model_spec(model)
     workload = build_workload(
@@ -312,6 +385,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if any(r.output_len > args.max_new_tokens for r in workload):
         print(f"--max-new-tokens {args.max_new_tokens} is below a request's output length", file=sys.stderr)
+        return 2
+    if args.host_blocks is None:
+        args.host_blocks = args.num_blocks // 4 if args.preemption == "swap" else 0
+    if args.preemption == "swap" and not 0 < args.host_blocks <= args.num_blocks - 2:
+        print(f"--host-blocks must be in [1, {args.num_blocks - 2}] (inside --num-blocks)", file=sys.stderr)
         return 2
     budget_bytes = args.num_blocks * spec.kv_cache_spec().bytes_per_block(args.block_size)
     capacity = (args.num_blocks - 1) * args.block_size
@@ -322,14 +400,17 @@ def run(args: argparse.Namespace) -> int:
         start, cpu_start = time.perf_counter(), time.process_time()
         static_util = None
         counters: dict[str, Any] = {}
+        config: dict[str, Any]
         if system.startswith("pagedkv-"):
-            timelines, counters = run_pagedkv(
-                model, workload, system.removeprefix("pagedkv-"), args.num_blocks, args
-            )
+            config = pagedkv_config(system, args)
+            timelines, counters = run_pagedkv(model, workload, system, args)
         elif system == "hf-continuous-batching":
+            config = hf_continuous_config(args)
             model.set_attn_implementation("sdpa")
-            timelines = run_hf_continuous(model, workload, args.num_blocks, args)
+            timelines = run_hf_continuous(model, workload, config, args)
         else:
+            config = {"batch_size": args.static_batch, "cache": "dense, not bounded by the budget",
+                      "attn_implementation": "sdpa", "declared_max_new_tokens": "longest in the batch"}  # fmt: skip
             model.set_attn_implementation("sdpa")
             timelines, static_util = run_hf_static(model, workload, args)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -337,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
         figures[system]["cpu_s"] = cpu
         figures[system]["tokens_per_cpu_s"] = figures[system]["output_tokens"] / cpu
         figures[system].update(counters)
+        figures[system]["config"] = config
         if static_util is not None:
             figures[system]["kv_utilization"] = static_util
         outputs[system] = {
@@ -357,11 +439,23 @@ def run(args: argparse.Namespace) -> int:
         "output_tokens_mean": float(np.mean([r.output_len for r in workload])),
         "max_new_tokens": args.max_new_tokens,
         "preemption": args.preemption,
+        "host_blocks_inside_budget": args.host_blocks,
+        "admission_headroom": ADMISSION_HEADROOM,
         "outputs_identical": identical,
         "outputs_mismatched": {
             s: sum(o[k] != first[k] for k in first) for s, o in outputs.items() if o != first
         },
         "systems": figures,
+        "ratios": {
+            f"pagedkv-paged/{s}": figures["pagedkv-paged"]["tokens_per_s"] / f["tokens_per_s"]
+            for s, f in figures.items()
+            if s != "pagedkv-paged" and "pagedkv-paged" in figures
+        },
+        "ratios_cpu": {  # output tokens per CPU second: steadier than wall time on a shared machine
+            f"pagedkv-paged/{s}": figures["pagedkv-paged"]["tokens_per_cpu_s"] / f["tokens_per_cpu_s"]
+            for s, f in figures.items()
+            if s != "pagedkv-paged" and "pagedkv-paged" in figures
+        },
     }
     if args.json:
         print(json.dumps(result))
@@ -381,6 +475,10 @@ def run(args: argparse.Namespace) -> int:
         "tpot_p99_s",
         "wall_s",
     )
+    print(f"admission headroom {ADMISSION_HEADROOM} for every paged system; pagedkv-paged preempts by "
+          f"{args.preemption}, host blocks inside the budget: {args.host_blocks}")  # fmt: skip
+    for name, ratio in result["ratios"].items():
+        print(f"{name}: {ratio:.2f}x tokens/s, {result['ratios_cpu'][name]:.2f}x tokens per CPU second")
     print("| system | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for system, f in figures.items():

@@ -7,8 +7,13 @@
 Prompts come from arguments or `--prompts-file` (one prompt a line, or JSONL objects with a "prompt" and
 optionally "id", "max_new_tokens"). `--json` prints one object a line per completion (see
 `RequestOutput.as_dict`); otherwise the texts, then a one-line summary on stderr. A progress bar runs on
-stderr for batches of 8 prompts or more. A prompt that can never fit the KV budget is reported as
-"rejected" with the reason; the others complete.
+stderr for batches of 8 prompts or more (`--no-progress` silences it and transformers' loading bars).
+
+Everything is checked before the weights load: the arguments, the model source (a bad folder or a file that
+is not GGUF is one line on stderr, exit code 2), `--max-new-tokens` against the model's context length, and
+every prompt's length. A prompt that cannot be served (longer than the model's context, or never fitting
+the KV budget) is reported as "rejected" with the reason while the others are served; the summary counts
+served and rejected requests separately, and the exit code is 1 when any was rejected.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +100,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
+    """Check everything the user typed, then the model source, its config and tokenizer (cheap), reject the
+    prompts that cannot fit the model's positions, and only then load the weights and serve the rest."""
     from pagedkv.engine.config import EngineConfig, parse_bytes
-    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.engine.outputs import RequestOutput
     from pagedkv.engine.params import SamplingParams
-    from pagedkv.hf.loading import load_model
+    from pagedkv.hf.loading import check_source, load_config, load_tokenizer, set_progress_bars
 
-    torch.set_num_threads(1)
     items = read_prompts(args)
     base = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -113,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+    params = [base if limit is None else _with_limit(base, limit) for _, _, limit in items]
     config = EngineConfig(
         num_blocks=args.num_blocks,
         kv_budget_bytes=None
@@ -125,48 +131,108 @@ def _run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batched_tokens,
         preemption_mode=args.preemption,
     )
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    source = check_source(args.model)
+    set_progress_bars(not args.no_progress)
+    max_pos = getattr(load_config(source), "max_position_embeddings", None)
+    if max_pos is not None and args.max_new_tokens >= max_pos:
+        raise InvalidArgumentError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {max_pos} "
+            f"positions; use at most {max_pos - 1}"
+        )
+    tokenizer = load_tokenizer(source)
+    encoded = [encode_prompt(tokenizer, prompt, chat=args.chat) for _, prompt, _ in items]
+    reasons = [prompt_problem(ids, p.max_new_tokens, max_pos) for ids, p in zip(encoded, params)]
+    served = [i for i, why in enumerate(reasons) if why is None]
+
+    import torch
+
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.loading import load_weights
+
+    torch.set_num_threads(1)
+    model = load_weights(source, dtype=args.dtype, tokenizer=tokenizer)
     engine = Engine(model, tokenizer, config)
-    params = [base if limit is None else _with_limit(base, limit) for _, _, limit in items]
-    progress = _progress(len(items) * args.n, disabled=args.no_progress or len(items) < 8)
+    total = sum(params[i].n for i in served)
+    progress = _progress(total, disabled=args.no_progress or len(served) < 8)
     start = time.perf_counter()
-    outputs = engine.generate(
-        [p for _, p, _ in items], params, chat=args.chat, on_step=lambda done: progress.update(len(done))
+    engine_outputs = (
+        engine.generate(
+            [encoded[i] for i in served],
+            [params[i] for i in served],
+            on_step=lambda done: progress.update(len(done)),
+        )
+        if served
+        else []
     )
     progress.close()
     wall = time.perf_counter() - start
-    prompts_by_id: dict[str, tuple[str | None, str]] = {}
-    k = 0
-    for out in outputs:
+    # one group per prompt, in prompt order: the engine's (parent first, then its children) or a rejection
+    groups: dict[int, list[Any]] = {
+        i: [RequestOutput(f"req-{i}", encoded[i], [], "", True, "rejected", reasons[i])]
+        for i, why in enumerate(reasons)
+        if why is not None
+    }
+    k = -1
+    engine_parent = ""
+    for out in engine_outputs:
         if out.parent_id is None:
-            prompts_by_id[out.request_id] = (items[k][0], items[k][1])
             k += 1
-    for out in outputs:
-        user_id, prompt = prompts_by_id[out.parent_id or out.request_id]
+            engine_parent = out.request_id
+            groups[served[k]] = []
+        suffix = out.request_id[len(engine_parent) :]
+        parent = f"req-{served[k]}"
+        groups[served[k]].append(
+            replace(out, request_id=parent + suffix, parent_id=parent if suffix else None)
+        )
+    outputs = [(i, out) for i in sorted(groups) for out in groups[i]]
+    for i, out in outputs:
+        user_id, prompt = items[i][0], items[i][1]
         if args.json:
             record = out.as_dict(prompt)
             if user_id is not None:
-                record["id"] = (
-                    user_id if out.parent_id is None else f"{user_id}{out.request_id[len(out.parent_id) :]}"
-                )
+                record["id"] = user_id + out.request_id[len(f"req-{i}") :]
             print(json.dumps(record), flush=True)
         else:
             tag = f"[{out.request_id}] " if len(outputs) > 1 else ""
             body = out.output_text if out.finish_reason != "rejected" else f"(rejected: {out.error})"
             print(f"{tag}{body}", flush=True)
-    num_tokens = sum(len(o.output_token_ids) for o in outputs)
+    rejected = [i for i, out in outputs if out.finish_reason == "rejected" and out.parent_id is None]
+    done = [out for _, out in outputs if out.finish_reason != "rejected"]
+    num_tokens = sum(len(o.output_token_ids) for o in done)
     print(
-        f"pagedkv generate: {len(outputs)} completions, {num_tokens} tokens in {wall:.1f}s "
-        f"({num_tokens / wall:.1f} tok/s), {engine.manager.num_blocks} KV blocks ({config.allocator}), "
-        f"{engine.stats.num_preemptions} preemptions",
+        f"pagedkv generate: {len(items) - len(rejected)} requests served ({len(done)} completions, {num_tokens} "
+        f"tokens in {wall:.1f}s, {num_tokens / wall if wall > 0 else 0.0:.1f} tok/s), {len(rejected)} rejected; "
+        f"{engine.manager.num_blocks} KV blocks ({config.allocator}), {engine.stats.num_preemptions} preemptions",
         file=sys.stderr,
     )
-    return 0 if all(o.finish_reason != "rejected" for o in outputs) else 1
+    return 0 if not rejected else 1
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
+    """The prompt's token ids, the way the engine encodes text (the chat template when `chat`)."""
+    if chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def prompt_problem(ids: list[int], max_new_tokens: int, max_positions: int | None) -> str | None:
+    """Why this request cannot be served by the model at all (its length), or None. KV-budget rejections
+    come from the engine, which knows the cache's size."""
+    if not ids:
+        return "empty prompt"
+    if max_positions is not None and len(ids) + max_new_tokens > max_positions:
+        return (
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds "
+            f"the model's {max_positions} positions; shorten the prompt or lower --max-new-tokens"
+        )
+    return None
 
 
 def _with_limit(params: Any, limit: int) -> Any:
-    from dataclasses import replace
-
     return replace(params, max_new_tokens=limit)
 
 

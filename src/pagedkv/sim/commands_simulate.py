@@ -17,6 +17,7 @@ from pagedkv.sim.options import (
     activation_bytes_from,
     add_common_arguments,
     catalog_from,
+    dropped_warning,
     workload_from,
 )
 
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_int_list,
         default=[],
         metavar="LIST",
-        help="also run every allocator at these block sizes, e.g. 8,16,32,64,128",
+        help="also run every allocator at these block sizes, e.g. 8,16,32,64,128 (with --plot OUT.png: the "
+        "sweep figure goes to OUT-sweep.png)",
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     s.add_argument(  # pagedkv.sim.guidance
@@ -74,18 +76,34 @@ def run(args: argparse.Namespace) -> int:
     except PagedKVError as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
         return 2
+    wl = report.workload
+    warning = dropped_warning(
+        wl.num_dropped,
+        len(wl.requests) + wl.num_dropped,
+        report.config.max_model_len,
+        report.config.model.max_model_len,
+    )
+    if warning:
+        print(f"pagedkv simulate: {warning}", file=sys.stderr)
     if args.json:
         data = report.to_json()
+        data["dropped"] = wl.num_dropped
         if args.plot:
             data["plot"] = str(args.plot)
     else:
         print(simulate_text(report))
     if args.plot:
-        from pagedkv.sim.plot import plot_report
+        from pagedkv.sim.plot import plot_report, plot_sweep, sweep_path
 
         path = plot_report(report, args.plot)
         if not args.json:
             print(f"\nfigure written to {path}")
+        if report.sweep:
+            swept = plot_sweep(report, sweep_path(args.plot))
+            if args.json:
+                data["sweep_plot"] = str(swept)
+            else:
+                print(f"block-size sweep figure written to {swept}")
     if args.json:
         print(json.dumps(data, indent=2))
     return 0

@@ -6,7 +6,7 @@ import argparse
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.sim.allocators import ALLOCATORS
-from pagedkv.sim.catalog import Catalog
+from pagedkv.sim.catalog import EXAMPLE_CATALOG, Catalog
 from pagedkv.sim.workload import ARRIVALS, DEFAULT_WORKLOAD, GENERATORS, WorkloadSpec
 
 
@@ -40,12 +40,28 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+class _ExampleCatalog(argparse.Action):
+    """`--example-catalog`: print a complete catalog file and exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kwargs.get("help"))  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(EXAMPLE_CATALOG, end="")
+        parser.exit(0)
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "catalog file format (--catalog FILE; `--example-catalog` prints it):\n\n" + "\n".join(
+        "  " + line for line in EXAMPLE_CATALOG.splitlines()
+    )
     g = parser.add_argument_group("deployment")
     g.add_argument("--model", default="llama-2-7b", help="model name (default: llama-2-7b)")
     g.add_argument("--gpu", default="a100-40gb", help="GPU name (default: a100-40gb)")
     g.add_argument("--tensor-parallel", type=int, default=1, help="GPUs sharing the model (default: 1)")
-    g.add_argument("--catalog", metavar="FILE", help="JSON/YAML file adding GPUs and models")
+    g.add_argument("--catalog", metavar="FILE", help="JSON/YAML file adding GPUs and models (format below)")
+    g.add_argument("--example-catalog", action=_ExampleCatalog, help="print an example catalog file and exit")
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument(
@@ -55,8 +71,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="token budget/step (default: 8192)"
     )
-    g.add_argument(
-        "--activation-reserve-gb", type=float, help="override the activation reserve estimate (GB)"
+    reserve = g.add_mutually_exclusive_group()
+    reserve.add_argument(
+        "--activation-reserve-gib",
+        type=float,
+        help="override the activation reserve estimate (GiB, 2^30 bytes)",
+    )
+    reserve.add_argument(
+        "--activation-reserve-gb", type=float, help="the same in decimal GB (10^9 bytes; older spelling)"
     )
     g.add_argument(
         "--allocators",
@@ -140,8 +162,26 @@ def workload_from(args: argparse.Namespace) -> WorkloadSpec:
 
 
 def activation_bytes_from(args: argparse.Namespace) -> int | None:
-    if args.activation_reserve_gb is None:
+    for flag, value, unit in (
+        ("--activation-reserve-gib", getattr(args, "activation_reserve_gib", None), 1024**3),
+        ("--activation-reserve-gb", args.activation_reserve_gb, 10**9),
+    ):
+        if value is not None:
+            if value < 0:
+                raise InvalidArgumentError(f"{flag} must be >= 0, got {value}")
+            return int(value * unit)
+    return None
+
+
+def dropped_warning(num_dropped: int, num_total: int, max_model_len: int, model_max_len: int) -> str | None:
+    """The stderr warning for requests the workload dropped (prompt >= max_model_len), or None."""
+    if not num_dropped:
         return None
-    if args.activation_reserve_gb < 0:
-        raise InvalidArgumentError(f"--activation-reserve-gb must be >= 0, got {args.activation_reserve_gb}")
-    return int(args.activation_reserve_gb * 1e9)
+    if max_model_len < model_max_len:
+        keep = f"raise --max-model-len (up to the model's {model_max_len}) to keep them"
+    else:
+        keep = "--max-model-len is already the model's context; a --model with a longer context keeps them"
+    return (
+        f"warning: {num_dropped} of {num_total} requests dropped: their prompt is >= --max-model-len "
+        f"{max_model_len} tokens; {keep}"
+    )

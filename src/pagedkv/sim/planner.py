@@ -6,11 +6,22 @@ For a request of prompt P and output O with block size b, let its life be L = ma
 - `contiguous-max`: ceil(max_model_len / b) blocks for its whole life;
 - `contiguous-oracle`: ceil((P + O) / b) blocks for its whole life;
 - `paged`: ceil((P + k) / b) blocks at decode step k, growing one block at a time;
-- `paged-prefix`: as `paged`, but leading full blocks it shares with another request of the workload are
-  held once for everybody (assumes those requests are live together; sharing between the turns of one
-  chat saves prefill compute, not memory, and is not counted).
+- `paged-prefix`: as `paged`, but a leading full prompt block shared with other live requests is held once
+  for all of them, so each of the c live holders pays 1/c of it. Which requests are live together: under
+  FCFS admission, about N consecutive requests of the trace (N the concurrency being solved for), so c is
+  the number of conversations holding that block within the N requests around this one. N is found by a
+  fixed point, starting from `paged`'s figure (sharing only lowers the blocks per request, so N only grows).
+  Sharing between the turns of one chat saves prefill compute, not memory (they are not live together),
+  and is not counted.
 
-A random live request is, by Little's law, weighted by its life, so the blocks of "an average live request"
+The contiguous allocators place each reservation as one run of blocks, first fit, so free space splits into
+holes too small for the next request (external fragmentation), and FCFS admission waits for the head request
+even when a later one would fit. Their figures therefore come from a packing pass instead of the average
+below: the workload's reservations, in order, are placed first fit into the usable blocks (the core's own
+`RunAllocator`), each held for its life in decode steps; the figure is the step-weighted mean number placed
+while requests are still waiting. It models no time, tokens or scheduler, only placement (milliseconds).
+
+For the paged allocators, a random live request is, by Little's law, weighted by its life, so the blocks of "an average live request"
 are sum_i sum_steps blocks_i / sum_i L_i, and
 
     max_concurrent_memory        = usable blocks // that average       (requests at random points of their lives)
@@ -24,12 +35,16 @@ Usable blocks are the pool less its null block.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core.contiguous import RunAllocator
+from pagedkv.core.errors import CapacityError
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.workload import Workload
@@ -44,10 +59,13 @@ def _ceil_sum(n: IntArray, b: int) -> IntArray:
     return b * q * (q + 1) // 2 + r * (q + 1)
 
 
-def shared_prefix_blocks(requests: Sequence[GeneratedRequest], block_size: int) -> tuple[IntArray, int]:
-    """Per request, how many leading full prompt blocks a request of another conversation also starts with;
-    and how many distinct such blocks exist. Turns of one conversation (linked by `parent`) are not live
-    together, so sharing between them does not count."""
+def shared_prefix_chains(
+    requests: Sequence[GeneratedRequest], block_size: int
+) -> list[list[tuple[int, ...]]]:
+    """Per request, for each leading full prompt block that a request of another conversation also starts
+    with: the sorted positions (in the workload) of one request per other conversation holding it. The list
+    of a request stops at its first block no other conversation holds. Turns of one conversation (linked by
+    `parent`) are not live together, so sharing between them does not count."""
     by_index = {r.index: r for r in requests}
 
     def root(r: GeneratedRequest) -> int:
@@ -55,22 +73,73 @@ def shared_prefix_blocks(requests: Sequence[GeneratedRequest], block_size: int) 
             r = by_index[r.parent]
         return r.index
 
+    conversations = [root(r) for r in requests]
     keys: list[list[int]] = []
-    owners: dict[int, set[int]] = {}
-    for r in requests:
-        chain, parent, conversation = [], 0, root(r)
+    holders: dict[int, dict[int, int]] = {}  # block key -> conversation -> first position holding it
+    for pos, r in enumerate(requests):
+        chain, parent = [], 0
         ids = np.ascontiguousarray(r.prompt_token_ids, dtype=np.int32)
         for j in range(len(ids) // block_size):
             parent = hash((parent, ids[j * block_size : (j + 1) * block_size].tobytes()))
             chain.append(parent)
-            owners.setdefault(parent, set()).add(conversation)
+            holders.setdefault(parent, {}).setdefault(conversations[pos], pos)
         keys.append(chain)
-    shared = np.array(
-        [next((j for j, k in enumerate(chain) if len(owners[k]) < 2), len(chain)) for chain in keys],
-        dtype=np.int64,
-    )
-    distinct = sum(1 for o in owners.values() if len(o) >= 2)
-    return shared, distinct
+    out: list[list[tuple[int, ...]]] = []
+    for pos, chain in enumerate(keys):
+        shared: list[tuple[int, ...]] = []
+        for k in chain:
+            others = tuple(sorted(p for c, p in holders[k].items() if c != conversations[pos]))
+            if not others:
+                break
+            shared.append(others)
+        out.append(shared)
+    return out
+
+
+def shared_blocks_saved(chains: list[list[tuple[int, ...]]], window: int) -> npt.NDArray[np.float64]:
+    """Per request, the blocks it does not pay for when the requests live with it are the `window` around it
+    in workload order: each shared block costs 1/c, c its live holders (itself included)."""
+    half = max(window, 1) // 2
+    saved = np.zeros(len(chains), dtype=np.float64)
+    for pos, shared in enumerate(chains):
+        lo, hi = pos - half, pos + half
+        total = 0.0
+        for others in shared:
+            live = bisect.bisect_right(others, hi) - bisect.bisect_left(others, lo)
+            total += 1.0 - 1.0 / (1 + live)
+        saved[pos] = total
+    return saved
+
+
+def first_fit_concurrency(
+    sizes: IntArray, lives: IntArray, num_blocks: int, max_num_seqs: int
+) -> float | None:
+    """Mean number of reservations held while some still wait, placing `sizes[i]` blocks first fit for
+    `lives[i]` steps in order (FCFS: the head waits for a hole; nobody overtakes it). The last placement
+    ends the measured span; None if nobody ever waited (the workload never filled the pool)."""
+    runs = RunAllocator(0, num_blocks)
+    live: list[tuple[int, int, int, int]] = []  # heap of (end step, position, start block, size)
+    now = nxt = 0
+    weighted = span = 0
+    while nxt < len(sizes) or live:
+        while nxt < len(sizes) and len(live) < max_num_seqs:
+            need = int(sizes[nxt])
+            if need > num_blocks:
+                raise CapacityError(f"a request needs {need} blocks but the pool has {num_blocks}")
+            hole = runs.find(need)
+            if hole is None:
+                break
+            heapq.heappush(live, (now + int(lives[nxt]), nxt, runs.take(hole, need), need))
+            nxt += 1
+        end = live[0][0]
+        if nxt < len(sizes):  # requests still waiting: this stretch counts
+            weighted += len(live) * (end - now)
+            span += end - now
+        while live and live[0][0] == end:
+            _, _, start, size = heapq.heappop(live)
+            runs.give(start, size)
+        now = end
+    return weighted / span if span else None
 
 
 def plan_capacity(
@@ -93,31 +162,41 @@ def plan_capacity(
     for name in allocators:
         check_allocator(name)
         free_blocks = budget.num_usable_blocks
-        if name == "contiguous-max":
-            avg = full = float(-(-max_model_len // b))
-            tokens = float(max_model_len)
-        elif name == "contiguous-oracle":
-            avg = full = float((full_blocks * life).sum() / total_life)
-            tokens = float(((p + o) * life).sum() / total_life)
+        if name in ("contiguous-max", "contiguous-oracle"):
+            sizes = np.full_like(p, -(-max_model_len // b)) if name == "contiguous-max" else full_blocks
+            avg = full = float((sizes * life).sum() / total_life)
+            tokens = (
+                float(max_model_len)
+                if name == "contiguous-max"
+                else float(((p + o) * life).sum() / total_life)
+            )
+            # the packing pass where the workload fills the pool; Little's law where it never does
+            memory = first_fit_concurrency(sizes, life, free_blocks, len(sizes))
+            memory_n = int(memory) if memory is not None else int(free_blocks // avg)
+            packed = min(max_num_seqs, memory_n)
+            result[name] = _row(packed, memory_n, packed, tokens, avg, budget)
+            continue
         else:
             avg = float(growing.sum() / total_life)
             full = float((full_blocks * life).sum() / total_life)
             tokens = float(((p + (o - 1) / 2 + 0.5) * life).sum() / total_life)
             if name == "paged-prefix":
-                shared, distinct = shared_prefix_blocks(workload.requests, b)
-                saved = float((shared * life).sum() / total_life)
-                avg, full = max(avg - saved, 1e-9), max(full - saved, 1e-9)
-                free_blocks = max(budget.num_usable_blocks - distinct, 0)
+                chains = shared_prefix_chains(workload.requests, b)
+                n, avg0, full0 = max(int(free_blocks // avg), 1), avg, full
+                for _ in range(20):  # fixed point: N -> live holders per block -> blocks per request -> N
+                    saved = float(
+                        (shared_blocks_saved(chains, min(n, max_num_seqs)) * life).sum() / total_life
+                    )
+                    avg, full = max(avg0 - saved, 1e-9), max(full0 - saved, 1e-9)
+                    n_next = max(int(free_blocks // avg), 1)
+                    if n_next == n:
+                        break
+                    n = n_next
         memory = int(free_blocks // avg)
         no_preempt = int(free_blocks // full)
-        result[name] = {
-            "max_concurrent": min(max_num_seqs, memory),
-            "max_concurrent_memory": memory,
-            "max_concurrent_no_preemption": min(max_num_seqs, no_preempt),
-            "tokens_per_request": tokens,
-            "blocks_per_request": avg,
-            "bytes_per_request": avg * budget.bytes_per_block,
-        }
+        result[name] = _row(
+            min(max_num_seqs, memory), memory, min(max_num_seqs, no_preempt), tokens, avg, budget
+        )
     notes = [
         f"{workload.notes()}; prompt mean {p.mean():.0f}, output mean {o.mean():.0f} tokens",
         "max concurrent: requests at random points of their lives, capped at max_num_seqs="
@@ -138,4 +217,17 @@ def plan_capacity(
         "max_num_seqs": max_num_seqs,
         "allocators": result,
         "notes": notes,
+    }
+
+
+def _row(
+    concurrent: int, memory: int, no_preempt: int, tokens: float, blocks: float, budget: KVBudget
+) -> dict[str, Any]:
+    return {
+        "max_concurrent": concurrent,
+        "max_concurrent_memory": memory,
+        "max_concurrent_no_preemption": no_preempt,
+        "tokens_per_request": tokens,
+        "blocks_per_request": blocks,
+        "bytes_per_request": blocks * budget.bytes_per_block,
     }

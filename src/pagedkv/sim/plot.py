@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedkv.sim.runner import SimulationReport
 
-GB = 1024**3  # GiB, as the budget arithmetic prints
+GIB = 1024**3  # as the budget arithmetic prints
 
 
 def plot_report(report: SimulationReport, path: str | Path) -> Path:
@@ -24,13 +24,13 @@ def plot_report(report: SimulationReport, path: str | Path) -> Path:
     names = list(report.traces)
     fig, axes = plt.subplots(len(names), 2, figsize=(13, 2.6 * len(names) + 0.9), squeeze=False, sharex=True)
     c = report.config
-    budget_gb = report.budget.kv_budget_bytes / GB
+    budget_gb = report.budget.kv_budget_bytes / GIB
     bpt = report.budget.bytes_per_token
     for row, name in zip(axes, names):
         t = report.traces[name]
         x = np.asarray(t.step_end_s)
-        reserved = np.asarray(t.used_blocks) * c.block_size * bpt / GB
-        in_use = np.asarray(t.stored_tokens) * bpt / GB
+        reserved = np.asarray(t.used_blocks) * c.block_size * bpt / GIB
+        in_use = np.asarray(t.stored_tokens) * bpt / GIB
         kv, conc = row
         kv.fill_between(x, 0, reserved, step="post", color="tab:orange", alpha=0.35, label="reserved")
         kv.plot(x, in_use, drawstyle="steps-post", color="tab:blue", lw=0.9, label="in use (tokens)")
@@ -57,6 +57,43 @@ def plot_report(report: SimulationReport, path: str | Path) -> Path:
         f"{report.workload.name}",
         fontsize=10,
     )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def sweep_path(path: str | Path) -> Path:
+    """Where the block-size sweep figure goes, beside the main figure: `out.png` -> `out-sweep.png`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-sweep{path.suffix or '.png'}")
+
+
+def plot_sweep(report: SimulationReport, path: str | Path) -> Path:
+    """The block-size sweep: per allocator, KV waste, mean concurrency and throughput against block size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(report.sweep)
+    metrics = (("kv_waste", "KV waste (%)", 100.0), ("mean_concurrency", "mean concurrency", 1.0),
+               ("tokens_per_s", "output tokens/s", 1.0))  # fmt: skip
+    fig, axes = plt.subplots(1, len(metrics), figsize=(14, 3.8), squeeze=False)
+    for ax, (key, label, scale) in zip(axes[0], metrics):
+        for name in report.results:
+            xs = [bs for bs in sizes if name in report.sweep[bs]]
+            ax.plot(xs, [scale * report.sweep[bs][name][key] for bs in xs], marker="o", lw=1, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(bs) for bs in sizes])
+        ax.set_xlabel("block size (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    c = report.config
+    fig.suptitle(f"block-size sweep: {c.model.name} on {c.gpu.name}, {report.workload.name}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
