@@ -178,3 +178,33 @@ def test_no_progress_switches_transformers_bars(tiny_model: Path, capsys: pytest
     load_weights(check_source(str(tiny_model)))
     assert "Loading weights" not in capsys.readouterr().err
     set_progress_bars(True)
+
+
+def test_cache_salt_and_tier_flags_reach_the_engine(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--cache-salt` goes to every request, the tier flags to EngineConfig, and the tiers are closed."""
+    from pagedkv.engine.llm_engine import Engine
+
+    seen: dict[str, object] = {}
+    real_generate, real_close = Engine.generate, Engine.close
+
+    def spy_generate(self: Engine, *args: object, **kwargs: object) -> object:
+        seen["salt"], seen["config"] = kwargs.get("cache_salt"), self.config
+        return real_generate(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_close(self: Engine) -> None:
+        seen["closed"] = True
+        real_close(self)
+
+    monkeypatch.setattr(Engine, "generate", spy_generate)
+    monkeypatch.setattr(Engine, "close", spy_close)
+    argv = ["w3 w4 w5", "--model", str(tiny_model), "--max-new-tokens", "2", "--ignore-eos", "--json",
+            "--cache-salt", "tenant-a", "--host-blocks", "8", "--disk-path", str(tmp_path / "disk"),
+            "--disk-bytes", "1MiB"]  # fmt: skip
+    code, out, _ = generate(argv, capsys)
+    assert code == 0 and len(json.loads(out.splitlines()[0])["output_token_ids"]) == 2
+    config = seen["config"]
+    assert seen["salt"] == "tenant-a" and seen["closed"] is True
+    assert (config.host_blocks, config.disk_bytes) == (8, 1 << 20)  # type: ignore[attr-defined]
+    assert config.disk_path == str(tmp_path / "disk")  # type: ignore[attr-defined]

@@ -57,6 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    tenancy = parser.add_argument_group("tenants (docs/engine.md)")
+    tenancy.add_argument(
+        "--cache-salt",
+        default=None,
+        help="isolate this run's prefix cache: requests share cached KV only with requests of the same salt",
+    )
+    tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
+    tiers.add_argument("--host-blocks", type=int, default=0, help="host-RAM tier size in blocks (0 = off)")
+    tiers.add_argument("--disk-path", default=None, help="folder of the local disk tier")
+    tiers.add_argument("--disk-bytes", default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)")
+    tiers.add_argument(
+        "--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH"
+    )
     parser.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -130,6 +143,10 @@ def _run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         preemption_mode=args.preemption,
+        host_blocks=args.host_blocks,
+        disk_path=args.disk_path,
+        disk_bytes=0 if args.disk_bytes is None else parse_bytes(args.disk_bytes),
+        remote_url=args.remote_url,
     )
     source = check_source(args.model)
     set_progress_bars(not args.no_progress)
@@ -155,15 +172,10 @@ def _run(args: argparse.Namespace) -> int:
     total = sum(params[i].n for i in served)
     progress = _progress(total, disabled=args.no_progress or len(served) < 8)
     start = time.perf_counter()
-    engine_outputs = (
-        engine.generate(
-            [encoded[i] for i in served],
-            [params[i] for i in served],
-            on_step=lambda done: progress.update(len(done)),
-        )
-        if served
-        else []
-    )
+    try:
+        engine_outputs = _serve(engine, encoded, params, served, progress, args.cache_salt)
+    finally:
+        engine.close()  # the disk tier's file and the remote store's connections
     progress.close()
     wall = time.perf_counter() - start
     # one group per prompt, in prompt order: the engine's (parent first, then its children) or a rejection
@@ -240,3 +252,23 @@ def _progress(total: int, *, disabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, disable=disabled, file=sys.stderr, unit="req", desc="generate")
+
+
+def _serve(
+    engine: Any,
+    encoded: list[list[int]],
+    params: list[Any],
+    served: list[int],
+    progress: Any,
+    cache_salt: str | None,
+) -> list[Any]:
+    if not served:
+        return []
+    return list(
+        engine.generate(
+            [encoded[i] for i in served],
+            [params[i] for i in served],
+            on_step=lambda done: progress.update(len(done)),
+            cache_salt=cache_salt,
+        )
+    )
