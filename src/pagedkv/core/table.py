@@ -22,6 +22,7 @@ import numpy.typing as npt
 from pagedkv.core import hotpath
 from pagedkv.core.errors import InvalidArgumentError, InvariantError, UnknownSequenceError
 from pagedkv.core.protocol import CSRPages
+from pagedkv.core.validate import as_index_array, as_pad_id
 
 IntArray = npt.NDArray[np.int64]
 
@@ -144,10 +145,10 @@ class BlockTables:
 
     def slot_mapping(self, rows: IntArray, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """Slots of tokens [starts[i], ends[i]) of each sequence, concatenated in batch order."""
-        starts_a = np.broadcast_to(np.asarray(starts, dtype=np.int64), rows.shape)
-        ends_a = np.broadcast_to(np.asarray(ends, dtype=np.int64), rows.shape)
+        starts_a = as_index_array(starts, "starts", rows.shape)
+        ends_a = as_index_array(ends, "ends", rows.shape)
         lengths = ends_a - starts_a
-        if (lengths < 0).any() or (starts_a < 0).any():
+        if (lengths < 0).any():
             raise InvalidArgumentError("slot_mapping needs 0 <= start <= end for every sequence")
         if (ends_a > self.num_blocks[rows] * self.block_size).any():
             raise InvalidArgumentError("slot_mapping: a range ends past the blocks the sequence holds; append first")
@@ -228,7 +229,7 @@ class TableViews:
         return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
 
     def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]:
-        return self.tables.block_table(self.tables.rows(seq_ids), pad_id)
+        return self.tables.block_table(self.tables.rows(seq_ids), as_pad_id(pad_id))
 
     def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
         return self.tables.num_tokens[self.tables.rows(seq_ids)].astype(np.int32)
