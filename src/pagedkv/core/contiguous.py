@@ -95,7 +95,7 @@ class ContiguousKVManager(TableViews):
         self.runs = RunAllocator(first, num_blocks)
         self.tables = BlockTables(block_size, 0)
         self._admissions = self._preemptions = self._prompt_tokens = 0
-        self._pending_copies: list[tuple[IntArray, IntArray]] = []
+        self._pending: dict[int, int] = {}  # destination block of a copy not handed out yet -> its source
 
     @property
     def num_blocks(self) -> int:
@@ -164,7 +164,7 @@ class ContiguousKVManager(TableViews):
         k = as_count(num_tokens, "num_tokens")
         if token_ids is not None:
             as_token_matrix(token_ids, len(rows), k)
-        if int(t.num_tokens[rows].max(initial=0)) + k > self.capacity_tokens:
+        if k > self.capacity_tokens:
             return False
         new = t.num_tokens[rows] + k
         if (new > t.num_blocks[rows] * self._block_size).any():
@@ -183,7 +183,10 @@ class ContiguousKVManager(TableViews):
     def free(self, seq_id: int) -> None:
         t = self.tables
         row = t.row(seq_id)
-        self.runs.give(int(t.table[row, 0]), int(t.num_blocks[row]))
+        start, n = int(t.table[row, 0]), int(t.num_blocks[row])
+        for block_id in range(start, start + n):  # a copy into a freed run is moot (its blocks get reused)
+            self._pending.pop(block_id, None)
+        self.runs.give(start, n)
         t.drop_row(row)
 
     def preempt(self, seq_id: int) -> int:
@@ -204,15 +207,21 @@ class ContiguousKVManager(TableViews):
         child = t.new_row()
         t.set_blocks(child, np.arange(start, start + need, dtype=np.int64))
         t.num_tokens[child], t.num_computed[child] = t.num_tokens[row], t.num_computed[row]
-        self._pending_copies.append((t.blocks_of(row), t.blocks_of(child)))
+        pending = self._pending
+        # a block still waiting for its own copy holds its source's KV: copy from that source
+        src = [pending.get(b, b) for b in t.blocks_of(row).tolist()]
+        pending.update(zip(t.blocks_of(child).tolist(), src))
         return child
 
     def take_copies(self) -> BlockCopies:
-        if not self._pending_copies:
+        """The fork copies since the last call, `src[i] -> dst[i]`, distinct destinations, each live in the
+        sequence it was copied for. Apply them as one batch (read every source, then write), after this
+        step's other block moves (`protocol.py`)."""
+        if not self._pending:
             return BlockCopies(_EMPTY, _EMPTY)
-        src = np.concatenate([s for s, _ in self._pending_copies])
-        dst = np.concatenate([d for _, d in self._pending_copies])
-        self._pending_copies = []
+        dst = np.fromiter(self._pending.keys(), dtype=np.int64, count=len(self._pending))
+        src = np.fromiter(self._pending.values(), dtype=np.int64, count=len(self._pending))
+        self._pending = {}
         return BlockCopies(src, dst)
 
     def check_invariants(self) -> None:

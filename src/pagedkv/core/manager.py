@@ -306,8 +306,8 @@ class PagedKVManager(SwapMixin, TableViews):
         rows = t.rows(seq_ids)
         k = as_count(num_tokens, "num_tokens")
         tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
-        if int(t.num_tokens[rows].max(initial=0)) + k > self.capacity_tokens:
-            return False  # past what any sequence can hold (and no int64 overflow below)
+        if k > self.capacity_tokens:
+            return False  # no sequence can hold that many more (nor int64 wrap below)
         if len(rows) == 0 or k == 0:
             return True
         if t.any_cow_risk and t.cow_risk.any():

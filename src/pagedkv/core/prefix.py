@@ -94,7 +94,7 @@ class BlockKeys:
     def agrees_with(self, tokens: npt.NDArray[np.int32]) -> bool:
         """Whether `tokens` and the token ids these keys were used with agree where both are defined."""
         m = min(len(tokens), len(self._tokens))
-        return bool(np.array_equal(tokens[:m], self._tokens[:m]))
+        return m == 0 or bool((tokens[:m] == self._tokens[:m]).all())
 
     def remember(self, tokens: npt.NDArray[np.int32]) -> None:
         """These keys are now used with `tokens` (which `agrees_with` them)."""

@@ -110,6 +110,8 @@ class BlockTables:
         rows = np.asarray(seq_ids)
         if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"seq_ids must be a 1-D array of ints, got shape {rows.shape}, {rows.dtype}")
+        if rows.size and rows.dtype == np.uint64 and int(rows.max()) >= 2**63:
+            raise InvalidArgumentError(f"seq_ids must be sequence handles (small ints), got {int(rows.max())}")
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         status = self._check_rows(self.on_device, self._mark, rows)  # one pass: range, device, duplicates
         if status == 1:

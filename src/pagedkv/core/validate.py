@@ -8,15 +8,11 @@ never a bool, and lies where int64 arithmetic on it cannot wrap: counts and leng
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from pagedkv.core.prefix import BlockKeys
+from pagedkv.core.prefix import BlockKeys
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_COUNT = 2**62  # counts and lengths stay below this, so sums of two never wrap int64
@@ -106,8 +102,6 @@ def as_keys(keys: object, salt: bytes, tokens: npt.NDArray[np.int32]) -> BlockKe
     The keys must extend the tokens they were last used with (their contract); a `BlockKeys` reused for
     another prompt would serve that prompt's KV, so it is refused.
     """
-    from pagedkv.core.prefix import BlockKeys  # prefix imports this module
-
     if keys is None:
         return None
     if not isinstance(keys, BlockKeys):
