@@ -1,4 +1,4 @@
-"""`pagedkv simulate | plan | generate | bench {allocator,attention,e2e}`: a thin front door.
+"""`pagedkv simulate | plan | generate | bench {allocator,attention,e2e,soak}`: a thin front door.
 
 Each command lives in the module that owns its logic and exposes `add_arguments(parser)` and
 `run(args) -> int`. Modules are imported only when their command is chosen, so `simulate`, `plan` and
@@ -22,6 +22,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
     ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),
     ("bench", "e2e"): ("pagedkv.bench.e2e", "end-to-end serving throughput on a real model (CPU)"),
+    ("bench", "soak"): ("pagedkv.bench.soak", "random operations on both managers, checked against a shadow KV store"),
 }
 
 

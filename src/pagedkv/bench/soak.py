@@ -286,15 +286,13 @@ class Episode:
             dev[copies.dst] = dev[copies.src]
         live = [x for x in labels if x in self.seqs and not self.seqs[x].swapped]
         if live:
-            sids, ends = [], []
-            for x, cut in zip(live, partial):
-                s = self.seqs[x]
-                end = max(s.computed, len(s.tokens) - cut)
-                if end > s.computed:
-                    slots = self.m.slot_mapping([s.sid], [s.computed], [end])
-                    self.dev[slots] = self.expected(s, end)[s.computed :]
-                sids.append(s.sid)
-                ends.append(end)
+            seqs = [self.seqs[x] for x in live]
+            starts = [s.computed for s in seqs]
+            ends = [max(s.computed, len(s.tokens) - cut) for s, cut in zip(seqs, partial)]
+            sids = [s.sid for s in seqs]
+            if any(e > b for b, e in zip(starts, ends)):
+                slots = self.m.slot_mapping(sids, starts, ends)
+                self.dev[slots] = np.concatenate([self.expected(s, e)[b:] for s, b, e in zip(seqs, starts, ends)])
             self.m.mark_computed(sids, ends)
             self.lines.append(f"m.mark_computed([{', '.join(f's{x}' for x in live)}], {ends})")
             for x, end in zip(live, ends):
@@ -388,8 +386,11 @@ class Episode:
 
     def op_epoch(self) -> None:
         if self.paged:
-            self.epoch = self.m.bump_epoch()
+            self.epoch += 1
+            got = self.m.bump_epoch()
             self.lines.append("m.bump_epoch()")
+            if got != self.epoch or self.m.epoch != self.epoch:
+                raise Violation(f"bump_epoch: epoch {got} (property {self.m.epoch}) after {self.epoch} bumps")
 
     def op_events(self) -> None:
         if self.paged:
@@ -542,6 +543,27 @@ class Generator:
         tail = rng.integers(0, VOCAB, size=int(rng.integers(0 if head else 1, 2 * bs + 2))).tolist()
         return head + tail
 
+    def families(self, ep: Episode, on_dev: list[int]) -> list[list[int]]:
+        """Groups of on-device sequences whose last token lies in the same block (read from `block_ids`)."""
+        bs, groups = self.config.block_size, {}
+        for x in on_dev:
+            s = ep.seqs[x]
+            groups.setdefault(ep.m.block_ids(s.sid)[(len(s.tokens) - 1) // bs], []).append(x)
+        return [g for g in groups.values() if len(g) > 1]
+
+    def into_shared(self, ep: Episode, label: int, on_dev: list[int], default: int) -> int:
+        """A rollback count that ends `label` inside the last block it shares with another sequence."""
+        bs, s = self.config.block_size, ep.seqs[label]
+        if bs == 1:
+            return default
+        mine = ep.m.block_ids(s.sid)[: -(-len(s.tokens) // bs)]
+        others = {b for x in on_dev if x != label for b in ep.m.block_ids(ep.seqs[x].sid)}
+        shared = [j for j, b in enumerate(mine) if b in others]
+        if not shared:
+            return default
+        target = shared[-1] * bs + int(self.rng.integers(1, bs))
+        return len(s.tokens) - target if 0 < target < len(s.tokens) else default
+
     def draw(self, ep: Episode) -> Op:
         rng = self.rng
         labels = sorted(ep.seqs)
@@ -562,6 +584,8 @@ class Generator:
                     int(rng.integers(0, 3 * self.config.block_size)))  # fmt: skip
         if name == "append":
             batch = [x for x in on_dev if rng.random() < 0.6] or [pick(on_dev)]
+            if rng.random() < 0.3 and (families := self.families(ep, on_dev)):
+                batch = pick(families)  # every holder of a shared last block writes in one batch
             k = int(rng.integers(1, 4)) if rng.random() < 0.8 else int(rng.integers(1, self.config.block_size + 2))
             return ("append", batch, rng.integers(0, VOCAB, size=(len(batch), k)).tolist())
         if name == "step":
@@ -570,7 +594,11 @@ class Generator:
             self.next_label += 1
             return ("fork", pick(on_dev), self.next_label)
         if name == "rollback":
-            return ("rollback", pick(on_dev), int(rng.integers(0, self.config.block_size + 2)))
+            label = pick(on_dev)
+            n = int(rng.integers(0, self.config.block_size + 2))
+            if rng.random() < 0.5:  # into the last block it shares with another sequence (the hard case)
+                n = self.into_shared(ep, label, on_dev, n)
+            return ("rollback", label, n)
         if name in ("free", "swap_out", "swap_in"):
             return (name, pick(labels))
         if name == "preempt":
