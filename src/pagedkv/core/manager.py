@@ -433,7 +433,7 @@ class PagedKVManager(SwapMixin, TableViews):
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block that holds `seq_id`'s tokens (copy-on-write on first write)."""
         t = self.tables
-        row = t.rows(np.array([seq_id]))[0].item()
+        row = t.device_row(seq_id)
         n_tok = int(t.num_tokens[row])
         blocks = t.blocks_of(row)[: -(-n_tok // self._block_size)]
         child = t.new_row()
@@ -450,7 +450,7 @@ class PagedKVManager(SwapMixin, TableViews):
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         """Drop the last `num_tokens` tokens (rejected speculative tokens)."""
         t = self.tables
-        row = t.rows(np.array([seq_id]))[0].item()
+        row = t.device_row(seq_id)
         n = as_count(num_tokens, "num_tokens")
         old = int(t.num_tokens[row])
         if n > old:

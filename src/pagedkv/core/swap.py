@@ -52,7 +52,7 @@ class SwapMixin:
     def swap_out(self, seq_id: int) -> SwapPlan | None:
         """Move a sequence's blocks to host memory. `None` if the host pool is short."""
         host, t = self._host(), self.tables
-        row = t.rows(np.array([seq_id]))[0].item()
+        row = t.device_row(seq_id)
         blocks = t.blocks_of(row)
         count = -(-int(t.num_tokens[row]) // self._block_size)
         if count > host.num_available:

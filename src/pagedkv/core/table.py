@@ -105,6 +105,13 @@ class BlockTables:
             raise UnknownSequenceError(f"sequence {seq_id} is not live (never admitted, or already freed)")
         return int(seq_id)
 
+    def device_row(self, seq_id: int) -> int:
+        """Validate a single sequence handle that must be on the device (not swapped out)."""
+        row = self.row(seq_id)
+        if self.swapped[row]:
+            raise InvalidArgumentError(f"sequence {seq_id} is swapped out; swap_in first")
+        return row
+
     def rows(self, seq_ids: npt.ArrayLike) -> IntArray:
         """Validate a batch of sequence handles: live, on the device (not swapped out), distinct, ints."""
         rows = np.asarray(seq_ids)
