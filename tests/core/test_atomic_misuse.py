@@ -17,8 +17,8 @@ from pagedkv.core import (
     PagedKVManager,
     PinError,
     UnknownSequenceError,
+    hotpath,
 )
-from pagedkv.core import hotpath
 
 BACKENDS = [None, False] if hotpath.NATIVE is not None else [False]
 

@@ -44,8 +44,8 @@ from pagedkv.core import (
     PagedKVManager,
     PinError,
     PinHandle,
+    hotpath,
 )
-from pagedkv.core import hotpath
 
 Op = tuple[Any, ...]
 Patch = Callable[[Any], Any]  # manager -> manager (may patch it in place or return a wrapper)

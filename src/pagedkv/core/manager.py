@@ -112,8 +112,8 @@ def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) 
     rank[order] = np.arange(len(src)) - np.searchsorted(sorted_src, sorted_src, side="left")
     counts = np.bincount(np.searchsorted(sorted_src, src, side="left"), minlength=len(src))
     writers = counts[np.searchsorted(sorted_src, src, side="left")]
-    keep = (writers == ref[src]) & (rank == writers - 1)
-    return ~keep
+    move: npt.NDArray[np.bool_] = ~((writers == ref[src]) & (rank == writers - 1))
+    return move
 
 
 class PagedKVManager(SwapMixin, TableViews):
