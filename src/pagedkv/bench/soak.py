@@ -234,6 +234,10 @@ class Episode:
             self.m.check_invariants()
         except PagedKVError as e:
             raise Violation(f"check_invariants: {e}") from e
+        if self.paged:
+            for label, s in self.seqs.items():
+                if self.m.num_computed_tokens(s.sid) != s.computed or self.m.is_swapped(s.sid) != s.swapped:
+                    raise Violation(f"s{label}: computed tokens or swap state disagree with the calls made")
 
     def op_admit(self, label: int, tokens: list[int], salt: bytes, extra: bytes, block_extra: dict[int, bytes],
                  priority: int, use_keys: bool, max_new: int) -> None:  # fmt: skip
