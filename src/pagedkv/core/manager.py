@@ -137,6 +137,7 @@ class PagedKVManager(SwapMixin, TableViews):
             as_flag(flag, name)
         native = as_native(native)
         self._block_size = block_size
+        self._capacity_tokens = (num_blocks - (1 if null_block else 0)) * block_size
         self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events, native=native)
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)
@@ -306,7 +307,7 @@ class PagedKVManager(SwapMixin, TableViews):
         rows = t.rows(seq_ids)
         k = as_count(num_tokens, "num_tokens")
         tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
-        if k > self.capacity_tokens:
+        if k > self._capacity_tokens:
             return False  # no sequence can hold that many more (nor int64 wrap below)
         if len(rows) == 0 or k == 0:
             return True

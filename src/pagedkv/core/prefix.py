@@ -89,17 +89,17 @@ class BlockKeys:
         self.keys: list[Key] = []  # keys[0] is the root, keys[i + 1] the key of block i
         self.epoch = -1
         self._fn: KeyFunction | None = None
-        self._tokens = np.zeros(0, dtype=np.int32)  # the longest token ids passed with these keys
+        self._tokens = b""  # the longest token ids passed with these keys (int32 bytes)
 
     def agrees_with(self, tokens: npt.NDArray[np.int32]) -> bool:
-        """Whether `tokens` and the token ids these keys were used with agree where both are defined."""
-        m = min(len(tokens), len(self._tokens))
-        return m == 0 or bool((tokens[:m] == self._tokens[:m]).all())
+        """Whether `tokens` (int32) and the token ids these keys were used with agree where both are defined."""
+        m = min(len(tokens), len(self._tokens) // 4)
+        return m == 0 or tokens[:m].tobytes() == self._tokens[: 4 * m]
 
     def remember(self, tokens: npt.NDArray[np.int32]) -> None:
-        """These keys are now used with `tokens` (which `agrees_with` them)."""
-        if len(tokens) > len(self._tokens):
-            self._tokens = np.array(tokens, dtype=np.int32)
+        """These keys are now used with `tokens` (int32, which `agrees_with` them)."""
+        if 4 * len(tokens) > len(self._tokens):
+            self._tokens = tokens.tobytes()
 
     def bind(self, fn: KeyFunction, epoch: int) -> None:
         """Forget keys computed under another epoch or hash function."""
@@ -126,7 +126,7 @@ class BlockKeys:
         """Keep the keys of the first `num_blocks` blocks (and the first `num_tokens` token ids seen)."""
         del self.keys[num_blocks + 1 :]
         if num_tokens is not None:
-            self._tokens = self._tokens[:num_tokens]
+            self._tokens = self._tokens[: 4 * num_tokens]
 
     def copy(self) -> BlockKeys:
         other = BlockKeys(self.salt, extra=self.extra, block_extra=self.block_extra)

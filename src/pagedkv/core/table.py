@@ -117,11 +117,12 @@ class BlockTables:
         rows = np.asarray(seq_ids)
         if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"seq_ids must be a 1-D array of ints, got shape {rows.shape}, {rows.dtype}")
-        if rows.size and rows.dtype == np.uint64 and int(rows.max()) >= 2**63:
-            raise InvalidArgumentError(f"seq_ids must be sequence handles (small ints), got {int(rows.max())}")
+        given = rows
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         status = self._check_rows(self.on_device, self._mark, rows)  # one pass: range, device, duplicates
         if status == 1:
+            if given.dtype == np.uint64 and int(given.max()) >= 2**63:  # wrapped negative above
+                raise InvalidArgumentError(f"seq_ids must be sequence handles (small ints), got {int(given.max())}")
             bad = [int(r) for r in rows if not (0 <= r < len(self.alive)) or not self.alive[r]]
             if bad:
                 raise UnknownSequenceError(f"sequences {bad[:8]} are not live (never admitted, or already freed)")

@@ -58,6 +58,8 @@ def _checked(arr: npt.NDArray[np.generic], what: str) -> npt.NDArray[np.int32]:
 
 def as_int(value: object, what: str, *, minimum: int, maximum: int) -> int:
     """A Python or numpy integer (not a bool) in [minimum, maximum]."""
+    if type(value) is int and minimum <= value <= maximum:  # the common case, first
+        return value
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}")
     v = int(value)
