@@ -188,3 +188,20 @@ def test_soak_catches_injected_bug(bug: Any, kinds: tuple[str, ...]) -> None:
 def test_soak_catches_injected_module_bug(bug: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     bug(monkeypatch)
     _caught(run_soak(100_000, seed=1, kinds=PAGED, shrink_s=2.0), bug.__name__)
+
+
+def test_reproduction_is_python_that_fails_the_same_way() -> None:
+    result = run_soak(100_000, seed=1, patch=skip_unpublish_on_write, kinds=PAGED, shrink_s=5.0)
+    _caught(result, "skip_unpublish_on_write")
+    assert result.message is not None and result.message.startswith("check_invariants")
+    lines = result.reproduction or []
+    assert len(lines) < 250, "the shrinker should cut the episode down"
+    import pagedkv.core as core
+
+    namespace = {name: getattr(core, name) for name in core.__all__}
+    namespace["PagedKVManager"] = lambda *a, **k: skip_unpublish_on_write(core.PagedKVManager(*a, **k))
+    code = "\n".join(line for line in lines if not line.startswith("from "))
+    with pytest.raises(core.InvariantError):
+        exec(code, namespace)  # noqa: S102 - the soak's own output
+    namespace["PagedKVManager"] = core.PagedKVManager  # without the bug the same calls are fine
+    exec(code.replace("m.check_invariants()  # raises", "m.check_invariants()"), namespace)
