@@ -135,9 +135,10 @@ class ManagerMachine(RuleBasedStateMachine):
         return [g for g in groups.values() if len(g) > 1]
 
     @precondition(lambda self: self._families())
-    @rule(data=st.data(), everyone=st.booleans(), write=st.booleans())
-    def rollback_into_shared(self, data: st.DataObject, everyone: bool, write: bool) -> None:
-        """One or every holder of a shared block rolls back into it; then (maybe) all of them write at once."""
+    @rule(data=st.data(), everyone=st.booleans(), write=st.booleans(), swap=st.booleans())
+    def rollback_into_shared(self, data: st.DataObject, everyone: bool, write: bool, swap: bool) -> None:
+        """One or every holder of a shared block rolls back into it; then (maybe) all of them write at once,
+        or (swap) one of them is swapped out while the others write, and comes back to write last."""
         family = data.draw(st.sampled_from(self._families()))
         n = data.draw(st.integers(1, BS - 1))
         if min(len(self.tokens[s]) for s in family) <= n:
@@ -146,7 +147,15 @@ class ManagerMachine(RuleBasedStateMachine):
         for s in members:
             self.m.rollback(s, n)
             del self.tokens[s][len(self.tokens[s]) - n :]
-        if write:
+        if swap and self.m.swap_out(family[0]) is not None:
+            for i, group in enumerate((family[1:], family[:1])):
+                if i == 1 and self.m.swap_in(family[0]) is None:
+                    break
+                new = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(group), max_size=len(group)))
+                if self.m.append(group, np.array(new)):
+                    for s, t in zip(group, new):
+                        self.tokens[s].append(t)
+        elif write:
             new = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(family), max_size=len(family)))
             if self.m.append(family, np.array(new)):
                 for s, t in zip(family, new):
