@@ -31,6 +31,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "pagedkv.bench.bitwise",
         "what is bit-identical: allocators, vs transformers, Triton",
     ),
+    ("bench", "soak"): ("pagedkv.bench.soak", "random operations on both managers, checked against a shadow KV store"),
 }
 
 

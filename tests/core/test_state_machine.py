@@ -3,7 +3,13 @@
 A model of the expected token content of each live sequence is kept beside the manager: after any
 sequence of admit / append / fork / rollback / free / preempt / pin / unpin / reset / epoch bump, the
 block tokens the manager holds for each sequence must equal the model's, and once every sequence is
-freed and every pin released, the pool holds nothing in use.
+freed and every pin released, the pool holds nothing in use. Every prefix hit must serve blocks that hold
+the prompt's own tokens.
+
+The "family" rules drive what random batches rarely reach: a sequence forked into n > 1 children, every
+member (or one) rolled back into the same shared, published block, then one batch in which all of them
+(or some) write into it, possibly after some were swapped out and back. Before the rule "a block written
+in place has no key", the last writer of such a batch kept the block published with changed content.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedkv.core import BlockKeys, PagedKVManager, PinHandle
+from pagedkv.core import BlockKeys, PagedKVManager, PinError, PinHandle
 
 BS = 4
 VOCAB = 3  # tiny vocabulary: prompts collide often, so prefix sharing is exercised
@@ -45,6 +51,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if adm is not None:
             assert adm.seq_id not in self.tokens, "a live handle was handed out twice"
             assert adm.num_cached_tokens % BS == 0 and adm.num_cached_tokens < len(prompt)
+            cached = adm.num_cached_tokens
+            slots = self.m.slot_mapping([adm.seq_id], [0], [cached])
+            assert self.m.block_tokens.reshape(-1)[slots].tolist() == prompt[:cached], "a hit served other tokens"
             self.tokens[adm.seq_id] = list(prompt)
             self.keys[adm.seq_id] = keys
 
@@ -108,14 +117,67 @@ class ManagerMachine(RuleBasedStateMachine):
     def swap_in(self, data: st.DataObject) -> None:
         self.m.swap_in(data.draw(st.sampled_from([s for s in self.tokens if self.m.is_swapped(s)])))
 
+    @precondition(lambda self: self._live())
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def fork_family(self, data: st.DataObject, n: int) -> None:
+        """n children of one sequence (parallel sampling)."""
+        s = data.draw(st.sampled_from(self._live()))
+        for _ in range(n):
+            child = self.m.fork(s)
+            self.tokens[child] = list(self.tokens[s])
+
+    def _families(self) -> list[list[int]]:
+        """Live sequences grouped by the block they end in (the holders of a shared last block)."""
+        groups: dict[int, list[int]] = {}
+        for s in self._live():
+            if self.tokens[s]:
+                groups.setdefault(self.m.block_ids(s)[(len(self.tokens[s]) - 1) // BS], []).append(s)
+        return [g for g in groups.values() if len(g) > 1]
+
+    @precondition(lambda self: self._families())
+    @rule(data=st.data(), everyone=st.booleans(), write=st.booleans(), swap=st.booleans())
+    def rollback_into_shared(self, data: st.DataObject, everyone: bool, write: bool, swap: bool) -> None:
+        """One or every holder of a shared block rolls back into it; then (maybe) all of them write at once,
+        or (swap) one of them is swapped out while the others write, and comes back to write last."""
+        family = data.draw(st.sampled_from(self._families()))
+        n = data.draw(st.integers(1, BS - 1))
+        if min(len(self.tokens[s]) for s in family) <= n:
+            return
+        members = family if everyone else family[:1]
+        for s in members:
+            self.m.rollback(s, n)
+            del self.tokens[s][len(self.tokens[s]) - n :]
+        if swap and self.m.swap_out(family[0]) is not None:
+            for i, group in enumerate((family[1:], family[:1])):
+                if i == 1 and self.m.swap_in(family[0]) is None:
+                    break
+                new = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(group), max_size=len(group)))
+                if self.m.append(group, np.array(new)):
+                    for s, t in zip(group, new):
+                        self.tokens[s].append(t)
+        elif write:
+            new = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(family), max_size=len(family)))
+            if self.m.append(family, np.array(new)):
+                for s, t in zip(family, new):
+                    self.tokens[s].append(t)
+                self.m.mark_computed(family)
+
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=12))
     def pin(self, prompt: list[int]) -> None:
-        self.pins.append(self.m.pin(prompt))
+        cached = self.m.match_prefix(prompt + [0])
+        try:
+            self.pins.append(self.m.pin(prompt))
+        except PinError:
+            assert cached == 0, "pin refused a prefix that is cached"
 
     @precondition(lambda self: self.pins)
     @rule()
     def unpin(self) -> None:
         self.m.unpin(self.pins.pop())
+
+    @rule()
+    def take_copies(self) -> None:
+        self.m.take_copies()
 
     @rule()
     def evict_all_cached(self) -> None:
@@ -159,6 +221,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for s in list(self.tokens):
             self.m.free(s)
+        self.m.take_copies()  # pending copies hold their blocks until handed out
         for handle in self.pins:
             self.m.unpin(handle)
         self.m.check_invariants()

@@ -17,11 +17,21 @@ import bisect
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.core.errors import CapacityError, InvariantError
 from pagedkv.core.prefix import BlockKeys
 from pagedkv.core.protocol import Admission, BlockCopies
 from pagedkv.core.table import BlockTables, TableViews
-from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
+from pagedkv.core.validate import (
+    as_computed,
+    as_count,
+    as_flag,
+    as_keys,
+    as_pool_size,
+    as_priority,
+    as_salt,
+    as_token_matrix,
+    as_tokens,
+)
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -78,16 +88,14 @@ class RunAllocator:
 
 class ContiguousKVManager(TableViews):
     def __init__(self, num_blocks: int, block_size: int = 16, *, null_block: bool = True) -> None:
-        as_count(block_size, "block_size", minimum=1)
-        first = 1 if null_block else 0
-        if not isinstance(num_blocks, int) or num_blocks <= first:
-            raise InvalidArgumentError(f"num_blocks must be an int > {first}, got {num_blocks!r}")
+        first = 1 if as_flag(null_block, "null_block") else 0
+        num_blocks, block_size = as_pool_size(num_blocks, block_size, minimum=first + 1)
         self._block_size = block_size
         self._num_blocks = num_blocks - first
         self.runs = RunAllocator(first, num_blocks)
         self.tables = BlockTables(block_size, 0)
         self._admissions = self._preemptions = self._prompt_tokens = 0
-        self._pending_copies: list[tuple[IntArray, IntArray]] = []
+        self._pending: dict[int, int] = {}  # destination block of a copy not handed out yet -> its source
 
     @property
     def num_blocks(self) -> int:
@@ -119,11 +127,17 @@ class ContiguousKVManager(TableViews):
         keys: BlockKeys | None = None,
     ) -> Admission | None:
         """Reserve prompt + max_new_tokens (+ lookahead) contiguously, first fit. `None` if no hole fits."""
-        n = len(as_tokens(token_ids))
-        as_salt(salt)
-        need = self._reservation(n, as_count(max_new_tokens, "max_new_tokens") + as_count(num_lookahead, "num_lookahead"))
+        tokens = as_tokens(token_ids)  # the same checks, in the same order, as PagedKVManager.admit
+        n = len(tokens)
+        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
+        num_lookahead = as_count(num_lookahead, "num_lookahead")
+        priority = as_priority(priority)
+        need = self._reservation(n, max_new_tokens + num_lookahead)
         if need > self._num_blocks:
             raise CapacityError(f"a reservation of {need} blocks exceeds the {self._num_blocks} blocks of the arena")
+        given = as_keys(keys, as_salt(salt), tokens)  # unused (nothing is shared) but checked alike
+        if given is not None:
+            given.remember(tokens)
         hole = self.runs.find(need)
         if hole is None:
             return None
@@ -150,6 +164,8 @@ class ContiguousKVManager(TableViews):
         k = as_count(num_tokens, "num_tokens")
         if token_ids is not None:
             as_token_matrix(token_ids, len(rows), k)
+        if k > self.capacity_tokens:
+            return False
         new = t.num_tokens[rows] + k
         if (new > t.num_blocks[rows] * self._block_size).any():
             return False
@@ -159,12 +175,18 @@ class ContiguousKVManager(TableViews):
     def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
         t = self.tables
         rows = t.rows(seq_ids)
-        t.num_computed[rows] = t.num_tokens[rows] if num_computed_tokens is None else num_computed_tokens
+        if num_computed_tokens is None:
+            t.num_computed[rows] = t.num_tokens[rows]
+        else:
+            t.num_computed[rows] = as_computed(num_computed_tokens, t.num_computed[rows], t.num_tokens[rows])
 
     def free(self, seq_id: int) -> None:
         t = self.tables
         row = t.row(seq_id)
-        self.runs.give(int(t.table[row, 0]), int(t.num_blocks[row]))
+        start, n = int(t.table[row, 0]), int(t.num_blocks[row])
+        for block_id in range(start, start + n):  # a copy into a freed run is moot (its blocks get reused)
+            self._pending.pop(block_id, None)
+        self.runs.give(start, n)
         t.drop_row(row)
 
     def preempt(self, seq_id: int) -> int:
@@ -185,15 +207,21 @@ class ContiguousKVManager(TableViews):
         child = t.new_row()
         t.set_blocks(child, np.arange(start, start + need, dtype=np.int64))
         t.num_tokens[child], t.num_computed[child] = t.num_tokens[row], t.num_computed[row]
-        self._pending_copies.append((t.blocks_of(row), t.blocks_of(child)))
+        pending = self._pending
+        # a block still waiting for its own copy holds its source's KV: copy from that source
+        src = [pending.get(b, b) for b in t.blocks_of(row).tolist()]
+        pending.update(zip(t.blocks_of(child).tolist(), src))
         return child
 
     def take_copies(self) -> BlockCopies:
-        if not self._pending_copies:
+        """The fork copies since the last call, `src[i] -> dst[i]`, distinct destinations, each live in the
+        sequence it was copied for. Apply them as one batch (read every source, then write), after this
+        step's other block moves (`protocol.py`)."""
+        if not self._pending:
             return BlockCopies(_EMPTY, _EMPTY)
-        src = np.concatenate([s for s, _ in self._pending_copies])
-        dst = np.concatenate([d for _, d in self._pending_copies])
-        self._pending_copies = []
+        dst = np.fromiter(self._pending.keys(), dtype=np.int64, count=len(self._pending))
+        src = np.fromiter(self._pending.values(), dtype=np.int64, count=len(self._pending))
+        self._pending = {}
         return BlockCopies(src, dst)
 
     def check_invariants(self) -> None:

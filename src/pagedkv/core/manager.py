@@ -13,7 +13,22 @@ prefix keys. Semantics follow DESIGN.md (Core semantics):
 - Fork shares every block that holds tokens; the first write into a shared partial block moves the writer
   to a fresh block and records a copy, handed out by `take_copies`.
 - Rollback releases blocks no longer needed and unpublishes a keyed block whose content will change.
-- Atomic: every method validates and checks capacity before it changes anything.
+- Atomic: every method validates (`validate.py`, shared with the contiguous manager) and checks capacity
+  before it changes anything.
+
+The one rule that keeps the prefix cache honest: **a block is written in place only when its writer is its
+sole holder and it has no key.** `append` enforces it at the only place KV is written into an existing
+block (the partial last block of a sequence): a writer that shares the block moves to a copy, and the block
+a writer keeps loses its key first. Whatever the order of fork, rollback, append, preempt, swap and free,
+a block someone may write into is therefore never reachable through the prefix index, and
+`check_invariants` checks it (a keyed block partial in a sequence must be marked copy-before-write, and an
+unmarked sequence's partial last block is private).
+
+Pending copies (see `protocol.py` for the order of block moves): the source and destination of a copy not
+yet handed out by `take_copies` are held (one reference each) until it is, so no swap-in or later copy can
+reuse them; a copy whose source is itself a pending destination copies from that one's source instead; a
+swap-out of a sequence whose block is a pending destination reads the copy's source, which holds the same
+KV until the next forward pass.
 """
 
 from __future__ import annotations
@@ -31,7 +46,18 @@ from pagedkv.core.prefix_cache import PrefixCache
 from pagedkv.core.protocol import Admission, BlockCopies
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews
-from pagedkv.core.validate import as_count, as_salt, as_token_matrix, as_tokens
+from pagedkv.core.validate import (
+    as_computed,
+    as_count,
+    as_flag,
+    as_keys,
+    as_native,
+    as_pool_size,
+    as_priority,
+    as_salt,
+    as_token_matrix,
+    as_tokens,
+)
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -71,22 +97,23 @@ class PinHandle(NamedTuple):
         return len(self.block_ids)
 
 
-def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) -> tuple[IntArray, IntArray]:
-    """Of the rows about to write into shared blocks, those that must move to a copy.
+def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) -> npt.NDArray[np.bool_]:
+    """Of the rows about to write into shared blocks, those that must move to a copy (a mask).
 
     Every writer copies, except when all holders of a block write in the same batch: then the last of
-    them (in batch order) keeps the original, since nobody else would ever read it.
+    them (in batch order) keeps the original, since nobody else would ever read it (the caller then
+    unpublishes it: it is written in place).
     """
     if len(src) == 0:
-        return rows, src
+        return np.zeros(0, dtype=bool)
     order = np.argsort(src, kind="stable")
     sorted_src = src[order]
     rank = np.empty(len(src), dtype=np.int64)
     rank[order] = np.arange(len(src)) - np.searchsorted(sorted_src, sorted_src, side="left")
     counts = np.bincount(np.searchsorted(sorted_src, src, side="left"), minlength=len(src))
     writers = counts[np.searchsorted(sorted_src, src, side="left")]
-    keep = (writers == ref[src]) & (rank == writers - 1)
-    return rows[~keep], src[~keep]
+    move: npt.NDArray[np.bool_] = ~((writers == ref[src]) & (rank == writers - 1))
+    return move
 
 
 class PagedKVManager(SwapMixin, TableViews):
@@ -103,9 +130,14 @@ class PagedKVManager(SwapMixin, TableViews):
         record_events: bool = False,
         native: bool | None = None,
     ) -> None:
-        as_count(block_size, "block_size", minimum=1)
-        as_count(num_host_blocks, "num_host_blocks")
+        num_blocks, block_size = as_pool_size(num_blocks, block_size, minimum=2 if null_block is True else 1)
+        num_host_blocks = as_count(num_host_blocks, "num_host_blocks")
+        for flag, name in ((enable_prefix_caching, "enable_prefix_caching"), (verify_hits, "verify_hits"),
+                           (null_block, "null_block"), (record_events, "record_events")):  # fmt: skip
+            as_flag(flag, name)
+        native = as_native(native)
         self._block_size = block_size
+        self._capacity_tokens = (num_blocks - (1 if null_block else 0)) * block_size
         self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events, native=native)
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)
@@ -121,6 +153,8 @@ class PagedKVManager(SwapMixin, TableViews):
         self.block_tokens = self.prefix.block_tokens
         self._copies_src: list[IntArray] = []
         self._copies_dst: list[IntArray] = []
+        self._pending: dict[int, int] = {}  # destination of a copy not handed out yet -> its source
+        self._held = np.zeros(self.pool.num_blocks, dtype=bool)  # blocks a pending copy holds a reference on
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = 0
         self._cow_copies = 0
 
@@ -156,14 +190,25 @@ class PagedKVManager(SwapMixin, TableViews):
     def match_prefix(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> int:
         """How many leading tokens of `token_ids` an admission would take from the cache now."""
         tokens = as_tokens(token_ids)
+        keys = self._keys(tokens, salt, keys)
         if not self.enable_prefix_caching:
             return 0
-        keys = keys if keys is not None else BlockKeys(as_salt(salt))
         return len(self.prefix.match(tokens, keys, (len(tokens) - 1) // self._block_size)) * self._block_size
+
+    def _keys(self, tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
+        """The request's keys (checked, and bound to these tokens), or fresh ones for `salt`."""
+        salt = as_salt(salt)
+        given = as_keys(keys, salt, tokens)
+        if given is None:
+            return BlockKeys(salt)
+        given.remember(tokens)
+        return given
 
     def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0, salt: bytes = b"") -> bool:
         tokens = as_tokens(token_ids)
-        hits = self.prefix.match(tokens, BlockKeys(as_salt(salt)), (len(tokens) - 1) // self._block_size) if self.enable_prefix_caching else []
+        as_count(max_new_tokens, "max_new_tokens")
+        keys = self._keys(tokens, salt, None)
+        hits = self.prefix.match(tokens, keys, (len(tokens) - 1) // self._block_size) if self.enable_prefix_caching else []
         return self._blocks_short(len(tokens), 0, np.array(hits, dtype=np.int64)) <= 0
 
     def _blocks_short(self, n: int, lookahead: int, hits: IntArray) -> int:
@@ -191,18 +236,14 @@ class PagedKVManager(SwapMixin, TableViews):
         """
         tokens = as_tokens(token_ids)
         as_count(max_new_tokens, "max_new_tokens")
-        as_count(num_lookahead, "num_lookahead")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
-        salt = as_salt(salt)
-        if keys is not None and keys.salt != salt and salt:
-            raise InvalidArgumentError("pass the salt either in keys or as salt, not two different ones")
+        num_lookahead = as_count(num_lookahead, "num_lookahead")
+        priority = as_priority(priority)
         n, bs = len(tokens), self._block_size
         if -(-(n + num_lookahead) // bs) > self.num_blocks:
             raise CapacityError(f"a sequence of {n + num_lookahead} tokens needs more than the {self.num_blocks} blocks of the pool")
+        keys = self._keys(tokens, salt, keys)  # validated last: it remembers the tokens
         hits = _EMPTY
         if self.enable_prefix_caching:
-            keys = keys if keys is not None else BlockKeys(salt)
             hits = np.array(self.prefix.match(tokens, keys, (n - 1) // bs), dtype=np.int64)
         if self._blocks_short(n, num_lookahead, hits) > 0:
             return None
@@ -219,7 +260,6 @@ class PagedKVManager(SwapMixin, TableViews):
         t.num_published[row] = h
         t.priority[row] = priority
         if self.enable_prefix_caching:
-            assert keys is not None, "manager: prefix caching needs block keys"
             self.prefix.attach(row, keys)
             t.hashable_tokens[row] = ALL_TOKENS_KNOWN
             rest = tokens[h * bs :]
@@ -236,21 +276,21 @@ class PagedKVManager(SwapMixin, TableViews):
 
     def _growth(self, rows: IntArray, k: int) -> tuple[IntArray, IntArray, IntArray, IntArray]:
         """Blocks each row needs for k more tokens; the rows/blocks needing copy-on-write first; and the
-        private keyed blocks that writes will change (they must be unpublished first)."""
+        blocks that rows marked copy-before-write will write in place (they lose their key first)."""
         t = self.tables
         old = t.num_tokens[rows]
         need = (old + (k + self._block_size - 1)) // self._block_size - t.num_blocks[rows]
         np.maximum(need, 0, out=need)
-        cow_rows, cow_src, unkey = _EMPTY, _EMPTY, _EMPTY
+        cow_rows, cow_src, in_place = _EMPTY, _EMPTY, _EMPTY
         if t.any_cow_risk and t.cow_risk.any():
             risky = t.cow_risk[rows] & (old % self._block_size != 0)
             if risky.any():
                 cand = rows[risky]
                 src = t.table[cand, (t.num_tokens[cand] - 1) // self._block_size].astype(np.int64)
-                shared = self.pool.ref[src] > 1
-                cow_rows, cow_src = _writers_to_move(cand[shared], src[shared], self.pool.ref)
-                unkey = src[~shared]  # rolled back into a block the others have since released
-        return need, cow_rows, cow_src, unkey
+                move = self.pool.ref[src] > 1
+                move[move] = _writers_to_move(cand[move], src[move], self.pool.ref)
+                cow_rows, cow_src, in_place = cand[move], src[move], src[~move]
+        return need, cow_rows, cow_src, in_place
 
     def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
         rows = self.tables.rows(seq_ids)
@@ -267,6 +307,8 @@ class PagedKVManager(SwapMixin, TableViews):
         rows = t.rows(seq_ids)
         k = as_count(num_tokens, "num_tokens")
         tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
+        if k > self._capacity_tokens:
+            return False  # no sequence can hold that many more (nor int64 wrap below)
         if len(rows) == 0 or k == 0:
             return True
         if t.any_cow_risk and t.cow_risk.any():
@@ -284,17 +326,17 @@ class PagedKVManager(SwapMixin, TableViews):
         """`append` when some rows may write into a block they share (after fork or rollback): those move
         to a copy first."""
         t = self.tables
-        need, cow_rows, cow_src, unkey = self._growth(rows, k)
+        need, cow_rows, cow_src, in_place = self._growth(rows, k)
         total_new = int(need.sum())
         if total_new + len(cow_rows) > self.pool.num_available:
             return False
         # --- commit ---
-        for block_id in unkey.tolist():
-            self.pool.unpublish(block_id)
         ids = self.pool.allocate(total_new + len(cow_rows)) if total_new + len(cow_rows) else _EMPTY
         if len(cow_rows):
             self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
             ids = ids[len(cow_rows) :]
+        for block_id in in_place.tolist():  # the rule: a block written in place has no key
+            self.pool.unpublish(block_id)
         t.cow_risk[rows] = False  # every appended row now writes into a private last block
         t.any_cow_risk = bool(t.cow_risk.any())
         self._write_growth(rows, k, tok, ids, int((t.num_blocks[rows] + need).max()))
@@ -316,22 +358,36 @@ class PagedKVManager(SwapMixin, TableViews):
         )  # fmt: skip
 
     def _copy_on_write(self, rows: IntArray, src: IntArray, dst: IntArray) -> None:
-        t = self.tables
+        t, pool = self.tables, self.pool
         t.table[rows, (t.num_tokens[rows] - 1) // self._block_size] = dst
-        np.subtract.at(self.pool.ref, src, 1)  # someone else still holds each src: no state change
+        np.subtract.at(pool.ref, src, 1)  # someone else still holds each src: no state change
         if self.enable_prefix_caching:
             self.block_tokens[dst] = self.block_tokens[src]
+        pending = self._pending
+        if pending:  # a pending destination holds its source's KV until the copies run: copy from the source
+            src = np.array([pending.get(b, b) for b in src.tolist()], dtype=np.int64)
+        pending.update(zip(dst.tolist(), src.tolist()))
+        moved = np.unique(np.concatenate([src, dst]))
+        hold = moved[~self._held[moved]]
+        self._held[hold] = True  # neither end is reused before `take_copies` hands the copy out
+        pool.ref[hold] += 1
         self._copies_src.append(src)
         self._copies_dst.append(dst)
         self._cow_copies += len(rows)
 
     def take_copies(self) -> BlockCopies:
-        """The copy-on-write copies recorded since the last call (run them before the next forward)."""
+        """The copy-on-write copies recorded since the last call, `src[i] -> dst[i]` (distinct destinations,
+        no destination is a source). Run them after this step's swaps and before the next forward
+        (`protocol.py`). Their blocks, held until now, become reusable."""
         if not self._copies_src:
             return BlockCopies(_EMPTY, _EMPTY)
         out = BlockCopies(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
         self._copies_src.clear()
         self._copies_dst.clear()
+        self._pending.clear()
+        held = np.flatnonzero(self._held)
+        self._held[held] = False
+        self.pool.release(held[::-1])
         return out
 
     def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
@@ -340,9 +396,7 @@ class PagedKVManager(SwapMixin, TableViews):
         rows = t.rows(seq_ids)
         given: IntArray | None = None
         if num_computed_tokens is not None:
-            given = np.ascontiguousarray(np.broadcast_to(np.asarray(num_computed_tokens, dtype=np.int64), rows.shape))
-            if (given > t.num_tokens[rows]).any() or (given < t.num_computed[rows]).any():
-                raise InvalidArgumentError("num_computed_tokens must not go backwards nor past the tokens a sequence holds")
+            given = as_computed(num_computed_tokens, t.num_computed[rows], t.num_tokens[rows])
         if self.enable_prefix_caching and self.prefix.publishes_in_one_call:
             self.prefix.publish_computed(rows, given)  # one call: computed counts and publishing
             return
@@ -380,7 +434,7 @@ class PagedKVManager(SwapMixin, TableViews):
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block that holds `seq_id`'s tokens (copy-on-write on first write)."""
         t = self.tables
-        row = t.rows(np.array([seq_id]))[0].item()
+        row = t.device_row(seq_id)
         n_tok = int(t.num_tokens[row])
         blocks = t.blocks_of(row)[: -(-n_tok // self._block_size)]
         child = t.new_row()
@@ -397,7 +451,7 @@ class PagedKVManager(SwapMixin, TableViews):
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         """Drop the last `num_tokens` tokens (rejected speculative tokens)."""
         t = self.tables
-        row = t.rows(np.array([seq_id]))[0].item()
+        row = t.device_row(seq_id)
         n = as_count(num_tokens, "num_tokens")
         old = int(t.num_tokens[row])
         if n > old:
@@ -415,7 +469,7 @@ class PagedKVManager(SwapMixin, TableViews):
         if t.hashable_tokens[row] >= new:
             t.hashable_tokens[row] = ALL_TOKENS_KNOWN  # the unknown tokens were rolled back
         if (keys := self.prefix.keys_of(row)) is not None:
-            keys.truncate(new // bs)
+            keys.truncate(new // bs, new)
         if new % bs:
             last = int(blocks[keep - 1])
             if self.pool.ref[last] > 1:
@@ -426,11 +480,17 @@ class PagedKVManager(SwapMixin, TableViews):
     # --- retention ------------------------------------------------------------------------------
 
     def pin(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> PinHandle:
-        """Keep the cached full blocks of this prefix from eviction until `unpin`."""
+        """Keep the cached full blocks leading this prefix from eviction until `unpin`.
+
+        Raises `PinError` if not even its first full block is cached (nothing would be pinned).
+        """
         tokens = as_tokens(token_ids)
+        keys = self._keys(tokens, salt, keys)
         if not self.enable_prefix_caching:
             raise PinError("pinning needs prefix caching (enable_prefix_caching=True)")
-        hits = self.prefix.match(tokens, keys if keys is not None else BlockKeys(as_salt(salt)), len(tokens) // self._block_size)
+        hits = self.prefix.match(tokens, keys, len(tokens) // self._block_size)
+        if not hits:
+            raise PinError("pin: no full block of this prefix is cached; admit and compute it first")
         for block_id in hits:
             self.pool.pin(block_id)
         return PinHandle(tuple(hits))
@@ -471,7 +531,8 @@ class PagedKVManager(SwapMixin, TableViews):
         keys = tuple((r, tuple(k.keys)) for r, k in enumerate(self.prefix.by_row) if k is not None)
         host = self.host_pool.snapshot() if self.host_pool else ()
         return (self.pool.snapshot(), host, t.table.tobytes(), rows, keys, self.block_tokens.tobytes(),
-                self.epoch, self.stats, len(self._copies_src))  # fmt: skip
+                self.epoch, self.stats, len(self._copies_src), tuple(self._pending.items()),
+                self._held.tobytes())  # fmt: skip
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
@@ -484,14 +545,21 @@ class PagedKVManager(SwapMixin, TableViews):
         refs = np.bincount(t.table[held], minlength=pool.num_blocks)
         if pool.has_null_block:
             refs[NULL_BLOCK_ID] = 1
-        if not np.array_equal(refs + pool.pins, pool.ref):
-            bad = np.nonzero(refs + pool.pins != pool.ref)[0][:8].tolist()
-            raise InvariantError(f"manager: ref counts differ from table references + pins at blocks {bad}")
+        expected = refs + pool.pins + self._held
+        if not np.array_equal(expected, pool.ref):
+            bad = np.nonzero(expected != pool.ref)[0][:8].tolist()
+            raise InvariantError(f"manager: ref counts differ from table references + pins + pending copies at blocks {bad}")
         # A keyed block is full; a holder may see it partial only after rolling back into it, and then
         # it must copy (or unpublish) before writing.
-        keyed_partial = held & pool.keyed[t.table] & ((cols + 1) * bs > t.num_tokens[:, None])
-        if (keyed_partial & ~t.cow_risk[:, None]).any():
+        partial = held & ((cols + 1) * bs > t.num_tokens[:, None])
+        if (partial & pool.keyed[t.table] & ~t.cow_risk[:, None]).any():
             raise InvariantError("manager: a keyed block is partial in a sequence that may write into it")
+        # ... and a sequence not marked copy-before-write writes its partial blocks in place: they are its own.
+        in_place = partial & ~t.cow_risk[:, None]
+        if (pool.ref[t.table[in_place]] - self._held[t.table[in_place]] != 1).any():
+            raise InvariantError("manager: a sequence writes in place into a block it shares")
+        if set(self._pending) != set(np.concatenate(self._copies_dst).tolist() if self._copies_dst else []):
+            raise InvariantError("manager: pending copies disagree with the copies not handed out")
         if (t.num_published > t.num_computed // bs).any():
             raise InvariantError("manager: more blocks published than computed")
         if any(k is not None and not t.alive[r] for r, k in enumerate(self.prefix.by_row)):

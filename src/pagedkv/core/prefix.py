@@ -52,6 +52,8 @@ KEY_FUNCTIONS: dict[str, KeyFunction] = {"sha256": sha256_key, "fast": fast_key}
 def key_function(name: str | KeyFunction) -> KeyFunction:
     if callable(name):
         return name
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"hash_fn must be a name in {sorted(KEY_FUNCTIONS)} or a function, got {name!r}")
     try:
         return KEY_FUNCTIONS[name]
     except KeyError:
@@ -70,10 +72,11 @@ class BlockKeys:
     A request holds one of these for its lifetime; the manager reads keys from it at admission (so a
     request that waits, or is preempted and re-admitted, hashes each block once) and appends the keys of
     blocks it publishes while the request decodes. Contract: the token ids passed with it always extend
-    the tokens it has seen (the manager truncates it on rollback).
+    the tokens it has seen (the manager truncates it on rollback); the manager refuses a `BlockKeys` passed
+    with token ids that disagree with the longest ones it was passed with before.
     """
 
-    __slots__ = ("salt", "extra", "block_extra", "keys", "epoch", "_fn")
+    __slots__ = ("salt", "extra", "block_extra", "keys", "epoch", "_fn", "_tokens")
 
     def __init__(
         self, salt: bytes = b"", *, extra: bytes = b"", block_extra: Mapping[int, bytes] | None = None
@@ -86,6 +89,17 @@ class BlockKeys:
         self.keys: list[Key] = []  # keys[0] is the root, keys[i + 1] the key of block i
         self.epoch = -1
         self._fn: KeyFunction | None = None
+        self._tokens = b""  # the longest token ids passed with these keys (int32 bytes)
+
+    def agrees_with(self, tokens: npt.NDArray[np.int32]) -> bool:
+        """Whether `tokens` (int32) and the token ids these keys were used with agree where both are defined."""
+        m = min(len(tokens), len(self._tokens) // 4)
+        return m == 0 or tokens[:m].tobytes() == self._tokens[: 4 * m]
+
+    def remember(self, tokens: npt.NDArray[np.int32]) -> None:
+        """These keys are now used with `tokens` (int32, which `agrees_with` them)."""
+        if 4 * len(tokens) > len(self._tokens):
+            self._tokens = tokens.tobytes()
 
     def bind(self, fn: KeyFunction, epoch: int) -> None:
         """Forget keys computed under another epoch or hash function."""
@@ -108,11 +122,15 @@ class BlockKeys:
         self.keys.append(k)
         return k
 
-    def truncate(self, num_blocks: int) -> None:
+    def truncate(self, num_blocks: int, num_tokens: int | None = None) -> None:
+        """Keep the keys of the first `num_blocks` blocks (and the first `num_tokens` token ids seen)."""
         del self.keys[num_blocks + 1 :]
+        if num_tokens is not None:
+            self._tokens = self._tokens[: 4 * num_tokens]
 
     def copy(self) -> BlockKeys:
         other = BlockKeys(self.salt, extra=self.extra, block_extra=self.block_extra)
         other.keys = list(self.keys)
         other.epoch, other._fn = self.epoch, self._fn
+        other._tokens = self._tokens
         return other

@@ -8,6 +8,11 @@ The per-block loops (hash, look up, index) run in `hotpath`'s backend: the C ext
 else its Python reference. A whole `mark_computed` is one backend call (`publish_computed`, reading the
 block table and each row's `BlockKeys` through `by_row`); custom key functions and per-block extra keys
 take a plain Python path with the same semantics, and keys of an earlier epoch are never published.
+
+With `verify_hits`, a hit must match everything its key stands for, not only the key: the block's token ids
+(the mirror) and its origin, (epoch, salt, request extra key, the block's extra key), recorded when it is
+published. A hit that differs (a hash collision, across tenants or epochs too) ends the match there and
+counts in `verify_failures`. Publishing then takes the per-row path, which records origins.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class PrefixCache:
         self._rows_with_extras = 0  # live sequences with per-block extra keys (they take the Python path)
         num_blocks = pool.num_blocks if enabled else 0
         self.block_tokens = np.zeros((num_blocks, block_size), np.int32)
+        # with verify_hits: what each published block's key stands for besides its tokens
+        self.origin: list[tuple[int, bytes, bytes, bytes] | None] = [None] * (num_blocks if verify_hits else 0)
         self.hot = hotpath.backend(native)
         # the key function as a hot-path kind; None: a custom function (plain Python path)
         self._kind = hotpath.SHA256 if key_fn is sha256_key else hotpath.FAST if key_fn is fast_key else None
@@ -64,7 +71,7 @@ class PrefixCache:
     @property
     def publishes_in_one_call(self) -> bool:
         """Whether `publish_computed` can take a whole batch (no custom key function, no block extras)."""
-        return self._kind is not None and not self._rows_with_extras
+        return self._kind is not None and not self._rows_with_extras and not self.verify_hits
 
     def publish_computed(self, rows: IntArray, computed: IntArray | None) -> None:
         """`mark_computed`'s work in one backend call (callers check `publishes_in_one_call` first)."""
@@ -89,6 +96,10 @@ class PrefixCache:
         if self.verify_hits and hits:
             bs = self.block_size
             same = (self.block_tokens[hits] == tokens[: len(hits) * bs].reshape(-1, bs)).all(axis=1)
+            origin, extra = self.origin, keys.block_extra
+            same &= np.array(
+                [origin[b] == (self.epoch, keys.salt, keys.extra, extra.get(i, b"")) for i, b in enumerate(hits)]
+            )
             if not same.all():  # a key collision: stop before the first block whose tokens differ
                 self.verify_failures += 1
                 del hits[int(np.argmin(same)) :]
@@ -135,9 +146,23 @@ class PrefixCache:
         else:
             stored = self._publish_generic(seq_keys, starts, upto, self.block_tokens[block_ids], block_ids)
             pool.keyed[stored] = True
+        if stored and self.verify_hits:
+            self._record_origins(seq_keys, starts, upto, block_ids, stored)
         if stored and pool.record_events:
             key_of = pool.key_of
             pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
+
+    def _record_origins(
+        self, seq_keys: list[BlockKeys], starts: IntArray, upto: IntArray, block_ids: IntArray, stored: list[int]
+    ) -> None:
+        new = set(stored)
+        ids = block_ids.tolist()
+        pos = 0
+        for keys, start, stop in zip(seq_keys, starts.tolist(), upto.tolist()):
+            for i in range(start, stop):
+                if ids[pos] in new:
+                    self.origin[ids[pos]] = (self.epoch, keys.salt, keys.extra, keys.block_extra.get(i, b""))
+                pos += 1
 
     def _publish_generic(
         self, seq_keys: list[BlockKeys], starts: IntArray, upto: IntArray, data: npt.NDArray[np.int32],

@@ -14,6 +14,21 @@ Contract:
   is written, never before, so a request admitted in the same step cannot hit them.
 - `take_copies` hands out the copy-on-write block copies (src -> dst) that the storage layer must perform
   before the next forward pass; each copy is handed out once.
+
+Block moves of one step (the one safe order, followed by the engine's runner):
+
+1. swap plans (`swap_in` host -> device, `swap_out` device -> host) in the order the calls returned them;
+2. then the copies of `take_copies()`, as one batch: destinations are distinct and none is a source, so
+   their order does not matter;
+3. then the forward pass writes the step's new KV.
+
+The managers make this order safe for every sequence of calls: a block that is the source or the
+destination of a copy not yet handed out is held until `take_copies` returns it (no swap-in or later copy
+can reuse it), a copy from a block that is itself a pending destination copies from that one's source, and
+a swap-out plan reads a pending destination's source (which holds the same KV until the forward pass).
+Applying a step's copies before its swaps is not safe: a swap-in may fill a block that a copy then reads
+(a sequence swapped in, forked and written in the same step), and a swap-out may read a block a later copy
+fills.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class SwapMixin:
     enable_prefix_caching: bool
     block_tokens: npt.NDArray[np.int32]
     _block_size: int
+    _pending: dict[int, int]
 
     def _host(self) -> BlockPool:
         if self.host_pool is None:
@@ -51,7 +52,7 @@ class SwapMixin:
     def swap_out(self, seq_id: int) -> SwapPlan | None:
         """Move a sequence's blocks to host memory. `None` if the host pool is short."""
         host, t = self._host(), self.tables
-        row = t.rows(np.array([seq_id]))[0].item()
+        row = t.device_row(seq_id)
         blocks = t.blocks_of(row)
         count = -(-int(t.num_tokens[row]) // self._block_size)
         if count > host.num_available:
@@ -59,13 +60,16 @@ class SwapMixin:
         host_ids = host.allocate(count)
         if self.enable_prefix_caching:
             self.host_block_tokens[host_ids] = self.block_tokens[blocks[:count]]
+        src = blocks[:count]
+        if self._pending:  # a block a pending copy has not filled yet: read its source, which holds that KV
+            src = np.array([self._pending.get(b, b) for b in src.tolist()], dtype=np.int64)
         self.pool.release(blocks[::-1], int(t.priority[row]))
         t.set_blocks(row, host_ids)
         t.swapped[row] = True
         t.on_device[row] = False
         t.cow_risk[row] = False
         t.num_published[row] = 0
-        return SwapPlan(blocks[:count], host_ids)
+        return SwapPlan(src, host_ids)
 
     def swap_in(self, seq_id: int) -> SwapPlan | None:
         """Bring a swapped-out sequence back into device blocks. `None` if the device pool is short."""

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from pagedkv.core import hotpath
 from pagedkv.core.errors import InvalidArgumentError, InvariantError, UnknownSequenceError
 from pagedkv.core.protocol import CSRPages
+from pagedkv.core.validate import as_index_array, as_pad_id
 
 IntArray = npt.NDArray[np.int64]
 
@@ -104,14 +105,24 @@ class BlockTables:
             raise UnknownSequenceError(f"sequence {seq_id} is not live (never admitted, or already freed)")
         return int(seq_id)
 
+    def device_row(self, seq_id: int) -> int:
+        """Validate a single sequence handle that must be on the device (not swapped out)."""
+        row = self.row(seq_id)
+        if self.swapped[row]:
+            raise InvalidArgumentError(f"sequence {seq_id} is swapped out; swap_in first")
+        return row
+
     def rows(self, seq_ids: npt.ArrayLike) -> IntArray:
         """Validate a batch of sequence handles: live, on the device (not swapped out), distinct, ints."""
         rows = np.asarray(seq_ids)
         if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"seq_ids must be a 1-D array of ints, got shape {rows.shape}, {rows.dtype}")
+        given = rows
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         status = self._check_rows(self.on_device, self._mark, rows)  # one pass: range, device, duplicates
         if status == 1:
+            if given.dtype == np.uint64 and int(given.max()) >= 2**63:  # wrapped negative above
+                raise InvalidArgumentError(f"seq_ids must be sequence handles (small ints), got {int(given.max())}")
             bad = [int(r) for r in rows if not (0 <= r < len(self.alive)) or not self.alive[r]]
             if bad:
                 raise UnknownSequenceError(f"sequences {bad[:8]} are not live (never admitted, or already freed)")
@@ -144,10 +155,10 @@ class BlockTables:
 
     def slot_mapping(self, rows: IntArray, starts: npt.ArrayLike, ends: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """Slots of tokens [starts[i], ends[i]) of each sequence, concatenated in batch order."""
-        starts_a = np.broadcast_to(np.asarray(starts, dtype=np.int64), rows.shape)
-        ends_a = np.broadcast_to(np.asarray(ends, dtype=np.int64), rows.shape)
+        starts_a = as_index_array(starts, "starts", rows.shape)
+        ends_a = as_index_array(ends, "ends", rows.shape)
         lengths = ends_a - starts_a
-        if (lengths < 0).any() or (starts_a < 0).any():
+        if (lengths < 0).any():
             raise InvalidArgumentError("slot_mapping needs 0 <= start <= end for every sequence")
         if (ends_a > self.num_blocks[rows] * self.block_size).any():
             raise InvalidArgumentError("slot_mapping: a range ends past the blocks the sequence holds; append first")
@@ -228,7 +239,7 @@ class TableViews:
         return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
 
     def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]:
-        return self.tables.block_table(self.tables.rows(seq_ids), pad_id)
+        return self.tables.block_table(self.tables.rows(seq_ids), as_pad_id(pad_id))
 
     def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
         return self.tables.num_tokens[self.tables.rows(seq_ids)].astype(np.int32)
