@@ -59,21 +59,43 @@ class ManagerFeed:
         stored_ids = [e.block_id for e in events if e.kind == "stored" and e.block_id is not None]
         parents = self._parents_in_live_rows(np.array(stored_ids, dtype=np.int64)) if stored_ids else {}
         unseen: set[Key] = set()  # stored then reused before this poll: neither end is reported
+        chain: list[Key] = []  # consecutive stored blocks, each the parent of the next: one log call
+        chain_parent: Key | None = None
+        chain_tokens: list[int] = []
         bs = m.block_size
+
+        def flush() -> None:
+            if chain:
+                log.stored(self.medium, chain, parent=chain_parent, token_ids=chain_tokens)
+                self._recent.extend(chain[-_RECENT:])
+                chain.clear()
+                chain_tokens.clear()
+
         for e in events:
-            if e.kind == "cleared":
-                self._stale.clear()
-                self._recent.clear()
-                log.cleared(self.medium)
-            elif e.kind == "stored":
+            if e.kind == "stored":
                 assert e.key is not None and e.block_id is not None
                 if pool.key_of[e.block_id] != e.key:
                     unseen.add(e.key)
                     continue
                 tokens = m.block_tokens[e.block_id]
-                parent = parents[e.block_id] if e.block_id in parents else self._search_parent(e.key, tokens)
-                log.stored(self.medium, [e.key], parent=parent, token_ids=tokens.tolist()[:bs])
-                self._recent.append(e.key)
+                if e.block_id in parents:
+                    parent = parents[e.block_id]
+                elif chain and self._chains(chain[-1], e.key, tokens):
+                    parent = chain[-1]
+                else:
+                    flush()  # the candidates are what the log holds
+                    parent = self._search_parent(e.key, tokens)
+                if not chain or parent is None or parent != chain[-1]:
+                    flush()
+                    chain_parent = parent
+                chain.append(e.key)
+                chain_tokens.extend(tokens.tolist()[:bs])
+                continue
+            flush()
+            if e.kind == "cleared":
+                self._stale.clear()
+                self._recent.clear()
+                log.cleared(self.medium)
             else:
                 assert e.key is not None
                 if e.key in unseen:
@@ -82,6 +104,7 @@ class ManagerFeed:
                     self._stale.discard(e.key)
                 else:
                     log.removed(self.medium, [e.key])
+        flush()
         return len(events)
 
     def reset(self) -> int:
@@ -122,6 +145,10 @@ class ManagerFeed:
                 continue
             out[block] = keys.keys[c] if c > 0 else None
         return out
+
+    def _chains(self, parent: Key, key: Key, tokens: np.ndarray) -> bool:
+        data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        return bool(self.manager.prefix.key_fn(parent, data, b"") == key)
 
     def _search_parent(self, key: Key, tokens: np.ndarray) -> Key | None:
         prefix = self.manager.prefix

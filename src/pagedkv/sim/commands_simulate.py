@@ -34,11 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run every allocator at these block sizes, e.g. 8,16,32,64,128",
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    from pagedkv.sim.replicas import add_replica_arguments
+
+    add_replica_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedkv.sim.report import simulate_text
     from pagedkv.sim.runner import run_simulation
+
+    if args.replicas:
+        from pagedkv.sim.replicas import run_command
+
+        return run_command(args)
 
     try:
         report = run_simulation(
