@@ -5,9 +5,10 @@ adds a medium to each hash for that replica, `BlockRemoved` takes it away, `AllB
 hash of that replica. A medium of `None` is GPU, as in vLLM. The index trusts the stream: a replica's events
 must be applied in sequence order (`pagedkv.events.publisher.EventSubscriber` replays gaps before it delivers).
 
-`match(hashes)` walks a request's chain of block hashes and tells, per replica, how many leading blocks it
-holds on its GPU, how many more it could load from its own CPU or DISK, and how many after that any replica's
-REMOTE store holds (the shared store is one for the fleet; a chain stops at its first hole).
+`match(hashes)` walks a request's chain of block hashes and tells, per replica, how many blocks of its
+cacheable prefix it finds on its GPU, how many it would load from its own CPU or DISK, and how many from the
+REMOTE store (one store for the fleet, so any replica's REMOTE report counts); each block is taken from the
+cheapest place holding it, and the walk stops at the first block held nowhere.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ Replica = Hashable
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """A replica's leading blocks of one request: `gpu` on its device, then `local` (CPU/DISK) it can load,
-    then `remote` from the shared store."""
+    """A replica's cacheable prefix of one request, `total` blocks: `gpu` of them already on its device,
+    `local` to load from its CPU/DISK, `remote` to load from the shared store."""
 
     gpu: int = 0
     local: int = 0
@@ -88,22 +89,19 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int], replicas: Iterable[Replica]) -> dict[Replica, PrefixMatch]:
         out: dict[Replica, PrefixMatch] = {}
         where = self._where
-        n = len(hashes)
         for r in replicas:
-            i = 0
-            while i < n and GPU in where.get(hashes[i], {}).get(r, ()):
-                i += 1
-            g = i
-            while i < n:
-                media = where.get(hashes[i], {}).get(r, ())
-                if CPU in media or DISK in media or GPU in media:
-                    i += 1
+            gpu = local = remote = 0
+            for h in hashes:  # each block from the cheapest place that has it; stop where none does
+                media = where.get(h, {}).get(r, ())
+                if GPU in media:
+                    gpu += 1
+                elif CPU in media or DISK in media:
+                    local += 1
+                elif self._remote.get(h, 0) > 0:
+                    remote += 1
                 else:
                     break
-            local = i - g
-            while i < n and self._remote.get(hashes[i], 0) > 0:
-                i += 1
-            out[r] = PrefixMatch(g, local, i - g - local)
+            out[r] = PrefixMatch(gpu, local, remote)
         return out
 
     # --- internals -------------------------------------------------------------------------------

@@ -121,8 +121,8 @@ class _LRU:
             self.log.removed(self.medium, old)
             self.evictions += len(old)
 
-    def touch(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
+    def touch(self, h: int) -> None:
+        if h in self.keys:
             self.keys.move_to_end(h)
 
 
@@ -137,6 +137,7 @@ class _Plan:
     host: int
     remote: int
     compute_blocks: int
+    sources: list[int] = field(default_factory=list)  # per prefix block: 0 GPU, 1 host, 2 store
     backlog: int = 0  # what it adds to the replica's queued work until its first token
     release: float = 0.0
 
@@ -246,6 +247,7 @@ class ReplicaSimulation:
     # --- arrivals --------------------------------------------------------------------------------
 
     def _route(self, g: GeneratedRequest, t: float) -> None:
+        from pagedkv.events import GPU
         from pagedkv.router import request_hashes
 
         hashes = request_hashes(g.prompt_token_ids, self.config.block_size)
@@ -255,6 +257,8 @@ class ReplicaSimulation:
         m = decision.match
         remote = m.remote if self.tiers.remote_tier else 0
         plan = _Plan(g, t, hashes, m.gpu, m.local, remote, len(hashes) - m.gpu - m.local - remote)
+        media = self.router.index.media
+        plan.sources = [0 if GPU in media(h, r.name) else 1 if h in r.host else 2 for h in hashes[: m.total]]
         plan.backlog = plan.compute_blocks + 1  # + the block holding the last prompt token
         r.backlog += plan.backlog
         done = t
@@ -285,19 +289,18 @@ class ReplicaSimulation:
             g = plan.g
             loaded = plan.host + plan.remote
             if loaded:
-                k = (plan.gpu + loaded) * bs
+                k = len(plan.sources) * bs
                 adm = r.manager.admit(np.asarray(g.prompt_token_ids[:k]))
                 if adm is None:
                     self.loads_skipped += 1
-                    plan.host = plan.remote = 0
+                    plan.sources = plan.sources[: plan.sources.index(1) if 1 in plan.sources else None]
+                    plan.sources = plan.sources[: plan.sources.index(2) if 2 in plan.sources else None]
                 else:
                     r.manager.mark_computed([adm.seq_id])
                     r.manager.free(adm.seq_id)
-                    r.host.touch([h for h in plan.hashes[plan.gpu : plan.gpu + plan.host] if h in r.host])
-                    if plan.remote:
-                        self.store.touch(
-                            [h for h in plan.hashes[plan.gpu + plan.host : plan.gpu + loaded] if h in self.store]
-                        )
+                    for h, src in zip(plan.hashes, plan.sources):
+                        if src:
+                            (r.host if src == 1 else self.store).touch(h)
             req = Request(
                 str(g.index),
                 g.prompt_token_ids,
@@ -385,9 +388,8 @@ class ReplicaSimulation:
             if self.where[i] < 0:
                 self.where[i] = r.name
                 cached = int(c.request.num_cached_tokens)
-                remote = min(plan.remote * bs, max(cached - (plan.gpu + plan.host) * bs, 0))
-                host = min(plan.host * bs, max(cached - plan.gpu * bs, 0))
-                self.tier_tokens[i] = (cached - host - remote, host, remote)
+                got = np.bincount(np.asarray(plan.sources[: cached // bs], dtype=np.int64), minlength=3) * bs
+                self.tier_tokens[i] = (cached - got[1] - got[2], got[1], got[2])
             if c.produces_token:
                 k = len(c.request.output_token_ids)
                 g = plan.g
