@@ -287,8 +287,7 @@ class ReplicaSimulation:
         while r.loading and r.loading[0][0] <= r.now:
             _, _, plan = heapq.heappop(r.loading)
             g = plan.g
-            loaded = plan.host + plan.remote
-            if loaded:
+            if plan.host or plan.remote:
                 k = len(plan.sources) * bs
                 adm = r.manager.admit(np.asarray(g.prompt_token_ids[:k]))
                 if adm is None:
@@ -422,7 +421,7 @@ class ReplicaSimulation:
         ttft = self.first - self.arrival
         decode = done & (output > 1)
         tpot = (self.finish[decode] - self.first[decode]) / (output[decode] - 1)
-        start = float(np.nanmin(self.arrival)) if n_ok(self.arrival) else 0.0
+        start = float(np.nanmin(self.arrival)) if np.isfinite(self.arrival).any() else 0.0
         span = max(float(np.nanmax(self.finish)) - start, 1e-12) if done.any() else 1e-12
         total = int(prompt.sum())
         tiers = self.tier_tokens.sum(axis=0)
@@ -455,10 +454,6 @@ class ReplicaSimulation:
             "remote_evictions": self.store.evictions,
             "remote_blocks": len(self.store.keys),
         }
-
-
-def n_ok(values: np.ndarray) -> bool:
-    return bool(np.isfinite(values).any())
 
 
 @dataclass
