@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="instead: sweep output-length spread x KV budget, write the decision chart (PNG) here",
     )
+    from pagedkv.sim.replicas import add_replica_arguments
+
+    add_replica_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
         except PagedKVError as exc:
             print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
             return 2
+    if args.replicas:
+        from pagedkv.sim.replicas import run_command
+
+        return run_command(args)
+
     try:
         report = run_simulation(
             args.model,

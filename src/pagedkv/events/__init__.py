@@ -1,0 +1,31 @@
+"""pagedkv.events: KV cache events in vLLM's wire format (torch-free; needs the `events` extra: msgspec, pyzmq).
+
+- `wire`: the event structs (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, `EventBatch`), msgpack
+  encoding, `external_hash` (a block key's low 64 bits) and the media (GPU, CPU, DISK, REMOTE).
+- `log`: `EventLog`, one replica's per-medium copy counts and the events they imply. Other tiers report to it
+  with `log.stored(medium, keys, parent=..., token_ids=...)` and `log.removed(medium, keys)`.
+- `manager_feed`: `ManagerFeed`, the GPU medium fed from a `PagedKVManager`'s `take_events()`.
+- `publisher`: `ZmqEventPublisher` (PUB + replaying ROUTER) and `EventSubscriber` (imports pyzmq).
+"""
+
+from pagedkv.events.log import EventLog
+from pagedkv.events.manager_feed import ManagerFeed
+from pagedkv.events.wire import (
+    CPU,
+    DISK,
+    GPU,
+    MEDIA,
+    REMOTE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+    external_hash,
+)
+
+__all__ = [
+    "CPU", "DISK", "GPU", "MEDIA", "REMOTE", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch",
+    "EventLog", "ManagerFeed", "decode_batch", "encode_batch", "external_hash",
+]  # fmt: skip

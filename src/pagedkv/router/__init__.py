@@ -1,0 +1,25 @@
+"""pagedkv.router: a prefix-aware router over replicas that publish KV events (torch-free).
+
+- `PrefixIndex` (`index.py`): block hash -> {replica: media}, fed with `EventBatch`es from each replica.
+- `Router` and the policies (`policy.py`): round-robin, pure longest-prefix, and the cost model
+  `compute_weight * blocks to compute + discounts * blocks to load + queue_weight * queued work`.
+- `request_hashes`: a prompt's block hashes, as the replicas' events name them.
+"""
+
+from pagedkv.router.index import PrefixIndex, PrefixMatch
+from pagedkv.router.policy import (
+    POLICIES,
+    CostPolicy,
+    CostWeights,
+    Decision,
+    LongestPrefix,
+    RoundRobin,
+    Router,
+    make_policy,
+    request_hashes,
+)
+
+__all__ = [
+    "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "PrefixIndex", "PrefixMatch",
+    "RoundRobin", "Router", "make_policy", "request_hashes",
+]  # fmt: skip

@@ -1,0 +1,165 @@
+"""Routing policies: which replica should serve a request, given the fleet's prefix index and its load.
+
+A request is its chain of block hashes (`request_hashes`: one per full block of the prompt, as the engine keys
+them, without the block holding the last prompt token, which is always computed). For each replica the index
+says how many leading blocks it holds on its GPU, how many more it can load from its own CPU/DISK tier, and how
+many more the shared REMOTE store holds (`PrefixMatch`). Policies:
+
+- `round-robin`: replicas in turn; ignores the cache (the baseline every fleet starts with).
+- `prefix`: pure longest prefix: the replica holding the most leading blocks (any local medium); ties go
+  round-robin. Load is ignored, so when many requests share a first block (a system prompt) the first replica
+  to compute it wins every later request: it concentrates load, which is why load must count.
+- `cost`: the replica minimising
+
+      cost = compute_weight * blocks to compute
+           + local_discount * blocks to load from its CPU/DISK + remote_discount * blocks to load from REMOTE
+           + queue_weight * queued work
+
+  with queued work in blocks (the caller's measure, e.g. prompt blocks not yet computed plus running
+  sequences). Ties go to the least loaded, then round-robin.
+
+Every policy's `choose(matches, loads)` takes one `PrefixMatch` and one load per replica, in replica order, and
+returns the chosen position; `Router` glues a policy to a `PrefixIndex`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.prefix import BlockKeys, key_function
+from pagedkv.events.wire import external_hash
+from pagedkv.router.index import PrefixIndex, PrefixMatch
+
+POLICIES = ("round-robin", "prefix", "cost")
+
+
+def request_hashes(
+    token_ids: npt.ArrayLike, block_size: int, *, salt: bytes = b"", hash_fn: str = "sha256", epoch: int = 0
+) -> list[int]:
+    """The published hashes of a prompt's cacheable blocks (what a replica's events would call them)."""
+    tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int32))
+    keys = BlockKeys(salt)
+    keys.bind(key_function(hash_fn), epoch)
+    n = (len(tokens) - 1) // block_size if len(tokens) else 0
+    return [external_hash(keys.key(i, tokens[i * block_size : (i + 1) * block_size])) for i in range(n)]
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int: ...
+
+
+class _Turns:
+    """Round-robin among a set of candidates, remembering where the last pick was."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def pick(self, candidates: Sequence[int], n: int) -> int:
+        best = min(candidates, key=lambda i: (i - self.next) % n)
+        self.next = (best + 1) % n
+        return best
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turns = _Turns()
+
+    def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int:
+        return self._turns.pick(range(len(matches)), len(matches))
+
+
+class LongestPrefix:
+    name = "prefix"
+
+    def __init__(self) -> None:
+        self._turns = _Turns()
+
+    def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int:
+        held = [m.gpu + m.local for m in matches]
+        top = max(held)
+        return self._turns.pick([i for i, h in enumerate(held) if h == top], len(matches))
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    compute_weight: float = 1.0
+    local_discount: float = 0.1
+    remote_discount: float = 0.3
+    queue_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("compute_weight", "local_discount", "remote_discount", "queue_weight"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise InvalidArgumentError(f"{name} must be >= 0, got {value!r}")
+
+
+class CostPolicy:
+    name = "cost"
+
+    def __init__(self, weights: CostWeights | None = None) -> None:
+        self.weights = weights or CostWeights()
+        self._turns = _Turns()
+
+    def cost(self, num_blocks: int, match: PrefixMatch, load: float) -> float:
+        w = self.weights
+        compute = max(num_blocks - match.total, 0)
+        return (
+            w.compute_weight * compute
+            + w.local_discount * match.local
+            + w.remote_discount * match.remote
+            + w.queue_weight * load
+        )
+
+    def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int:
+        costs = [self.cost(num_blocks, m, load) for m, load in zip(matches, loads)]
+        low = min(costs)
+        tied = [i for i, c in enumerate(costs) if c <= low + 1e-9]
+        least = min(loads[i] for i in tied)
+        return self._turns.pick([i for i in tied if loads[i] == least], len(matches))
+
+
+def make_policy(name: str, weights: CostWeights | None = None) -> Policy:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "prefix":
+        return LongestPrefix()
+    if name == "cost":
+        return CostPolicy(weights)
+    raise InvalidArgumentError(f"unknown router {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+class Decision(NamedTuple):
+    replica: Hashable
+    match: PrefixMatch
+
+
+class Router:
+    """A policy over a fixed list of replicas, reading a `PrefixIndex` the caller keeps fed with events."""
+
+    def __init__(self, replicas: Sequence[Hashable], policy: str | Policy = "cost", index: PrefixIndex | None = None):
+        if not replicas:
+            raise InvalidArgumentError("a router needs at least one replica")
+        if len(set(replicas)) != len(replicas):
+            raise InvalidArgumentError("replica names must be distinct")
+        self.replicas = list(replicas)
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.index = index if index is not None else PrefixIndex()
+
+    def route(self, hashes: Sequence[int], loads: Sequence[float]) -> Decision:
+        if len(loads) != len(self.replicas):
+            raise InvalidArgumentError(f"{len(loads)} loads for {len(self.replicas)} replicas")
+        found = self.index.match(hashes, self.replicas)
+        matches = [found[r] for r in self.replicas]
+        i = self.policy.choose(len(hashes), matches, loads)
+        return Decision(self.replicas[i], matches[i])

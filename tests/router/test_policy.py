@@ -1,0 +1,118 @@
+"""Routing policies on a hand-fed index, and the index against a real manager's events."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from pagedkv.core import PagedKVManager
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.events import (
+    CPU,
+    GPU,
+    REMOTE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventLog,
+    ManagerFeed,
+)
+from pagedkv.router import CostPolicy, CostWeights, PrefixIndex, PrefixMatch, Router, request_hashes
+
+BS = 4
+
+
+def stored(hashes: list[int], medium: str = GPU) -> EventBatch:
+    return EventBatch(0.0, [BlockStored(hashes, None, [], BS, None, medium)], 0)
+
+
+def test_request_hashes_name_the_blocks_a_manager_publishes() -> None:
+    m = PagedKVManager(16, BS, record_events=True)
+    feed = ManagerFeed(m, EventLog(BS))
+    prompt = np.arange(3 * BS + 2, dtype=np.int32)
+    adm = m.admit(prompt)
+    m.mark_computed([adm.seq_id])
+    feed.poll()
+    index = PrefixIndex()
+    index.apply("a", feed.log.take_batch())
+    hashes = request_hashes(prompt, BS)
+    assert len(hashes) == 3 and index.match(hashes, ["a"])["a"] == PrefixMatch(3, 0, 0)
+    assert request_hashes(prompt[: 2 * BS + 1], BS) == hashes[:2]  # the last token's block is never a hit
+
+
+def test_index_walks_gpu_then_local_then_remote_and_stops_at_a_hole() -> None:
+    idx = PrefixIndex()
+    idx.apply("a", stored([1, 2]))
+    idx.apply("a", stored([3], CPU))
+    idx.apply("b", stored([4, 5], REMOTE))  # the shared store: anyone may load it
+    idx.apply("b", stored([7], REMOTE))
+    m = idx.match([1, 2, 3, 4, 5, 6, 7], ["a", "b", "c"])
+    assert m["a"] == PrefixMatch(2, 1, 2)
+    assert m["b"] == PrefixMatch(0, 0, 0)  # block 1 is nowhere b can get it
+    idx.apply("a", EventBatch(0.0, [BlockRemoved([2], GPU)], 0))
+    assert idx.match([1, 2, 3], ["a"])["a"] == PrefixMatch(1, 0, 0)
+    idx.apply("b", EventBatch(0.0, [AllBlocksCleared()], 0))
+    assert idx.match([4], ["a"])["a"] == PrefixMatch(0, 0, 0) and idx.state("b") == {}
+    assert idx.holders(1) == {"a": frozenset({GPU})}
+
+
+def test_round_robin_ignores_the_cache() -> None:
+    r = Router(["a", "b", "c"], "round-robin")
+    r.index.apply("b", stored([1, 2]))
+    assert [r.route([1, 2], [0, 0, 0]).replica for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_cost_prefers_the_holder_until_its_queue_outweighs_the_prefix() -> None:
+    r = Router(["a", "b"], CostPolicy(CostWeights(compute_weight=1.0, queue_weight=1.0)))
+    r.index.apply("b", stored([1, 2, 3]))
+    assert r.route([1, 2, 3, 4], [0, 0]).replica == "b"  # 1 block to compute vs 4
+    assert r.route([1, 2, 3, 4], [0, 2.5]).replica == "b"  # 1 + 2.5 < 4
+    assert r.route([1, 2, 3, 4], [0, 3.5]).replica == "a"  # 1 + 3.5 > 4
+
+
+def test_cost_discounts_loads_from_lower_tiers() -> None:
+    r = Router(["a", "b"], CostPolicy(CostWeights(local_discount=0.1, remote_discount=0.5)))
+    r.index.apply("a", stored([1, 2, 3, 4], CPU))
+    r.index.apply("b", stored([1, 2], GPU))
+    r.index.apply("b", stored([1, 2, 3, 4], REMOTE))
+    # a: load 4 from CPU = 0.4; b: 2 on GPU, 2 from REMOTE = 1.0
+    d = r.route([1, 2, 3, 4], [0, 0])
+    assert d.replica == "a" and d.match == PrefixMatch(0, 4, 0)
+
+
+def test_pure_prefix_piles_shared_first_blocks_on_one_replica_and_cost_balances() -> None:
+    """Many requests share a first block: pure longest-prefix sends every one to whoever computed it first;
+    the cost policy, charging queued work, spreads them."""
+
+    def run(policy: str) -> Counter[str]:
+        rng = np.random.default_rng(0)
+        r = Router(["a", "b", "c", "d"], policy)
+        loads = dict.fromkeys(r.replicas, 0.0)
+        for i in range(200):
+            hashes = [1, *(int(x) for x in rng.integers(1 << 40, size=6))]  # shared block, private rest
+            d = r.route(hashes, [loads[x] for x in r.replicas])
+            loads[d.replica] += len(hashes) - d.match.total  # its new work
+            r.index.apply(d.replica, stored(hashes))
+            if i % 4 == 3:  # work drains as the replicas compute
+                for x in loads:
+                    loads[x] = max(0.0, loads[x] - 7)
+        return Counter({x: len(r.index.state(x).get(GPU, ())) for x in r.replicas})
+
+    prefix = run("prefix")
+    cost = run("cost")
+    assert prefix["a"] == 1 + 200 * 6 and all(prefix[x] == 0 for x in "bcd")  # everything on one replica
+    assert min(cost[x] for x in "abcd") > 150  # every replica took a fair share of the work
+
+
+def test_bad_input_is_a_typed_error() -> None:
+    with pytest.raises(InvalidArgumentError):
+        Router([], "cost")
+    with pytest.raises(InvalidArgumentError):
+        Router(["a"], "fastest")
+    with pytest.raises(InvalidArgumentError):
+        Router(["a", "b"]).route([1], [0])
+    with pytest.raises(InvalidArgumentError):
+        CostWeights(remote_discount=-1)
