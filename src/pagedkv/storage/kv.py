@@ -102,10 +102,6 @@ class KVStorage:
     def bytes_per_block(self) -> int:
         return self.spec.bytes_per_block(self.block_size)
 
-    @property
-    def num_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
     def key_cache(self, layer: int) -> torch.Tensor:
         return self.data[self._layer(layer), 0]
 
