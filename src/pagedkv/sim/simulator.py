@@ -217,7 +217,7 @@ def simulate(
 
         output = scheduler.schedule()
         chunks = output.scheduled
-        for req in getattr(output, "rejected", ()):  # can never fit: finished without a token
+        for req in output.rejected:  # can never fit: finished without a token
             g, _ = live.pop(req.request_id)
             out.rejected += 1
             for child in children.get(g.index, ()):  # a chat goes on even if one turn was refused
