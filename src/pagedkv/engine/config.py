@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
 from pagedkv.engine.scheduler import SchedulerConfig
-
-Allocator = Literal["paged", "contiguous"]
 
 _UNITS = {
     "": 1,
@@ -47,7 +46,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_budget_bytes: int | None = None
     block_size: int = 16
-    allocator: Allocator = "paged"
+    allocator: ManagerKind = "paged"  # a kind of `pagedkv.engine.managers.make_manager`
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     num_host_blocks: int | None = None  # swap pool; default: as many as device blocks when swapping
@@ -74,7 +73,7 @@ class EngineConfig:
             raise InvalidArgumentError(f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}")
         if not 1 <= self.block_size <= 256:
             raise InvalidArgumentError(f"block_size must be in [1, 256], got {self.block_size}")
-        if self.allocator not in ("paged", "contiguous"):
+        if self.allocator not in MANAGER_KINDS:
             raise InvalidArgumentError(f"allocator must be 'paged' or 'contiguous', got {self.allocator!r}")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise InvalidArgumentError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
