@@ -28,7 +28,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/mypy src/pagedkv/core
+	$(VENV)/bin/mypy src/pagedkv/core src/pagedkv/engine src/pagedkv/sim src/pagedkv/storage
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info src/pagedkv/core/_native*.so

@@ -127,14 +127,14 @@ def serve(model: Any, system: str, requests: list[tuple[int, int]], kv_budget_by
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
+    from pagedkv.engine.scheduler import SchedulerConfig
 
     config = EngineConfig(
         kv_budget_bytes=kv_budget_bytes,
         block_size=block_size,
         allocator="paged" if system.startswith("paged") else "contiguous",
         enable_prefix_caching=system == "paged-prefix",
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS),
     )
     engine = Engine(model, config=config)
     rng = np.random.default_rng(0)

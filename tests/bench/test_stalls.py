@@ -18,15 +18,25 @@ def tiny_logs():
     return requests, stalls.run_stalls(model, requests)
 
 
+def doubling_copies(prompt_len: int, final_len: int) -> list[int]:
+    """Token counts the doubling buffer copies while a sequence grows from `prompt_len` to `final_len`
+    tokens: the full buffer at each doubling (the accounting `DoublingLayer` must reproduce)."""
+    cap, copies = stalls.next_capacity(prompt_len), []
+    while cap < final_len:
+        copies.append(cap)
+        cap *= 2
+    return copies
+
+
 def _kv_bytes_per_token() -> int:
     return 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x head_dim 16 x fp32
 
 
 def test_doubling_copies_the_full_buffer_at_each_doubling(tiny_logs) -> None:
     requests, logs = tiny_logs
-    assert stalls.doubling_copies(12, 71) == [16, 32, 64], "12 -> cap 16 -> 32 -> 64 -> 128"
-    assert stalls.doubling_copies(40, 99) == [64], "40 -> cap 64 -> 128"
-    expected = sum(sum(stalls.doubling_copies(len(r.prompt_token_ids), len(r.prompt_token_ids) + r.output_len - 1))
+    assert doubling_copies(12, 71) == [16, 32, 64], "12 -> cap 16 -> 32 -> 64 -> 128"
+    assert doubling_copies(40, 99) == [64], "40 -> cap 64 -> 128"
+    expected = sum(sum(doubling_copies(len(r.prompt_token_ids), len(r.prompt_token_ids) + r.output_len - 1))
                    for r in requests)  # fmt: skip
     log = logs["doubling"]
     assert sum(log.copied_bytes) == expected * _kv_bytes_per_token(), "observed copies = the doublings"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -21,12 +22,20 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.reference import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 
+def engine_config(**kw: Any) -> EngineConfig:
+    """`EngineConfig` from flat keywords: the scheduler's own go into its `SchedulerConfig`."""
+    names = {f.name for f in fields(SchedulerConfig)}
+    scheduler = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in names})
+    return EngineConfig(**kw, scheduler=scheduler)
+
+
 def small_engine(**config: Any) -> Engine:
-    return Engine(tiny_model("llama"), None, EngineConfig(**{"num_blocks": 17, "block_size": 4, **config}))
+    return Engine(tiny_model("llama"), None, engine_config(**{"num_blocks": 17, "block_size": 4, **config}))
 
 
 def greedy(prompts: list[list[int]], max_new: int, eos: int | None = None) -> list[list[int]]:

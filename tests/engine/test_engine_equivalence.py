@@ -7,14 +7,25 @@ allocator) and the answer must not change. The reference runs each prompt alone 
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any
+
 import numpy as np
 import pytest
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.reference import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
+
+
+def engine_config(**kw: Any) -> EngineConfig:
+    """`EngineConfig` from flat keywords: the scheduler's own go into its `SchedulerConfig`."""
+    names = {f.name for f in fields(SchedulerConfig)}
+    scheduler = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in names})
+    return EngineConfig(**kw, scheduler=scheduler)
 
 MAX_NEW = 12
 _REFERENCE_CACHE: dict[tuple[str, int, tuple[int, ...]], list[list[int]]] = {}
@@ -35,8 +46,7 @@ def reference(family: str, seed: int, lengths: tuple[int, ...], prompts: list[li
 
 
 def run_engine(family: str, prompts: list[list[int]], seed: int = 0, **config: object) -> tuple[Engine, list]:
-    config = {"num_blocks": 64, "block_size": 4, **config}
-    engine = Engine(tiny_model(family, seed), None, EngineConfig(**config))  # type: ignore[arg-type]
+    engine = Engine(tiny_model(family, seed), None, engine_config(**{"num_blocks": 64, "block_size": 4, **config}))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     engine.manager.check_invariants()
     assert engine.manager.num_used_blocks == 0, "the engine leaked KV blocks"
@@ -107,7 +117,7 @@ def test_heavy_preemption_stress(mode: str) -> None:
     lengths = (6, 11, 3, 14, 9, 7, 12, 5)
     prompts = prompts_of(lengths, seed=9)
     engine = Engine(
-        tiny_model("gpt2", 4), None, EngineConfig(num_blocks=12, block_size=4, preemption_mode=mode)
+        tiny_model("gpt2", 4), None, EngineConfig(num_blocks=12, block_size=4, scheduler=SchedulerConfig(preemption_mode=mode))
     )
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     expected = reference_generate(

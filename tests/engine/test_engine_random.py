@@ -27,6 +27,7 @@ from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import FINISH_REASONS
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.reference import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
@@ -95,10 +96,12 @@ def draw_round(seed: int) -> Round:
         num_blocks=-(-capacity // block_size) + 1,
         block_size=block_size,
         allocator=allocator,  # type: ignore[arg-type]
-        preemption_mode="swap" if allocator == "paged" and rng.random() < 0.5 else "recompute",
-        enable_chunked_prefill=chunked,
-        max_num_batched_tokens=int(rng.integers(6, 24)) if chunked else int(rng.integers(16, 32)),
-        max_num_seqs=int(rng.integers(2, 9)),
+        scheduler=SchedulerConfig(
+            preemption_mode="swap" if allocator == "paged" and rng.random() < 0.5 else "recompute",
+            enable_chunked_prefill=chunked,
+            max_num_batched_tokens=int(rng.integers(6, 24)) if chunked else int(rng.integers(16, 32)),
+            max_num_seqs=int(rng.integers(2, 9)),
+        ),
         enable_prefix_caching=bool(rng.random() < 0.8),
     )
     shared = rng.integers(3, VOCAB, size=12).tolist()  # a common head: prefix-cache hits happen

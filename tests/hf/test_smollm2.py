@@ -9,6 +9,7 @@ import pytest
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.loading import load_model
 from pagedkv.hf.reference import reference_generate
 
@@ -34,7 +35,7 @@ def smollm2() -> tuple[object, object]:
 def test_engine_matches_generate_with_chat_template_and_preemption(smollm2: tuple[object, object]) -> None:
     model, tokenizer = smollm2
     # 7 usable blocks of 16 tokens for three chat prompts of ~30-50 tokens: decode growth forces preemption
-    engine = Engine(model, tokenizer, EngineConfig(num_blocks=8, block_size=16, max_num_batched_tokens=64))
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=8, block_size=16, scheduler=SchedulerConfig(max_num_batched_tokens=64)))
     ids = [engine.encode(p, chat=True) for p in PROMPTS]
     outputs = engine.generate(ids, SamplingParams(max_new_tokens=24))
     expected = reference_generate(model, ids, 24, eos_token_id=tokenizer.eos_token_id)

@@ -5,9 +5,21 @@ import json
 import pytest
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS, Catalog, GPUSpec, ModelSpec
+from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS, Catalog, GPUSpec, ModelShape
 
 MIB = 1024**2
+
+
+def params_from_shape(m: ModelShape) -> int:
+    """Parameter count implied by the shape (Llama-style: gated MLP, RMSNorm, no biases)."""
+    q_out = m.num_attention_heads * m.head_dim
+    kv_out = m.num_kv_heads * m.head_dim
+    attn = m.hidden_size * (q_out + 2 * kv_out) + q_out * m.hidden_size
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    norms = 2 * m.hidden_size
+    embed = m.vocab_size * m.hidden_size
+    head = 0 if m.tie_word_embeddings else embed
+    return embed + head + m.hidden_size + m.num_layers * (attn + mlp + norms)
 
 
 def test_builtin_names_are_the_issue_list() -> None:
@@ -25,10 +37,10 @@ def test_builtin_names_are_the_issue_list() -> None:
 
 
 @pytest.mark.parametrize("model", list(BUILTIN_MODELS.values()), ids=lambda m: m.name)
-def test_published_param_counts_match_the_shapes(model: ModelSpec) -> None:
+def test_published_param_counts_match_the_shapes(model: ModelShape) -> None:
     # Qwen2.5 has q/k/v biases (28 layers x (3584 + 2 x 512)), which the Llama-style count leaves out.
     biases = 28 * (3584 + 2 * 512) if model.name == "qwen2.5-7b" else 0
-    assert model.params_from_shape() + biases == model.num_params, f"{model.name}: shape and count disagree"
+    assert params_from_shape(model) + biases == model.num_params, f"{model.name}: shape and count disagree"
 
 
 def test_kv_bytes_per_token_by_hand() -> None:
@@ -119,4 +131,4 @@ def test_spec_validation() -> None:
     with pytest.raises(InvalidArgumentError, match="lowercase"):
         GPUSpec("A100", 1, 1.0, 1.0)
     with pytest.raises(InvalidArgumentError, match="num_kv_heads"):
-        ModelSpec("m", 1, 1, 8, 3, 2, 4, 8, 8, 8)
+        ModelShape("m", 1, 1, 8, 3, 2, 4, 8, 8, 8)

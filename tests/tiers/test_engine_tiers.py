@@ -13,6 +13,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 BS = 4
@@ -113,7 +114,9 @@ def test_a_redis_that_goes_away_is_a_miss_not_a_crash(baseline: list[list[int]],
 
 
 def test_chunked_prefill_loads_chunk_by_chunk(baseline: list[list[int]]) -> None:
-    config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=64, max_num_batched_tokens=8)
+    config = EngineConfig(
+        num_blocks=12, block_size=BS, host_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=8)
+    )
     _, outputs = run(config)
     assert [o.output_token_ids for o in outputs] == baseline
     assert served(outputs, "CPU")[0] > 0

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv.core import BlockKeys, ContiguousKVManager, PagedKVManager
-from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core import BlockKeys, PagedKVManager
+from pagedkv.engine.managers import MANAGER_KINDS, make_manager
 from pagedkv.workloads.traces import (
     STREAM_GENERATED,
     VOCAB,
@@ -70,24 +70,6 @@ class ReplayResult:
     series: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
 
-def make_manager(
-    allocator: str,
-    num_blocks: int,
-    block_size: int,
-    *,
-    prefix_caching: bool,
-    hash_fn: str = "sha256",
-    native: bool | None = None,
-) -> PagedKVManager | ContiguousKVManager:
-    if allocator == "paged":
-        return PagedKVManager(
-            num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
-        )
-    if allocator == "contiguous":
-        return ContiguousKVManager(num_blocks, block_size)
-    raise InvalidArgumentError(f"unknown allocator {allocator!r}; choose paged or contiguous")
-
-
 def replay(
     requests: list[TraceRequest],
     allocator: str = "paged",
@@ -107,7 +89,7 @@ def replay(
     `native`: the hot-path backend (None: the C extension if built; False: the Python reference).
     `progress(n)` is told, outside the timed phases, that n more requests finished."""
     m = make_manager(
-        allocator, num_blocks, block_size, prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
+        allocator, num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
     )
     paged = isinstance(m, PagedKVManager)
     n_req = len(requests)
@@ -259,7 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--allocator",
-        choices=["paged", "contiguous", "both"],
+        choices=[*MANAGER_KINDS, "both"],
         default="paged",
         help="both: the paged allocator and the contiguous baseline side by side",
     )

@@ -69,6 +69,7 @@ def engine_logits(
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
+    from pagedkv.engine.scheduler import SchedulerConfig
 
     need = sum(len(p) + new_tokens for p in prompts)
     config = EngineConfig(
@@ -77,7 +78,7 @@ def engine_logits(
         allocator=allocator,  # type: ignore[arg-type]
         enable_prefix_caching=False,
         attention_backend=backend,  # type: ignore[arg-type]
-        max_num_batched_tokens=4096,
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096),
     )
     engine = Engine(model, None, config)
     rows: dict[str, list[Any]] = {}

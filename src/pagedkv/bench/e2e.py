@@ -148,14 +148,16 @@ def run_pagedkv(
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
+    from pagedkv.engine.scheduler import SchedulerConfig
 
     cfg = pagedkv_config(system, args)
     config = EngineConfig(
         num_blocks=cfg["num_blocks"],
         block_size=args.block_size,
         allocator=cfg["allocator"],
-        max_num_batched_tokens=args.max_batched_tokens,
-        preemption_mode=cfg["preemption_mode"],
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_batched_tokens, preemption_mode=cfg["preemption_mode"]
+        ),
         num_host_blocks=cfg["host_blocks"],
     )
     oracle = system.endswith("-oracle")

@@ -84,16 +84,6 @@ def next_capacity(length: int) -> int:
     return cap
 
 
-def doubling_copies(prompt_len: int, final_len: int) -> list[int]:
-    """Token counts the doubling buffer copies while a sequence grows from `prompt_len` to `final_len`
-    tokens: the full buffer at each doubling (the accounting `DoublingLayer` must reproduce)."""
-    cap, copies = next_capacity(prompt_len), []
-    while cap < final_len:
-        copies.append(cap)
-        cap *= 2
-    return copies
-
-
 def slow_steps(decode_seconds: Sequence[float] | np.ndarray, factor: float = SLOW_FACTOR) -> int:
     """Decode steps slower than `factor` x the median decode step."""
     values = np.asarray(decode_seconds, dtype=np.float64)
@@ -210,13 +200,15 @@ def run_paged(model: Any, requests: Sequence[StallRequest], block_size: int = 16
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
+    from pagedkv.engine.scheduler import SchedulerConfig
 
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     config = EngineConfig(
         num_blocks=-(-longest // block_size) + 2,
         block_size=block_size,
-        max_num_seqs=1,
-        max_num_batched_tokens=max(512, max(len(r.prompt_token_ids) for r in requests)),
+        scheduler=SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=max(512, max(len(r.prompt_token_ids) for r in requests))
+        ),
         enable_prefix_caching=False,
     )
     engine = Engine(model, None, config)

@@ -3,6 +3,9 @@
 KV capacity is either `num_blocks` or `kv_budget_bytes` (turned into blocks from the model's KV shape, one
 block being `block_size` tokens of K and V in every layer); one of them must be given. Block 0 is the null
 block, so `num_blocks - 1` blocks hold tokens.
+
+The scheduler's settings (batch limits, chunked prefill, preemption mode) are one `SchedulerConfig` in
+`scheduler`, with its defaults: `EngineConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=8))`.
 """
 
 from __future__ import annotations
@@ -12,9 +15,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedkv.core.errors import InvalidArgumentError
-
-Allocator = Literal["paged", "contiguous"]
-PreemptionMode = Literal["recompute", "swap"]
+from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
+from pagedkv.engine.scheduler import SchedulerConfig
 
 _UNITS = {
     "": 1,
@@ -44,12 +46,9 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_budget_bytes: int | None = None
     block_size: int = 16
-    allocator: Allocator = "paged"
+    allocator: ManagerKind = "paged"  # a kind of `pagedkv.engine.managers.make_manager`
     enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    preemption_mode: PreemptionMode = "recompute"
+    scheduler: SchedulerConfig = SchedulerConfig()
     num_host_blocks: int | None = None  # swap pool; default: as many as device blocks when swapping
     attention_backend: Literal["auto", "sdpa", "ops"] = "auto"  # see pagedkv.hf.cache.PagedKVCache
     # Tiers below the device (docs/tiers.md): evicted prefix blocks go to host RAM, then disk; published
@@ -74,16 +73,12 @@ class EngineConfig:
             raise InvalidArgumentError(f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}")
         if not 1 <= self.block_size <= 256:
             raise InvalidArgumentError(f"block_size must be in [1, 256], got {self.block_size}")
-        if self.allocator not in ("paged", "contiguous"):
+        if self.allocator not in MANAGER_KINDS:
             raise InvalidArgumentError(f"allocator must be 'paged' or 'contiguous', got {self.allocator!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise InvalidArgumentError(
-                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
-            )
-        if self.preemption_mode == "swap" and self.allocator != "paged":
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise InvalidArgumentError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        if self.scheduler.preemption_mode == "swap" and self.allocator != "paged":
             raise InvalidArgumentError("preemption by swap needs the paged allocator (it owns the host pool)")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.attention_backend not in ("auto", "sdpa", "ops"):
             raise InvalidArgumentError(
                 f"attention_backend must be 'auto', 'sdpa' or 'ops', got {self.attention_backend!r}"

@@ -50,6 +50,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import bad_rows, make_generator, sample
 from pagedkv.hf.attention import prepare_model
 from pagedkv.hf.cache import PagedKVCache
+from pagedkv.storage.spec import blocks_in_budget
 
 if TYPE_CHECKING:
     from pagedkv.engine.request import Request
@@ -84,8 +85,8 @@ class Engine:
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        from pagedkv.core import ContiguousKVManager, PagedKVManager
-        from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+        from pagedkv.engine.managers import make_manager
+        from pagedkv.engine.scheduler import Scheduler
 
         self.config = config or EngineConfig(num_blocks=256)
         self.model = model
@@ -95,7 +96,9 @@ class Engine:
         cfg = self.config
         bytes_per_block = self.spec.kv_cache_spec().bytes_per_block(cfg.block_size)
         num_blocks = (
-            cfg.num_blocks if cfg.num_blocks is not None else int(cfg.kv_budget_bytes or 0) // bytes_per_block
+            cfg.num_blocks
+            if cfg.num_blocks is not None
+            else blocks_in_budget(int(cfg.kv_budget_bytes or 0), bytes_per_block)
         )
         if num_blocks < 2:
             raise CapacityError(
@@ -105,19 +108,16 @@ class Engine:
         num_host = (
             cfg.num_host_blocks
             if cfg.num_host_blocks is not None
-            else (num_blocks if cfg.preemption_mode == "swap" else 0)
+            else (num_blocks if cfg.scheduler.preemption_mode == "swap" else 0)
         )
-        self.manager: Any
-        if cfg.allocator == "paged":
-            self.manager = PagedKVManager(
-                num_blocks,
-                cfg.block_size,
-                enable_prefix_caching=cfg.enable_prefix_caching,
-                num_host_blocks=num_host,
-                record_events=cfg.tiers_enabled,  # the tiers follow evictions and publications
-            )
-        else:
-            self.manager = ContiguousKVManager(num_blocks, cfg.block_size)
+        self.manager = make_manager(
+            cfg.allocator,
+            num_blocks,
+            cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            num_host_blocks=num_host,
+            record_events=cfg.tiers_enabled,  # the tiers follow evictions and publications
+        )
         device = next(model.parameters()).device
         self.cache = PagedKVCache.for_model(
             self.spec,
@@ -128,15 +128,7 @@ class Engine:
             attention_backend=cfg.attention_backend,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
-        self.scheduler = Scheduler(
-            self.manager,
-            SchedulerConfig(
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                enable_chunked_prefill=cfg.enable_chunked_prefill,
-                preemption_mode=cfg.preemption_mode,
-            ),
-        )
+        self.scheduler = Scheduler(self.manager, cfg.scheduler)
         self.runner = ModelRunner(model, self.cache)
         self.stats = EngineStats()
         self.tiering: Any = None
@@ -161,8 +153,8 @@ class Engine:
             block_size=cfg.block_size,
             num_blocks=int(self.manager.num_blocks),
             max_position_embeddings=self.spec.max_position_embeddings,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             has_tokenizer=tokenizer is not None,
         )
 

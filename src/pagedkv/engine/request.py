@@ -88,18 +88,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
-        n = len(self.output_token_ids)
-        if self.finish_time is None or self.first_token_time is None or n < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (n - 1)
-
 
 def as_prompt_tokens(token_ids: Sequence[int] | np.ndarray, what: str = "prompt") -> list[int]:
     """A prompt as a non-empty list of ints >= 0; floats, bools, strings and nested lists are refused with

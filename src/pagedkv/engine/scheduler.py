@@ -46,18 +46,31 @@ from pagedkv.engine.request import FINISH_REASONS, Request, RequestStatus
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+PreemptionMode = Literal["recompute", "swap"]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's settings: the one place they are declared, defaulted and validated. `EngineConfig`
+    (`engine.scheduler`) and the simulator's `SimConfig` (`scheduler`) embed it.
+
+    Defaults (the engine's since its first release): up to `max_num_seqs=256` running requests and
+    `max_num_batched_tokens=512` tokens computed per step (vLLM's budget when chunked prefill is on), with
+    chunked prefill, preempting by recompute. Entry points that want another budget pass it explicitly:
+    `pagedkv simulate` / `plan` model a serving deployment with `--max-num-batched-tokens 8192` (the
+    simulator's `SIM_SCHEDULER`).
+    """
+
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    preemption_mode: PreemptionMode = "recompute"
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise InvalidArgumentError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise InvalidArgumentError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 

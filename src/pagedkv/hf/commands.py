@@ -118,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
     from pagedkv.engine.config import EngineConfig, parse_bytes
     from pagedkv.engine.outputs import RequestOutput
     from pagedkv.engine.params import SamplingParams
+    from pagedkv.engine.scheduler import SchedulerConfig
     from pagedkv.hf.loading import check_source, load_config, load_tokenizer, set_progress_bars
 
     items = read_prompts(args)
@@ -140,9 +141,11 @@ def _run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         allocator=args.allocator,
         enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_batched_tokens,
-        preemption_mode=args.preemption,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+            preemption_mode=args.preemption,
+        ),
         host_blocks=args.host_blocks,
         disk_path=args.disk_path,
         disk_bytes=0 if args.disk_bytes is None else parse_bytes(args.disk_bytes),

@@ -1,10 +1,13 @@
 """The four allocators the simulator compares, all speaking the manager protocol to the same scheduler.
 
-- `contiguous-max`: FasterTransformer-style. One contiguous run of `max_model_len` tokens per request,
-  reserved at admission (`max_new_tokens = max_model_len - prompt_len`).
-- `contiguous-oracle`: Orca "oracle"-style. One contiguous run of exactly prompt + true output length, as if
-  the output length were known in advance (`max_new_tokens` = the true output length).
-- `paged`: fixed-size blocks on demand, no prefix caching.
+Each is a manager kind from `pagedkv.engine.managers.make_manager` (the one factory the engine and the
+benchmarks use too) plus what the simulated engine tells it about a request's output length:
+
+- `contiguous-max`: FasterTransformer-style. The `contiguous` kind, one contiguous run of `max_model_len`
+  tokens per request reserved at admission (`max_new_tokens = max_model_len - prompt_len`).
+- `contiguous-oracle`: Orca "oracle"-style. The `contiguous` kind, one contiguous run of exactly prompt + true
+  output length, as if the output length were known in advance (`max_new_tokens` = the true output length).
+- `paged`: the `paged` kind, fixed-size blocks on demand, with prefix caching off.
 - `paged-prefix`: the same with prefix caching (shared full blocks, LRU eviction of cached-free blocks).
 
 Contiguous reservations are rounded up to whole blocks of `block_size` tokens, like every other allocation.
@@ -14,11 +17,19 @@ they do not reserve.
 
 from __future__ import annotations
 
+from pagedkv.core import ContiguousKVManager, PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.core.protocol import KVManager
+from pagedkv.engine.managers import ManagerKind, make_manager
 
-ALLOCATORS: tuple[str, ...] = ("contiguous-max", "contiguous-oracle", "paged", "paged-prefix")
-CONTIGUOUS = frozenset({"contiguous-max", "contiguous-oracle"})
+# simulator allocator -> (manager kind, prefix caching)
+_MANAGERS: dict[str, tuple[ManagerKind, bool]] = {
+    "contiguous-max": ("contiguous", False),
+    "contiguous-oracle": ("contiguous", False),
+    "paged": ("paged", False),
+    "paged-prefix": ("paged", True),
+}
+ALLOCATORS: tuple[str, ...] = tuple(_MANAGERS)
+CONTIGUOUS = frozenset(name for name, (kind, _) in _MANAGERS.items() if kind == "contiguous")
 
 
 def check_allocator(name: str) -> str:
@@ -27,16 +38,10 @@ def check_allocator(name: str) -> str:
     return name
 
 
-def make_manager(name: str, num_blocks: int, block_size: int) -> KVManager:
-    """A fresh, empty manager of kind `name` over `num_blocks` blocks of `block_size` tokens."""
-    from pagedkv.core import ContiguousKVManager, PagedKVManager
-
-    check_allocator(name)
-    if name in CONTIGUOUS:
-        manager: KVManager = ContiguousKVManager(num_blocks, block_size)
-    else:
-        manager = PagedKVManager(num_blocks, block_size, enable_prefix_caching=name == "paged-prefix")
-    return manager
+def manager_for(name: str, num_blocks: int, block_size: int) -> PagedKVManager | ContiguousKVManager:
+    """A fresh, empty manager for simulator allocator `name` over `num_blocks` blocks of `block_size` tokens."""
+    kind, prefix_caching = _MANAGERS[check_allocator(name)]
+    return make_manager(kind, num_blocks, block_size, enable_prefix_caching=prefix_caching)
 
 
 def max_new_tokens_for(name: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
@@ -44,10 +49,3 @@ def max_new_tokens_for(name: str, prompt_len: int, output_len: int, max_model_le
     if name == "contiguous-oracle":
         return output_len
     return max_model_len - prompt_len
-
-
-def reserved_tokens(name: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
-    """Tokens a request holds at the end of its life under allocator `name` (before block rounding)."""
-    if name == "contiguous-max":
-        return max_model_len
-    return prompt_len + output_len

@@ -21,12 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
-from pagedkv.sim.catalog import GPUSpec, ModelSpec
+from pagedkv.sim.catalog import GPUSpec, ModelShape
+from pagedkv.storage.spec import blocks_in_budget
 
 GIB = 1024**3
 
 
-def activation_reserve_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+def activation_reserve_bytes(model: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """Peak transient memory of one forward pass (see the module docstring)."""
     per_token = (4 * model.hidden_size + 2 * model.intermediate_size) * model.dtype_bytes
     return max_num_batched_tokens * per_token + max_num_seqs * model.vocab_size * 4
@@ -36,7 +37,7 @@ def activation_reserve_bytes(model: ModelSpec, max_num_batched_tokens: int, max_
 class KVBudget:
     """The budget arithmetic for one model on `tensor_parallel` x GPU, and the block count it yields."""
 
-    model: ModelSpec
+    model: ModelShape
     gpu: GPUSpec
     gpu_memory_utilization: float
     block_size: int
@@ -100,7 +101,7 @@ class KVBudget:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_budget_bytes // self.bytes_per_block
+        return blocks_in_budget(self.kv_budget_bytes, self.bytes_per_block)
 
     @property
     def num_usable_blocks(self) -> int:

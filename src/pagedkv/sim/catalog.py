@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.storage.spec import kv_bytes_per_token
 
 MIB = 1024**2
 GIB = 1024**3
@@ -55,8 +56,10 @@ class GPUSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer's shape, enough for KV bytes, weight bytes and FLOPs."""
+class ModelShape:
+    """A decoder-only transformer's shape, enough for KV bytes, weight bytes and FLOPs: the simulator's and
+    planner's model, read from the catalog. Not `pagedkv.hf.model_spec.ModelSpec`, which describes a loaded
+    transformers model for the engine."""
 
     name: str
     num_params: int
@@ -98,22 +101,11 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
     @property
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
-
-    def params_from_shape(self) -> int:
-        """Parameter count implied by the shape (Llama-style: gated MLP, RMSNorm, no biases)."""
-        q_out = self.num_attention_heads * self.head_dim
-        kv_out = self.num_kv_heads * self.head_dim
-        attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return embed + head + self.hidden_size + self.num_layers * (attn + mlp + norms)
 
 
 _NVIDIA = "NVIDIA datasheet"
@@ -131,24 +123,24 @@ BUILTIN_GPUS: dict[str, GPUSpec] = {
 GPU_ALIASES = {"h100-80gb-sxm": "h100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
 
 _HF = "Hugging Face config.json"
-BUILTIN_MODELS: dict[str, ModelSpec] = {
+BUILTIN_MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
-        ModelSpec("llama-2-7b", 6_738_415_616, 32, 4096, 32, 32, 128, 11008, 32000, 4096,
+        ModelShape("llama-2-7b", 6_738_415_616, 32, 4096, 32, 32, 128, 11008, 32000, 4096,
                   source=f"{_HF}, meta-llama/Llama-2-7b-hf"),
-        ModelSpec("llama-2-13b", 13_015_864_320, 40, 5120, 40, 40, 128, 13824, 32000, 4096,
+        ModelShape("llama-2-13b", 13_015_864_320, 40, 5120, 40, 40, 128, 13824, 32000, 4096,
                   source=f"{_HF}, meta-llama/Llama-2-13b-hf"),
-        ModelSpec("llama-2-70b", 68_976_648_192, 80, 8192, 64, 8, 128, 28672, 32000, 4096,
+        ModelShape("llama-2-70b", 68_976_648_192, 80, 8192, 64, 8, 128, 28672, 32000, 4096,
                   source=f"{_HF}, meta-llama/Llama-2-70b-hf"),
-        ModelSpec("llama-3-8b", 8_030_261_248, 32, 4096, 32, 8, 128, 14336, 128256, 8192,
+        ModelShape("llama-3-8b", 8_030_261_248, 32, 4096, 32, 8, 128, 14336, 128256, 8192,
                   source=f"{_HF}, meta-llama/Meta-Llama-3-8B"),
-        ModelSpec("llama-3-70b", 70_553_706_496, 80, 8192, 64, 8, 128, 28672, 128256, 8192,
+        ModelShape("llama-3-70b", 70_553_706_496, 80, 8192, 64, 8, 128, 28672, 128256, 8192,
                   source=f"{_HF}, meta-llama/Meta-Llama-3-70B"),
-        ModelSpec("mistral-7b", 7_241_732_096, 32, 4096, 32, 8, 128, 14336, 32000, 32768,
+        ModelShape("mistral-7b", 7_241_732_096, 32, 4096, 32, 8, 128, 14336, 32000, 32768,
                   source=f"{_HF}, mistralai/Mistral-7B-v0.1"),
-        ModelSpec("qwen2.5-7b", 7_615_616_512, 28, 3584, 28, 4, 128, 18944, 152064, 32768,
+        ModelShape("qwen2.5-7b", 7_615_616_512, 28, 3584, 28, 4, 128, 18944, 152064, 32768,
                   source=f"{_HF}, Qwen/Qwen2.5-7B (q/k/v biases included in num_params)"),
-        ModelSpec("smollm2-135m", 134_515_008, 30, 576, 9, 3, 64, 1536, 49152, 8192,
+        ModelShape("smollm2-135m", 134_515_008, 30, 576, 9, 3, 64, 1536, 49152, 8192,
                   tie_word_embeddings=True, source=f"{_HF}, HuggingFaceTB/SmolLM2-135M"),
     )
 }  # fmt: skip
@@ -159,7 +151,7 @@ class Catalog:
     """GPUs and models by name: the built-ins plus whatever `load_file` added (user entries win)."""
 
     gpus: dict[str, GPUSpec]
-    models: dict[str, ModelSpec]
+    models: dict[str, ModelShape]
 
     @classmethod
     def builtin(cls) -> Catalog:
@@ -175,7 +167,7 @@ class Catalog:
             )
         return self.gpus[key]
 
-    def model(self, name: str) -> ModelSpec:
+    def model(self, name: str) -> ModelShape:
         key = name.strip().lower().replace("_", "-")
         if key not in self.models:
             raise InvalidArgumentError(
@@ -187,7 +179,7 @@ class Catalog:
     def load_file(self, path: str | Path) -> None:
         """Add the `gpus:` and `models:` entries of a JSON or YAML file, keyed by name.
 
-        Each entry takes the `GPUSpec` / `ModelSpec` field names; GPU entries may give `memory_gib` (GiB;
+        Each entry takes the `GPUSpec` / `ModelShape` field names; GPU entries may give `memory_gib` (GiB;
         `memory_gb` is the older spelling, also GiB), `hbm_bandwidth_gb_per_s` and `bf16_tflops` instead of
         the base units (`EXAMPLE_CATALOG` shows every key). An incomplete or wrong entry is an
         `InvalidArgumentError` naming the keys as the file spells them.
@@ -206,7 +198,7 @@ class Catalog:
             self.gpus[name] = _build(GPUSpec, _gpu_units(dict(entry or {}), path, name), name, path, keys)
         for name, entry in (data.get("models") or {}).items():
             _check_entry(entry, "model", name, path)
-            self.models[name] = _build(ModelSpec, dict(entry or {}), name, path, sorted(entry or {}))
+            self.models[name] = _build(ModelShape, dict(entry or {}), name, path, sorted(entry or {}))
 
 
 EXAMPLE_CATALOG = """\

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedkv.engine.scheduler import SchedulerConfig
     from pagedkv.sim.planner import plan_capacity
     from pagedkv.sim.report import plan_text
     from pagedkv.sim.simulator import SimConfig
@@ -37,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_model_len=args.max_model_len or model.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            ),
             tensor_parallel=args.tensor_parallel,
             activation_bytes=activation_bytes_from(args),
         )

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedkv.core.errors import PagedKVError
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.options import (
     _int_list,
     activation_bytes_from,
@@ -72,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            ),
             step_overhead_s=args.step_overhead_ms / 1000.0,
             tensor_parallel=args.tensor_parallel,
             activation_bytes=activation_bytes_from(args),

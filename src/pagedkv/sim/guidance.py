@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.catalog import Catalog
 from pagedkv.sim.metrics import summarize
 from pagedkv.sim.simulator import SimConfig, simulate
@@ -217,8 +218,9 @@ def run_guidance(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len or model.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
         step_overhead_s=args.step_overhead_ms / 1000.0,
         tensor_parallel=args.tensor_parallel,
     )

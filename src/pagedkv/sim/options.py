@@ -7,6 +7,7 @@ import argparse
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.sim.allocators import ALLOCATORS
 from pagedkv.sim.catalog import EXAMPLE_CATALOG, Catalog
+from pagedkv.sim.simulator import SIM_SCHEDULER
 from pagedkv.sim.workload import ARRIVALS, DEFAULT_WORKLOAD, GENERATORS, WorkloadSpec
 
 
@@ -67,9 +68,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="fraction of memory (default: 0.9)"
     )
-    g.add_argument("--max-num-seqs", type=int, default=256, help="scheduler batch limit (default: 256)")
+    seqs, budget = SIM_SCHEDULER.max_num_seqs, SIM_SCHEDULER.max_num_batched_tokens
+    g.add_argument("--max-num-seqs", type=int, default=seqs, help=f"scheduler batch limit (default: {seqs})")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="token budget/step (default: 8192)"
+        "--max-num-batched-tokens", type=int, default=budget, help=f"token budget/step (default: {budget})"
     )
     reserve = g.add_mutually_exclusive_group()
     reserve.add_argument(

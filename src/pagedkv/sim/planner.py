@@ -56,7 +56,8 @@ IntArray = npt.NDArray[np.int64]
 def _ceil_sum(n: IntArray, b: int) -> IntArray:
     """sum_{t=1..n} ceil(t / b), element-wise (closed form: b q (q+1) / 2 + r (q+1), n = q b + r)."""
     q, r = np.divmod(n, b)
-    return b * q * (q + 1) // 2 + r * (q + 1)
+    total: IntArray = b * q * (q + 1) // 2 + r * (q + 1)
+    return total
 
 
 def shared_prefix_chains(

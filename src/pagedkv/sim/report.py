@@ -55,7 +55,7 @@ def simulate_text(report: SimulationReport) -> str:
         f"workload: {report.workload.name}",
         f"          {report.workload.notes()}",
         f"step time: roofline of bf16 weights + KV traffic vs FLOPs, + {1000 * c.step_overhead_s:g} ms/step; "
-        f"max_num_seqs {c.max_num_seqs}, max_num_batched_tokens {c.max_num_batched_tokens}",
+        f"max_num_seqs {c.scheduler.max_num_seqs}, max_num_batched_tokens {c.scheduler.max_num_batched_tokens}",
         "",
         *report.budget.lines(),
         "",

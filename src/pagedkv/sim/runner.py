@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.catalog import Catalog
 from pagedkv.sim.metrics import summarize
-from pagedkv.sim.simulator import SimConfig, SimTrace, simulate
+from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig, SimTrace, simulate
 from pagedkv.sim.workload import Workload, WorkloadSpec, build_workload
 
 
@@ -95,8 +96,7 @@ def run_simulation(
     block_size: int = 16,
     max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.9,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    scheduler: SchedulerConfig = SIM_SCHEDULER,
     step_overhead_s: float = 0.002,
     tensor_parallel: int = 1,
     activation_bytes: int | None = None,
@@ -119,8 +119,7 @@ def run_simulation(
         block_size=block_size,
         max_model_len=max_model_len or model_spec.max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        scheduler=scheduler,
         step_overhead_s=step_overhead_s,
         tensor_parallel=tensor_parallel,
         activation_bytes=activation_bytes,

@@ -29,9 +29,12 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
-from pagedkv.sim.allocators import CONTIGUOUS, check_allocator, make_manager, max_new_tokens_for
+from pagedkv.core.protocol import KVManager
+from pagedkv.engine.request import Request
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.sim.allocators import CONTIGUOUS, check_allocator, manager_for, max_new_tokens_for
 from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
-from pagedkv.sim.catalog import GPUSpec, ModelSpec
+from pagedkv.sim.catalog import GPUSpec, ModelShape
 from pagedkv.sim.step_time import StepTimeModel
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
@@ -39,21 +42,22 @@ from pagedkv.workloads.generators import GeneratedRequest
 EOS_TOKEN_ID = 50_000  # outside the synthetic vocabulary [0, 50000): sampled only to end a request
 REALLOC_MODES = ("none", "doubling", "concat")
 REALLOC_MIN_CAPACITY = 16  # tokens: the first buffer of a doubling cache
+# The simulator's scheduler: `SchedulerConfig`'s defaults except a serving deployment's token budget of
+# 8192 per step (vLLM V1's default), what `pagedkv simulate` / `plan` and `SimConfig` have always used.
+SIM_SCHEDULER = SchedulerConfig(max_num_batched_tokens=8192)
 
 
 @dataclass(frozen=True)
 class SimConfig:
     """One simulated deployment: model on GPU(s), allocator, block size and scheduler limits."""
 
-    model: ModelSpec
+    model: ModelShape
     gpu: GPUSpec
     allocator: str = "paged"
     block_size: int = 16
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
+    scheduler: SchedulerConfig = SIM_SCHEDULER  # preemption by recompute only (no host pool is modelled)
     step_overhead_s: float = 0.002
     tensor_parallel: int = 1
     activation_bytes: int | None = None  # None: the profile estimate of budget.activation_reserve_bytes
@@ -71,7 +75,11 @@ class SimConfig:
             raise InvalidArgumentError(
                 f"realloc={self.realloc!r} models a contiguous buffer; allocator {self.allocator!r} is paged"
             )
-        for f in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
+        if not isinstance(self.scheduler, SchedulerConfig) or self.scheduler.preemption_mode != "recompute":
+            raise InvalidArgumentError(
+                f"scheduler must be a SchedulerConfig preempting by recompute, got {self.scheduler!r}"
+            )
+        for f in ("block_size", "max_model_len", "tensor_parallel"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{f} must be an int >= 1, got {value!r}")
@@ -84,7 +92,8 @@ class SimConfig:
     def budget(self) -> KVBudget:
         act = self.activation_bytes
         if act is None:
-            act = activation_reserve_bytes(self.model, self.max_num_batched_tokens, self.max_num_seqs)
+            sched = self.scheduler
+            act = activation_reserve_bytes(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
         return KVBudget(
             self.model, self.gpu, self.gpu_memory_utilization, self.block_size, act, self.tensor_parallel
         )
@@ -142,13 +151,6 @@ def realloc_copy_tokens(mode: str, capacity: int, start: int, end: int) -> tuple
     return (start if capacity else 0), new
 
 
-def _running_requests(scheduler: object) -> list[object]:
-    running = getattr(scheduler, "running", None)
-    if running is None:
-        raise InvariantError("simulator: the scheduler exposes no `running` collection to measure KV use")
-    return list(running.values()) if isinstance(running, dict) else list(running)
-
-
 def simulate(
     config: SimConfig,
     workload: Workload,
@@ -160,9 +162,6 @@ def simulate(
 
     `check_every > 0` runs the allocator's `check_invariants()` every that many steps (tests).
     """
-    from pagedkv.engine.request import Request
-    from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-
     budget = config.budget()
     if budget.num_tokens < config.max_model_len:
         raise CapacityError(
@@ -170,15 +169,8 @@ def simulate(
             f"({budget.num_blocks} blocks of {config.block_size}), less than one request of "
             f"max_model_len={config.max_model_len}; lower --max-model-len or give the cache more memory"
         )
-    manager = make_manager(config.allocator, budget.num_blocks, config.block_size)
-    scheduler = Scheduler(
-        manager,
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        ),
-    )
+    manager = manager_for(config.allocator, budget.num_blocks, config.block_size)
+    scheduler = Scheduler(manager, config.scheduler)
     step_model = config.step_model()
     reqs = {r.index: r for r in workload.requests}
     children: dict[int, list[int]] = {}
@@ -197,7 +189,7 @@ def simulate(
     finish = np.full(n, np.nan)
     cached = np.zeros(n, dtype=np.int64)
     seen: set[str] = set()
-    live: dict[str, tuple[GeneratedRequest, object]] = {}
+    live: dict[str, tuple[GeneratedRequest, Request]] = {}
     out = SimTrace(config, budget, workload.name)
     paged = config.allocator not in CONTIGUOUS
     bs = config.block_size
@@ -225,7 +217,7 @@ def simulate(
 
         output = scheduler.schedule()
         chunks = output.scheduled
-        for req in getattr(output, "rejected", ()):  # can never fit: finished without a token
+        for req in output.rejected:  # can never fit: finished without a token
             g, _ = live.pop(req.request_id)
             out.rejected += 1
             for child in children.get(g.index, ()):  # a chat goes on even if one turn was refused
@@ -278,10 +270,10 @@ def simulate(
                 k = len(c.request.output_token_ids)
                 sampled[rid] = EOS_TOKEN_ID if k + 1 >= g.output_len else int(g.output_token_ids[k])
 
-        num_running = len(_running_requests(scheduler))
+        num_running = len(scheduler.running)
         finished = scheduler.update(output, sampled, now)
         # KV use after the step: every scheduled chunk's KV is written, finished requests are freed.
-        held = _held_tokens(manager, _running_requests(scheduler))
+        held = _held_tokens(manager, scheduler.running)
         used = manager.num_used_blocks
         if paged:
             empty = int((-(-held // bs) * bs - held).sum())  # only each sequence's private tail block
@@ -327,11 +319,11 @@ def simulate(
     return out
 
 
-def _held_tokens(manager: object, running: list[object]) -> npt.NDArray[np.int64]:
+def _held_tokens(manager: KVManager, running: list[Request]) -> npt.NDArray[np.int64]:
     """Tokens each running request holds slots for (what the allocator has handed out to it)."""
     if not running:
         return np.zeros(0, dtype=np.int64)
-    seq_ids = [getattr(r, "seq_id", None) for r in running]
+    seq_ids = [r.seq_id for r in running]
     if all(s is not None for s in seq_ids):
-        return np.asarray(manager.seq_lens(np.asarray(seq_ids, dtype=np.int64)), dtype=np.int64)  # type: ignore[attr-defined]
-    return np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))  # type: ignore[attr-defined]
+        return np.asarray(manager.seq_lens(np.asarray(seq_ids, dtype=np.int64)), dtype=np.int64)
+    return np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))

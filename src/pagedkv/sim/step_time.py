@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.sim.catalog import GPUSpec, ModelSpec
+from pagedkv.sim.catalog import GPUSpec, ModelShape
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class StepCost:
 class StepTimeModel:
     """Roofline step time of `model` on `tensor_parallel` x `gpu`, plus a fixed per-step overhead."""
 
-    model: ModelSpec
+    model: ModelShape
     gpu: GPUSpec
     overhead_s: float = 0.002
     tensor_parallel: int = 1

@@ -93,18 +93,9 @@ class KVStorage:
         """As many blocks as `budget_bytes` holds (`spec.num_blocks_for_budget`); raises if not one."""
         return cls(spec, spec.num_blocks_for_budget(budget_bytes, block_size), block_size, device, validate=validate)
 
-    @staticmethod
-    def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, block_size: int) -> int:
-        """Blocks a budget holds, without allocating (same as `spec.num_blocks_for_budget`)."""
-        return spec.num_blocks_for_budget(budget_bytes, block_size)
-
     @property
     def bytes_per_block(self) -> int:
         return self.spec.bytes_per_block(self.block_size)
-
-    @property
-    def num_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
 
     def key_cache(self, layer: int) -> torch.Tensor:
         return self.data[self._layer(layer), 0]

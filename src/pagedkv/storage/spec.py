@@ -1,7 +1,8 @@
 """The model's KV shape and the arithmetic that turns a byte budget into blocks. Torch-free on purpose.
 
-The simulator and the capacity planner size pools with `KVCacheSpec.num_blocks_for_budget` without ever
-loading torch; `KVStorage` (in `pagedkv.storage.kv`) allocates exactly that many blocks.
+The arithmetic is written once, in `kv_bytes_per_token` and `blocks_in_budget`: `KVCacheSpec` (the engine's
+storage), the simulator's `ModelShape` and `KVBudget`, and the engine's `kv_budget_bytes` all call them,
+without loading torch; `KVStorage` (in `pagedkv.storage.kv`) allocates exactly the blocks they count.
 
 One block holds `block_size` tokens of K and of V for every layer:
 
@@ -47,6 +48,19 @@ def normalize_dtype_name(dtype: object) -> str:
     return name
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """Bytes of K and V of one token across all layers: 2 x layers x kv_heads x head_dim x element bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+def blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:
+    """How many whole blocks of `bytes_per_block` fit in `budget_bytes` (floor; block 0, the null block,
+    is one of them). The caller decides how few is too few."""
+    if bytes_per_block < 1:
+        raise InvalidArgumentError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
+    return budget_bytes // bytes_per_block
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The KV shape of a model: what one token costs in every layer. Validated on construction.
@@ -78,7 +92,7 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_element
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.bytes_per_element)
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block (`block_size` tokens) across all layers."""
@@ -90,7 +104,7 @@ class KVCacheSpec:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise InvalidArgumentError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
         per_block = self.bytes_per_block(block_size)
-        num_blocks = budget_bytes // per_block
+        num_blocks = blocks_in_budget(budget_bytes, per_block)
         if num_blocks < 1:
             raise InvalidArgumentError(
                 f"a budget of {budget_bytes} bytes cannot hold one block of {per_block} bytes "

@@ -1,0 +1,53 @@
+"""`make_manager`: the one place a KV manager is built from a kind name. Torch-free.
+
+The engine (`EngineConfig.allocator`), the simulator (`pagedkv.sim.allocators`) and the allocator benchmark
+(`pagedkv bench allocator --allocator`) all build their managers here, so a kind means one thing everywhere:
+
+- `"paged"`: `PagedKVManager`, fixed-size blocks on demand; prefix caching, a host pool for swapping and
+  event recording are its options.
+- `"contiguous"`: `ContiguousKVManager`, one contiguous run per request reserved at admission (the
+  baseline). It has none of the paged options and ignores them: the engine's default configuration turns
+  prefix caching on for either kind, and the benchmark passes its hash and hot-path flags to both.
+
+Prefix caching is an option of the paged kind, not a kind of its own: the simulator's names `paged-prefix`,
+`contiguous-max` and `contiguous-oracle` are comparison policies built on these two kinds (see
+`pagedkv.sim.allocators`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pagedkv.core import ContiguousKVManager, PagedKVManager
+from pagedkv.core.errors import InvalidArgumentError
+
+ManagerKind = Literal["paged", "contiguous"]
+MANAGER_KINDS: tuple[ManagerKind, ...] = ("paged", "contiguous")
+
+
+def make_manager(
+    kind: str,
+    num_blocks: int,
+    block_size: int,
+    *,
+    enable_prefix_caching: bool = True,
+    num_host_blocks: int = 0,
+    record_events: bool = False,
+    hash_fn: str = "sha256",
+    native: bool | None = None,
+) -> PagedKVManager | ContiguousKVManager:
+    """A fresh, empty manager of `kind` over `num_blocks` blocks (block 0 the null block) of `block_size`
+    tokens. An unknown kind raises `InvalidArgumentError`; the managers check their own arguments."""
+    if kind == "paged":
+        return PagedKVManager(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+            record_events=record_events,
+            hash_fn=hash_fn,
+            native=native,
+        )
+    if kind == "contiguous":
+        return ContiguousKVManager(num_blocks, block_size)
+    raise InvalidArgumentError(f"unknown allocator {kind!r}; choose from {', '.join(MANAGER_KINDS)}")
