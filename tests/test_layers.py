@@ -47,6 +47,13 @@ RANKS: dict[str, int] = {
 }
 
 MAX_FUNCTION_LINES = 60
+# Functions allowed over the limit, each with the reason (keep this list short).
+LONG_FUNCTION_EXEMPT = {
+    # A Triton kernel takes every pointer, stride and constexpr as its own parameter (no structs): the
+    # signature alone is 56 lines. Its body is already split into @triton.jit helpers (_key_tile_range,
+    # _key_rows, _scores, _store_rows); what is left is the online-softmax loop, which reads best whole.
+    "pagedkv/ops/triton_kernels.py:_paged_attention_kernel",
+}
 
 
 def _modules() -> list[Path]:
@@ -120,7 +127,8 @@ def long_functions(root: Path = PKG) -> list[str]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
                 length = (node.end_lineno or node.lineno) - first + 1
-                if length > MAX_FUNCTION_LINES:
+                name = f"{path.relative_to(SRC)}:{node.name}"
+                if length > MAX_FUNCTION_LINES and name not in LONG_FUNCTION_EXEMPT:
                     found.append(f"{path.relative_to(SRC)}:{node.lineno}: {node.name} is {length} lines")
     return found
 

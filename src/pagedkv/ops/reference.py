@@ -88,10 +88,8 @@ def paged_attention_reference(
     Arguments are trusted (the caller runs `pagedkv.ops.validate` first). `k_scale`/`v_scale` dequantize
     fp8 caches and are ignored for other dtypes.
     """
-    num_q_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_seqs = block_table.shape[0]
+    (num_q_tokens, num_heads, head_dim), num_kv_heads = query.shape, key_cache.shape[2]
+    group, num_seqs = num_heads // num_kv_heads, block_table.shape[0]
     out = torch.empty_like(query)
     if num_seqs == 0 or num_q_tokens == 0:
         return out
@@ -247,6 +245,35 @@ class _TileGrid:
         return gather, k_heads, v_heads, v_tile
 
 
+def _mask_tile(
+    grid: _TileGrid,
+    start: int,
+    chunk_first: int,
+    chunk_last: int,
+    pos_c: torch.Tensor,
+    s: torch.Tensor,
+    v_tile: torch.Tensor,
+) -> None:
+    """Zero the V rows past each sequence's end and hide the scores a row may not see (after it, or outside
+    its window) in the tile of positions [start, start + tile); tiles wholly below the diagonal and inside
+    every window skip the score mask."""
+    tile, sliding_window, device = grid.tile, grid.sliding_window, s.device
+    last = start + tile - 1
+    if last >= grid.min_len:
+        # Positions past a sequence's end (the unwritten tail of its last block, or clamped
+        # repeats) get zero weight, but 0 * NaN/Inf stale bytes would still poison the sum.
+        past_end = torch.arange(start, start + tile, device=device)[None, :] >= grid.lens[:, None]
+        v_tile.masked_fill_(past_end[:, :, None, None], 0.0)
+    below_diagonal = last <= chunk_first
+    inside_window = sliding_window is None or start > chunk_last - sliding_window
+    if not (below_diagonal and inside_window):
+        key_pos = torch.arange(start, start + tile, device=device)
+        hidden = key_pos > pos_c
+        if sliding_window is not None:
+            hidden |= key_pos <= pos_c - sliding_window
+        s.masked_fill_(hidden, _MASKED)
+
+
 def _attend_chunk(
     grid: _TileGrid,
     q_chunk: torch.Tensor,
@@ -261,7 +288,7 @@ def _attend_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax of the padded queries i0..i1 (`q_chunk [Hkv, B, chunk rows, D]`, row positions
     `pos_c`) over the tiles they can see: (unnormalised output, softmax denominator)."""
-    tile, lo, lens, sliding_window = grid.tile, grid.lo, grid.lens, grid.sliding_window
+    tile, lo, sliding_window = grid.tile, grid.lo, grid.sliding_window
     num_kv_heads = grid.num_kv_heads
     device = q_chunk.device
     chunk_first, chunk_last = grid.min_first_q + i0, grid.max_first_q + i1 - 1  # extreme row positions
@@ -287,20 +314,7 @@ def _attend_chunk(
             torch.bmm(q_heads[h], k_heads[h], out=s[h])
         if soft_cap is not None:
             s.div_(soft_cap).tanh_().mul_(soft_cap)
-        last = start + tile - 1
-        if last >= grid.min_len:
-            # Positions past a sequence's end (the unwritten tail of its last block, or clamped
-            # repeats) get zero weight, but 0 * NaN/Inf stale bytes would still poison the sum.
-            past_end = torch.arange(start, start + tile, device=device)[None, :] >= lens[:, None]
-            v_tile.masked_fill_(past_end[:, :, None, None], 0.0)
-        below_diagonal = last <= chunk_first
-        inside_window = sliding_window is None or start > chunk_last - sliding_window
-        if not (below_diagonal and inside_window):
-            key_pos = torch.arange(start, start + tile, device=device)
-            hidden = key_pos > pos_c
-            if sliding_window is not None:
-                hidden |= key_pos <= pos_c - sliding_window
-            s.masked_fill_(hidden, _MASKED)
+        _mask_tile(grid, start, chunk_first, chunk_last, pos_c, s, v_tile)
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         alpha = torch.exp(m - m_new)
         # exp of inputs below ~-87 (masked scores, far-off keys) lands in denormals or -inf, which
