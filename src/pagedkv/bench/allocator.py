@@ -1,7 +1,7 @@
 """`pagedkv bench allocator`: the allocator's cost per scheduled token, replaying a real trace.
 
-The loop is defined so that other allocators can replay exactly the same work (PEERS.md): requests in
-trace order, timestamps ignored; each step
+The loop is defined so that other allocators can replay exactly the same work (benchmarks/allocator_vs_peers.py
+drives nano-vllm's, SGLang's and vLLM's block managers through it): requests in trace order, timestamps ignored; each step
 
   1. admits waiting requests first-come-first-served while fewer than `max_running` run and the
      allocator holds the whole prompt; the admitted prompts are published after the admission loop (the
