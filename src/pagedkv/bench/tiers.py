@@ -107,7 +107,9 @@ def bench_tier(name: str, tier: Tier, args: argparse.Namespace, values: np.ndarr
     }
 
 
-def _bench_remote(args: argparse.Namespace, layout: BlockLayout, fingerprint: Any, values: np.ndarray) -> dict[str, Any]:
+def _bench_remote(
+    name: str, args: argparse.Namespace, layout: BlockLayout, fingerprint: Any, values: np.ndarray
+) -> dict[str, Any]:
     """The Redis tier: on `--redis-url`, or on a redis-server of our own started (and stopped) here."""
     from pagedkv.tiers.remote import RedisTier
 
@@ -121,7 +123,7 @@ def _bench_remote(args: argparse.Namespace, layout: BlockLayout, fingerprint: An
         url = server.url
     try:
         remote = RedisTier(url, layout, fingerprint, timeout_s=30.0)
-        result = bench_tier("remote", remote, args, values)
+        result = bench_tier(name, remote, args, values)
         remote.remove([_key(i) for i in range(args.blocks)])
         remote.close()
     finally:
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 finally:
                     disk.close()
             else:
-                results.append(_bench_remote(args, layout, fingerprint, values))
+                results.append(_bench_remote(name, args, layout, fingerprint, values))
     config = {"dtype": args.dtype, "shape": list(layout.shape), "block_bytes": layout.nbytes, "batch": args.batch,
               "chain": args.chain, "repeats": args.repeats, "redis": "own redis-server, unix socket" if args.redis_url is None else args.redis_url}  # fmt: skip
     if args.json:
