@@ -21,7 +21,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "replay a workload through the scheduler on a modelled GPU",
     ),
     ("plan",): ("pagedkv.sim.commands_plan", "capacity planner: how many requests fit with each allocator"),
-    ("generate",): ("pagedkv.hf.commands", "generate text with a real model served on pagedkv"),
+    ("generate",): ("pagedkv.engine.commands", "generate text with a real model served on pagedkv"),
     ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
     ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),
     ("bench", "e2e"): ("pagedkv.bench.e2e", "end-to-end serving throughput on a real model (CPU)"),

@@ -1,7 +1,7 @@
 """`pagedkv bench allocator`: the allocator's cost per scheduled token, replaying a real trace.
 
-The loop is defined so that other allocators can replay exactly the same work (PEERS.md): requests in
-trace order, timestamps ignored; each step
+The loop is defined so that other allocators can replay exactly the same work (benchmarks/allocator_vs_peers.py
+drives nano-vllm's, SGLang's and vLLM's block managers through it): requests in trace order, timestamps ignored; each step
 
   1. admits waiting requests first-come-first-served while fewer than `max_running` run and the
      allocator holds the whole prompt; the admitted prompts are published after the admission loop (the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv.core import BlockKeys, PagedKVManager
+from pagedkv.core import BlockKeys, KVManager, PagedKVManager
 from pagedkv.engine.managers import MANAGER_KINDS, make_manager
 from pagedkv.workloads.traces import (
     STREAM_GENERATED,
@@ -91,140 +91,192 @@ def replay(
     m = make_manager(
         allocator, num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
     )
-    paged = isinstance(m, PagedKVManager)
-    n_req = len(requests)
-    out_len = np.array([r.output_len for r in requests], dtype=np.int64)
-    fits = np.array([r.prompt_len + r.output_len <= m.capacity_tokens for r in requests], dtype=bool)
-    skipped = int((~fits).sum())
-    if skipped:
-        print(
-            f"warning: skipping {skipped} request(s) that can never fit {m.capacity_tokens} tokens",
-            file=sys.stderr,
-        )
-    generated = np.zeros(n_req, dtype=np.int64)
-    gen_seed = sm64(
-        np.uint64(int(sm64(0)) ^ STREAM_GENERATED) ^ (np.arange(n_req, dtype=np.uint64) << np.uint64(8))
-    )
-    keys: list[BlockKeys | None] = [None] * n_req
-    prompts: dict[int, np.ndarray] = {}
-    waiting: deque[int] = deque(int(i) for i in np.nonzero(fits)[0])
-    run_req = np.zeros(0, dtype=np.int64)  # admission order
-    run_sid = np.zeros(0, dtype=np.int64)
-    steps = scheduled = 0
-    timed_ns = 0
-    peak_used = 0
-    util_sum = floor_sum = 0.0
-    util_steps = 0
-    finished_last = 0
-    series: dict[str, list[int]] = {"running": [], "blocks_in_use": [], "tokens_held": []}
-    bs = block_size
+    loop = _Loop(m, requests, block_size, max_running)
     clock_ns = time.thread_time_ns if clock == "cpu" else time.perf_counter_ns
+    timed_ns = 0
+    finished_last = 0
+    while loop.waiting or len(loop.run_req):
+        loop.steps += 1
+        t0 = clock_ns()
+        t0 += loop.admit(clock_ns)  # 1. admit, FCFS (minus the untimed token synthesis)
+        t1 = clock_ns()
+        pos, tok = loop.next_tokens()  # the token each request grows by (the model's output): not timed
+        t2 = clock_ns()
+        pos = loop.grow(pos, tok)  # 2 + 3. grow everyone by one token, preempting the newest until it fits
+        t3 = clock_ns()
+        loop.generated[loop.run_req] = pos + 1  # the model's bookkeeping (not timed)
+        loop.measure()  # utilisation bookkeeping (not timed)
+        if check_every and loop.steps % check_every == 0:
+            m.check_invariants()
+        if progress is not None and finished_last:
+            progress(finished_last)
+        t4 = clock_ns()
+        finished_last = loop.free_finished()  # 4. free the finished
+        timed_ns += (t1 - t0) + (t3 - t2) + (clock_ns() - t4)
+    m.check_invariants()
+    if progress is not None and finished_last:
+        progress(finished_last)
+    return loop.result(
+        allocator, trace_name, timed_ns, num_blocks=num_blocks, prefix_caching=prefix_caching, hash_fn=hash_fn
+    )
 
-    while waiting or len(run_req):
-        steps += 1
-        # 1. admit, FCFS
+
+class _Loop:
+    """The state of one `replay`: the queue, the running requests (in admission order) and the counters,
+    with one method per phase of the loop in the module docstring."""
+
+    def __init__(
+        self,
+        m: KVManager,
+        requests: list[TraceRequest],
+        block_size: int,
+        max_running: int,
+    ) -> None:
+        self.m = m
+        self.requests = requests
+        self.max_running = max_running
+        self.paged = isinstance(m, PagedKVManager)
+        self.bs = block_size
+        n_req = len(requests)
+        self.out_len = np.array([r.output_len for r in requests], dtype=np.int64)
+        fits = np.array([r.prompt_len + r.output_len <= m.capacity_tokens for r in requests], dtype=bool)
+        self.skipped = int((~fits).sum())
+        if self.skipped:
+            print(
+                f"warning: skipping {self.skipped} request(s) that can never fit {m.capacity_tokens} tokens",
+                file=sys.stderr,
+            )
+        self.generated = np.zeros(n_req, dtype=np.int64)
+        self.gen_seed = sm64(
+            np.uint64(int(sm64(0)) ^ STREAM_GENERATED) ^ (np.arange(n_req, dtype=np.uint64) << np.uint64(8))
+        )
+        self.keys: list[BlockKeys | None] = [None] * n_req
+        self.prompts: dict[int, np.ndarray] = {}
+        self.waiting: deque[int] = deque(int(i) for i in np.nonzero(fits)[0])
+        self.run_req = np.zeros(0, dtype=np.int64)  # admission order
+        self.run_sid = np.zeros(0, dtype=np.int64)
+        self.steps = self.scheduled = 0
+        self.peak_used = 0
+        self.util_sum = self.floor_sum = 0.0
+        self.util_steps = 0
+        self.series: dict[str, list[int]] = {"running": [], "blocks_in_use": [], "tokens_held": []}
+
+    def admit(self, clock_ns: Callable[[], int]) -> int:
+        """Phase 1: admit waiting requests FCFS while a seat is free and the allocator takes the prompt; then
+        publish the admitted prompts. Returns the nanoseconds spent synthesising tokens (not timed)."""
+        m, requests, generated = self.m, self.requests, self.generated
+        untimed = 0
         new_req: list[int] = []
         new_sid: list[int] = []
-        t0 = clock_ns()
-        while waiting and len(run_req) + len(new_req) < max_running:
-            r = waiting[0]
-            tokens = prompts.get(r)
+        while self.waiting and len(self.run_req) + len(new_req) < self.max_running:
+            r = self.waiting[0]
+            tokens = self.prompts.get(r)
             if tokens is None:  # token synthesis is the workload's job: not timed
                 t_pause = clock_ns()
                 tokens = prompt_token_ids(requests[r])
                 if generated[r]:
                     tokens = np.concatenate([tokens, generated_token_ids(requests[r], 0, int(generated[r]))])
-                prompts[r] = tokens
-                t0 += clock_ns() - t_pause
-            if paged and keys[r] is None:
-                keys[r] = BlockKeys()
-            adm = m.admit(tokens, max_new_tokens=int(out_len[r] - generated[r]), keys=keys[r])
+                self.prompts[r] = tokens
+                untimed += clock_ns() - t_pause
+            if self.paged and self.keys[r] is None:
+                self.keys[r] = BlockKeys()
+            adm = m.admit(tokens, max_new_tokens=int(self.out_len[r] - generated[r]), keys=self.keys[r])
             if adm is None:
                 break
-            waiting.popleft()
-            del prompts[r]
+            self.waiting.popleft()
+            del self.prompts[r]
             new_req.append(r)
             new_sid.append(adm.seq_id)
-            scheduled += len(tokens)
+            self.scheduled += len(tokens)
         if new_req:
             # The step writes the admitted prompts: publish them now (peers cache blocks at allocation),
             # after the admission loop, so no request admitted in this step hits another's blocks.
             m.mark_computed(new_sid)
-            run_req = np.concatenate([run_req, new_req])
-            run_sid = np.concatenate([run_sid, new_sid])
-        t1 = clock_ns()
-        pos = generated[run_req]  # the token each request grows by (the model's output): not timed
-        tok = (sm64(gen_seed[run_req] + pos.astype(np.uint64)) % np.uint64(VOCAB)).astype(np.int32)
-        t2 = clock_ns()
-        # 2 + 3. grow everyone by one token; while that does not fit (append changed nothing),
-        # preempt the newest and retry
+            self.run_req = np.concatenate([self.run_req, new_req])
+            self.run_sid = np.concatenate([self.run_sid, new_sid])
+        return untimed
+
+    def next_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(position, token) each running request grows by: the synthetic model's output."""
+        pos = self.generated[self.run_req]
+        tok = (sm64(self.gen_seed[self.run_req] + pos.astype(np.uint64)) % np.uint64(VOCAB)).astype(np.int32)
+        return pos, tok
+
+    def grow(self, pos: np.ndarray, tok: np.ndarray) -> np.ndarray:
+        """Phases 2 + 3: while growing everyone by one token does not fit (append changed nothing), preempt
+        the newest and retry; then mark the step's KV computed. Returns the survivors' positions."""
+        m = self.m
+        run_req, run_sid = self.run_req, self.run_sid
         while len(run_sid) and not m.append(run_sid, tok):
             r, sid = int(run_req[-1]), int(run_sid[-1])
             m.preempt(sid)
             run_req, run_sid, pos, tok = run_req[:-1], run_sid[:-1], pos[:-1], tok[:-1]
-            waiting.appendleft(r)
+            self.waiting.appendleft(r)
         if len(run_sid):
             m.mark_computed(run_sid)
-        scheduled += len(run_sid)
-        t3 = clock_ns()
-        generated[run_req] = pos + 1  # the model's bookkeeping (not timed)
-        # utilisation bookkeeping (not timed)
-        if len(run_sid):
-            lens = m.seq_lens(run_sid).astype(np.int64)
-            used = m.num_used_blocks
-            peak_used = max(peak_used, used)
-            held = int(lens.sum())
-            if paged:
-                ref = m.pool.ref[m.pool.first_id :]
-                held -= bs * int(np.maximum(ref - 1, 0).sum())  # shared blocks hold their tokens once
-            util_sum += held / (used * bs)
-            series["running"].append(len(run_sid))
-            series["blocks_in_use"].append(used)
-            series["tokens_held"].append(held)
-            floor_sum += int(lens.sum()) / (int((-(-lens // bs)).sum()) * bs)
-            util_steps += 1
-        if check_every and steps % check_every == 0:
-            m.check_invariants()
-        if progress is not None and finished_last:
-            progress(finished_last)
-        t4 = clock_ns()
-        # 4. free the finished
-        done = generated[run_req] >= out_len[run_req]
-        finished_last = int(done.sum())
-        if finished_last:
-            for sid in run_sid[done].tolist():
-                m.free(sid)
+        self.scheduled += len(run_sid)
+        self.run_req, self.run_sid = run_req, run_sid
+        return pos
+
+    def measure(self) -> None:
+        """Blocks in use and the tokens they hold (shared blocks counted once), for the utilisation figures."""
+        if not len(self.run_sid):
+            return
+        m, bs = self.m, self.bs
+        lens = m.seq_lens(self.run_sid).astype(np.int64)
+        used = m.num_used_blocks
+        self.peak_used = max(self.peak_used, used)
+        held = int(lens.sum())
+        if self.paged:
+            ref = m.pool.ref[m.pool.first_id :]
+            held -= bs * int(np.maximum(ref - 1, 0).sum())  # shared blocks hold their tokens once
+        self.util_sum += held / (used * bs)
+        self.series["running"].append(len(self.run_sid))
+        self.series["blocks_in_use"].append(used)
+        self.series["tokens_held"].append(held)
+        self.floor_sum += int(lens.sum()) / (int((-(-lens // bs)).sum()) * bs)
+        self.util_steps += 1
+
+    def free_finished(self) -> int:
+        """Phase 4: free the requests that reached their output length; returns how many."""
+        done = self.generated[self.run_req] >= self.out_len[self.run_req]
+        finished = int(done.sum())
+        if finished:
+            for sid in self.run_sid[done].tolist():
+                self.m.free(sid)
             keep = ~done
-            run_req, run_sid = run_req[keep], run_sid[keep]
-        timed_ns += (t1 - t0) + (t3 - t2) + (clock_ns() - t4)
-    m.check_invariants()
-    if progress is not None and finished_last:
-        progress(finished_last)
-    stats = getattr(m, "stats", None)
-    wall = timed_ns / 1e9
-    return ReplayResult(
-        allocator=allocator + ("" if not paged or prefix_caching else "-no-prefix"),
-        trace=trace_name,
-        requests=n_req - skipped,
-        skipped=skipped,
-        steps=steps,
-        scheduled_tokens=scheduled,
-        wall_s=wall,
-        us_per_token=wall * 1e6 / max(scheduled, 1),
-        admissions=m._admissions,
-        preemptions=m._preemptions,
-        prefix_hit_rate=stats.hit_rate if stats is not None else 0.0,
-        peak_blocks_in_use=peak_used,
-        mean_kv_utilization=util_sum / max(util_steps, 1),
-        utilization_floor=floor_sum / max(util_steps, 1),
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_running=max_running,
-        prefix_caching=prefix_caching and paged,
-        hash_fn=hash_fn if paged and prefix_caching else "-",
-        backend=m.prefix.hot.NAME if paged else "-",
-        series=series,
-    )
+            self.run_req, self.run_sid = self.run_req[keep], self.run_sid[keep]
+        return finished
+
+    def result(
+        self, allocator: str, trace_name: str, timed_ns: int, *, num_blocks: int, prefix_caching: bool, hash_fn: str
+    ) -> ReplayResult:
+        m, paged = self.m, self.paged
+        stats = getattr(m, "stats", None)
+        wall = timed_ns / 1e9
+        return ReplayResult(
+            allocator=allocator + ("" if not paged or prefix_caching else "-no-prefix"),
+            trace=trace_name,
+            requests=len(self.requests) - self.skipped,
+            skipped=self.skipped,
+            steps=self.steps,
+            scheduled_tokens=self.scheduled,
+            wall_s=wall,
+            us_per_token=wall * 1e6 / max(self.scheduled, 1),
+            admissions=m._admissions,
+            preemptions=m._preemptions,
+            prefix_hit_rate=stats.hit_rate if stats is not None else 0.0,
+            peak_blocks_in_use=self.peak_used,
+            mean_kv_utilization=self.util_sum / max(self.util_steps, 1),
+            utilization_floor=self.floor_sum / max(self.util_steps, 1),
+            block_size=self.bs,
+            num_blocks=num_blocks,
+            max_running=self.max_running,
+            prefix_caching=prefix_caching and paged,
+            hash_fn=hash_fn if paged and prefix_caching else "-",
+            backend=m.prefix.hot.NAME if paged else "-",
+            series=self.series,
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

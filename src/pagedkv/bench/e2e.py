@@ -370,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.hf.model_spec import model_spec
 
     torch.set_num_threads(1)
+    # 1. the arguments, the model and the workload, checked before anything runs
     if args.max_new_tokens is None:
         args.max_new_tokens = TRACE_MAX_OUTPUT // args.output_scale
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -395,43 +396,67 @@ def run(args: argparse.Namespace) -> int:
         return 2
     budget_bytes = args.num_blocks * spec.kv_cache_spec().bytes_per_block(args.block_size)
     capacity = (args.num_blocks - 1) * args.block_size
+    # 2. every system on the same workload
     figures: dict[str, dict[str, Any]] = {}
     outputs: dict[str, dict[str, list[int]]] = {}
     for system in systems:
-        print(f"[bench e2e] {system} ...", file=sys.stderr, flush=True)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        static_util = None
-        counters: dict[str, Any] = {}
-        config: dict[str, Any]
-        if system.startswith("pagedkv-"):
-            config = pagedkv_config(system, args)
-            timelines, counters = run_pagedkv(model, workload, system, args)
-        elif system == "hf-continuous-batching":
-            config = hf_continuous_config(args)
-            model.set_attn_implementation("sdpa")
-            timelines = run_hf_continuous(model, workload, config, args)
-        else:
-            config = {"batch_size": args.static_batch, "cache": "dense, not bounded by the budget",
-                      "attn_implementation": "sdpa", "declared_max_new_tokens": "longest in the batch"}  # fmt: skip
-            model.set_attn_implementation("sdpa")
-            timelines, static_util = run_hf_static(model, workload, args)
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        figures[system] = summarize(workload, timelines, wall, capacity)
-        figures[system]["cpu_s"] = cpu
-        figures[system]["tokens_per_cpu_s"] = figures[system]["output_tokens"] / cpu
-        figures[system].update(counters)
-        figures[system]["config"] = config
-        if static_util is not None:
-            figures[system]["kv_utilization"] = static_util
-        outputs[system] = {
-            r.request_id: timelines[r.request_id].output_token_ids[: r.output_len] for r in workload
-        }
+        figures[system], outputs[system] = _run_system(system, model, workload, args, capacity)
     if args.outputs_file is not None:
         prompts = {r.request_id: r.prompt_token_ids for r in workload}
         args.outputs_file.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+    # 3. the figures side by side
+    result = _result(args, workload, figures, outputs, budget_bytes)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    _print_table(args, workload, result, budget_bytes)
+    return 0 if math.isfinite(sum(f["wall_s"] for f in figures.values())) else 1
+
+
+def _run_system(
+    system: str, model: Any, workload: list[Any], args: argparse.Namespace, capacity: int
+) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """Serve the workload with one system: (its figures, its output token ids per request)."""
+    print(f"[bench e2e] {system} ...", file=sys.stderr, flush=True)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    static_util = None
+    counters: dict[str, Any] = {}
+    config: dict[str, Any]
+    if system.startswith("pagedkv-"):
+        config = pagedkv_config(system, args)
+        timelines, counters = run_pagedkv(model, workload, system, args)
+    elif system == "hf-continuous-batching":
+        config = hf_continuous_config(args)
+        model.set_attn_implementation("sdpa")
+        timelines = run_hf_continuous(model, workload, config, args)
+    else:
+        config = {"batch_size": args.static_batch, "cache": "dense, not bounded by the budget",
+                  "attn_implementation": "sdpa", "declared_max_new_tokens": "longest in the batch"}  # fmt: skip
+        model.set_attn_implementation("sdpa")
+        timelines, static_util = run_hf_static(model, workload, args)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    figures = summarize(workload, timelines, wall, capacity)
+    figures["cpu_s"] = cpu
+    figures["tokens_per_cpu_s"] = figures["output_tokens"] / cpu
+    figures.update(counters)
+    figures["config"] = config
+    if static_util is not None:
+        figures["kv_utilization"] = static_util
+    outputs = {r.request_id: timelines[r.request_id].output_token_ids[: r.output_len] for r in workload}
+    return figures, outputs
+
+
+def _result(
+    args: argparse.Namespace,
+    workload: list[Any],
+    figures: dict[str, dict[str, Any]],
+    outputs: dict[str, dict[str, list[int]]],
+    budget_bytes: int,
+) -> dict[str, Any]:
+    """The JSON object: the setup, whether every system produced the same tokens, figures and ratios."""
     first = next(iter(outputs.values()), {})
     identical = all(o == first for o in outputs.values())
-    result = {
+    return {
         "model": args.model,
         "kv_budget_bytes": budget_bytes,
         "kv_budget_blocks": args.num_blocks,
@@ -459,12 +484,12 @@ def run(args: argparse.Namespace) -> int:
             if s != "pagedkv-paged" and "pagedkv-paged" in figures
         },
     }
-    if args.json:
-        print(json.dumps(result))
-        return 0
+
+
+def _print_table(args: argparse.Namespace, workload: list[Any], result: dict[str, Any], budget_bytes: int) -> None:
     print(
         f"{args.model}: {len(workload)} requests, KV budget {args.num_blocks} blocks x {args.block_size} tokens "
-        f"({budget_bytes / 2**20:.1f} MiB), outputs identical: {identical}"
+        f"({budget_bytes / 2**20:.1f} MiB), outputs identical: {result['outputs_identical']}"
     )
     cols = (
         "tokens_per_s",
@@ -483,7 +508,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: {ratio:.2f}x tokens/s, {result['ratios_cpu'][name]:.2f}x tokens per CPU second")
     print("| system | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
-    for system, f in figures.items():
+    for system, f in result["systems"].items():
         cells = [f"{f[c]:.3f}" if isinstance(f[c], float) else str(f[c]) for c in cols]
         print(f"| {system} | " + " | ".join(cells) + " |")
-    return 0 if math.isfinite(sum(f["wall_s"] for f in figures.values())) else 1

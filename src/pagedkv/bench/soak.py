@@ -30,7 +30,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -571,9 +571,27 @@ class Generator:
         return len(s.tokens) - target if 0 < target < len(s.tokens) else default
 
     def draw(self, ep: Episode) -> Op:
-        rng = self.rng
         labels = sorted(ep.seqs)
         on_dev = [x for x in labels if not ep.seqs[x].swapped]
+        name = self._op_name(labels, on_dev)
+        if name == "admit":
+            return self._draw_admit()
+        if name == "append":
+            return self._draw_append(ep, on_dev)
+        if name == "rollback":
+            label = self._pick(on_dev)
+            n = int(self.rng.integers(0, self.config.block_size + 2))
+            if self.rng.random() < 0.7:  # into the last block it shares with another sequence (the hard case)
+                n = self.into_shared(ep, label, on_dev, n)
+            return ("rollback", label, n)
+        return self._draw_other(name, labels, on_dev)
+
+    def _pick(self, xs: Sequence[Any]) -> Any:
+        return xs[int(self.rng.integers(len(xs)))]
+
+    def _op_name(self, labels: list[int], on_dev: list[int]) -> str:
+        """The next operation's kind, by the weights; one that needs sequences becomes "admit" without them."""
+        rng = self.rng
         name = self.names[int(rng.choice(len(self.names), p=self.p))]
         if name == "admit" and len(labels) > MAX_LIVE:  # keep the batch small enough to check every step
             name = "free" if rng.random() < 0.7 else "preempt"
@@ -581,30 +599,31 @@ class Generator:
             name = "admit"
         if name in ("free", "preempt", "swap_out", "swap_in") and not labels:
             name = "admit"
-        pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
-        if name == "admit":
-            self.next_label += 1
-            block_extra = {1: b"image:" + bytes([int(rng.integers(2))])} if rng.random() < 0.1 else {}
-            return ("admit", self.next_label, self.prompt(), pick(SALTS), pick(EXTRAS) if rng.random() < 0.2 else b"",
-                    block_extra, int(rng.integers(-1, 3)), bool(rng.random() < 0.5),
-                    int(rng.integers(0, 3 * self.config.block_size)))  # fmt: skip
-        if name == "append":
-            batch = [x for x in on_dev if rng.random() < 0.6] or [pick(on_dev)]
-            if rng.random() < 0.5 and (families := self.families(ep, on_dev)):
-                batch = pick(families)  # every holder of a shared last block writes in one batch
-            k = int(rng.integers(1, 4)) if rng.random() < 0.8 else int(rng.integers(1, self.config.block_size + 2))
-            return ("append", batch, rng.integers(0, VOCAB, size=(len(batch), k)).tolist())
+        return name
+
+    def _draw_admit(self) -> Op:
+        rng, pick = self.rng, self._pick
+        self.next_label += 1
+        block_extra = {1: b"image:" + bytes([int(rng.integers(2))])} if rng.random() < 0.1 else {}
+        return ("admit", self.next_label, self.prompt(), pick(SALTS), pick(EXTRAS) if rng.random() < 0.2 else b"",
+                block_extra, int(rng.integers(-1, 3)), bool(rng.random() < 0.5),
+                int(rng.integers(0, 3 * self.config.block_size)))  # fmt: skip
+
+    def _draw_append(self, ep: Episode, on_dev: list[int]) -> Op:
+        rng, pick = self.rng, self._pick
+        batch = [x for x in on_dev if rng.random() < 0.6] or [pick(on_dev)]
+        if rng.random() < 0.5 and (families := self.families(ep, on_dev)):
+            batch = pick(families)  # every holder of a shared last block writes in one batch
+        k = int(rng.integers(1, 4)) if rng.random() < 0.8 else int(rng.integers(1, self.config.block_size + 2))
+        return ("append", batch, rng.integers(0, VOCAB, size=(len(batch), k)).tolist())
+
+    def _draw_other(self, name: str, labels: list[int], on_dev: list[int]) -> Op:
+        rng, pick = self.rng, self._pick
         if name == "step":
             return ("step", labels, [int(rng.integers(0, 3)) if rng.random() < 0.2 else 0 for _ in labels])
         if name == "fork":
             self.next_label += 1
             return ("fork", pick(on_dev), self.next_label)
-        if name == "rollback":
-            label = pick(on_dev)
-            n = int(rng.integers(0, self.config.block_size + 2))
-            if rng.random() < 0.7:  # into the last block it shares with another sequence (the hard case)
-                n = self.into_shared(ep, label, on_dev, n)
-            return ("rollback", label, n)
         if name in ("free", "swap_out", "swap_in"):
             return (name, pick(labels))
         if name == "preempt":

@@ -107,6 +107,31 @@ def bench_tier(name: str, tier: Tier, args: argparse.Namespace, values: np.ndarr
     }
 
 
+def _bench_remote(
+    name: str, args: argparse.Namespace, layout: BlockLayout, fingerprint: Any, values: np.ndarray
+) -> dict[str, Any]:
+    """The Redis tier: on `--redis-url`, or on a redis-server of our own started (and stopped) here."""
+    from pagedkv.tiers.remote import RedisTier
+
+    server: Any = None
+    url = args.redis_url
+    if url is None:
+        from pagedkv.tiers.redis_server import RedisServer
+
+        mib = 2 * args.blocks * layout.value_bytes(MAX_KEY_BYTES) // 2**20 + 64
+        server = RedisServer(maxmemory=f"{mib}mb").start()
+        url = server.url
+    try:
+        remote = RedisTier(url, layout, fingerprint, timeout_s=30.0)
+        result = bench_tier(name, remote, args, values)
+        remote.remove([_key(i) for i in range(args.blocks)])
+        remote.close()
+    finally:
+        if server is not None:
+            server.stop()
+    return result
+
+
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.layers, args.kv_heads, args.head_dim, args.blocks, args.lookups, args.repeats = (
@@ -123,7 +148,6 @@ def run(args: argparse.Namespace) -> int:
     )
     values = np.random.default_rng(0).integers(0, 256, (args.blocks, layout.nbytes), dtype=np.uint8)
     results: list[dict[str, Any]] = []
-    server: Any = None
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-tiers-") as tmp:
         for name in args.tiers:
             clock = LruClock()
@@ -139,23 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 finally:
                     disk.close()
             else:
-                from pagedkv.tiers.remote import RedisTier
-
-                url = args.redis_url
-                if url is None:
-                    from pagedkv.tiers.redis_server import RedisServer
-
-                    mib = 2 * args.blocks * layout.value_bytes(MAX_KEY_BYTES) // 2**20 + 64
-                    server = RedisServer(maxmemory=f"{mib}mb").start()
-                    url = server.url
-                try:
-                    remote = RedisTier(url, layout, fingerprint, timeout_s=30.0)
-                    results.append(bench_tier(name, remote, args, values))
-                    remote.remove([_key(i) for i in range(args.blocks)])
-                    remote.close()
-                finally:
-                    if server is not None:
-                        server.stop()
+                results.append(_bench_remote(name, args, layout, fingerprint, values))
     config = {"dtype": args.dtype, "shape": list(layout.shape), "block_bytes": layout.nbytes, "batch": args.batch,
               "chain": args.chain, "repeats": args.repeats, "redis": "own redis-server, unix socket" if args.redis_url is None else args.redis_url}  # fmt: skip
     if args.json:

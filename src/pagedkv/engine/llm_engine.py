@@ -94,22 +94,8 @@ class Engine:
         self.clock = clock
         self.spec = prepare_model(model)
         cfg = self.config
-        bytes_per_block = self.spec.kv_cache_spec().bytes_per_block(cfg.block_size)
-        num_blocks = (
-            cfg.num_blocks
-            if cfg.num_blocks is not None
-            else blocks_in_budget(int(cfg.kv_budget_bytes or 0), bytes_per_block)
-        )
-        if num_blocks < 2:
-            raise CapacityError(
-                f"a KV budget of {cfg.kv_budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes "
-                f"({cfg.block_size} tokens of {self.spec.model_type}); need at least 2 (block 0 is the null block)"
-            )
-        num_host = (
-            cfg.num_host_blocks
-            if cfg.num_host_blocks is not None
-            else (num_blocks if cfg.scheduler.preemption_mode == "swap" else 0)
-        )
+        # 1. the cache's size, then the allocator, the KV tensors and the scheduler over them
+        num_blocks, num_host, bytes_per_block = self._cache_size()
         self.manager = make_manager(
             cfg.allocator,
             num_blocks,
@@ -138,6 +124,33 @@ class Engine:
             model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
             self.tiering = EngineTiering.build(cfg, self.cache.storage, self.manager, model_id)
             self.stats.tiers = self.tiering.stats
+        # 2. the requests' bookkeeping and the intake that checks them
+        self._init_requests(model, tokenizer)
+
+    def _cache_size(self) -> tuple[int, int, int]:
+        """(device blocks, host blocks, bytes per device block) from the block count or the byte budget;
+        host blocks default to as many as the device's when preemption swaps."""
+        cfg = self.config
+        bytes_per_block = self.spec.kv_cache_spec().bytes_per_block(cfg.block_size)
+        num_blocks = (
+            cfg.num_blocks
+            if cfg.num_blocks is not None
+            else blocks_in_budget(int(cfg.kv_budget_bytes or 0), bytes_per_block)
+        )
+        if num_blocks < 2:
+            raise CapacityError(
+                f"a KV budget of {cfg.kv_budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes "
+                f"({cfg.block_size} tokens of {self.spec.model_type}); need at least 2 (block 0 is the null block)"
+            )
+        num_host = (
+            cfg.num_host_blocks
+            if cfg.num_host_blocks is not None
+            else (num_blocks if cfg.scheduler.preemption_mode == "swap" else 0)
+        )
+        return num_blocks, num_host, bytes_per_block
+
+    def _init_requests(self, model: Any, tokenizer: Any) -> None:
+        cfg = self.config
         self._tracked: dict[str, _Tracked] = {}  # accepted and not yet ended
         self._outputs: dict[str, RequestOutput] = {}  # final outputs, until `generate` hands them back
         self._undelivered: list[str] = []  # ended since the last `step()` returned

@@ -172,8 +172,26 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         swap_out: list[SwapBlocks] = []
-        swap_in: list[SwapBlocks] = []
         # 1. swapped requests come back first
+        swap_in = self._swap_in_phase()
+        # 2. decode: one slot for each running request's newest token, in one batched call
+        budget = self._decode_phase(out, budget, swap_out, now)
+        # 3. running requests still in prefill
+        budget = self._prefill_phase(out, budget)
+        # 4. admit waiting requests (not in a step that had to preempt: that would only thrash)
+        self._admit_phase(out, budget, now)
+        out.num_batched_tokens = sum(c.num_new_tokens for c in out.scheduled)
+        self._inflight = {c.request.request_id: c.end for c in out.scheduled}
+        out.copies = self.manager.take_copies()
+        if swap_out:
+            out.swap_out = SwapBlocks(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
+        if swap_in:
+            out.swap_in = SwapBlocks(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
+        return out
+
+    def _swap_in_phase(self) -> list[SwapBlocks]:
+        """Bring swapped requests back, oldest first, while a seat and device blocks are free."""
+        swap_in: list[SwapBlocks] = []
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             plan = self.manager.swap_in(request.seq_id)  # type: ignore[attr-defined]
@@ -183,7 +201,13 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             swap_in.append(SwapBlocks(plan.src, plan.dst))
-        # 2. decode: one slot for each running request's newest token, in one batched call
+        return swap_in
+
+    def _decode_phase(
+        self, out: SchedulerOutput, budget: int, swap_out: list[SwapBlocks], now: float | None
+    ) -> int:
+        """A slot for each decoding request's newest token, preempting (or rejecting a lone request that can
+        never grow) until the batched append succeeds. Returns the budget left."""
         decode = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
         decode = decode[:budget]
         while decode:
@@ -210,8 +234,10 @@ class Scheduler:
             decode = [r for r in decode if r is not victim]
         for r in decode:
             out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, 1, True))
-        budget -= len(decode)
-        # 3. running requests still in prefill
+        return budget - len(decode)
+
+    def _prefill_phase(self, out: SchedulerOutput, budget: int) -> int:
+        """The next chunk of each running request still in prefill, within the budget. Returns what is left."""
         for r in self.running:
             if budget <= 0:
                 break
@@ -222,13 +248,16 @@ class Scheduler:
             if chunk:
                 out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, chunk, chunk == remaining))
                 budget -= chunk
-        # 4. admit waiting requests (not in a step that had to preempt: that would only thrash)
+        return budget
+
+    def _admit_phase(self, out: SchedulerOutput, budget: int, now: float | None) -> None:
+        """Admit waiting requests in priority order while the budget, a seat and blocks allow; requests that
+        can never be served are finished as rejected and the step goes on."""
         while (
             self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
             and not self.swapped and not out.preempted
         ):  # fmt: skip
             request = self._waiting[0][-1]
-            remaining_new = request.max_new_tokens - len(request.output_token_ids)
             if not self._chunkable(request) and request.num_tokens > self.config.max_num_batched_tokens:
                 # judged on the whole prompt, not on what the prefix cache holds now
                 heapq.heappop(self._waiting)
@@ -240,8 +269,8 @@ class Scheduler:
                 continue
             try:
                 admission = self.manager.admit(
-                    request.all_token_ids, max_new_tokens=remaining_new, priority=request.priority,
-                    salt=request.salt, keys=request.keys,
+                    request.all_token_ids, max_new_tokens=request.max_new_tokens - len(request.output_token_ids),
+                    priority=request.priority, salt=request.salt, keys=request.keys,
                 )
             except (CapacityError, InvalidArgumentError) as e:
                 # the allocator checks before it changes anything: this request goes, the step goes on
@@ -252,29 +281,24 @@ class Scheduler:
                 continue
             if admission is None:
                 break
-            uncached = request.num_tokens - admission.num_cached_tokens
-            chunk = self._chunk(uncached, budget, request)
+            chunk = self._chunk(request.num_tokens - admission.num_cached_tokens, budget, request)
             if chunk == 0:  # budget too small for an unchunked prompt now: give the blocks back
                 self.manager.free(admission.seq_id)
                 break  # a later step with a whole budget will take it (the prompt fits one)
             heapq.heappop(self._waiting)
-            request.seq_id = admission.seq_id
-            request.num_computed_tokens = admission.num_cached_tokens
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = admission.num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            remaining = request.num_tokens - request.num_computed_tokens
-            out.scheduled.append(ScheduledChunk(request, request.num_computed_tokens, chunk, chunk == remaining))
+            self._start(request, admission.seq_id, admission.num_cached_tokens, chunk, out)
             budget -= chunk
-        out.num_batched_tokens = sum(c.num_new_tokens for c in out.scheduled)
-        self._inflight = {c.request.request_id: c.end for c in out.scheduled}
-        out.copies = self.manager.take_copies()
-        if swap_out:
-            out.swap_out = SwapBlocks(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
-        if swap_in:
-            out.swap_in = SwapBlocks(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
-        return out
+
+    def _start(self, request: Request, seq_id: int, num_cached: int, chunk: int, out: SchedulerOutput) -> None:
+        """An admitted request joins the running set with its first chunk scheduled."""
+        request.seq_id = seq_id
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        remaining = request.num_tokens - request.num_computed_tokens
+        out.scheduled.append(ScheduledChunk(request, request.num_computed_tokens, chunk, chunk == remaining))
 
     def _chunkable(self, request: Request) -> bool:
         """May this request's tokens be computed over several steps? Always after a preemption (see the

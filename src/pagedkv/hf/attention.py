@@ -54,8 +54,6 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` for the
     packed new tokens; returns `([1, T, H, D], None)`. See the module docstring."""
-    from pagedkv import ops  # torch-land; imported on first call so `import pagedkv.hf` stays light
-
     step = kwargs.get(STEP_KWARG)
     if not isinstance(step, PagedStep):
         raise InvalidArgumentError(
@@ -68,43 +66,60 @@ def paged_attention_forward(
     # [1, H, T, D] -> [T, H, D]
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     step.write(layer_idx, k, v)
-    cache = step.cache
-    use_sdpa = cache.attention_backend == "sdpa"
-    parts = []
-    for i, g in enumerate(batch.groups):
-        q_g = q[g.token_start : g.token_end]
-        if use_sdpa and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], softcap):
-            out_g = paged_sdpa(
-                q_g,
-                cache.layer_kv(layer_idx),
-                g.block_table,
-                g.seq_lens,
-                max_seqlen_q=g.max_seqlen_q,
-                max_seqlen_k=g.max_seqlen_k,
-                scale=scaling,
-                sliding_window=sliding_window,
-                new_key=k[g.token_start : g.token_end],
-                new_value=v[g.token_start : g.token_end],
-                plan=step.sdpa_plan(i),
-            )
-        else:
-            key_cache, value_cache = cache.layer(layer_idx)
-            out_g = ops.paged_attention(
-                q_g,
-                key_cache,
-                value_cache,
-                g.block_table,
-                g.seq_lens,
-                g.cu_seqlens_q,
-                scale=scaling,
-                sliding_window=sliding_window,
-                soft_cap=softcap,
-                max_seqlen_q=g.max_seqlen_q,
-                plan=step.ops_plan(i, q_g, key_cache, value_cache),
-            )
-        parts.append(out_g)
+    parts = [
+        _attend_group(step, i, q, k, v, layer_idx, scaling, sliding_window, softcap)
+        for i in range(len(batch.groups))
+    ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None
+
+
+def _attend_group(
+    step: PagedStep,
+    i: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of the step's attention group `i` (a run of decodes, or one prefill chunk): SDPA over the
+    paged KV where the backend and the group allow it, else `pagedkv.ops.paged_attention`."""
+    from pagedkv import ops  # torch-land; imported on first call so `import pagedkv.hf` stays light
+
+    g = step.batch.groups[i]
+    cache = step.cache
+    q_g = q[g.token_start : g.token_end]
+    if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], softcap):
+        return paged_sdpa(
+            q_g,
+            cache.layer_kv(layer_idx),
+            g.block_table,
+            g.seq_lens,
+            max_seqlen_q=g.max_seqlen_q,
+            max_seqlen_k=g.max_seqlen_k,
+            scale=scaling,
+            sliding_window=sliding_window,
+            new_key=k[g.token_start : g.token_end],
+            new_value=v[g.token_start : g.token_end],
+            plan=step.sdpa_plan(i),
+        )
+    key_cache, value_cache = cache.layer(layer_idx)
+    return ops.paged_attention(
+        q_g,
+        key_cache,
+        value_cache,
+        g.block_table,
+        g.seq_lens,
+        g.cu_seqlens_q,
+        scale=scaling,
+        sliding_window=sliding_window,
+        soft_cap=softcap,
+        max_seqlen_q=g.max_seqlen_q,
+        plan=step.ops_plan(i, q_g, key_cache, value_cache),
+    )
 
 
 def _refuse_unsupported(

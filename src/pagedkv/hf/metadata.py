@@ -87,31 +87,11 @@ def build_step_batch(
     """Pack one step. `new_token_ids[i]` are sequence i's tokens at positions `starts[i]..`; `block_table`
     and `slot_mapping` come from the allocator (`block_table(seq_ids, pad_id=0)`,
     `slot_mapping(seq_ids, starts, starts + n)`); `produces_token[i]` says whether sequence i samples."""
-    chunks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in new_token_ids]
+    chunks, starts_np, produces, num_new, cu = _checked_step(
+        new_token_ids, starts, block_table, slot_mapping, produces_token
+    )
     num_seqs = len(chunks)
-    starts_np = np.asarray(starts, dtype=np.int64).reshape(-1)
-    produces = np.asarray(produces_token, dtype=bool).reshape(-1)
-    if num_seqs == 0:
-        raise InvalidArgumentError("build_step_batch: empty batch; schedule at least one sequence")
-    if starts_np.shape[0] != num_seqs or produces.shape[0] != num_seqs:
-        raise InvalidArgumentError(
-            f"build_step_batch: {num_seqs} sequences but {starts_np.shape[0]} starts and "
-            f"{produces.shape[0]} produces_token flags"
-        )
-    if block_table.ndim != 2 or block_table.shape[0] != num_seqs:
-        raise InvalidArgumentError(
-            f"build_step_batch: block_table must be [{num_seqs}, W], got shape {block_table.shape}"
-        )
-    num_new = np.fromiter((c.shape[0] for c in chunks), dtype=np.int64, count=num_seqs)
-    if (num_new <= 0).any() or (starts_np < 0).any():
-        raise InvalidArgumentError("build_step_batch: every sequence needs >= 1 new token and a start >= 0")
-    cu = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(num_new, out=cu[1:])
     total = int(cu[-1])
-    if slot_mapping.shape != (total,):
-        raise InvalidArgumentError(
-            f"build_step_batch: slot_mapping must have one slot per new token ({total}), got {slot_mapping.shape}"
-        )
     seq_lens = starts_np + num_new
     if block_table.shape[1] == 0:
         raise InvalidArgumentError("build_step_batch: block_table has no columns")
@@ -152,6 +132,49 @@ def build_step_batch(
         logits_indices=to(logits_indices),
         groups=groups,
     )
+
+
+def _checked_step(
+    new_token_ids: Sequence[npt.ArrayLike],
+    starts: npt.ArrayLike,
+    block_table: npt.NDArray[np.int32],
+    slot_mapping: npt.NDArray[np.int64],
+    produces_token: npt.ArrayLike,
+) -> tuple[
+    list[npt.NDArray[np.int64]],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.bool_],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+]:
+    """`build_step_batch`'s arguments as arrays, checked against each other: (token chunks, starts,
+    produces_token, new tokens per sequence, their cumulative offsets `cu [num_seqs + 1]`)."""
+    chunks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in new_token_ids]
+    num_seqs = len(chunks)
+    starts_np = np.asarray(starts, dtype=np.int64).reshape(-1)
+    produces = np.asarray(produces_token, dtype=bool).reshape(-1)
+    if num_seqs == 0:
+        raise InvalidArgumentError("build_step_batch: empty batch; schedule at least one sequence")
+    if starts_np.shape[0] != num_seqs or produces.shape[0] != num_seqs:
+        raise InvalidArgumentError(
+            f"build_step_batch: {num_seqs} sequences but {starts_np.shape[0]} starts and "
+            f"{produces.shape[0]} produces_token flags"
+        )
+    if block_table.ndim != 2 or block_table.shape[0] != num_seqs:
+        raise InvalidArgumentError(
+            f"build_step_batch: block_table must be [{num_seqs}, W], got shape {block_table.shape}"
+        )
+    num_new = np.fromiter((c.shape[0] for c in chunks), dtype=np.int64, count=num_seqs)
+    if (num_new <= 0).any() or (starts_np < 0).any():
+        raise InvalidArgumentError("build_step_batch: every sequence needs >= 1 new token and a start >= 0")
+    cu = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(num_new, out=cu[1:])
+    total = int(cu[-1])
+    if slot_mapping.shape != (total,):
+        raise InvalidArgumentError(
+            f"build_step_batch: slot_mapping must have one slot per new token ({total}), got {slot_mapping.shape}"
+        )
+    return chunks, starts_np, produces, num_new, cu
 
 
 def _group_bounds(num_new: npt.NDArray[np.int64]) -> list[tuple[int, int]]:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pagedkv.core.errors import PagedKVError
 from pagedkv.engine.scheduler import SchedulerConfig
@@ -48,7 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.sim.report import simulate_text
     from pagedkv.sim.runner import run_simulation
 
     if getattr(args, "sweep_guidance", None):
@@ -95,9 +95,18 @@ def run(args: argparse.Namespace) -> int:
     )
     if warning:
         print(f"pagedkv simulate: {warning}", file=sys.stderr)
+    _print_report(args, report)
+    return 0
+
+
+def _print_report(args: argparse.Namespace, report: Any) -> None:
+    """The table (or `--json`) on stdout, and the figures `--plot` asks for."""
+    from pagedkv.sim.report import simulate_text
+
+    data: dict[str, Any] = {}
     if args.json:
         data = report.to_json()
-        data["dropped"] = wl.num_dropped
+        data["dropped"] = report.workload.num_dropped
         if args.plot:
             data["plot"] = str(args.plot)
     else:
@@ -116,7 +125,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"block-size sweep figure written to {swept}")
     if args.json:
         print(json.dumps(data, indent=2))
-    return 0
 
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:

@@ -204,6 +204,49 @@ def plot_guidance(cells: Sequence[GuidanceCell], path: str | Path, title: str) -
     return path
 
 
+def _guidance_json(
+    cells: list[GuidanceCell], model: str, gpu: str, args: argparse.Namespace, x8: float, path: Path
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "gpu": gpu,
+        "prompt_len": args.prompt_len,
+        "output_mean": args.output_len,
+        "batch_8_at_pressure": x8,
+        "plot": str(path),
+        "cells": [
+            {
+                "sigma": c.sigma,
+                "output_cv": coefficient_of_variation(c.sigma),
+                "pressure": c.pressure,
+                "max_model_len": c.max_model_len,
+                "num_requests": c.num_requests,
+                "gain_vs_max": c.gain_vs_max,
+                "gain_vs_oracle": c.gain_vs_oracle,
+                "paged_mean_batch": c.paged_batch,
+                "allocators": c.results,
+            }
+            for c in cells
+        ],
+    }
+
+
+def _print_guidance_table(cells: list[GuidanceCell], title: str, x8: float) -> None:
+    """Rows: output spread; columns: KV budget in requests' worth; cell: gain vs max / vs oracle."""
+    print(title)
+    print(
+        "rows: output spread; columns: KV budget in requests' worth; cell: gain vs max / vs oracle (paged batch)"
+    )
+    pressures = sorted({c.pressure for c in cells})
+    print(f"{'':>22}" + "".join(f"{p:>20}" for p in pressures))
+    for sigma in sorted({c.sigma for c in cells}):
+        row = [c for c in cells if c.sigma == sigma]
+        label = "fixed" if sigma == 0 else f"sigma {sigma:g} (CV {coefficient_of_variation(sigma):.2f})"
+        cellstr = [f"{c.gain_vs_max:.2f}/{c.gain_vs_oracle:.2f} ({c.paged_batch:.0f})" for c in row]
+        print(f"{label:>22}" + "".join(f"{s:>20}" for s in cellstr))
+    print(f"paged's mean batch reaches 8 at about {x8:.1f} requests' worth of KV")
+
+
 def run_guidance(args: argparse.Namespace) -> int:
     """`pagedkv simulate --sweep-guidance PATH`: the sweep under the command's model/GPU/block size; table
     (or `--json`) on stdout, the chart at PATH."""
@@ -238,41 +281,8 @@ def run_guidance(args: argparse.Namespace) -> int:
     path = plot_guidance(cells, args.sweep_guidance, title)
     x8 = threshold_column(cells)
     if args.json:
-        data = {
-            "model": model.name,
-            "gpu": base.gpu.name,
-            "prompt_len": args.prompt_len,
-            "output_mean": args.output_len,
-            "batch_8_at_pressure": x8,
-            "plot": str(path),
-            "cells": [
-                {
-                    "sigma": c.sigma,
-                    "output_cv": coefficient_of_variation(c.sigma),
-                    "pressure": c.pressure,
-                    "max_model_len": c.max_model_len,
-                    "num_requests": c.num_requests,
-                    "gain_vs_max": c.gain_vs_max,
-                    "gain_vs_oracle": c.gain_vs_oracle,
-                    "paged_mean_batch": c.paged_batch,
-                    "allocators": c.results,
-                }
-                for c in cells
-            ],
-        }
-        print(json.dumps(data, indent=2))
+        print(json.dumps(_guidance_json(cells, model.name, base.gpu.name, args, x8, path), indent=2))
         return 0
-    print(title)
-    print(
-        "rows: output spread; columns: KV budget in requests' worth; cell: gain vs max / vs oracle (paged batch)"
-    )
-    pressures = sorted({c.pressure for c in cells})
-    print(f"{'':>22}" + "".join(f"{p:>20}" for p in pressures))
-    for sigma in sorted({c.sigma for c in cells}):
-        row = [c for c in cells if c.sigma == sigma]
-        label = "fixed" if sigma == 0 else f"sigma {sigma:g} (CV {coefficient_of_variation(sigma):.2f})"
-        cellstr = [f"{c.gain_vs_max:.2f}/{c.gain_vs_oracle:.2f} ({c.paged_batch:.0f})" for c in row]
-        print(f"{label:>22}" + "".join(f"{s:>20}" for s in cellstr))
-    print(f"paged's mean batch reaches 8 at about {x8:.1f} requests' worth of KV")
+    _print_guidance_table(cells, title, x8)
     print(f"figure written to {path}")
     return 0

@@ -57,6 +57,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "catalog file format (--catalog FILE; `--example-catalog` prints it):\n\n" + "\n".join(
         "  " + line for line in EXAMPLE_CATALOG.splitlines()
     )
+    _add_deployment_arguments(parser)
+    _add_workload_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("deployment")
     g.add_argument("--model", default="llama-2-7b", help="model name (default: llama-2-7b)")
     g.add_argument("--gpu", default="a100-40gb", help="GPU name (default: a100-40gb)")
@@ -88,6 +94,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(ALLOCATORS),
         help=f"comma-separated subset of {','.join(ALLOCATORS)} (default: all)",
     )
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="PATH", help="Azure CSV or Mooncake JSONL trace to replay")
@@ -126,7 +135,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="variable workload: ln(output length) ~ N(MU, SIGMA) (default: Azure conv fit 5.019,0.859)",
     )
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: 4)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
 def catalog_from(args: argparse.Namespace) -> Catalog:

@@ -162,37 +162,16 @@ def plan_capacity(
     result: dict[str, dict[str, Any]] = {}
     for name in allocators:
         check_allocator(name)
-        free_blocks = budget.num_usable_blocks
         if name in ("contiguous-max", "contiguous-oracle"):
             sizes = np.full_like(p, -(-max_model_len // b)) if name == "contiguous-max" else full_blocks
-            avg = full = float((sizes * life).sum() / total_life)
-            tokens = (
-                float(max_model_len)
-                if name == "contiguous-max"
-                else float(((p + o) * life).sum() / total_life)
-            )
-            # the packing pass where the workload fills the pool; Little's law where it never does
-            memory = first_fit_concurrency(sizes, life, free_blocks, len(sizes))
-            memory_n = int(memory) if memory is not None else int(free_blocks // avg)
-            packed = min(max_num_seqs, memory_n)
-            result[name] = _row(packed, memory_n, packed, tokens, avg, budget)
+            result[name] = _contiguous_row(name, sizes, p, o, life, budget, max_model_len, max_num_seqs)
             continue
-        else:
-            avg = float(growing.sum() / total_life)
-            full = float((full_blocks * life).sum() / total_life)
-            tokens = float(((p + (o - 1) / 2 + 0.5) * life).sum() / total_life)
-            if name == "paged-prefix":
-                chains = shared_prefix_chains(workload.requests, b)
-                n, avg0, full0 = max(int(free_blocks // avg), 1), avg, full
-                for _ in range(20):  # fixed point: N -> live holders per block -> blocks per request -> N
-                    saved = float(
-                        (shared_blocks_saved(chains, min(n, max_num_seqs)) * life).sum() / total_life
-                    )
-                    avg, full = max(avg0 - saved, 1e-9), max(full0 - saved, 1e-9)
-                    n_next = max(int(free_blocks // avg), 1)
-                    if n_next == n:
-                        break
-                    n = n_next
+        avg = float(growing.sum() / total_life)
+        full = float((full_blocks * life).sum() / total_life)
+        tokens = float(((p + (o - 1) / 2 + 0.5) * life).sum() / total_life)
+        if name == "paged-prefix":
+            avg, full = _prefix_shared_blocks(workload, budget, life, avg, full, max_num_seqs)
+        free_blocks = budget.num_usable_blocks
         memory = int(free_blocks // avg)
         no_preempt = int(free_blocks // full)
         result[name] = _row(
@@ -219,6 +198,52 @@ def plan_capacity(
         "allocators": result,
         "notes": notes,
     }
+
+
+def _contiguous_row(
+    name: str,
+    sizes: npt.NDArray[np.int64],
+    p: npt.NDArray[np.int64],
+    o: npt.NDArray[np.int64],
+    life: npt.NDArray[np.int64],
+    budget: KVBudget,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> dict[str, Any]:
+    """A contiguous allocator reserves `sizes` blocks per request for its whole life: the packing pass where
+    the workload fills the pool, Little's law where it never does."""
+    total_life = float(life.sum())
+    avg = float((sizes * life).sum() / total_life)
+    tokens = float(max_model_len) if name == "contiguous-max" else float(((p + o) * life).sum() / total_life)
+    free_blocks = budget.num_usable_blocks
+    memory = first_fit_concurrency(sizes, life, free_blocks, len(sizes))
+    memory_n = int(memory) if memory is not None else int(free_blocks // avg)
+    packed = min(max_num_seqs, memory_n)
+    return _row(packed, memory_n, packed, tokens, avg, budget)
+
+
+def _prefix_shared_blocks(
+    workload: Workload,
+    budget: KVBudget,
+    life: npt.NDArray[np.int64],
+    avg0: float,
+    full0: float,
+    max_num_seqs: int,
+) -> tuple[float, float]:
+    """(mean, full) blocks per request once shared prefixes are counted once: a fixed point, N -> live
+    holders per block -> blocks per request -> N."""
+    total_life = float(life.sum())
+    free_blocks = budget.num_usable_blocks
+    chains = shared_prefix_chains(workload.requests, budget.block_size)
+    n, avg, full = max(int(free_blocks // avg0), 1), avg0, full0
+    for _ in range(20):
+        saved = float((shared_blocks_saved(chains, min(n, max_num_seqs)) * life).sum() / total_life)
+        avg, full = max(avg0 - saved, 1e-9), max(full0 - saved, 1e-9)
+        n_next = max(int(free_blocks // avg), 1)
+        if n_next == n:
+            break
+        n = n_next
+    return avg, full
 
 
 def _row(

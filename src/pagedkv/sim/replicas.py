@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.simulator import EOS_TOKEN_ID, SimConfig
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
@@ -145,20 +146,13 @@ class _Plan:
 class _Replica:
     def __init__(self, name: int, config: SimConfig, tiers: TierConfig, num_blocks: int) -> None:
         from pagedkv.core import PagedKVManager
-        from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+        from pagedkv.engine.scheduler import Scheduler
         from pagedkv.events import CPU, EventLog, ManagerFeed
 
         self.name = name
         self.bs = config.block_size
         self.manager = PagedKVManager(num_blocks, self.bs, record_events=True)
-        self.scheduler = Scheduler(
-            self.manager,
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
-        )
+        self.scheduler = Scheduler(self.manager, config.scheduler)
         self.step_model = config.step_model()
         self.log = EventLog(self.bs)
         self.feed = ManagerFeed(self.manager, self.log)
@@ -580,8 +574,11 @@ def run_command(args: Any) -> int:
         config = SimConfig(
             model=model, gpu=catalog.gpu(args.gpu), allocator="paged-prefix", block_size=args.block_size,
             max_model_len=args.max_model_len or model.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, step_overhead_s=args.step_overhead_ms / 1000.0,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            ),
+            step_overhead_s=args.step_overhead_ms / 1000.0,
             tensor_parallel=args.tensor_parallel, activation_bytes=activation_bytes_from(args),
         )  # fmt: skip
         tiers = TierConfig(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -169,41 +170,66 @@ def simulate(
             f"({budget.num_blocks} blocks of {config.block_size}), less than one request of "
             f"max_model_len={config.max_model_len}; lower --max-model-len or give the cache more memory"
         )
-    manager = manager_for(config.allocator, budget.num_blocks, config.block_size)
-    scheduler = Scheduler(manager, config.scheduler)
-    step_model = config.step_model()
-    reqs = {r.index: r for r in workload.requests}
-    children: dict[int, list[int]] = {}
-    pending: list[tuple[float, int]] = []  # (arrival, index) heap of requests whose arrival is known
-    for r in workload.requests:
-        if r.parent is not None and r.parent in reqs:
-            children.setdefault(r.parent, []).append(r.index)
-        else:
-            pending.append((r.arrival_s, r.index))
-    heapq.heapify(pending)
-
-    n = len(workload.requests)
-    order = {r.index: i for i, r in enumerate(workload.requests)}
-    arrival = np.zeros(n)
-    first_token = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
-    cached = np.zeros(n, dtype=np.int64)
-    seen: set[str] = set()
-    live: dict[str, tuple[GeneratedRequest, Request]] = {}
-    out = SimTrace(config, budget, workload.name)
-    paged = config.allocator not in CONTIGUOUS
-    bs = config.block_size
-    now = 0.0
+    replay = _Replay(config, workload, budget)
     steps = 0
-    capacity: dict[str, int] = {}  # realloc: each sequence's buffer, in tokens
-    kv_per_token = config.model.kv_bytes_per_token
+    while replay.pending or replay.scheduler.has_unfinished():
+        replay.admit_arrivals()
+        output = replay.scheduler.schedule()
+        replay.drop_rejected(output)
+        if not output.scheduled:
+            replay.wait_or_fail()
+            continue
+        replay.run_step(output, progress)
+        steps += 1
+        if check_every and steps % check_every == 0:
+            replay.manager.check_invariants()
+    return replay.finish()
 
-    while pending or scheduler.has_unfinished():
-        if not scheduler.has_unfinished() and pending[0][0] > now:
-            now = pending[0][0]  # idle: jump to the next arrival
-        while pending and pending[0][0] <= now:
+
+class _Replay:
+    """The state of one `simulate` run, advanced one scheduler step at a time by its phases: admit the
+    requests that have arrived, drop the ones the allocator can never hold, charge the step's time, sample,
+    measure KV use, then retire finished requests (releasing the next turns of their chats)."""
+
+    def __init__(self, config: SimConfig, workload: Workload, budget: KVBudget) -> None:
+        self.config = config
+        self.workload = workload
+        self.budget = budget
+        self.manager = manager_for(config.allocator, budget.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.manager, config.scheduler)
+        self.step_model = config.step_model()
+        self.reqs = {r.index: r for r in workload.requests}
+        self.children: dict[int, list[int]] = {}
+        self.pending: list[tuple[float, int]] = []  # (arrival, index) heap of requests whose arrival is known
+        for r in workload.requests:
+            if r.parent is not None and r.parent in self.reqs:
+                self.children.setdefault(r.parent, []).append(r.index)
+            else:
+                self.pending.append((r.arrival_s, r.index))
+        heapq.heapify(self.pending)
+        n = len(workload.requests)
+        self.order = {r.index: i for i, r in enumerate(workload.requests)}
+        self.arrival = np.zeros(n)
+        self.first_token = np.full(n, np.nan)
+        self.finish_time = np.full(n, np.nan)
+        self.cached = np.zeros(n, dtype=np.int64)
+        self.seen: set[str] = set()
+        self.live: dict[str, tuple[GeneratedRequest, object]] = {}
+        self.out = SimTrace(config, budget, workload.name)
+        self.paged = config.allocator not in CONTIGUOUS
+        self.now = 0.0
+        self.capacity: dict[str, int] = {}  # realloc: each sequence's buffer, in tokens
+
+    def admit_arrivals(self) -> None:
+        """Jump over idle time to the next arrival, then hand every request that has arrived to the scheduler."""
+        from pagedkv.engine.request import Request
+
+        config, pending = self.config, self.pending
+        if not self.scheduler.has_unfinished() and pending[0][0] > self.now:
+            self.now = pending[0][0]  # idle: jump to the next arrival
+        while pending and pending[0][0] <= self.now:
             t, index = heapq.heappop(pending)
-            g = reqs[index]
+            g = self.reqs[index]
             req = Request(
                 str(index),
                 g.prompt_token_ids,
@@ -211,112 +237,136 @@ def simulate(
                 arrival_time=t,
                 eos_token_id=EOS_TOKEN_ID,
             )
-            arrival[order[index]] = t
-            live[req.request_id] = (g, req)
-            scheduler.add_request(req)
+            self.arrival[self.order[index]] = t
+            self.live[req.request_id] = (g, req)
+            self.scheduler.add_request(req)
 
-        output = scheduler.schedule()
+    def drop_rejected(self, output: Any) -> None:
+        """Requests that can never fit finish without a token; a chat goes on even if one turn was refused."""
+        for req in getattr(output, "rejected", ()):
+            g, _ = self.live.pop(req.request_id)
+            self.out.rejected += 1
+            self._release_children(g.index)
+
+    def wait_or_fail(self) -> None:
+        """Nothing was scheduled: wait for the next arrival, or fail when nothing can ever run."""
+        if not self.scheduler.has_unfinished():
+            return
+        if self.pending:
+            self.now = max(self.now, self.pending[0][0])
+            return
+        config = self.config
+        raise CapacityError(
+            f"simulator: {self.scheduler.num_waiting} request(s) can never be scheduled with allocator "
+            f"{config.allocator!r} ({self.budget.num_blocks} blocks of {config.block_size} tokens, "
+            f"max_model_len {config.max_model_len}); the budget is too small for one request"
+        )
+
+    def run_step(self, output: Any, progress: Callable[[int], None] | None) -> None:
         chunks = output.scheduled
-        for req in output.rejected:  # can never fit: finished without a token
-            g, _ = live.pop(req.request_id)
-            out.rejected += 1
-            for child in children.get(g.index, ()):  # a chat goes on even if one turn was refused
-                heapq.heappush(pending, (now + reqs[child].think_s, child))
-        if not chunks:
-            if not scheduler.has_unfinished():
-                continue
-            if pending:
-                now = max(now, pending[0][0])
-                continue
-            raise CapacityError(
-                f"simulator: {scheduler.num_waiting} request(s) can never be scheduled with allocator "
-                f"{config.allocator!r} ({budget.num_blocks} blocks of {bs} tokens, max_model_len "
-                f"{config.max_model_len}); the budget is too small for one request"
-            )
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         news = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-        cost = step_model.cost(starts, news)
+        dt = self._charge_time(chunks, starts, news)
+        self.out.preemptions += len(output.preempted)
+        sampled = self._sample(chunks)
+        num_running = len(self.scheduler.running)
+        finished = self.scheduler.update(output, sampled, self.now)
+        self._record_step(dt, num_running, int(news.sum()))
+        for req in finished:
+            g, _ = self.live.pop(req.request_id)
+            i = self.order[g.index]
+            self.first_token[i] = req.first_token_time
+            self.finish_time[i] = req.finish_time
+            self._release_children(g.index)
+        if finished and progress is not None:
+            progress(len(finished))
+
+    def _charge_time(
+        self, chunks: Any, starts: npt.NDArray[np.int64], news: npt.NDArray[np.int64]
+    ) -> float:
+        """Advance the clock by the step model's cost plus any reallocation copies; add the step's traffic."""
+        config, out = self.config, self.out
+        cost = self.step_model.cost(starts, news)
         dt = cost.seconds
         copy_s = 0.0
         if config.realloc != "none":
             copied = 0
             for c in chunks:
                 rid = c.request.request_id
-                n, capacity[rid] = realloc_copy_tokens(
-                    config.realloc, capacity.get(rid, 0), c.start, c.start + c.num_new_tokens
+                n, self.capacity[rid] = realloc_copy_tokens(
+                    config.realloc, self.capacity.get(rid, 0), c.start, c.start + c.num_new_tokens
                 )
                 copied += n
             if copied:  # read and write every copied byte
-                copy_bytes = float(copied) * kv_per_token
+                copy_bytes = float(copied) * config.model.kv_bytes_per_token
                 out.realloc_bytes += copy_bytes
                 copy_s = 2 * copy_bytes / (config.tensor_parallel * config.gpu.hbm_bandwidth_bytes_per_s)
                 dt += copy_s
         out.realloc_s.append(copy_s)
-        now += dt
+        self.now += dt
         out.bytes_moved += cost.bytes_moved
         out.flops += cost.flops
-        if paged:  # the attention kernel reads one int32 block id per context block, per layer
+        if self.paged:  # the attention kernel reads one int32 block id per context block, per layer
+            bs = config.block_size
             out.page_table_bytes += float((-(-(starts + news) // bs)).sum()) * 4 * config.model.num_layers
-        out.preemptions += len(output.preempted)
+        return dt
 
+    def _sample(self, chunks: Any) -> dict[str, int]:
+        """The workload's next token for every chunk that produces one (EOS at the request's output length);
+        records each request's prefix-cache hit the first time it is scheduled."""
         sampled: dict[str, int] = {}
         for c in chunks:
             rid = c.request.request_id
-            if rid not in seen:
-                seen.add(rid)
-                cached[order[int(rid)]] = int(c.request.num_cached_tokens)
+            if rid not in self.seen:
+                self.seen.add(rid)
+                self.cached[self.order[int(rid)]] = int(c.request.num_cached_tokens)
             if c.produces_token:
-                g = live[rid][0]
+                g = self.live[rid][0]
                 k = len(c.request.output_token_ids)
                 sampled[rid] = EOS_TOKEN_ID if k + 1 >= g.output_len else int(g.output_token_ids[k])
+        return sampled
 
-        num_running = len(scheduler.running)
-        finished = scheduler.update(output, sampled, now)
-        # KV use after the step: every scheduled chunk's KV is written, finished requests are freed.
-        held = _held_tokens(manager, scheduler.running)
+    def _record_step(self, dt: float, num_running: int, batched: int) -> None:
+        """KV use after the step: every scheduled chunk's KV is written, finished requests are freed."""
+        manager, out, bs = self.manager, self.out, self.config.block_size
+        held = _held_tokens(manager, self.scheduler.running)
         used = manager.num_used_blocks
-        if paged:
+        if self.paged:
             empty = int((-(-held // bs) * bs - held).sum())  # only each sequence's private tail block
             stored = used * bs - empty
         else:
             stored = int(held.sum())
             empty = used * bs - stored
-        out.step_end_s.append(now)
+        out.step_end_s.append(self.now)
         out.step_s.append(dt)
         out.running.append(num_running)
-        out.waiting.append(scheduler.num_waiting)
-        out.batched_tokens.append(int(news.sum()))
+        out.waiting.append(self.scheduler.num_waiting)
+        out.batched_tokens.append(batched)
         out.used_blocks.append(used)
         out.stored_tokens.append(stored)
         out.empty_slots.append(empty)
 
-        for req in finished:
-            g, _ = live.pop(req.request_id)
-            i = order[g.index]
-            first_token[i] = req.first_token_time
-            finish[i] = req.finish_time
-            for child in children.get(g.index, ()):
-                heapq.heappush(pending, (now + reqs[child].think_s, child))
-        if finished and progress is not None:
-            progress(len(finished))
-        steps += 1
-        if check_every and steps % check_every == 0:
-            manager.check_invariants()
+    def _release_children(self, index: int) -> None:
+        for child in self.children.get(index, ()):
+            heapq.heappush(self.pending, (self.now + self.reqs[child].think_s, child))
 
-    manager.check_invariants()
-    out.final_used_blocks = manager.num_used_blocks
-    if manager.num_used_blocks:
-        raise InvariantError(
-            f"simulator: {manager.num_used_blocks} block(s) still in use after every request finished "
-            f"(allocator {config.allocator!r}): a leak"
-        )
-    out.arrival_s = arrival
-    out.first_token_s = first_token
-    out.finish_s = finish
-    out.prompt_len = np.array([r.prompt_len for r in workload.requests], dtype=np.int64)
-    out.output_len = np.array([r.output_len for r in workload.requests], dtype=np.int64)
-    out.cached_tokens = cached
-    return out
+    def finish(self) -> SimTrace:
+        """Check the allocator is whole and empty, then fill the per-request arrays."""
+        manager, out, workload = self.manager, self.out, self.workload
+        manager.check_invariants()
+        out.final_used_blocks = manager.num_used_blocks
+        if manager.num_used_blocks:
+            raise InvariantError(
+                f"simulator: {manager.num_used_blocks} block(s) still in use after every request finished "
+                f"(allocator {self.config.allocator!r}): a leak"
+            )
+        out.arrival_s = self.arrival
+        out.first_token_s = self.first_token
+        out.finish_s = self.finish_time
+        out.prompt_len = np.array([r.prompt_len for r in workload.requests], dtype=np.int64)
+        out.output_len = np.array([r.output_len for r in workload.requests], dtype=np.int64)
+        out.cached_tokens = self.cached
+        return out
 
 
 def _held_tokens(manager: KVManager, running: list[Request]) -> npt.NDArray[np.int64]:

@@ -8,7 +8,8 @@ Two formats, one record type:
   name 512-token prefix blocks: two requests whose lists start with the same k ids share exactly their first
   k*512 prompt tokens. Qin et al., "Mooncake", FAST 2025 (Apache-2.0).
 
-Token synthesis (the one PEERS.md documents, so prefix hit rates compare across allocators):
+Token synthesis (the one the peer harnesses in benchmarks/allocator_vs_peers.py use, so prefix hit rates
+compare across allocators):
 `tok(stream, key, j) = sm64(sm64(sm64(0) ^ stream ^ (key << 8)) + j) % 50000`, stream 0 for Azure prompts
 (key = row index), 1 for generated tokens (key = row index, j = output position), 2 for Mooncake blocks
 (key = hash id, j = position inside the 512-token block), 3 for Mooncake padding (key = row index,

@@ -115,13 +115,46 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Check everything the user typed, then the model source, its config and tokenizer (cheap), reject the
     prompts that cannot fit the model's positions, and only then load the weights and serve the rest."""
-    from pagedkv.engine.config import EngineConfig, parse_bytes
-    from pagedkv.engine.outputs import RequestOutput
-    from pagedkv.engine.params import SamplingParams
-    from pagedkv.engine.scheduler import SchedulerConfig
     from pagedkv.hf.loading import check_source, load_config, load_tokenizer, set_progress_bars
 
+    # 1. the arguments: prompts, sampling parameters, engine configuration
     items = read_prompts(args)
+    params = _sampling_params(args, items)
+    config = _engine_config(args)
+    # 2. the model source, its context length and tokenizer (no weights yet)
+    source = check_source(args.model)
+    set_progress_bars(not args.no_progress)
+    max_pos = getattr(load_config(source), "max_position_embeddings", None)
+    if max_pos is not None and args.max_new_tokens >= max_pos:
+        raise InvalidArgumentError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {max_pos} "
+            f"positions; use at most {max_pos - 1}"
+        )
+    tokenizer = load_tokenizer(source)
+    encoded = [encode_prompt(tokenizer, prompt, chat=args.chat) for _, prompt, _ in items]
+    reasons = [prompt_problem(ids, p.max_new_tokens, max_pos) for ids, p in zip(encoded, params)]
+    served = [i for i, why in enumerate(reasons) if why is None]
+    # 3. the weights, then serve the prompts that can be served
+    engine, engine_outputs, wall = _load_and_serve(args, source, tokenizer, config, encoded, params, served)
+    # 4. the completions in prompt order, rejections included; then the summary
+    outputs = _group_outputs(engine_outputs, encoded, reasons, served)
+    _print_outputs(args, items, outputs)
+    rejected = [i for i, out in outputs if out.finish_reason == "rejected" and out.parent_id is None]
+    done = [out for _, out in outputs if out.finish_reason != "rejected"]
+    num_tokens = sum(len(o.output_token_ids) for o in done)
+    print(
+        f"pagedkv generate: {len(items) - len(rejected)} requests served ({len(done)} completions, {num_tokens} "
+        f"tokens in {wall:.1f}s, {num_tokens / wall if wall > 0 else 0.0:.1f} tok/s), {len(rejected)} rejected; "
+        f"{engine.manager.num_blocks} KV blocks ({config.allocator}), {engine.stats.num_preemptions} preemptions",
+        file=sys.stderr,
+    )
+    return 0 if not rejected else 1
+
+
+def _sampling_params(args: argparse.Namespace, items: list[tuple[str | None, str, int | None]]) -> list[Any]:
+    """One `SamplingParams` per prompt: the flags, with a JSONL line's own `max_new_tokens` when it has one."""
+    from pagedkv.engine.params import SamplingParams
+
     base = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -132,8 +165,15 @@ def _run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    params = [base if limit is None else _with_limit(base, limit) for _, _, limit in items]
-    config = EngineConfig(
+    return [base if limit is None else _with_limit(base, limit) for _, _, limit in items]
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    """The `EngineConfig` the flags describe (validated by its constructor)."""
+    from pagedkv.engine.config import EngineConfig, parse_bytes
+    from pagedkv.engine.scheduler import SchedulerConfig
+
+    return EngineConfig(
         num_blocks=args.num_blocks,
         kv_budget_bytes=None
         if args.num_blocks is not None
@@ -151,19 +191,18 @@ def _run(args: argparse.Namespace) -> int:
         disk_bytes=0 if args.disk_bytes is None else parse_bytes(args.disk_bytes),
         remote_url=args.remote_url,
     )
-    source = check_source(args.model)
-    set_progress_bars(not args.no_progress)
-    max_pos = getattr(load_config(source), "max_position_embeddings", None)
-    if max_pos is not None and args.max_new_tokens >= max_pos:
-        raise InvalidArgumentError(
-            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {max_pos} "
-            f"positions; use at most {max_pos - 1}"
-        )
-    tokenizer = load_tokenizer(source)
-    encoded = [encode_prompt(tokenizer, prompt, chat=args.chat) for _, prompt, _ in items]
-    reasons = [prompt_problem(ids, p.max_new_tokens, max_pos) for ids, p in zip(encoded, params)]
-    served = [i for i, why in enumerate(reasons) if why is None]
 
+
+def _load_and_serve(
+    args: argparse.Namespace,
+    source: Any,
+    tokenizer: Any,
+    config: Any,
+    encoded: list[list[int]],
+    params: list[Any],
+    served: list[int],
+) -> tuple[Any, list[Any], float]:
+    """Load the weights, build the engine and serve the prompts `served` names: (engine, outputs, wall s)."""
     import torch
 
     from pagedkv.engine.llm_engine import Engine
@@ -180,8 +219,16 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         engine.close()  # the disk tier's file and the remote store's connections
     progress.close()
-    wall = time.perf_counter() - start
-    # one group per prompt, in prompt order: the engine's (parent first, then its children) or a rejection
+    return engine, engine_outputs, time.perf_counter() - start
+
+
+def _group_outputs(
+    engine_outputs: list[Any], encoded: list[list[int]], reasons: list[str | None], served: list[int]
+) -> list[tuple[int, Any]]:
+    """(prompt index, output) in prompt order: per prompt, the engine's (parent first, then its children,
+    renamed `req-<prompt index>[suffix]`) or one "rejected" output."""
+    from pagedkv.engine.outputs import RequestOutput
+
     groups: dict[int, list[Any]] = {
         i: [RequestOutput(f"req-{i}", encoded[i], [], "", True, "rejected", reasons[i])]
         for i, why in enumerate(reasons)
@@ -199,7 +246,13 @@ def _run(args: argparse.Namespace) -> int:
         groups[served[k]].append(
             replace(out, request_id=parent + suffix, parent_id=parent if suffix else None)
         )
-    outputs = [(i, out) for i in sorted(groups) for out in groups[i]]
+    return [(i, out) for i in sorted(groups) for out in groups[i]]
+
+
+def _print_outputs(
+    args: argparse.Namespace, items: list[tuple[str | None, str, int | None]], outputs: list[tuple[int, Any]]
+) -> None:
+    """One JSON object a line (`--json`, the user's own ids kept) or the texts, tagged when there are several."""
     for i, out in outputs:
         user_id, prompt = items[i][0], items[i][1]
         if args.json:
@@ -211,16 +264,6 @@ def _run(args: argparse.Namespace) -> int:
             tag = f"[{out.request_id}] " if len(outputs) > 1 else ""
             body = out.output_text if out.finish_reason != "rejected" else f"(rejected: {out.error})"
             print(f"{tag}{body}", flush=True)
-    rejected = [i for i, out in outputs if out.finish_reason == "rejected" and out.parent_id is None]
-    done = [out for _, out in outputs if out.finish_reason != "rejected"]
-    num_tokens = sum(len(o.output_token_ids) for o in done)
-    print(
-        f"pagedkv generate: {len(items) - len(rejected)} requests served ({len(done)} completions, {num_tokens} "
-        f"tokens in {wall:.1f}s, {num_tokens / wall if wall > 0 else 0.0:.1f} tok/s), {len(rejected)} rejected; "
-        f"{engine.manager.num_blocks} KV blocks ({config.allocator}), {engine.stats.num_preemptions} preemptions",
-        file=sys.stderr,
-    )
-    return 0 if not rejected else 1
 
 
 def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
