@@ -26,6 +26,7 @@ import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.manager import PagedKVManager
+from pagedkv.core.pool import CacheEvent
 from pagedkv.core.prefix import Key, root_key
 from pagedkv.events.log import EventLog
 from pagedkv.events.wire import GPU
@@ -47,12 +48,15 @@ class ManagerFeed:
         self._recent: deque[Key] = deque(maxlen=_RECENT)
         self.orphans = 0  # blocks reported without their parent (it could not be derived)
 
-    def poll(self) -> int:
-        """Move the manager's pending events into the log; returns how many cache events were read."""
+    def poll(self, drained: list[CacheEvent] | None = None) -> int:
+        """Move the manager's pending events into the log; returns how many cache events were read.
+
+        `drained`: events another reader already took from `manager.take_events()`, in order (the engine's
+        tiering is the one reader when tiers are on); None drains the manager here."""
         m = self.manager
         if m.epoch != self._epoch:
             raise InvalidArgumentError("the manager's epoch changed behind the feed: use ManagerFeed.bump_epoch()")
-        events = m.take_events()
+        events = m.take_events() if drained is None else drained
         if not events:
             return 0
         pool, log = m.pool, self.log
