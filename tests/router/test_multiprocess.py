@@ -54,7 +54,7 @@ def test_router_process_sends_shared_prefixes_where_their_kv_is(tmp_path) -> Non
             placed.append(i)
             pushes[i].send(msgspec.msgpack.encode([f"r{k}", prompt, 4]))
             assert pull.poll(120_000), "a replica did not answer"
-            index, rid, output, cached, next_seq, held = msgspec.msgpack.decode(pull.recv())
+            index, rid, output, cached, next_seq, held, _ = msgspec.msgpack.decode(pull.recv())
             assert (index, rid) == (i, f"r{k}")
             results.append((output, cached, decision.match.gpu))
             deadline = time.monotonic() + 30

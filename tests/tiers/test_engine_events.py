@@ -43,7 +43,10 @@ def real_state(engine: Engine) -> dict[str, set[int]]:
         out[tier.medium] = {external_hash(k) for k, s in idx.slot_of.items() if idx.ready[s]}
     remote = store.remote
     prefix = f"{KEY_PREFIX}{remote.fingerprint}:".encode()
-    out[REMOTE] = {external_hash(bytes.fromhex(k[len(prefix) :].decode())) for k in remote.client.scan_iter(match=prefix + b"*")}
+    out[REMOTE] = {
+        external_hash(bytes.fromhex(k[len(prefix) :].decode()))
+        for k in remote.client.scan_iter(match=prefix + b"*")
+    }
     return out
 
 
@@ -86,7 +89,9 @@ def workload(rng: np.random.Generator, n: int) -> list[list[int]]:
     ]
 
 
-def drive(engine: Engine, consumer: Consumer, rng: np.random.Generator, prompts: list[list[int]], check: Any) -> None:
+def drive(
+    engine: Engine, consumer: Consumer, rng: np.random.Generator, prompts: list[list[int]], check: Any
+) -> None:
     """Requests arrive a few per step while earlier ones run; after every step the batch is checked."""
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     todo = list(prompts)

@@ -28,7 +28,9 @@ from pagedkv.events import EventBatch, EventLog, ManagerFeed
 
 
 class EngineEvents:
-    def __init__(self, manager: Any, block_size: int, tiering: Any = None, *, data_parallel_rank: int = 0) -> None:
+    def __init__(
+        self, manager: Any, block_size: int, tiering: Any = None, *, data_parallel_rank: int = 0
+    ) -> None:
         self.log = EventLog(block_size, data_parallel_rank=data_parallel_rank)
         self.feed = ManagerFeed(manager, self.log)
         self.tiering = tiering
