@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.prefix import root_key, sha256_key
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
@@ -42,6 +43,8 @@ def real_state(engine: Engine) -> dict[str, set[int]]:
         idx = tier.index
         out[tier.medium] = {external_hash(k) for k, s in idx.slot_of.items() if idx.ready[s]}
     remote = store.remote
+    if remote is None:
+        return {**out, REMOTE: set()}
     prefix = f"{KEY_PREFIX}{remote.fingerprint}:".encode()
     out[REMOTE] = {
         external_hash(bytes.fromhex(k[len(prefix) :].decode()))
@@ -65,7 +68,7 @@ class Consumer:
             if isinstance(e, BlockStored):
                 if e.parent_block_hash is not None:
                     assert self.index.holders(e.parent_block_hash).get("r"), "a parent never reported"
-                assert not e.token_ids or len(e.token_ids) == BS * len(e.block_hashes)
+                assert len(e.token_ids) == BS * len(e.block_hashes), "every medium reports the tokens"
             if isinstance(e, BlockRemoved):
                 later = {
                     h for f in batch.events[j + 1 :] if isinstance(f, BlockStored) and f.medium == e.medium
@@ -79,6 +82,20 @@ class Consumer:
     def state(self) -> dict[str, set[int]]:
         got = self.index.state("r")
         return {m: got.get(m, set()) for m in (GPU, CPU, DISK, REMOTE)}
+
+
+def check_chains(engine: Engine) -> None:
+    """Every key the log holds, in any medium, chains from its recorded parent through its recorded tokens."""
+    log = engine.kv_events.log
+    root = root_key(sha256_key, engine.manager.epoch, b"", b"")
+    held = set().union(*(log.holds(m) for m in (GPU, CPU, DISK, REMOTE)))
+    for key in held:
+        info = log.known(key)
+        assert info is not None
+        parent, tokens = info
+        data = np.asarray(tokens, dtype=np.int32).tobytes()
+        assert sha256_key(root if parent is None else parent, data, b"") == key
+    assert engine.kv_events.feed.orphans == 0
 
 
 def workload(rng: np.random.Generator, n: int) -> list[list[int]]:
@@ -117,6 +134,7 @@ def test_event_batches_rebuild_every_medium(seed: int, redis_url: str, tmp_path:
 
     def exact(got: dict[str, set[int]], real: dict[str, set[int]]) -> None:
         assert got == real
+        check_chains(engine)
 
     drive(engine, consumer, rng, workload(rng, 30), exact)
     stats = engine.stats.tiers
@@ -143,6 +161,26 @@ def test_event_batches_rebuild_every_medium(seed: int, redis_url: str, tmp_path:
     consumer.apply(engine.take_event_batch(), real_state(engine))
     assert consumer.state() == real_state(engine)
     engine.tiering.store.check_invariants()
+    engine.close()
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_local_tiers_alone_report_parents_and_tokens(seed: int, tmp_path: Path) -> None:
+    """Without a store, a block written back to the host leaves the device in the same step: its parent
+    and tokens must still go out with its CPU (and later DISK) `BlockStored`."""
+    rng = np.random.default_rng(seed)
+    config = EngineConfig(
+        num_blocks=16, block_size=BS, host_blocks=5, disk_path=str(tmp_path), disk_bytes=6 * 2048, kv_events=True
+    )
+    engine = Engine(tiny_model("llama"), None, config)
+    consumer = Consumer()
+
+    def exact(got: dict[str, set[int]], real: dict[str, set[int]]) -> None:
+        assert got == real
+        check_chains(engine)
+
+    drive(engine, consumer, rng, workload(rng, 30), exact)
+    assert consumer.removed[CPU] > 0 and consumer.removed[DISK] > 0
     engine.close()
 
 

@@ -10,8 +10,9 @@ events since the last call as one vLLM-compatible `EventBatch` (publish it with
 - CPU, DISK, REMOTE: the tiers' `TierEvent`s (`tiering.take_events()`), which carry only the key. A
   block's parent and tokens are those the log recorded when a medium first reported it: a block written
   back to the host is, in the same sync, removed from the device, so `poll` reads what the log knows of
-  the keys it is about to see leave, before feeding the device's removals. Tier events are applied
-  stored-first: a key that moves from CPU to DISK in one sync is never held nowhere in between.
+  the keys it is about to see leave (and of every key in the tier events) before feeding the device's
+  removals; a key that moves from CPU to DISK keeps them too. The device's events are fed first, then the
+  tiers', each in the order they happened (the per-medium sets are exact at the end of every poll).
 
 `poll()` runs at the end of every engine step (after `tiering.after_update`) and before every
 `take_batch()`. The remote tier reports the keys this replica wrote; keys Redis evicts by itself are
@@ -52,18 +53,16 @@ class EngineEvents:
             if info is not None:
                 known[key] = info
         self.feed.poll(drained)
-        for e in tier_events:  # stored first, in order; then removed
-            if e.kind != "stored":
+        for e in tier_events:  # in the order they happened
+            if e.kind == "removed":
+                log.removed(e.medium, [e.key])
                 continue
             info = log.known(e.key) or known.get(e.key)
-            if info is None:
+            if info is None:  # cannot happen: every tier copy comes from a block the device reported
                 log.stored(e.medium, [e.key])
             else:
                 parent, tokens = info
                 log.stored(e.medium, [e.key], parent=parent, token_ids=tokens or None)
-        for e in tier_events:
-            if e.kind == "removed":
-                log.removed(e.medium, [e.key])
 
     def take_batch(self) -> EventBatch | None:
         """Every medium's events since the last call, as one batch (None if there are none)."""
