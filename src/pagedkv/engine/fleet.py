@@ -30,9 +30,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import msgspec
+import zmq
+
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
+from pagedkv.engine.params import SamplingParams
+from pagedkv.events import external_hash
+from pagedkv.events.publisher import EventSubscriber, ZmqEventPublisher
+from pagedkv.router import Router, request_hashes
 
 DEFAULT_FACTORY = "pagedkv.engine.fleet:tiny_engine"
 
@@ -56,13 +63,6 @@ def serve_replica(
     folder: str, index: int, factory: str = DEFAULT_FACTORY, remote_url: str | None = None
 ) -> None:
     """A replica process's loop (returns when it receives a request id of None)."""
-    import msgspec
-    import zmq
-
-    from pagedkv.engine.params import SamplingParams
-    from pagedkv.events import external_hash
-    from pagedkv.events.publisher import ZmqEventPublisher
-
     engine: Engine = load_factory(factory)(remote_url)
     if engine.kv_events is None:
         raise InvalidArgumentError("a fleet replica's engine needs EngineConfig(kv_events=True)")
@@ -122,11 +122,6 @@ class Fleet:
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
     ) -> None:
-        import zmq
-
-        from pagedkv.events.publisher import EventSubscriber
-        from pagedkv.router import Router
-
         if num_replicas < 1:
             raise InvalidArgumentError(f"a fleet needs at least one replica, got {num_replicas}")
         self._tmp = tempfile.TemporaryDirectory(prefix="pagedkv-fleet-") if folder is None else None
@@ -147,8 +142,6 @@ class Fleet:
             while len(sizes) < num_replicas:
                 if not self._pull.poll(self.timeout_ms):
                     raise PagedKVError("a replica process did not start (see its stderr)")
-                import msgspec
-
                 index, _, block_size = msgspec.msgpack.decode(self._pull.recv())
                 sizes[index] = block_size
             if len(set(sizes.values())) != 1:
@@ -173,8 +166,6 @@ class Fleet:
         return len(self._procs)
 
     def hashes(self, prompt: Sequence[int]) -> list[int]:
-        from pagedkv.router import request_hashes
-
         return request_hashes(list(prompt), self.block_size)
 
     def route(self, prompt: Sequence[int], loads: Sequence[float] | None = None) -> Any:
@@ -185,8 +176,6 @@ class Fleet:
 
     def run(self, replica: int, prompt: Sequence[int], max_new_tokens: int = 16) -> Result:
         """Serve one request on `replica`; returns after the router's index holds every event it caused."""
-        import msgspec
-
         if not 0 <= replica < self.num_replicas:
             raise InvalidArgumentError(f"replica must be in [0, {self.num_replicas}), got {replica}")
         rid = f"f{self._ids}"
@@ -213,8 +202,6 @@ class Fleet:
         return self.run(self.route(prompt, loads).replica, prompt, max_new_tokens)
 
     def close(self) -> None:
-        import msgspec
-
         for push in self._pushes:
             push.send(msgspec.msgpack.encode([None, [], 0]))
         for p in self._procs:
