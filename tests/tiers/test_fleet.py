@@ -57,3 +57,32 @@ def test_prefix_computed_on_a_is_served_on_b_from_redis_when_the_router_sends_it
         tiny_model("llama", 0), None, EngineConfig(num_blocks=48, block_size=BS, enable_prefix_caching=False)
     )
     assert a.output_token_ids == ref.generate([prompt], SamplingParams(max_new_tokens=4))[0].output_token_ids
+
+
+@pytest.mark.slow  # two more replica processes
+def test_the_one_command_demo_serves_from_the_store(redis_url: str) -> None:
+    import subprocess
+    import sys
+
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pagedkv.engine.fleet", "--replicas", "2", "--remote-url", redis_url]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert [r[:5] for r in rows] == [
+        ["0", "1", "0", "0", "(0/0/0/0)"],
+        ["1", "0", "1", "40", "(0/0/0/40)"],  # the busy replica's prefix, from Redis
+        ["2", "1", "0", "40", "(40/0/0/0)"],
+        ["3", "0", "1", "40", "(40/0/0/0)"],
+    ]
+
+
+def test_fleet_misuse_is_one_typed_error() -> None:
+    from pagedkv.core.errors import InvalidArgumentError
+    from pagedkv.engine.fleet import load_factory
+
+    with pytest.raises(InvalidArgumentError, match="at least one replica"):
+        Fleet(0)
+    with pytest.raises(InvalidArgumentError, match="module:function"):
+        load_factory("pagedkv.engine.fleet")
