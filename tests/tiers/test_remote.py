@@ -89,3 +89,24 @@ def test_unreachable_and_silent_servers_are_misses_not_exceptions(tmp_path: Path
         assert tier.failures["timeout"] >= 2
     finally:
         silent.close()
+
+
+def test_keys_redis_drops_by_itself_are_reported_once_found_gone(redis_url: str) -> None:
+    """Only keys this tier wrote are reported; a silent eviction is reported when a call meets the hole
+    (or by `audit`), and a key another replica wrote is that replica's to report."""
+    a, b = RedisTier(redis_url, LAYOUT, FP), RedisTier(redis_url, LAYOUT, FP)
+    a.put([k(0), k(1), k(2), k(3)], rows([0, 1, 2, 3]))
+    assert b.put([k(1), k(4)], rows([1, 4])).num_stored == 1
+    assert b.take_events() == [TierEvent("stored", k(4), "REMOTE")]
+    a.take_events()
+    raw = redis.Redis.from_url(redis_url)
+    raw.delete(store_key(FP, k(1)), store_key(FP, k(3)), store_key(FP, k(4)))  # allkeys-lru, unseen
+    assert a.take_events() == [] and b.take_events() == []
+    assert a.lookup([k(0), k(1), k(2)]) == 1
+    assert a.take_events() == [TierEvent("removed", k(1), "REMOTE")]
+    assert b.lookup([k(0), k(1)]) == 1 and b.take_events() == []  # b never reported k(1)
+    assert a.put([k(1)], rows([1])).num_stored == 1
+    assert a.take_events() == [TierEvent("stored", k(1), "REMOTE")]  # held again: reported again
+    assert a.audit() == 1 and a.take_events() == [TierEvent("removed", k(3), "REMOTE")]
+    assert a.audit() == 0 and a.take_events() == []
+    assert b.audit() == 1 and b.take_events() == [TierEvent("removed", k(4), "REMOTE")]

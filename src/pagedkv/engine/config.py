@@ -57,6 +57,9 @@ class EngineConfig:
     disk_path: str | None = None
     disk_bytes: int = 0
     remote_url: str | None = None
+    # KV events for every medium (GPU, CPU, DISK, REMOTE), vLLM-compatible: Engine.take_event_batch()
+    # (pagedkv.engine.kv_events, docs/scale-out.md).
+    kv_events: bool = False
 
     @property
     def tiers_enabled(self) -> bool:
@@ -86,6 +89,10 @@ class EngineConfig:
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         self._check_tiers()
+        if not isinstance(self.kv_events, bool):
+            raise InvalidArgumentError(f"kv_events must be a bool, got {self.kv_events!r}")
+        if self.kv_events and (self.allocator != "paged" or not self.enable_prefix_caching):
+            raise InvalidArgumentError("kv_events need the paged allocator with prefix caching on")
 
     def _check_tiers(self) -> None:
         if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:

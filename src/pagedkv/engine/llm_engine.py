@@ -102,7 +102,7 @@ class Engine:
             cfg.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
             num_host_blocks=num_host,
-            record_events=cfg.tiers_enabled,  # the tiers follow evictions and publications
+            record_events=cfg.tiers_enabled or cfg.kv_events,  # tiers and event logs follow the cache
         )
         device = next(model.parameters()).device
         self.cache = PagedKVCache.for_model(
@@ -124,6 +124,11 @@ class Engine:
             model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
             self.tiering = EngineTiering.build(cfg, self.cache.storage, self.manager, model_id)
             self.stats.tiers = self.tiering.stats
+        self.kv_events: Any = None
+        if cfg.kv_events:  # one event log for every medium (pagedkv.engine.kv_events)
+            from pagedkv.engine.kv_events import EngineEvents
+
+            self.kv_events = EngineEvents(self.manager, cfg.block_size, self.tiering)
         # 2. the requests' bookkeeping and the intake that checks them
         self._init_requests(model, tokenizer)
 
@@ -312,6 +317,13 @@ class Engine:
         """True while a request has not ended, or its end has not been returned by `step()` yet."""
         return bool(self._tracked or self._undelivered)
 
+    def take_event_batch(self) -> Any:
+        """The KV events of every medium since the last call, as one `pagedkv.events.EventBatch` (None if
+        there are none). Needs `EngineConfig(kv_events=True)`."""
+        if self.kv_events is None:
+            raise InvalidArgumentError("this engine records no KV events: build it with EngineConfig(kv_events=True)")
+        return self.kv_events.take_batch()
+
     def close(self) -> None:
         """Release what outlives a step: the disk tier's file and the remote store's connections."""
         if self.tiering is not None:
@@ -352,6 +364,8 @@ class Engine:
         self.scheduler.update(out, sampled, now)
         if self.tiering is not None:
             self.tiering.after_update()
+        if self.kv_events is not None:
+            self.kv_events.poll()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted)
         self.stats.num_scheduled_tokens += out.num_batched_tokens

@@ -15,8 +15,8 @@ tiering.after_update()              # write newly published blocks through to th
 
 Evictions and publications come from the manager's events (`record_events=True`): `removed` carries the
 key and the block that held it, `stored` the key and its block. The tiering is the one reader that drains
-`manager.take_events()`; an event log that also wants the device's events sets `device_events = []` and
-reads the drained `CacheEvent`s there, in order. Write-back happens before the forward that
+`manager.take_events()`; the engine's event log (`pagedkv.engine.kv_events`, `EngineConfig(kv_events=True)`)
+sets `device_events = []` and takes the drained `CacheEvent`s from there, in order, with the tiers' own. Write-back happens before the forward that
 could overwrite an evicted block; so a device block is never reused before its copy to the host finished.
 
 Loading a hit (two-phase): for a prefill chunk starting on a block boundary, the keys of the blocks fully

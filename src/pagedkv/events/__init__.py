@@ -6,6 +6,9 @@
   with `log.stored(medium, keys, parent=..., token_ids=...)` and `log.removed(medium, keys)`.
 - `manager_feed`: `ManagerFeed`, the GPU medium fed from a `PagedKVManager`'s `take_events()`.
 - `publisher`: `ZmqEventPublisher` (PUB + replaying ROUTER) and `EventSubscriber` (imports pyzmq).
+
+The engine keeps one log for all its media with `EngineConfig(kv_events=True)` (`pagedkv.engine.kv_events`):
+`Engine.take_event_batch()`.
 """
 
 from pagedkv.events.log import EventLog

@@ -78,6 +78,12 @@ class EventLog:
     def is_held(self, key: Key) -> bool:
         return key in self._parent
 
+    def known(self, key: Key) -> tuple[Key | None, tuple[int, ...]] | None:
+        """(parent key, token ids) of a key some medium holds, as first reported; None if none holds it."""
+        if key not in self._parent:
+            return None
+        return self._parent[key], self._tokens[key]
+
     def num_pending(self) -> int:
         return len(self._pending)
 

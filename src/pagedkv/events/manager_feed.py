@@ -21,11 +21,14 @@ attached: `poll` then raises `InvalidArgumentError`, since it can no longer tell
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.manager import PagedKVManager
+from pagedkv.core.pool import CacheEvent
 from pagedkv.core.prefix import Key, root_key
 from pagedkv.events.log import EventLog
 from pagedkv.events.wire import GPU
@@ -47,12 +50,15 @@ class ManagerFeed:
         self._recent: deque[Key] = deque(maxlen=_RECENT)
         self.orphans = 0  # blocks reported without their parent (it could not be derived)
 
-    def poll(self) -> int:
-        """Move the manager's pending events into the log; returns how many cache events were read."""
+    def poll(self, drained: list[CacheEvent] | None = None) -> int:
+        """Move the manager's pending events into the log; returns how many cache events were read.
+
+        `drained`: events another reader already took from `manager.take_events()`, in order (the engine's
+        tiering is the one reader when tiers are on); None drains the manager here."""
         m = self.manager
         if m.epoch != self._epoch:
             raise InvalidArgumentError("the manager's epoch changed behind the feed: use ManagerFeed.bump_epoch()")
-        events = m.take_events()
+        events = m.take_events() if drained is None else drained
         if not events:
             return 0
         pool, log = m.pool, self.log
@@ -78,13 +84,7 @@ class ManagerFeed:
                     unseen.add(e.key)
                     continue
                 tokens = m.block_tokens[e.block_id]
-                if e.block_id in parents:
-                    parent = parents[e.block_id]
-                elif chain and self._chains(chain[-1], e.key, tokens):
-                    parent = chain[-1]
-                else:
-                    flush()  # the candidates are what the log holds
-                    parent = self._search_parent(e.key, tokens)
+                parent = self._parent_of(e.block_id, e.key, tokens, parents, chain, flush)
                 if not chain or parent is None or parent != chain[-1]:
                     flush()
                     chain_parent = parent
@@ -92,20 +92,42 @@ class ManagerFeed:
                 chain_tokens.extend(tokens.tolist()[:bs])
                 continue
             flush()
-            if e.kind == "cleared":
-                self._stale.clear()
-                self._recent.clear()
-                log.cleared(self.medium)
-            else:
-                assert e.key is not None
-                if e.key in unseen:
-                    unseen.discard(e.key)
-                elif e.key in self._stale:
-                    self._stale.discard(e.key)
-                else:
-                    log.removed(self.medium, [e.key])
+            self._removed_or_cleared(e, unseen)
         flush()
         return len(events)
+
+    def _parent_of(
+        self,
+        block_id: int,
+        key: Key,
+        tokens: npt.NDArray[np.int32],
+        parents: dict[int, Key],
+        chain: list[Key],
+        flush: Callable[[], None],
+    ) -> Key | None:
+        """A stored block's parent: its live row's previous key, else the chain being built, else a search
+        of what the log holds (the chain is flushed first, so it is among the candidates)."""
+        if block_id in parents:
+            return parents[block_id]
+        if chain and self._chains(chain[-1], key, tokens):
+            return chain[-1]
+        flush()
+        return self._search_parent(key, tokens)
+
+    def _removed_or_cleared(self, e: CacheEvent, unseen: set[Key]) -> None:
+        """Report a removal (unless the key was never reported, or belongs to an earlier epoch) or a clear."""
+        if e.kind == "cleared":
+            self._stale.clear()
+            self._recent.clear()
+            self.log.cleared(self.medium)
+            return
+        assert e.key is not None, "manager feed: a removed event without its key"
+        if e.key in unseen:
+            unseen.discard(e.key)
+        elif e.key in self._stale:
+            self._stale.discard(e.key)
+        else:
+            self.log.removed(self.medium, [e.key])
 
     def reset(self) -> int:
         """`manager.reset_prefix_cache()`, reported; returns how many keys were dropped."""

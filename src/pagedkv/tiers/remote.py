@@ -9,8 +9,11 @@ is reported "evicted". A value whose header or checksum does not match is delete
 "checksum". A socket timeout is reported "timeout", any other connection failure "error"; either is a miss
 for every key of the call, never an exception to the engine.
 
-Events: `stored` for keys this tier wrote, `removed` for keys it deleted or found gone. Keys evicted by
-Redis itself are not seen here (a router learns of them when a lookup misses).
+Events describe the keys this tier reported stored (`reported`), as a set: `stored` when its `SET NX`
+wrote a key (a key another replica wrote is that replica's to report), `removed` when a reported key is
+deleted here or found gone. Redis evicts on its own (`allkeys-lru`) without telling anyone, so a reported
+key found missing by any call (`contains`/`lookup`'s `EXISTS`, `get`'s `MGET`) is reported `removed`
+then; `audit()` checks every reported key in one round trip, for a replica that wants its view exact now.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class RedisTier:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
         )
         self.events: list[TierEvent] = []
+        self.reported: set[bytes] = set()  # keys reported stored and not removed since
         self.failures: Counter[str] = Counter()  # calls that failed, by reason
         self.round_trips = 0
 
@@ -81,7 +85,11 @@ class RedisTier:
             return list(pipe.execute())
 
         found, reason = self._call(run)
-        return [bool(x) for x in found] if reason is None else [False] * len(keys)
+        if reason is not None:
+            return [False] * len(keys)  # a failed call proves nothing gone: no event
+        present = [bool(x) for x in found]
+        self._gone([k for k, p in zip(keys, present) if not p])
+        return present
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         n = 0
@@ -104,7 +112,7 @@ class RedisTier:
         for i, (key, skey, value) in enumerate(zip(keys, skeys, values)):
             if value is None:
                 reasons.append("evicted")
-                self.events.append(TierEvent("removed", key, self.medium))
+                self._gone([key])
                 continue
             try:
                 out[i] = unpack(self.layout, skey, value)
@@ -132,7 +140,10 @@ class RedisTier:
         if reason is not None:
             return Spill(0, [], [], None)
         stored = [k for k, ok in zip(keys, done) if ok]
-        self.events.extend(TierEvent("stored", k, self.medium) for k in stored)
+        for k in stored:  # a reported key written again was evicted unseen in between: still held, no event
+            if k not in self.reported:
+                self.reported.add(k)
+                self.events.append(TierEvent("stored", k, self.medium))
         return Spill(len(stored), [], [], None)
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -149,12 +160,25 @@ class RedisTier:
         if reason is not None:
             return 0
         removed = [k for k, n in zip(keys, gone) if n]
-        self.events.extend(TierEvent("removed", k, self.medium) for k in removed)
+        self._gone(keys)  # deleted here, or already gone: either way no longer held
         return len(removed)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         if keys:
             self._call(lambda: self.client.touch(*[self._k(k) for k in keys]))
+
+    def audit(self) -> int:
+        """Check every reported key (one pipelined `EXISTS`); those Redis evicted are reported removed.
+        Returns how many were gone."""
+        before = len(self.reported)
+        self.contains(list(self.reported))
+        return before - len(self.reported)
+
+    def _gone(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            if k in self.reported:
+                self.reported.discard(k)
+                self.events.append(TierEvent("removed", k, self.medium))
 
     def take_events(self) -> list[TierEvent]:
         events, self.events = self.events, []

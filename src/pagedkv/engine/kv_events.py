@@ -1,0 +1,78 @@
+"""The engine's KV events: one `EventLog` fed by every medium the engine holds blocks in.
+
+`EngineConfig(kv_events=True)` gives the engine an `EngineEvents`; `Engine.take_event_batch()` hands out the
+events since the last call as one vLLM-compatible `EventBatch` (publish it with
+`pagedkv.events.publisher.ZmqEventPublisher`). Media:
+
+- GPU: the manager's `CacheEvent`s, through a `ManagerFeed`. There is one reader of
+  `manager.take_events()`: the tiering when tiers are on (it needs the evictions and publications
+  itself, and keeps what it drained in `tiering.device_events` for this class), else this class.
+- CPU, DISK, REMOTE: the tiers' `TierEvent`s (`tiering.take_events()`), which carry only the key. A
+  block's parent and tokens are those the log recorded when a medium first reported it: a block written
+  back to the host is, in the same sync, removed from the device, so `poll` reads what the log knows of
+  the keys it is about to see leave (and of every key in the tier events) before feeding the device's
+  removals; a key that moves from CPU to DISK keeps them too. The device's events are fed first, then the
+  tiers', each in the order they happened (the per-medium sets are exact at the end of every poll).
+
+`poll()` runs at the end of every engine step (after `tiering.after_update`) and before every
+`take_batch()`. The remote tier reports the keys this replica wrote; keys Redis evicts by itself are
+reported `removed` when a lookup, a write-through check or a load finds them gone, or at once by
+`audit_remote()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.core.prefix import Key
+from pagedkv.events import EventBatch, EventLog, ManagerFeed
+
+
+class EngineEvents:
+    def __init__(
+        self, manager: Any, block_size: int, tiering: Any = None, *, data_parallel_rank: int = 0
+    ) -> None:
+        self.log = EventLog(block_size, data_parallel_rank=data_parallel_rank)
+        self.feed = ManagerFeed(manager, self.log)
+        self.tiering = tiering
+        if tiering is not None:
+            tiering.device_events = []  # the tiering drains the manager; we read what it drained
+
+    def poll(self) -> None:
+        """Move every medium's pending events into the log."""
+        tiering, log = self.tiering, self.log
+        if tiering is None:
+            self.feed.poll()
+            return
+        drained, tiering.device_events = tiering.device_events, []
+        tier_events = tiering.take_events()
+        leaving = {e.key for e in drained if e.kind == "removed" and e.key is not None}
+        known: dict[Key, tuple[Key | None, tuple[int, ...]]] = {}
+        for key in leaving | {e.key for e in tier_events}:
+            info = log.known(key)
+            if info is not None:
+                known[key] = info
+        self.feed.poll(drained)
+        for e in tier_events:  # in the order they happened
+            if e.kind == "removed":
+                log.removed(e.medium, [e.key])
+                continue
+            info = log.known(e.key) or known.get(e.key)
+            if info is None:  # cannot happen: every tier copy comes from a block the device reported
+                log.stored(e.medium, [e.key])
+            else:
+                parent, tokens = info
+                log.stored(e.medium, [e.key], parent=parent, token_ids=tokens or None)
+
+    def take_batch(self) -> EventBatch | None:
+        """Every medium's events since the last call, as one batch (None if there are none)."""
+        self.poll()
+        return self.log.take_batch()
+
+    def audit_remote(self) -> int:
+        """Ask the remote store which of the keys this replica reported are still there (one round trip);
+        those it evicted by itself are reported removed. Returns how many were gone (0 without one)."""
+        remote = self.tiering.store.remote if self.tiering is not None else None
+        if remote is None or not hasattr(remote, "audit"):
+            return 0
+        return int(remote.audit())
