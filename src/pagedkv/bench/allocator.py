@@ -193,8 +193,7 @@ def replay(
             peak_used = max(peak_used, used)
             held = int(lens.sum())
             if paged:
-                ref = m.pool.ref[m.pool.first_id :]
-                held -= bs * int(np.maximum(ref - 1, 0).sum())  # shared blocks hold their tokens once
+                held -= bs * m.num_extra_references  # shared blocks hold their tokens once
             util_sum += held / (used * bs)
             series["running"].append(len(run_sid))
             series["blocks_in_use"].append(used)
@@ -218,7 +217,7 @@ def replay(
     m.check_invariants()
     if progress is not None and finished_last:
         progress(finished_last)
-    stats = getattr(m, "stats", None)
+    stats = m.stats
     wall = timed_ns / 1e9
     return ReplayResult(
         allocator=allocator + ("" if not paged or prefix_caching else "-no-prefix"),
@@ -229,9 +228,9 @@ def replay(
         scheduled_tokens=scheduled,
         wall_s=wall,
         us_per_token=wall * 1e6 / max(scheduled, 1),
-        admissions=m._admissions,
-        preemptions=m._preemptions,
-        prefix_hit_rate=stats.hit_rate if stats is not None else 0.0,
+        admissions=stats.admissions,
+        preemptions=stats.preemptions,
+        prefix_hit_rate=stats.hit_rate,
         peak_blocks_in_use=peak_used,
         mean_kv_utilization=util_sum / max(util_steps, 1),
         utilization_floor=floor_sum / max(util_steps, 1),

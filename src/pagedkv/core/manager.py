@@ -33,7 +33,6 @@ KV until the next forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -43,7 +42,7 @@ from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantEr
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
-from pagedkv.core.protocol import Admission, BlockCopies
+from pagedkv.core.protocol import Admission, BlockMoves, ManagerStats
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
@@ -62,29 +61,6 @@ from pagedkv.core.validate import (
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
 ALL_TOKENS_KNOWN = 2**62  # `hashable_tokens` value while every appended token came with its id
-
-
-@dataclass(frozen=True, slots=True)
-class ManagerStats:
-    """Cumulative counters. `hit_rate` = cached prompt tokens / prompt tokens admitted."""
-
-    admissions: int
-    preemptions: int
-    prompt_tokens: int
-    cached_tokens: int
-    evictions: int
-    cow_copies: int
-    verify_failures: int
-    blocks_in_use: int
-    num_blocks: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def usage(self) -> float:
-        return self.blocks_in_use / self.num_blocks if self.num_blocks else 0.0
 
 
 class PinHandle(NamedTuple):
@@ -180,6 +156,13 @@ class PagedKVManager(SwapMixin, TableViews):
             self.pool.stats.evictions, self._cow_copies, self.prefix.verify_failures,
             self.pool.num_in_use, self.num_blocks,
         )  # fmt: skip
+
+    @property
+    def num_extra_references(self) -> int:
+        """References beyond the first on each block (a block shared by k holders counts k - 1): the
+        blocks the tables name more than once."""
+        pool = self.pool
+        return int(np.maximum(pool.ref[pool.first_id :] - 1, 0).sum())
 
     def num_computed_tokens(self, seq_id: int) -> int:
         return int(self.tables.num_computed[self.tables.row(seq_id)])
@@ -375,13 +358,13 @@ class PagedKVManager(SwapMixin, TableViews):
         self._copies_dst.append(dst)
         self._cow_copies += len(rows)
 
-    def take_copies(self) -> BlockCopies:
+    def take_copies(self) -> BlockMoves:
         """The copy-on-write copies recorded since the last call, `src[i] -> dst[i]` (distinct destinations,
         no destination is a source). Run them after this step's swaps and before the next forward
         (`protocol.py`). Their blocks, held until now, become reusable."""
         if not self._copies_src:
-            return BlockCopies(_EMPTY, _EMPTY)
-        out = BlockCopies(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
+            return BlockMoves(_EMPTY, _EMPTY)
+        out = BlockMoves(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
         self._copies_src.clear()
         self._copies_dst.clear()
         self._pending.clear()

@@ -40,7 +40,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
-from pagedkv.core.protocol import BlockCopies, KVManager
+from pagedkv.core.protocol import BlockMoves, KVManager
 from pagedkv.engine.request import FINISH_REASONS, Request, RequestStatus
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -75,11 +75,7 @@ class ScheduledChunk(NamedTuple):
         return self.start + self.num_new_tokens
 
 
-class SwapBlocks(NamedTuple):
-    """Copy KV block `src[i]` to `dst[i]`: device -> host for swap-out, host -> device for swap-in."""
-
-    src: np.ndarray
-    dst: np.ndarray
+SwapBlocks = BlockMoves  # the former name of a swap's moves (kept for importers; pagedkv uses BlockMoves)
 
 
 @dataclass
@@ -93,9 +89,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # could never fit the KV capacity
-    swap_out: SwapBlocks = field(default_factory=lambda: SwapBlocks(_EMPTY, _EMPTY))
-    swap_in: SwapBlocks = field(default_factory=lambda: SwapBlocks(_EMPTY, _EMPTY))
-    copies: BlockCopies = field(default_factory=lambda: BlockCopies(_EMPTY, _EMPTY))
+    swap_out: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
+    swap_in: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
+    copies: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
 
     @property
     def is_empty(self) -> bool:
@@ -106,7 +102,7 @@ class Scheduler:
     def __init__(self, manager: KVManager, config: SchedulerConfig | None = None) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
-        if self.config.preemption_mode == "swap" and not hasattr(manager, "swap_out"):
+        if self.config.preemption_mode == "swap" and not manager.supports_swap:
             raise InvalidArgumentError(f"{type(manager).__name__} cannot swap; use preemption_mode='recompute'")
         # heap of (-priority, arrival, order of adding, unique tie-break, request)
         self._waiting: list[tuple[int, float, int, int, Request]] = []
@@ -158,18 +154,18 @@ class Scheduler:
         """Plan one step. `now` stamps the finish time of requests rejected in it (None: their arrival)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        swap_out: list[SwapBlocks] = []
-        swap_in: list[SwapBlocks] = []
+        swap_out: list[BlockMoves] = []
+        swap_in: list[BlockMoves] = []
         # 1. swapped requests come back first
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            plan = self.manager.swap_in(request.seq_id)  # type: ignore[attr-defined]
+            plan = self.manager.swap_in(request.seq_id)
             if plan is None:
                 break
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            swap_in.append(SwapBlocks(plan.src, plan.dst))
+            swap_in.append(plan)
         # 2. decode: one slot for each running request's newest token, in one batched call
         decode = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
         decode = decode[:budget]
@@ -258,9 +254,9 @@ class Scheduler:
         self._inflight = {c.request.request_id: c.end for c in out.scheduled}
         out.copies = self.manager.take_copies()
         if swap_out:
-            out.swap_out = SwapBlocks(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
+            out.swap_out = BlockMoves(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
         if swap_in:
-            out.swap_in = SwapBlocks(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
+            out.swap_in = BlockMoves(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
         return out
 
     def _chunkable(self, request: Request) -> bool:
@@ -279,17 +275,17 @@ class Scheduler:
         """The least important running request: lowest priority, then latest arrival."""
         return min(reversed(self.running), key=lambda r: (r.priority, -r.arrival_time))
 
-    def _preempt(self, request: Request, out: SchedulerOutput, swap_out: list[SwapBlocks]) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, swap_out: list[BlockMoves]) -> None:
         self.running.remove(request)
         self.num_preemptions += 1
         request.num_preemptions += 1
         out.preempted.append(request)
         if self.config.preemption_mode == "swap":
-            plan = self.manager.swap_out(request.seq_id)  # type: ignore[attr-defined]
+            plan = self.manager.swap_out(request.seq_id)
             if plan is not None:
                 request.status = RequestStatus.SWAPPED
                 self.swapped.append(request)
-                swap_out.append(SwapBlocks(plan.src, plan.dst))
+                swap_out.append(plan)
                 return
         assert request.seq_id is not None, "scheduler: a running request without KV"
         self.manager.preempt(request.seq_id)
