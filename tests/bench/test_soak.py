@@ -94,8 +94,8 @@ def eviction_keeps_keys(m: Any) -> Any:
         def forget_keys(self, index: Any, key_of: Any, ids: Any) -> None:
             pass
 
-    real = m.pool._hot
-    m.pool._hot = Forgetful()
+    real = m.pool.prefix_index._hot  # the backend the prefix index evicts keys with
+    m.pool.prefix_index._hot = Forgetful()
     return m
 
 

@@ -39,7 +39,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
-from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
+from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
+from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
 from pagedkv.core.protocol import Admission, BlockMoves, ManagerStats
@@ -115,6 +116,7 @@ class PagedKVManager(SwapMixin, TableViews):
         self._block_size = block_size
         self._capacity_tokens = (num_blocks - (1 if null_block else 0)) * block_size
         self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events, native=native)
+        self.index = self.pool.prefix_index  # key <-> block: written only through its methods
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)
         self.tables = BlockTables(block_size, NULL_BLOCK_ID, native=native)
@@ -319,7 +321,7 @@ class PagedKVManager(SwapMixin, TableViews):
             self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
             ids = ids[len(cow_rows) :]
         for block_id in in_place.tolist():  # the rule: a block written in place has no key
-            self.pool.unpublish(block_id)
+            self.index.remove(block_id)
         t.cow_risk[rows] = False  # every appended row now writes into a private last block
         t.any_cow_risk = bool(t.cow_risk.any())
         self._write_growth(rows, k, tok, ids, int((t.num_blocks[rows] + need).max()))
@@ -343,7 +345,7 @@ class PagedKVManager(SwapMixin, TableViews):
     def _copy_on_write(self, rows: IntArray, src: IntArray, dst: IntArray) -> None:
         t, pool = self.tables, self.pool
         t.table[rows, (t.num_tokens[rows] - 1) // self._block_size] = dst
-        np.subtract.at(pool.ref, src, 1)  # someone else still holds each src: no state change
+        pool.unshare(src)  # someone else still holds each src: no state change
         if self.enable_prefix_caching:
             self.block_tokens[dst] = self.block_tokens[src]
         pending = self._pending
@@ -353,7 +355,7 @@ class PagedKVManager(SwapMixin, TableViews):
         moved = np.unique(np.concatenate([src, dst]))
         hold = moved[~self._held[moved]]
         self._held[hold] = True  # neither end is reused before `take_copies` hands the copy out
-        pool.ref[hold] += 1
+        pool.share(hold)
         self._copies_src.append(src)
         self._copies_dst.append(dst)
         self._cow_copies += len(rows)
@@ -424,7 +426,7 @@ class PagedKVManager(SwapMixin, TableViews):
         t.set_blocks(child, blocks)
         for name in ("num_tokens", "num_computed", "num_published", "hashable_tokens", "priority"):
             getattr(t, name)[child] = getattr(t, name)[row]
-        self.pool.ref[blocks] += 1
+        self.pool.share(blocks)
         if n_tok % self._block_size:
             t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
         if (keys := self.prefix.keys_of(row)) is not None:
@@ -458,7 +460,7 @@ class PagedKVManager(SwapMixin, TableViews):
             if self.pool.ref[last] > 1:
                 t.cow_risk[row] = t.any_cow_risk = True  # shared: the next write copies it
             else:
-                self.pool.unpublish(last)  # private: its content past `new` will change
+                self.index.remove(last)  # private: its content past `new` will change
 
     # --- retention ------------------------------------------------------------------------------
 
@@ -501,9 +503,7 @@ class PagedKVManager(SwapMixin, TableViews):
         return self.prefix.epoch
 
     def take_events(self) -> list[CacheEvent]:
-        events = list(self.pool.events)
-        self.pool.events.clear()
-        return events
+        return self.index.take_events()
 
     # --- checks ---------------------------------------------------------------------------------
 
