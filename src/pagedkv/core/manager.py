@@ -40,9 +40,9 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
-from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
+from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.core.protocol import Admission, BlockMoves, ManagerStats
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews

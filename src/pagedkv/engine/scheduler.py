@@ -159,6 +159,7 @@ class Scheduler:
         # 1. swapped requests come back first
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
+            assert request.seq_id is not None, "scheduler: a swapped request without KV"
             plan = self.manager.swap_in(request.seq_id)
             if plan is None:
                 break
@@ -280,6 +281,7 @@ class Scheduler:
         self.num_preemptions += 1
         request.num_preemptions += 1
         out.preempted.append(request)
+        assert request.seq_id is not None, "scheduler: a running request without KV"
         if self.config.preemption_mode == "swap":
             plan = self.manager.swap_out(request.seq_id)
             if plan is not None:
@@ -287,7 +289,6 @@ class Scheduler:
                 self.swapped.append(request)
                 swap_out.append(plan)
                 return
-        assert request.seq_id is not None, "scheduler: a running request without KV"
         self.manager.preempt(request.seq_id)
         request.seq_id = None
         request.num_computed_tokens = 0
