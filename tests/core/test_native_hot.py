@@ -2,7 +2,7 @@
 
 `publish_computed` (a whole `mark_computed`) is checked on random realistic batches -- rows sharing token
 content (colliding keys, so blocks stay private), prefix blocks shared between rows, index entries that are
-live, stale or held by other keyed blocks, keys computed at admission past what gets published, hashable
+held or shadowed by other keyed blocks (none stale), keys computed at admission past what gets published, hashable
 counts below the token counts, rows without keys or with keys of an old epoch, rows with nothing to publish
 -- against both the Python reference (written for speed: numpy row selection, bulk inserts) and a naive
 model that calls `PythonBackend.publish_rows` row by row. `take_live` (eviction's scan of a lazily deleted
@@ -114,15 +114,14 @@ def computed_cases(draw: st.DrawFn) -> dict[str, Any]:
     # pre-existing entries on other blocks (rarely on the blocks to publish themselves)
     others = list(range(num_rows * cols + 1, num_blocks)) or [0]
     anywhere = st.integers(0, num_blocks - 1)
-    entries = st.tuples(st.sampled_from(candidates), st.sampled_from(["live", "stale", "keyed"]), RARELY)
+    entries = st.tuples(st.sampled_from(candidates), st.sampled_from(["indexed", "keyed"]), RARELY)
     for key, mode, wild in draw(st.just([]) | st.lists(entries, max_size=10)):
         b = draw(anywhere if wild else st.sampled_from(others))
-        if mode == "live":  # indexed and held (the block's previous key, if any, goes stale)
+        if mode == "indexed":  # indexed and held
             index[key], key_of[b] = b, key
-        elif mode == "stale":  # indexed, but the block holds another key or none
-            index[key], key_of[b] = b, draw(st.sampled_from([None, candidates[0]]))
         else:  # a keyed block, not indexed (or indexed to another block)
             key_of[b] = key
+    index = {key: b for key, b in index.items() if key_of[b] == key}  # the prefix index keeps none stale
     keyed = np.array([k is not None for k in key_of], dtype=np.bool_)
 
     order = draw(st.permutations(range(num_rows)))
@@ -285,7 +284,7 @@ def small_case() -> dict[str, Any]:
         bk.bind(key_function("sha256"), EPOCH)
         seq_keys.append(bk)
     seq_keys.append(None)
-    index = {b"stale": 9, b"live": 8}
+    index = {b"live": 8}
     key_of: list[Any] = [None] * num_blocks
     key_of[8] = b"live"
     return {

@@ -68,7 +68,7 @@ class PrefixIndex:
     def match(self, kind: int, known: list[Key], data: npt.NDArray[np.int32], width: int, max_blocks: int) -> list[int]:
         """Leading blocks of `data` held in the index (`hotpath.Backend.match`; `known` grows by the keys it
         computes)."""
-        return self._hot.match(kind, self.index, self.key_of, known, data, width, max_blocks)
+        return self._hot.match(kind, self.index, known, data, width, max_blocks)
 
     # --- insert ------------------------------------------------------------------------------------
 
