@@ -2,15 +2,24 @@
 
 Everything else in the core is batched numpy. These are the loops numpy cannot batch (a block's key chains
 from its parent's, and the prefix index is a Python dict) and the few batch calls of every scheduler step
-whose numpy form costs a dozen small array operations each:
+whose numpy form costs a dozen small array operations each. Each keeps its C version because it pays: the figure after each is the allocator loop's us/token with
+that one function taken from the Python specification over all C (`benchmarks/native_payoff.py`, Azure
+conv 3,000 requests / Mooncake 1,000, median of 3 interleaved runs on a shared 2-core machine, so +-3%
+noise; measured 2026-12-01 after issue 12's reshaping; all Python is 2.69x / 2.70x):
 
-- `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache;
-- `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them;
-- `forget_keys`: drop the keys of evicted blocks;
-- `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass;
-- `growth` / `grow`: a decode step's append (count the new blocks, then write them and the new tokens);
-- `publish_computed`: a whole `mark_computed` (advance the computed counts, publish the newly full blocks);
-- `take_live`: eviction's scan of an LRU queue with lazily deleted entries.
+- `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache
+  (1.04x / 1.07x; more on prompts that hit more);
+- `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them
+  (the publishing path when `mark_computed` cannot use `publish_computed`: with `verify_hits`, or while a
+  live sequence has per-block extras; 1.71x with `verify_hits` on Azure, unused otherwise);
+- `forget_keys`: drop the keys of evicted blocks (1.10x / 1.15x);
+- `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass
+  (1.18x / 1.13x);
+- `growth` / `grow`: a decode step's append: count the new blocks, then write them and the new tokens
+  (1.08x / 1.07x and 1.27x / 1.23x);
+- `publish_computed`: a whole `mark_computed`: advance the computed counts, publish the newly full blocks
+  (1.86x / 1.88x);
+- `take_live`: eviction's scan of an LRU queue with lazily deleted entries (1.19x / 1.14x).
 
 Two backends implement `Backend`: `PythonBackend` below, the specification (plain Python and numpy, also
 the fallback), and `pagedkv.core._native`, a small C extension with exactly these functions (and its own
