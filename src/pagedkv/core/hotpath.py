@@ -2,10 +2,11 @@
 
 Everything else in the core is batched numpy. These are the loops numpy cannot batch (a block's key chains
 from its parent's, and the prefix index is a Python dict) and the few batch calls of every scheduler step
-whose numpy form costs a dozen small array operations each. Each keeps its C version because it pays: the figure after each is the allocator loop's us/token with
-that one function taken from the Python specification over all C (`benchmarks/native_payoff.py`, Azure
-conv 3,000 requests / Mooncake 1,000, median of 3 interleaved runs on a shared 2-core machine, so +-3%
-noise; measured 2026-12-01 after issue 12's reshaping; all Python is 2.69x / 2.70x):
+whose numpy form costs a dozen small array operations each. Each keeps its C version because it pays: the
+figure after each is the allocator loop's us/token with that one function taken from the Python
+specification over all C (`benchmarks/native_payoff.py`, Azure conv 3,000 requests / Mooncake 1,000,
+median of 3 interleaved runs on a shared 2-core machine, so +-3% noise; measured 2026-12-01 after issue
+12's reshaping; all Python is 2.69x / 2.70x):
 
 - `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache
   (1.04x / 1.07x; more on prompts that hit more);
