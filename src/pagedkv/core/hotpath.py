@@ -136,19 +136,7 @@ def _index_blocks(
 ) -> None:
     """Index block ids[i] under keys[i], unless it holds a key already or the key is in the index (another
     block holds it; this one stays private). Stored ids go to `stored`, and to `keyed` (a bool array, or
-    None). A fresh prompt (nothing to de-duplicate) is indexed in bulk."""
-    fresh = len(ids) > 1 and index.keys().isdisjoint(keys) and all(key_of[b] is None for b in ids)
-    if fresh and len(set(keys)) == len(keys) == len(set(ids)):
-        index.update(zip(keys, ids))
-        for key, b in zip(keys, ids):
-            key_of[b] = key
-        if isinstance(keyed, np.ndarray):
-            keyed[ids] = True
-        elif keyed is not None:  # any writable buffer of 1-byte items
-            for b in ids:
-                keyed[b] = True
-        stored += ids
-        return
+    None)."""
     for key, b in zip(keys, ids):
         if key_of[b] is None and key not in index:
             index[key] = b
@@ -273,8 +261,7 @@ class PythonBackend:
         of seq_keys[r] (a `BlockKeys`), unless it is None or of another epoch (then they stay private).
         Block j's id is table[r, j]; `blocks` is the int32 [num_blocks, block_size] token store.
 
-        Written for speed as the fallback of the C extension: which rows publish is found with numpy, a
-        fresh prompt's blocks are hashed in one loop and indexed in bulk.
+        Which rows publish is found with numpy; each row's missing keys are hashed in one loop.
         """
         block_size = blocks.shape[1]
         width = 4 * block_size
