@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from native_support import REF, SETTINGS, chain, content_tokens, native
 
+from pagedkv.core import hotpath
 from pagedkv.core.hotpath import FAST, SHA256
 from pagedkv.core.prefix import BlockKeys, key_function
 
@@ -139,14 +140,12 @@ def computed_cases(draw: st.DrawFn) -> dict[str, Any]:
     }  # fmt: skip
 
 
-ORDER = (
-    "kind", "index", "key_of", "keyed", "seq_keys", "epoch", "rows", "computed", "num_tokens", "num_computed",
-    "hashable", "num_published", "table", "blocks",
-)  # fmt: skip
-
-
 def call(fn: Any, case: dict[str, Any]) -> Any:
-    return fn(*(case[name] for name in ORDER))
+    """`fn(kind, (index, key_of, keyed), seq_keys, epoch, rows, computed, (num_tokens, ..., table), blocks)`."""
+    c = case
+    prefix = (c["index"], c["key_of"], c["keyed"])
+    tables = (c["num_tokens"], c["num_computed"], c["hashable"], c["num_published"], c["table"])
+    return fn(c["kind"], prefix, c["seq_keys"], c["epoch"], c["rows"], c["computed"], tables, c["blocks"])
 
 
 def naive_publish_computed(case: dict[str, Any]) -> list[int]:
@@ -430,6 +429,22 @@ def test_publish_computed_invalid_inputs_change_nothing(
             assert a.dtype == b.dtype and np.array_equal(a, b)
         else:
             assert a == b
+
+
+def test_publish_computed_takes_the_owners_structs_as_tuples() -> None:
+    """`prefix` and `tables` are one value each; a malformed one is a TypeError before anything changes."""
+    for backend in (native, REF):
+        case = small_case()
+        before = copy.deepcopy(case)
+        prefix = (case["index"], case["key_of"], case["keyed"])
+        tables = (case["num_tokens"], case["num_computed"], case["hashable"], case["num_published"], case["table"])
+        rest = (case["seq_keys"], case["epoch"], case["rows"], case["computed"])
+        for bad_prefix, bad_tables in ((prefix[:2], tables), (prefix, tables[:4]), (list(prefix), tables)):
+            with pytest.raises(TypeError, match="tuple|prefix must be"):
+                backend.publish_computed(case["kind"], bad_prefix, *rest, bad_tables, case["blocks"])
+            assert case["index"] == before["index"] and np.array_equal(case["num_computed"], before["num_computed"])
+        arrays = hotpath.TableArrays(*tables)
+        assert backend.publish_computed(case["kind"], prefix, *rest, arrays, case["blocks"]) == [1, 2, 3, 4, 5]
 
 
 def test_publish_computed_keys_ending_early() -> None:

@@ -1118,8 +1118,9 @@ fail:
 }
 
 /*
- * publish_computed(kind, index, key_of, keyed, seq_keys, epoch, rows, computed, num_tokens, num_computed,
- *                  hashable, num_published, table, blocks) -> list[int]  (PythonBackend.publish_computed)
+ * publish_computed(kind, prefix, seq_keys, epoch, rows, computed, tables, blocks) -> list[int]
+ * (PythonBackend.publish_computed; `prefix` is the tuple (index, key_of, keyed) and `tables` the tuple
+ * (num_tokens, num_computed, hashable, num_published, table), hotpath's `IndexArrays` and `TableArrays`)
  *
  * `mark_computed` for a batch in one call. Row i (r = rows[i]) has c = computed[i] tokens computed (or
  * num_tokens[r] when computed is None): num_computed[r] = c, and its full blocks not published yet,
@@ -1134,14 +1135,28 @@ static PyObject *str_keys, *str_epoch; /* interned attribute names, set at impor
 static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                          PyObject *kwnames)
 {
-    static const char *const names[] = {"kind",     "index",        "key_of",     "keyed",
-                                        "seq_keys", "epoch",        "rows",       "computed",
-                                        "num_tokens", "num_computed", "hashable", "num_published",
-                                        "table",    "blocks"};
+    static const char *const names[] = {"kind", "prefix", "seq_keys", "epoch", "rows", "computed", "tables", "blocks"};
     const char *const fname = "publish_computed";
-    PyObject *a[14];
+    PyObject *given[8], *a[14];
     int kind;
-    if (parse_args(fname, names, 14, 14, 14, args, nargs, kwnames, a) < 0 || get_kind(fname, a[0], &kind) < 0 ||
+    if (parse_args(fname, names, 8, 8, 8, args, nargs, kwnames, given) < 0)
+        return NULL;
+    /* the owners' structs: prefix = (index, key_of, keyed), tables = (num_tokens, num_computed, hashable,
+       num_published, table); spread into the argument order the code below reads */
+    if (!PyTuple_Check(given[1]) || PyTuple_GET_SIZE(given[1]) != 3)
+        return PyErr_Format(PyExc_TypeError, "%s: prefix must be a tuple (index, key_of, keyed)", fname);
+    if (!PyTuple_Check(given[6]) || PyTuple_GET_SIZE(given[6]) != 5)
+        return PyErr_Format(PyExc_TypeError,
+                            "%s: tables must be a tuple (num_tokens, num_computed, hashable, num_published, table)",
+                            fname);
+    a[0] = given[0];
+    for (int i = 0; i < 3; i++)
+        a[1 + i] = PyTuple_GET_ITEM(given[1], i);
+    a[4] = given[2], a[5] = given[3], a[6] = given[4], a[7] = given[5];
+    for (int i = 0; i < 5; i++)
+        a[8 + i] = PyTuple_GET_ITEM(given[6], i);
+    a[13] = given[7];
+    if (get_kind(fname, a[0], &kind) < 0 ||
         check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[2], &PyList_Type) < 0 ||
         check_exact(fname, "seq_keys", a[4], &PyList_Type) < 0)
@@ -1388,8 +1403,7 @@ PyDoc_STRVAR(grow_doc,
              "grow(rows, num_tokens, num_blocks, table, k, block_size, ids, tokens, block_tokens) -> None\n\n"
              "Append new blocks and k tokens to each row; hotpath.PythonBackend.grow in C.");
 PyDoc_STRVAR(publish_computed_doc,
-             "publish_computed(kind, index, key_of, keyed, seq_keys, epoch, rows, computed, num_tokens, "
-             "num_computed, hashable, num_published, table, blocks) -> list[int]\n\n"
+             "publish_computed(kind, prefix, seq_keys, epoch, rows, computed, tables, blocks) -> list[int]\n\n"
              "mark_computed's publishing for a batch; hotpath.PythonBackend.publish_computed in C.");
 PyDoc_STRVAR(take_live_doc,
              "take_live(queue_ids, queue_stamps, head, tail, stamp, out, filled) -> (head, filled)\n\n"

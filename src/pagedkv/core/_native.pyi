@@ -35,18 +35,12 @@ def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
 def check_rows(on_device: Any, mark: Any, rows: Any) -> int: ...
 def publish_computed(
     kind: int,
-    index: dict[Any, int],
-    key_of: list[Any],
-    keyed: Any,
+    prefix: tuple[dict[Any, int], list[Any], Any],
     seq_keys: list[Any],
     epoch: int,
     rows: Any,
     computed: Any,
-    num_tokens: Any,
-    num_computed: Any,
-    hashable: Any,
-    num_published: Any,
-    table: Any,
+    tables: tuple[Any, Any, Any, Any, Any],
     blocks: Any,
 ) -> list[int]: ...
 def take_live(

@@ -52,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -66,6 +66,24 @@ Key = bytes | int
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
 Flags = npt.NDArray[np.bool_]
+
+
+class IndexArrays(NamedTuple):
+    """The prefix index's own structures, handed to the backend as one value (`PrefixIndex.arrays`)."""
+
+    by_key: dict[Any, int]  # the index: key -> block id
+    key_of: list[Any]  # block id -> key or None
+    keyed: Flags  # key_of[b] is not None
+
+
+class TableArrays(NamedTuple):
+    """The block tables' per-row counts and the table itself (`BlockTables`), handed over as one value."""
+
+    num_tokens: I64
+    num_computed: I64
+    hashable: I64
+    num_published: I64
+    table: I32
 
 
 class Backend(Protocol):
@@ -91,9 +109,8 @@ class Backend(Protocol):
     ) -> tuple[int, int]: ...
 
     def publish_computed(
-        self, kind: int, index: dict[Any, int], key_of: list[Any], keyed: Flags, seq_keys: list[Any], epoch: int,
-        rows: I64, computed: I64 | None, num_tokens: I64, num_computed: I64, hashable: I64, num_published: I64,
-        table: I32, blocks: I32,
+        self, kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: I64, computed: I64 | None,
+        tables: TableArrays, blocks: I32,
     ) -> list[int]: ...  # fmt: skip
 
     def grow(
@@ -251,11 +268,11 @@ class PythonBackend:
 
     @staticmethod
     def publish_computed(
-        kind: int, index: dict[Any, int], key_of: list[Any], keyed: Any, seq_keys: list[Any], epoch: int,
-        rows: Any, computed: Any, num_tokens: Any, num_computed: Any, hashable: Any, num_published: Any,
-        table: Any, blocks: Any,
+        kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: Any, computed: Any,
+        tables: TableArrays, blocks: Any,
     ) -> list[int]:  # fmt: skip
-        """`mark_computed` for a batch of distinct rows: row i (r = rows[i]) has computed[i] tokens computed
+        """`mark_computed` for a batch of distinct rows, with `prefix` = (index, key_of, keyed) and `tables` =
+        (num_tokens, num_computed, hashable, num_published, table) (tuples, e.g. `IndexArrays`, `TableArrays`): row i (r = rows[i]) has computed[i] tokens computed
         (num_tokens[r] when computed is None); its full blocks not published yet, [num_published[r], f)
         with f = min(computed, hashable[r]) // block_size, are published as by `publish_rows` with the keys
         of seq_keys[r] (a `BlockKeys`), unless it is None or of another epoch (then they stay private).
@@ -263,6 +280,11 @@ class PythonBackend:
 
         Which rows publish is found with numpy; each row's missing keys are hashed in one loop.
         """
+        if not (isinstance(prefix, tuple) and len(prefix) == 3 and isinstance(tables, tuple) and len(tables) == 5):
+            raise TypeError("publish_computed: prefix must be (index, key_of, keyed), tables (num_tokens, "
+                            "num_computed, hashable, num_published, table)")  # fmt: skip
+        index, key_of, keyed = prefix
+        num_tokens, num_computed, hashable, num_published, table = tables
         block_size = blocks.shape[1]
         width = 4 * block_size
         c = num_tokens[rows] if computed is None else np.asarray(computed, dtype=np.int64)

@@ -55,6 +55,7 @@ class PrefixIndex:
         self.record_events = record_events
         self.events: list[CacheEvent] = []
         self._hot = hot
+        self.arrays = hotpath.IndexArrays(self.index, self.key_of, self.keyed)  # never reassigned: one value
 
     def __len__(self) -> int:
         return len(self.index)
@@ -105,10 +106,8 @@ class PrefixIndex:
         """A whole `mark_computed` (`hotpath.Backend.publish_computed`): advances the rows' computed and
         published counts in `tables` and inserts their newly full blocks."""
         t = tables
-        stored = self._hot.publish_computed(
-            kind, self.index, self.key_of, self.keyed, by_row, epoch, rows, computed,
-            t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table, blocks,
-        )  # fmt: skip
+        arrays = hotpath.TableArrays(t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table)
+        stored = self._hot.publish_computed(kind, self.arrays, by_row, epoch, rows, computed, arrays, blocks)
         self._stored(stored)
         return stored
 
