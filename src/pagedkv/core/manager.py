@@ -8,7 +8,7 @@ prefix keys. Semantics follow DESIGN.md (Core semantics):
 - Prefix cache: at admission the prompt's full blocks are looked up in order until the first miss; the
   block holding the last prompt token is never served from cache (its logits must be computed). Full blocks
   are published when `mark_computed` says their KV is written, so a request admitted in the same step
-  cannot hit them. A block computed twice concurrently stays private in its second copy (see `pool.py`).
+  cannot hit them. A block computed twice concurrently stays private in its second copy (see `prefix_index.py`).
 - Free and preempt release blocks tail first: the shared head of a prompt outlives its private tail.
 - Fork shares every block that holds tokens; the first write into a shared partial block moves the writer
   to a fresh block and records a copy, handed out by `take_copies`.

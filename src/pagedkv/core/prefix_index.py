@@ -9,8 +9,9 @@ Three structures, kept in step:
 
 Invariant: `index[key] == b` if and only if `key_of[b] == key`; no entry is ever stale, because eviction
 (`forget`), unpublishing (`remove`) and `clear` drop a key the moment its block stops holding it. A block
-whose key another block already holds stays private (not indexed), so the index is a map and the events
-are exact.
+whose key another block already holds (a block computed twice concurrently) stays private: it is never
+indexed, and goes straight to the free stack when released. So the index is a map and the events describe
+exactly the set of keys that can hit.
 
 Every insertion, removal and lookup goes through the methods below, and they alone emit the events a
 KV-aware router follows (`stored` when a key enters, `removed` when it leaves, `cleared` on reset). The

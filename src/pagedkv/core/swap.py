@@ -3,7 +3,7 @@
 The host pool is a second `BlockPool` (no null block, no prefix keys). Swapping out releases the device
 blocks (shared ones stay with their other holders; the sequence keeps private host copies); swapping in
 takes fresh device blocks, which are re-published as the sequence's KV is marked computed again
-(duplicates of blocks still cached stay private, see `pool.py`). The storage layer moves the KV itself,
+(duplicates of blocks still cached stay private, see `prefix_index.py`). The storage layer moves the KV itself,
 following the returned plan, before the next forward pass.
 """
 
