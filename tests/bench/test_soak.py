@@ -17,7 +17,7 @@ import pytest
 import pagedkv.core.manager as manager_module
 import pagedkv.core.prefix as prefix_module
 from pagedkv.bench.soak import run_soak
-from pagedkv.core import BlockCopies, SwapPlan, hotpath
+from pagedkv.core import BlockMoves, hotpath
 
 PAGED = ("paged", "paged-python") if hotpath.NATIVE is not None else ("paged-python",)
 
@@ -68,7 +68,7 @@ def epoch_not_bumped(m: Any) -> Any:
 
 def copies_lost(m: Any) -> Any:
     take = m.take_copies
-    m.take_copies = lambda: (take(), BlockCopies(np.zeros(0, np.int64), np.zeros(0, np.int64)))[1]
+    m.take_copies = lambda: (take(), BlockMoves(np.zeros(0, np.int64), np.zeros(0, np.int64)))[1]
     return m
 
 
@@ -94,8 +94,8 @@ def eviction_keeps_keys(m: Any) -> Any:
         def forget_keys(self, index: Any, key_of: Any, ids: Any) -> None:
             pass
 
-    real = m.pool._hot
-    m.pool._hot = Forgetful()
+    real = m.pool.prefix_index._hot  # the backend the prefix index evicts keys with
+    m.pool.prefix_index._hot = Forgetful()
     return m
 
 
@@ -118,7 +118,7 @@ def swap_in_plan_reversed(m: Any) -> Any:
 
     def reversed_plan(seq_id: int) -> Any:
         plan = swap_in(seq_id)
-        return None if plan is None else SwapPlan(plan.src, plan.dst[::-1].copy())
+        return None if plan is None else BlockMoves(plan.src, plan.dst[::-1].copy())
 
     m.swap_in = reversed_plan
     return m

@@ -13,6 +13,8 @@ from pagedkv.core import (
     CapacityError,
     ContiguousKVManager,
     InvalidArgumentError,
+    KVManager,
+    NotSupportedError,
     PagedKVManager,
     PinError,
     PinHandle,
@@ -175,6 +177,25 @@ def test_contiguous_baseline_reserves_first_fit_and_fragments() -> None:
     m.check_invariants()
     with pytest.raises(CapacityError):
         m.admit([1] * 41)
+
+
+def test_both_managers_speak_the_protocol_with_stats_and_swap() -> None:
+    """Swapping is in the protocol: the contiguous manager refuses it with a typed error, changing nothing."""
+    paged, contiguous = PagedKVManager(num_blocks=10, block_size=4, num_host_blocks=4), ContiguousKVManager(10, 4)
+    assert isinstance(paged, KVManager) and isinstance(contiguous, KVManager)
+    assert paged.supports_swap and not contiguous.supports_swap
+    a = contiguous.admit(list(range(6)), max_new_tokens=2)
+    assert a is not None and contiguous.preempt(a.seq_id) == 6
+    b = contiguous.admit(list(range(5)))
+    assert b is not None
+    before = (contiguous.tables.table.tobytes(), contiguous.runs.holes(), contiguous.stats)
+    for swap in (contiguous.swap_out, contiguous.swap_in):
+        with pytest.raises(NotSupportedError, match="cannot swap"):
+            swap(b.seq_id)
+    assert (contiguous.tables.table.tobytes(), contiguous.runs.holes(), contiguous.stats) == before
+    stats = contiguous.stats
+    assert (stats.admissions, stats.preemptions, stats.prompt_tokens, stats.hit_rate) == (2, 1, 11, 0.0)
+    assert (stats.blocks_in_use, stats.num_blocks) == (2, 9)
 
 
 def test_importing_core_loads_no_torch() -> None:

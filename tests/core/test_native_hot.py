@@ -2,7 +2,7 @@
 
 `publish_computed` (a whole `mark_computed`) is checked on random realistic batches -- rows sharing token
 content (colliding keys, so blocks stay private), prefix blocks shared between rows, index entries that are
-live, stale or held by other keyed blocks, keys computed at admission past what gets published, hashable
+held or shadowed by other keyed blocks (none stale), keys computed at admission past what gets published, hashable
 counts below the token counts, rows without keys or with keys of an old epoch, rows with nothing to publish
 -- against both the Python reference (written for speed: numpy row selection, bulk inserts) and a naive
 model that calls `PythonBackend.publish_rows` row by row. `take_live` (eviction's scan of a lazily deleted
@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from native_support import REF, SETTINGS, chain, content_tokens, native
 
+from pagedkv.core import hotpath
 from pagedkv.core.hotpath import FAST, SHA256
 from pagedkv.core.prefix import BlockKeys, key_function
 
@@ -114,15 +115,14 @@ def computed_cases(draw: st.DrawFn) -> dict[str, Any]:
     # pre-existing entries on other blocks (rarely on the blocks to publish themselves)
     others = list(range(num_rows * cols + 1, num_blocks)) or [0]
     anywhere = st.integers(0, num_blocks - 1)
-    entries = st.tuples(st.sampled_from(candidates), st.sampled_from(["live", "stale", "keyed"]), RARELY)
+    entries = st.tuples(st.sampled_from(candidates), st.sampled_from(["indexed", "keyed"]), RARELY)
     for key, mode, wild in draw(st.just([]) | st.lists(entries, max_size=10)):
         b = draw(anywhere if wild else st.sampled_from(others))
-        if mode == "live":  # indexed and held (the block's previous key, if any, goes stale)
+        if mode == "indexed":  # indexed and held
             index[key], key_of[b] = b, key
-        elif mode == "stale":  # indexed, but the block holds another key or none
-            index[key], key_of[b] = b, draw(st.sampled_from([None, candidates[0]]))
         else:  # a keyed block, not indexed (or indexed to another block)
             key_of[b] = key
+    index = {key: b for key, b in index.items() if key_of[b] == key}  # the prefix index keeps none stale
     keyed = np.array([k is not None for k in key_of], dtype=np.bool_)
 
     order = draw(st.permutations(range(num_rows)))
@@ -140,14 +140,12 @@ def computed_cases(draw: st.DrawFn) -> dict[str, Any]:
     }  # fmt: skip
 
 
-ORDER = (
-    "kind", "index", "key_of", "keyed", "seq_keys", "epoch", "rows", "computed", "num_tokens", "num_computed",
-    "hashable", "num_published", "table", "blocks",
-)  # fmt: skip
-
-
 def call(fn: Any, case: dict[str, Any]) -> Any:
-    return fn(*(case[name] for name in ORDER))
+    """`fn(kind, (index, key_of, keyed), seq_keys, epoch, rows, computed, (num_tokens, ..., table), blocks)`."""
+    c = case
+    prefix = (c["index"], c["key_of"], c["keyed"])
+    tables = (c["num_tokens"], c["num_computed"], c["hashable"], c["num_published"], c["table"])
+    return fn(c["kind"], prefix, c["seq_keys"], c["epoch"], c["rows"], c["computed"], tables, c["blocks"])
 
 
 def naive_publish_computed(case: dict[str, Any]) -> list[int]:
@@ -285,7 +283,7 @@ def small_case() -> dict[str, Any]:
         bk.bind(key_function("sha256"), EPOCH)
         seq_keys.append(bk)
     seq_keys.append(None)
-    index = {b"stale": 9, b"live": 8}
+    index = {b"live": 8}
     key_of: list[Any] = [None] * num_blocks
     key_of[8] = b"live"
     return {
@@ -431,6 +429,22 @@ def test_publish_computed_invalid_inputs_change_nothing(
             assert a.dtype == b.dtype and np.array_equal(a, b)
         else:
             assert a == b
+
+
+def test_publish_computed_takes_the_owners_structs_as_tuples() -> None:
+    """`prefix` and `tables` are one value each; a malformed one is a TypeError before anything changes."""
+    for backend in (native, REF):
+        case = small_case()
+        before = copy.deepcopy(case)
+        prefix = (case["index"], case["key_of"], case["keyed"])
+        tables = (case["num_tokens"], case["num_computed"], case["hashable"], case["num_published"], case["table"])
+        rest = (case["seq_keys"], case["epoch"], case["rows"], case["computed"])
+        for bad_prefix, bad_tables in ((prefix[:2], tables), (prefix, tables[:4]), (list(prefix), tables)):
+            with pytest.raises(TypeError, match="tuple|prefix must be"):
+                backend.publish_computed(case["kind"], bad_prefix, *rest, bad_tables, case["blocks"])
+            assert case["index"] == before["index"] and np.array_equal(case["num_computed"], before["num_computed"])
+        arrays = hotpath.TableArrays(*tables)
+        assert backend.publish_computed(case["kind"], prefix, *rest, arrays, case["blocks"]) == [1, 2, 3, 4, 5]
 
 
 def test_publish_computed_keys_ending_early() -> None:

@@ -160,7 +160,7 @@ def test_rollback_releases_blocks_and_unpublishes_a_block_that_will_change(m: Pa
     a = m.admit(toks(0, 12))
     assert a is not None
     m.mark_computed([a.seq_id])
-    assert len(m.pool.index) == 3
+    assert len(m.index) == 3
     m.rollback(a.seq_id, 6)  # 6 tokens left: block 3 released, block 2 now partial
     assert m.block_ids(a.seq_id) == [1, 2] and m.num_tokens(a.seq_id) == 6
     assert m.pool.keyed[[1, 2, 3]].tolist() == [True, False, True]  # 3 stays cached: its content is intact

@@ -206,7 +206,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.indexed.remove(e.key)
             else:
                 self.indexed.clear()
-        live = {k for k, b in self.m.pool.index.items() if self.m.pool.key_of[b] == k}
+        live = set(self.m.index.index)
         assert self.indexed == live, "events disagree with the cache"
 
     @invariant()

@@ -228,8 +228,7 @@ class _Loop:
         self.peak_used = max(self.peak_used, used)
         held = int(lens.sum())
         if self.paged:
-            ref = m.pool.ref[m.pool.first_id :]
-            held -= bs * int(np.maximum(ref - 1, 0).sum())  # shared blocks hold their tokens once
+            held -= bs * m.num_extra_references  # shared blocks hold their tokens once
         self.util_sum += held / (used * bs)
         self.series["running"].append(len(self.run_sid))
         self.series["blocks_in_use"].append(used)
@@ -252,7 +251,7 @@ class _Loop:
         self, allocator: str, trace_name: str, timed_ns: int, *, num_blocks: int, prefix_caching: bool, hash_fn: str
     ) -> ReplayResult:
         m, paged = self.m, self.paged
-        stats = getattr(m, "stats", None)
+        stats = m.stats
         wall = timed_ns / 1e9
         return ReplayResult(
             allocator=allocator + ("" if not paged or prefix_caching else "-no-prefix"),
@@ -263,9 +262,9 @@ class _Loop:
             scheduled_tokens=self.scheduled,
             wall_s=wall,
             us_per_token=wall * 1e6 / max(self.scheduled, 1),
-            admissions=m._admissions,
-            preemptions=m._preemptions,
-            prefix_hit_rate=stats.hit_rate if stats is not None else 0.0,
+            admissions=stats.admissions,
+            preemptions=stats.preemptions,
+            prefix_hit_rate=stats.hit_rate,
             peak_blocks_in_use=self.peak_used,
             mean_kv_utilization=self.util_sum / max(self.util_steps, 1),
             utilization_floor=self.floor_sum / max(self.util_steps, 1),

@@ -12,18 +12,18 @@ from pagedkv.core.errors import (
     CapacityError,
     InvalidArgumentError,
     InvariantError,
+    NotSupportedError,
     PagedKVError,
     PinError,
     UnknownSequenceError,
 )
-from pagedkv.core.manager import ManagerStats, PagedKVManager, PinHandle
+from pagedkv.core.manager import PagedKVManager, PinHandle
 from pagedkv.core.pool import CacheEvent
 from pagedkv.core.prefix import BlockKeys
-from pagedkv.core.protocol import Admission, BlockCopies, CSRPages, KVManager
-from pagedkv.core.swap import SwapPlan
+from pagedkv.core.protocol import Admission, BlockMoves, CSRPages, KVManager, ManagerStats
 
 __all__ = [
-    "Admission", "BlockCopies", "BlockKeys", "CSRPages", "CacheEvent", "CapacityError",
+    "Admission", "BlockKeys", "BlockMoves", "CSRPages", "CacheEvent", "CapacityError",
     "ContiguousKVManager", "InvalidArgumentError", "InvariantError", "KVManager", "ManagerStats",
-    "PagedKVError", "PagedKVManager", "PinError", "PinHandle", "SwapPlan", "UnknownSequenceError",
+    "NotSupportedError", "PagedKVError", "PagedKVManager", "PinError", "PinHandle", "UnknownSequenceError",
 ]  # fmt: skip

@@ -1,39 +1,17 @@
 /*
- * pagedkv.core._native: the two per-block loops of prefix caching, in C, plus the per-element helpers
- * of the core's batch calls (`forget_keys` for eviction, `check_rows` for validating sequence handles,
- * `growth` and `grow` for a decode step's append, `publish_computed` for a whole `mark_computed`,
- * `take_live` for eviction's scan of an LRU queue).
+ * pagedkv.core._native: the C backend of src/pagedkv/core/hotpath.py.
  *
- * The specification is src/pagedkv/core/hotpath.py (`PythonBackend`); `match` and `publish_rows` below
- * mirror it statement by statement (same order of dict/list reads and writes, same comparisons), and the
- * tests check every function against it. The module also has its own SHA-256 (portable C, plus the x86 SHA
- * instructions when the CPU has them), exposed as `sha256` and `has_sha_ni` for the tests.
+ * The contract (what each function computes, its arguments, its errors and the state it leaves when it
+ * fails) is written once, in hotpath.py: its module docstring and `PythonBackend`, the plain Python
+ * specification this file is tested against (tests/core/test_native*.py run both on the same random
+ * states and compare results, errors and every mutated structure). The comments below say only how the C
+ * does it. The module also has its own SHA-256 (portable C, plus the x86 SHA instructions when the CPU
+ * has them), exposed as `sha256` and `has_sha_ni` for the tests.
  *
- * Keys (kind SHA256 = 0, FAST = 1; `chunk` is one block's token bytes, `width` bytes long):
- *   SHA256: sha256(parent + chunk).digest(), a 32-byte bytes object;
- *   FAST:   hash((parent, chunk, b"")), computed by CPython itself on that very tuple.
- *
- * Block bytes: `match` reads block i of the prompt at data[i*width : (i+1)*width]; `publish_rows` reads
- * block id b of the whole block store at blocks[b*width : (b+1)*width] (the blocks being published are
- * named by their ids, so the caller passes the store as is, with no gather).
- *
- * Where the extension is stricter than the reference (documented, tested): `index` must be a dict and
- * `key_of`, `known` and each row of `key_lists` lists, of exactly those types (the C API would bypass a
- * subclass's methods); `starts`, `stops` and `ids` C-contiguous 1-D int64 arrays (or lists/tuples of
- * ints), with one start and one stop per row, 0 <= start <= stop, and at least one id per block (extra ids
- * are ignored, as by the reference); `kind` 0 or 1; `width` >= 0; and `match`'s `data` must hold every
- * block it has to hash (the reference would hash a short slice). The block ids `publish_rows` publishes
- * must lie in [0, len(key_of)) (IndexError, checked up front, by both); the block ids found in the index
- * index `key_of` like Python list indices (negative ones count from the end), as in the reference.
- *
- * Errors and partial state: argument, length, row-bound and publish_rows' block-id checks all happen
- * before anything is mutated. Errors raised inside the loops leave the work done so far in place, exactly
- * where the reference would also stop midway: in `match`, keys already appended to `known`; in
- * `publish_rows`, the rows before the failing one (and the failing row's appended keys or blocks
- * published so far). Those are the ValueError for a row whose keys end before its start, the ValueError
- * for `data`/`blocks` too short for a block to hash, the IndexError for an index entry's block id out of
- * range of key_of, and any error from hashing or comparing keys. Reference counts are exact on every
- * path; the GIL is held throughout.
+ * C-specific strictness (hotpath.py lists it too): `index` must be a dict and `key_of`, `known` and each
+ * row of `key_lists` lists of exactly those types (the C API would bypass a subclass's methods); integer
+ * arrays C-contiguous int64 (or lists/tuples of ints); `match`'s `data` must hold every block it hashes.
+ * Reference counts are exact on every path; the GIL is held throughout.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -496,86 +474,30 @@ fail:
 /* The loops                                                                                               */
 /* ------------------------------------------------------------------------------------------------------ */
 
-/* `key_of[obj]`'s position, with Python's list-index rules (an index, negative counts from the end). */
-static int key_of_position(PyObject *key_of, PyObject *obj, Py_ssize_t *at)
-{
-    Py_ssize_t i = PyNumber_AsSsize_t(obj, PyExc_IndexError);
-    if (i == -1 && PyErr_Occurred())
-        return -1;
-    Py_ssize_t n = PyList_GET_SIZE(key_of);
-    Py_ssize_t j = i < 0 ? i + n : i;
-    if (j < 0 || j >= n) {
-        PyErr_Format(PyExc_IndexError, "block id %zd out of range of key_of (%zd blocks)", i, n);
-        return -1;
-    }
-    *at = j;
-    return 0;
-}
-
 /*
- * Whether the index entry `key` -> `value` is live: `value` is a block id `b` (not None) with
- * `key_of[b] == key` (the reference's `not (b is None or key_of[b] != key)`, same comparison). The caller
- * holds a reference to `value` (the comparison may run Python code). Returns 1, 0, or -1 with an
- * exception set.
- */
-static int live_value(PyObject *key_of, PyObject *key, PyObject *value)
-{
-    if (value == Py_None)
-        return 0;
-    Py_ssize_t at;
-    if (key_of_position(key_of, value, &at) < 0)
-        return -1;
-    PyObject *held = PyList_GET_ITEM(key_of, at);
-    Py_INCREF(held);
-    int differs = PyObject_RichCompareBool(held, key, Py_NE);
-    Py_DECREF(held);
-    return differs < 0 ? -1 : !differs;
-}
-
-/*
- * Whether `key` has a live entry in the index (`index.get(key)`, then `live_value`). Returns 1 (then
- * `*block` is a new reference to the entry's block id), 0, or -1 with an exception set.
- */
-static int live_entry(PyObject *index, PyObject *key_of, PyObject *key, PyObject **block)
-{
-    PyObject *value = PyDict_GetItemWithError(index, key);
-    if (value == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    Py_INCREF(value);
-    int live = live_value(key_of, key, value);
-    if (live != 1) {
-        Py_DECREF(value);
-        return live;
-    }
-    *block = value;
-    return 1;
-}
-
-/*
- * match(kind, index, key_of, known, data, width, max_blocks) -> list[int]  (PythonBackend.match)
+ * match(kind, index, known, data, width, max_blocks) -> list[int]  (PythonBackend.match)
  *
  * For i in range(max_blocks): block i's key is known[i + 1] if present, else chained from known[-1] and
- * the block's bytes data[i*width : (i+1)*width] and appended to `known`; stop at the first key without a
- * live index entry, else collect the entry's block id.
+ * the block's bytes data[i*width : (i+1)*width] and appended to `known`; stop at the first key not in
+ * the index, else collect its block id (every entry is live: the prefix index keeps none stale).
  */
 static PyObject *native_match(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames)
 {
-    static const char *const names[] = {"kind", "index", "key_of", "known", "data", "width", "max_blocks"};
-    PyObject *a[7];
+    static const char *const names[] = {"kind", "index", "known", "data", "width", "max_blocks"};
+    PyObject *a[6];
     int kind;
     Py_ssize_t width, max_blocks;
-    if (parse_args("match", names, 7, 7, 7, args, nargs, kwnames, a) < 0 ||
+    if (parse_args("match", names, 6, 6, 6, args, nargs, kwnames, a) < 0 ||
         get_kind("match", a[0], &kind) < 0 || check_exact("match", "index", a[1], &PyDict_Type) < 0 ||
-        check_exact("match", "key_of", a[2], &PyList_Type) < 0 ||
-        check_exact("match", "known", a[3], &PyList_Type) < 0 || get_ssize(a[5], &width) < 0 ||
-        get_ssize(a[6], &max_blocks) < 0)
+        check_exact("match", "known", a[2], &PyList_Type) < 0 || get_ssize(a[4], &width) < 0 ||
+        get_ssize(a[5], &max_blocks) < 0)
         return NULL;
     if (width < 0)
         return PyErr_Format(PyExc_ValueError, "match: width must be >= 0, not %zd", width);
-    PyObject *index = a[1], *key_of = a[2], *known = a[3];
+    PyObject *index = a[1], *known = a[2];
     Py_buffer data;
-    if (get_data("match", "data", a[4], &data) < 0)
+    if (get_data("match", "data", a[3], &data) < 0)
         return NULL;
     const uint8_t *bytes = (const uint8_t *)data.buf;
 
@@ -608,13 +530,14 @@ static PyObject *native_match(PyObject *Py_UNUSED(module), PyObject *const *args
                 goto fail;
             }
         }
-        PyObject *block;
-        int live = live_entry(index, key_of, key, &block);
+        PyObject *block = PyDict_GetItemWithError(index, key); /* borrowed */
+        Py_XINCREF(block);
         Py_DECREF(key);
-        if (live < 0)
-            goto fail;
-        if (!live)
+        if (block == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
             break;
+        }
         int appended = PyList_Append(hits, block);
         Py_DECREF(block);
         if (appended < 0)
@@ -701,19 +624,10 @@ static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *key
         }
         /* `block` itself comes back when the key was absent (and is now inserted), but also when the
            entry already held that very int object (small ints are shared): the size tells them apart */
-        if (other != block || PyDict_GET_SIZE(index) != size + 1) {
-            Py_INCREF(other);
-            int live = live_value(key_of, key, other);
-            Py_DECREF(other);
-            if (live == 0 && PyDict_SetItem(index, key, block) < 0) /* stale: overwrite it */
-                live = -1;
-            if (live != 0) { /* another block holds the key (this one stays private), or an error */
-                Py_DECREF(key);
-                Py_DECREF(block);
-                if (live < 0)
-                    return -1;
-                continue;
-            }
+        if (other != block || PyDict_GET_SIZE(index) != size + 1) { /* another block holds the key: */
+            Py_DECREF(key);                                          /* this one stays private */
+            Py_DECREF(block);
+            continue;
         }
         if (PyList_SetItem(key_of, at, key) < 0) { /* steals `key`, even when it fails */
             Py_DECREF(block);
@@ -739,14 +653,13 @@ static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *key
  * the blocks of the rows before: extend the row's keys `known` from len(known) - 1 to `stop` by chaining
  * over the row's block bytes (block j's id b = ids[pos + j - start], its bytes
  * blocks[b*width : (b+1)*width] of the whole block store), then for each block j in [start, stop) with
- * key = known[j + 1]: if key_of[b] is None and the key has no live index entry, index[key] = b,
+ * key = known[j + 1]: if key_of[b] is None and the key is not in the index, index[key] = b,
  * key_of[b] = key, keyed[b] = 1, and b joins the returned list.
  *
  * The index is probed once per block, by PyDict_SetDefault(index, key, b): an absent key is inserted
- * right there (where the reference's `index[key] = b` inserts it, at the end of the dict); a present one,
- * `other`, is left alone if live, else overwritten (PyDict_SetItem, in place, as the reference's
- * assignment). Only the number of times Python-level __hash__/__eq__ of exotic keys run differs from the
- * reference (one probe instead of two).
+ * right there (where the reference's `index[key] = b` inserts it, at the end of the dict); a present one
+ * is left alone (another block holds the key; this one stays private). Only the number of times
+ * Python-level __hash__/__eq__ of exotic keys run differs from the reference (one probe instead of two).
  */
 static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames)
@@ -1205,8 +1118,9 @@ fail:
 }
 
 /*
- * publish_computed(kind, index, key_of, keyed, seq_keys, epoch, rows, computed, num_tokens, num_computed,
- *                  hashable, num_published, table, blocks) -> list[int]  (PythonBackend.publish_computed)
+ * publish_computed(kind, prefix, seq_keys, epoch, rows, computed, tables, blocks) -> list[int]
+ * (PythonBackend.publish_computed; `prefix` is the tuple (index, key_of, keyed) and `tables` the tuple
+ * (num_tokens, num_computed, hashable, num_published, table), hotpath's `IndexArrays` and `TableArrays`)
  *
  * `mark_computed` for a batch in one call. Row i (r = rows[i]) has c = computed[i] tokens computed (or
  * num_tokens[r] when computed is None): num_computed[r] = c, and its full blocks not published yet,
@@ -1221,14 +1135,28 @@ static PyObject *str_keys, *str_epoch; /* interned attribute names, set at impor
 static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                          PyObject *kwnames)
 {
-    static const char *const names[] = {"kind",     "index",        "key_of",     "keyed",
-                                        "seq_keys", "epoch",        "rows",       "computed",
-                                        "num_tokens", "num_computed", "hashable", "num_published",
-                                        "table",    "blocks"};
+    static const char *const names[] = {"kind", "prefix", "seq_keys", "epoch", "rows", "computed", "tables", "blocks"};
     const char *const fname = "publish_computed";
-    PyObject *a[14];
+    PyObject *given[8], *a[14];
     int kind;
-    if (parse_args(fname, names, 14, 14, 14, args, nargs, kwnames, a) < 0 || get_kind(fname, a[0], &kind) < 0 ||
+    if (parse_args(fname, names, 8, 8, 8, args, nargs, kwnames, given) < 0)
+        return NULL;
+    /* the owners' structs: prefix = (index, key_of, keyed), tables = (num_tokens, num_computed, hashable,
+       num_published, table); spread into the argument order the code below reads */
+    if (!PyTuple_Check(given[1]) || PyTuple_GET_SIZE(given[1]) != 3)
+        return PyErr_Format(PyExc_TypeError, "%s: prefix must be a tuple (index, key_of, keyed)", fname);
+    if (!PyTuple_Check(given[6]) || PyTuple_GET_SIZE(given[6]) != 5)
+        return PyErr_Format(PyExc_TypeError,
+                            "%s: tables must be a tuple (num_tokens, num_computed, hashable, num_published, table)",
+                            fname);
+    a[0] = given[0];
+    for (int i = 0; i < 3; i++)
+        a[1 + i] = PyTuple_GET_ITEM(given[1], i);
+    a[4] = given[2], a[5] = given[3], a[6] = given[4], a[7] = given[5];
+    for (int i = 0; i < 5; i++)
+        a[8 + i] = PyTuple_GET_ITEM(given[6], i);
+    a[13] = given[7];
+    if (get_kind(fname, a[0], &kind) < 0 ||
         check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[2], &PyList_Type) < 0 ||
         check_exact(fname, "seq_keys", a[4], &PyList_Type) < 0)
@@ -1456,7 +1384,7 @@ static PyObject *native_has_sha_ni(PyObject *Py_UNUSED(module), PyObject *Py_UNU
 }
 
 PyDoc_STRVAR(match_doc,
-             "match(kind, index, key_of, known, data, width, max_blocks) -> list[int]\n\n"
+             "match(kind, index, known, data, width, max_blocks) -> list[int]\n\n"
              "Leading blocks of `data` found in the cache; hotpath.PythonBackend.match in C.");
 PyDoc_STRVAR(publish_rows_doc,
              "publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) "
@@ -1475,8 +1403,7 @@ PyDoc_STRVAR(grow_doc,
              "grow(rows, num_tokens, num_blocks, table, k, block_size, ids, tokens, block_tokens) -> None\n\n"
              "Append new blocks and k tokens to each row; hotpath.PythonBackend.grow in C.");
 PyDoc_STRVAR(publish_computed_doc,
-             "publish_computed(kind, index, key_of, keyed, seq_keys, epoch, rows, computed, num_tokens, "
-             "num_computed, hashable, num_published, table, blocks) -> list[int]\n\n"
+             "publish_computed(kind, prefix, seq_keys, epoch, rows, computed, tables, blocks) -> list[int]\n\n"
              "mark_computed's publishing for a batch; hotpath.PythonBackend.publish_computed in C.");
 PyDoc_STRVAR(take_live_doc,
              "take_live(queue_ids, queue_stamps, head, tail, stamp, out, filled) -> (head, filled)\n\n"

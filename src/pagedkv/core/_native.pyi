@@ -1,11 +1,7 @@
 """Stub of the C extension `pagedkv.core._native` (src/pagedkv/core/_native.c).
 
-`match`, `publish_rows`, `forget_keys` and `check_rows` are `hotpath.PythonBackend`'s, in C; the
-parameters are typed as loosely as the `hotpath.Backend` protocol's, so that the module satisfies it. At
-run time `index` must be a dict, `key_of`, `known` and each row of `key_lists` lists, `data` (match: the
-prompt's blocks) and `blocks` (publish_rows: the whole block store, read by block id) C-contiguous
-buffers, `keyed` None or a writable C-contiguous 1-D buffer of 1-byte items (numpy bool) at least
-`len(key_of)` long, and `starts`, `stops` and `ids` C-contiguous 1-D int64 arrays (or lists of ints).
+The functions are `hotpath.PythonBackend`'s, in C; their contract is written once, in `hotpath.py`. The
+parameters are typed as loosely as the `hotpath.Backend` protocol allows, so that the module satisfies it.
 """
 
 from collections.abc import Sequence
@@ -18,7 +14,6 @@ NAME: str
 def match(
     kind: int,
     index: dict[Any, int],
-    key_of: list[Any],
     known: list[Any],
     data: Any,
     width: int,
@@ -40,18 +35,12 @@ def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
 def check_rows(on_device: Any, mark: Any, rows: Any) -> int: ...
 def publish_computed(
     kind: int,
-    index: dict[Any, int],
-    key_of: list[Any],
-    keyed: Any,
+    prefix: tuple[dict[Any, int], list[Any], Any],
     seq_keys: list[Any],
     epoch: int,
     rows: Any,
     computed: Any,
-    num_tokens: Any,
-    num_computed: Any,
-    hashable: Any,
-    num_published: Any,
-    table: Any,
+    tables: tuple[Any, Any, Any, Any, Any],
     blocks: Any,
 ) -> list[int]: ...
 def take_live(

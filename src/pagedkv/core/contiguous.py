@@ -17,9 +17,9 @@ import bisect
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.errors import CapacityError, InvariantError
+from pagedkv.core.errors import CapacityError, InvariantError, NotSupportedError
 from pagedkv.core.prefix import BlockKeys
-from pagedkv.core.protocol import Admission, BlockCopies
+from pagedkv.core.protocol import Admission, BlockMoves, ManagerStats
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
     as_computed,
@@ -45,9 +45,6 @@ class RunAllocator:
         self._starts: list[int] = [first] if end > first else []
         self._lengths: list[int] = [end - first] if end > first else []
         self.num_free = end - first
-
-    def largest_hole(self) -> int:
-        return max(self._lengths, default=0)
 
     def find(self, n: int) -> int | None:
         for i, length in enumerate(self._lengths):
@@ -108,6 +105,26 @@ class ContiguousKVManager(TableViews):
     @property
     def num_used_blocks(self) -> int:
         return self._num_blocks - self.runs.num_free
+
+    @property
+    def stats(self) -> ManagerStats:
+        """The paged manager's counters; nothing is cached, evicted or copied on write here."""
+        return ManagerStats(
+            self._admissions, self._preemptions, self._prompt_tokens, 0, 0, 0, 0, self.num_used_blocks,
+            self._num_blocks,
+        )  # fmt: skip
+
+    @property
+    def supports_swap(self) -> bool:
+        return False
+
+    def swap_out(self, seq_id: int) -> BlockMoves | None:
+        """Not supported: raises `NotSupportedError` (nothing changes); preempt by recompute instead."""
+        raise NotSupportedError("the contiguous manager cannot swap; preempt by recompute (preemption_mode='recompute')")
+
+    def swap_in(self, seq_id: int) -> BlockMoves | None:
+        """Not supported: raises `NotSupportedError` (nothing changes)."""
+        raise NotSupportedError("the contiguous manager cannot swap; preempt by recompute (preemption_mode='recompute')")
 
     def _reservation(self, n: int, max_new_tokens: int) -> int:
         return -(-(n + max_new_tokens) // self._block_size)
@@ -213,16 +230,16 @@ class ContiguousKVManager(TableViews):
         pending.update(zip(t.blocks_of(child).tolist(), src))
         return child
 
-    def take_copies(self) -> BlockCopies:
+    def take_copies(self) -> BlockMoves:
         """The fork copies since the last call, `src[i] -> dst[i]`, distinct destinations, each live in the
         sequence it was copied for. Apply them as one batch (read every source, then write), after this
         step's other block moves (`protocol.py`)."""
         if not self._pending:
-            return BlockCopies(_EMPTY, _EMPTY)
+            return BlockMoves(_EMPTY, _EMPTY)
         dst = np.fromiter(self._pending.keys(), dtype=np.int64, count=len(self._pending))
         src = np.fromiter(self._pending.values(), dtype=np.int64, count=len(self._pending))
         self._pending = {}
-        return BlockCopies(src, dst)
+        return BlockMoves(src, dst)
 
     def check_invariants(self) -> None:
         self.tables.check_invariants()

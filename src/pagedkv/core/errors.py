@@ -31,5 +31,9 @@ class CapacityError(PagedKVError):
     """A request that can never fit the configured capacity (not a transient shortfall)."""
 
 
+class NotSupportedError(PagedKVError, NotImplementedError):
+    """An operation this allocator does not implement (swapping on the contiguous manager)."""
+
+
 class InvariantError(PagedKVError, AssertionError):
     """An internal invariant is broken: a bug in pagedkv. The message names the component."""

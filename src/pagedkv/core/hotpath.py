@@ -1,32 +1,50 @@
-"""The core's per-element loops, in two interchangeable backends.
+"""The core's per-element loops, in two interchangeable backends, and their contract (written here once).
 
 Everything else in the core is batched numpy. These are the loops numpy cannot batch (a block's key chains
 from its parent's, and the prefix index is a Python dict) and the few batch calls of every scheduler step
-whose numpy form costs a dozen small array operations each:
+whose numpy form costs a dozen small array operations each. Each keeps its C version because it pays: the
+figure after each is the allocator loop's us/token with that one function taken from the Python
+specification over all C (`benchmarks/native_payoff.py`, Azure conv 3,000 requests / Mooncake 1,000,
+median of 3 interleaved runs on a shared 2-core machine, so +-3% noise; measured 2026-12-01 after issue
+12's reshaping; all Python is 2.69x / 2.70x):
 
-- `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache;
-- `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them;
-- `forget_keys`: drop the keys of evicted blocks (eagerly, so the index never holds a stale entry);
-- `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass;
-- `growth` / `grow`: a decode step's append (count the new blocks, then write them and the new tokens);
-- `publish_computed`: a whole `mark_computed` (advance the computed counts, publish the newly full blocks);
-- `take_live`: eviction's scan of an LRU queue with lazily deleted entries.
+- `match`: walk a prompt's leading blocks, computing missing keys, until the first block not in the cache
+  (1.04x / 1.07x; more on prompts that hit more);
+- `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them
+  (the publishing path when `mark_computed` cannot use `publish_computed`: with `verify_hits`, or while a
+  live sequence has per-block extras; 1.71x with `verify_hits` on Azure, unused otherwise);
+- `forget_keys`: drop the keys of evicted blocks (1.10x / 1.15x);
+- `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass
+  (1.18x / 1.13x);
+- `growth` / `grow`: a decode step's append: count the new blocks, then write them and the new tokens
+  (1.08x / 1.07x and 1.27x / 1.23x);
+- `publish_computed`: a whole `mark_computed`: advance the computed counts, publish the newly full blocks
+  (1.86x / 1.88x);
+- `take_live`: eviction's scan of an LRU queue with lazily deleted entries (1.19x / 1.14x).
 
-`pagedkv.core._native` is a small C extension with exactly these functions (and its own SHA-256, with the
-x86 SHA instructions when the CPU has them), built when the package is installed with a C compiler at
-hand. This module is the reference: the same functions in Python, used when the extension is missing (or
-disabled with `PAGEDKV_NATIVE=0`), and the specification the extension is tested against.
+Two backends implement `Backend`: `PythonBackend` below, the specification (plain Python and numpy, also
+the fallback), and `pagedkv.core._native`, a small C extension with exactly these functions (and its own
+SHA-256), built when the package is installed with a C compiler at hand (disable it with
+`PAGEDKV_NATIVE=0`). tests/core/test_native*.py run both on the same random states and compare results,
+errors and every structure they mutate. The extension's header and stub point here rather than restate
+this contract.
 
 Contract of both backends (`kind` is `SHA256` or `FAST`):
 
 - key of a block = `sha256(parent + block bytes).digest()` (SHA256) or `hash((parent, block bytes, b""))`
   (FAST), where block bytes are its token ids as little-endian int32 (`width` bytes): `match` reads them
-  from the prompt's tokens, `publish_rows` from the whole block store, by block id;
-- `index` is the pool's key -> block dict (an entry counts only while `key_of[block] == key`; the pool
-  keeps none stale, but the functions do not rely on it);
-  `key_of` is the pool's list block -> key or None;
-- publishing a block whose key another block already holds leaves it private (not indexed), so the index
-  stays a map and events stay exact.
+  from the prompt's tokens, `publish_rows` and `publish_computed` from the whole block store, by block id;
+- `index` (key -> block id), `key_of` (block id -> key or None) and `keyed` (bool per block) are the
+  prefix index's own structures (`prefix_index.PrefixIndex`, the only caller of the functions that take
+  them). The index holds no stale entry (`index[key] == b` exactly when `key_of[b] == key`), and the
+  functions rely on it: an entry found in the index is a hit, and publishing a block whose key is in the
+  index leaves the block private (not indexed), so the index stays a map and events stay exact;
+- errors: argument checks happen before anything changes; an error inside a loop (a row whose keys end
+  before its first block to publish, a block store too short for a block to hash, an error from hashing
+  or comparing keys) leaves the work done so far in place, identically in both backends;
+- where the C is stricter (tested): `index` must be a dict, `key_of`, `known` and each row of `key_lists`
+  lists, of exactly those types; integer arrays C-contiguous 1-D int64 (or lists of ints); `match`'s
+  `data` must hold every block it has to hash (the reference would hash a short slice).
 """
 
 from __future__ import annotations
@@ -34,9 +52,10 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 SHA256 = 0
 FAST = 1
@@ -44,38 +63,59 @@ FAST = 1
 Key = bytes | int
 
 
+I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
+Flags = npt.NDArray[np.bool_]
+
+
+class IndexArrays(NamedTuple):
+    """The prefix index's own structures, handed to the backend as one value (`PrefixIndex.arrays`)."""
+
+    by_key: dict[Any, int]  # the index: key -> block id
+    key_of: list[Any]  # block id -> key or None
+    keyed: Flags  # key_of[b] is not None
+
+
+class TableArrays(NamedTuple):
+    """The block tables' per-row counts and the table itself (`BlockTables`), handed over as one value."""
+
+    num_tokens: I64
+    num_computed: I64
+    hashable: I64
+    num_published: I64
+    table: I32
+
+
 class Backend(Protocol):
+    """The functions both backends provide; `PythonBackend` documents each one."""
+
     NAME: str
 
-    def match(
-        self, kind: int, index: dict[Any, int], key_of: list[Any], known: list[Any], data: Any, width: int,
-        max_blocks: int,
-    ) -> list[int]: ...  # fmt: skip
+    def match(self, kind: int, index: dict[Any, int], known: list[Any], data: I32, width: int, max_blocks: int) -> list[int]: ...
 
     def publish_rows(
         self, kind: int, index: dict[Any, int], key_of: list[Any], key_lists: Sequence[list[Any]],
-        starts: Any, stops: Any, blocks: Any, width: int, ids: Any, keyed: Any = None,
+        starts: I64, stops: I64, blocks: I32, width: int, ids: I64, keyed: Flags | None = None,
     ) -> list[int]: ...  # fmt: skip
 
-    def forget_keys(self, index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
+    def forget_keys(self, index: dict[Any, int], key_of: list[Any], ids: I64) -> None: ...
 
-    def check_rows(self, on_device: Any, mark: Any, rows: Any) -> int: ...
+    def check_rows(self, on_device: Flags, mark: I64, rows: I64) -> int: ...
 
-    def growth(self, rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]: ...
+    def growth(self, rows: I64, num_tokens: I64, num_blocks: I64, k: int, block_size: int) -> tuple[int, int]: ...
 
     def take_live(
-        self, queue_ids: Any, queue_stamps: Any, head: int, tail: int, stamp: Any, out: Any, filled: int
+        self, queue_ids: I64, queue_stamps: I64, head: int, tail: int, stamp: I64, out: I64, filled: int
     ) -> tuple[int, int]: ...
 
     def publish_computed(
-        self, kind: int, index: dict[Any, int], key_of: list[Any], keyed: Any, seq_keys: list[Any], epoch: int,
-        rows: Any, computed: Any, num_tokens: Any, num_computed: Any, hashable: Any, num_published: Any,
-        table: Any, blocks: Any,
+        self, kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: I64, computed: I64 | None,
+        tables: TableArrays, blocks: I32,
     ) -> list[int]: ...  # fmt: skip
 
     def grow(
-        self, rows: Any, num_tokens: Any, num_blocks: Any, table: Any, k: int, block_size: int, ids: Any,
-        tokens: Any, block_tokens: Any,
+        self, rows: I64, num_tokens: I64, num_blocks: I64, table: I32, k: int, block_size: int, ids: I64,
+        tokens: I32 | None, block_tokens: I32 | None,
     ) -> None: ...  # fmt: skip
 
 
@@ -111,43 +151,26 @@ def _extend_keys(kind: int, known: list[Any], data: bytes, width: int) -> None:
 def _index_blocks(
     index: dict[Any, int], key_of: list[Any], keyed: Any, keys: list[Any], ids: list[int], stored: list[int]
 ) -> None:
-    """Index block ids[i] under keys[i], unless it holds a key already or another block holds that key
-    (a live entry: `key_of[entry] == key`; then the block stays private). Stored ids go to `stored`, and
-    to `keyed` (a bool array, or None). A fresh prompt (nothing to de-duplicate) is indexed in bulk."""
-    fresh = len(ids) > 1 and index.keys().isdisjoint(keys) and all(key_of[b] is None for b in ids)
-    if fresh and len(set(keys)) == len(keys) == len(set(ids)):
-        index.update(zip(keys, ids))
-        for key, b in zip(keys, ids):
-            key_of[b] = key
-        if isinstance(keyed, np.ndarray):
-            keyed[ids] = True
-        elif keyed is not None:  # any writable buffer of 1-byte items
-            for b in ids:
-                keyed[b] = True
-        stored += ids
-        return
+    """Index block ids[i] under keys[i], unless it holds a key already or the key is in the index (another
+    block holds it; this one stays private). Stored ids go to `stored`, and to `keyed` (a bool array, or
+    None)."""
     for key, b in zip(keys, ids):
-        if key_of[b] is None:
-            other = index.get(key)
-            if other is None or key_of[other] != key:
-                index[key] = b
-                key_of[b] = key
-                if keyed is not None:
-                    keyed[b] = True
-                stored.append(b)
+        if key_of[b] is None and key not in index:
+            index[key] = b
+            key_of[b] = key
+            if keyed is not None:
+                keyed[b] = True
+            stored.append(b)
 
 
 class PythonBackend:
-    """The reference implementation (and the fallback when the C extension is not built)."""
+    """The specification (and the fallback when the C extension is not built)."""
 
     NAME = "python"
 
     @staticmethod
-    def match(
-        kind: int, index: dict[Any, int], key_of: list[Any], known: list[Any], data: Any, width: int,
-        max_blocks: int,
-    ) -> list[int]:  # fmt: skip
-        """Leading blocks of `data` (token bytes) found in the cache, at most `max_blocks`.
+    def match(kind: int, index: dict[Any, int], known: list[Any], data: Any, width: int, max_blocks: int) -> list[int]:
+        """Leading blocks of `data` (token bytes) found in the index, at most `max_blocks`.
 
         `known[0]` is the root key and `known[i + 1]` block i's key; keys missing from `known` are computed
         in order and appended (including the key of the first block that misses).
@@ -161,7 +184,7 @@ class PythonBackend:
                 key = _chain(kind, known[-1], buf[i * width : (i + 1) * width])
                 known.append(key)
             block_id = index.get(key)
-            if block_id is None or key_of[block_id] != key:
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits
@@ -177,8 +200,8 @@ class PythonBackend:
         buffer with block b's token bytes at `blocks[b * width : (b + 1) * width]` (the pool's int32
         matrix of all blocks' tokens). Row r's keys are `key_lists[r]` (root first); it must hold at least
         `starts[r] + 1` keys, and is extended to `stops[r] + 1` by chaining over its blocks' bytes, read
-        through their ids. A block b enters the index only if `key_of[b]` is None and no live entry holds
-        its key (an entry is live while `key_of[entry] == key`; a stale one is overwritten): then
+        through their ids. A block b enters the index only if `key_of[b]` is None and its key is not in
+        the index: then
         `index[key] = b`, `key_of[b] = key` and, if `keyed` is given (a writable C-contiguous 1-D array
         of 1-byte items, e.g. numpy bool, at least `len(key_of)` long), `keyed[b] = True`.
 
@@ -245,19 +268,23 @@ class PythonBackend:
 
     @staticmethod
     def publish_computed(
-        kind: int, index: dict[Any, int], key_of: list[Any], keyed: Any, seq_keys: list[Any], epoch: int,
-        rows: Any, computed: Any, num_tokens: Any, num_computed: Any, hashable: Any, num_published: Any,
-        table: Any, blocks: Any,
+        kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: Any, computed: Any,
+        tables: TableArrays, blocks: Any,
     ) -> list[int]:  # fmt: skip
-        """`mark_computed` for a batch of distinct rows: row i (r = rows[i]) has computed[i] tokens computed
+        """`mark_computed` for a batch of distinct rows, with `prefix` = (index, key_of, keyed) and `tables` =
+        (num_tokens, num_computed, hashable, num_published, table) (tuples, e.g. `IndexArrays`, `TableArrays`): row i (r = rows[i]) has computed[i] tokens computed
         (num_tokens[r] when computed is None); its full blocks not published yet, [num_published[r], f)
         with f = min(computed, hashable[r]) // block_size, are published as by `publish_rows` with the keys
         of seq_keys[r] (a `BlockKeys`), unless it is None or of another epoch (then they stay private).
         Block j's id is table[r, j]; `blocks` is the int32 [num_blocks, block_size] token store.
 
-        Written for speed as the fallback of the C extension: which rows publish is found with numpy, a
-        fresh prompt's blocks are hashed in one loop and indexed in bulk.
+        Which rows publish is found with numpy; each row's missing keys are hashed in one loop.
         """
+        if not (isinstance(prefix, tuple) and len(prefix) == 3 and isinstance(tables, tuple) and len(tables) == 5):
+            raise TypeError("publish_computed: prefix must be (index, key_of, keyed), tables (num_tokens, "
+                            "num_computed, hashable, num_published, table)")  # fmt: skip
+        index, key_of, keyed = prefix
+        num_tokens, num_computed, hashable, num_published, table = tables
         block_size = blocks.shape[1]
         width = 4 * block_size
         c = num_tokens[rows] if computed is None else np.asarray(computed, dtype=np.int64)

@@ -8,7 +8,7 @@ prefix keys. Semantics follow DESIGN.md (Core semantics):
 - Prefix cache: at admission the prompt's full blocks are looked up in order until the first miss; the
   block holding the last prompt token is never served from cache (its logits must be computed). Full blocks
   are published when `mark_computed` says their KV is written, so a request admitted in the same step
-  cannot hit them. A block computed twice concurrently stays private in its second copy (see `pool.py`).
+  cannot hit them. A block computed twice concurrently stays private in its second copy (see `prefix_index.py`).
 - Free and preempt release blocks tail first: the shared head of a prompt outlives its private tail.
 - Fork shares every block that holds tokens; the first write into a shared partial block moves the writer
   to a fresh block and records a copy, handed out by `take_copies`.
@@ -33,17 +33,17 @@ KV until the next forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
-from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool, CacheEvent
+from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
-from pagedkv.core.protocol import Admission, BlockCopies
+from pagedkv.core.prefix_index import CacheEvent
+from pagedkv.core.protocol import Admission, BlockMoves, ManagerStats
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
@@ -62,29 +62,6 @@ from pagedkv.core.validate import (
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
 ALL_TOKENS_KNOWN = 2**62  # `hashable_tokens` value while every appended token came with its id
-
-
-@dataclass(frozen=True, slots=True)
-class ManagerStats:
-    """Cumulative counters. `hit_rate` = cached prompt tokens / prompt tokens admitted."""
-
-    admissions: int
-    preemptions: int
-    prompt_tokens: int
-    cached_tokens: int
-    evictions: int
-    cow_copies: int
-    verify_failures: int
-    blocks_in_use: int
-    num_blocks: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def usage(self) -> float:
-        return self.blocks_in_use / self.num_blocks if self.num_blocks else 0.0
 
 
 class PinHandle(NamedTuple):
@@ -139,6 +116,7 @@ class PagedKVManager(SwapMixin, TableViews):
         self._block_size = block_size
         self._capacity_tokens = (num_blocks - (1 if null_block else 0)) * block_size
         self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events, native=native)
+        self.index = self.pool.prefix_index  # key <-> block: written only through its methods
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)
         self.tables = BlockTables(block_size, NULL_BLOCK_ID, native=native)
@@ -180,6 +158,13 @@ class PagedKVManager(SwapMixin, TableViews):
             self.pool.stats.evictions, self._cow_copies, self.prefix.verify_failures,
             self.pool.num_in_use, self.num_blocks,
         )  # fmt: skip
+
+    @property
+    def num_extra_references(self) -> int:
+        """References beyond the first on each block (a block shared by k holders counts k - 1): the
+        blocks the tables name more than once."""
+        pool = self.pool
+        return int(np.maximum(pool.ref[pool.first_id :] - 1, 0).sum())
 
     def num_computed_tokens(self, seq_id: int) -> int:
         return int(self.tables.num_computed[self.tables.row(seq_id)])
@@ -336,7 +321,7 @@ class PagedKVManager(SwapMixin, TableViews):
             self._copy_on_write(cow_rows, cow_src, ids[: len(cow_rows)])
             ids = ids[len(cow_rows) :]
         for block_id in in_place.tolist():  # the rule: a block written in place has no key
-            self.pool.unpublish(block_id)
+            self.index.remove(block_id)
         t.cow_risk[rows] = False  # every appended row now writes into a private last block
         t.any_cow_risk = bool(t.cow_risk.any())
         self._write_growth(rows, k, tok, ids, int((t.num_blocks[rows] + need).max()))
@@ -360,7 +345,7 @@ class PagedKVManager(SwapMixin, TableViews):
     def _copy_on_write(self, rows: IntArray, src: IntArray, dst: IntArray) -> None:
         t, pool = self.tables, self.pool
         t.table[rows, (t.num_tokens[rows] - 1) // self._block_size] = dst
-        np.subtract.at(pool.ref, src, 1)  # someone else still holds each src: no state change
+        pool.unshare(src)  # someone else still holds each src: no state change
         if self.enable_prefix_caching:
             self.block_tokens[dst] = self.block_tokens[src]
         pending = self._pending
@@ -370,18 +355,18 @@ class PagedKVManager(SwapMixin, TableViews):
         moved = np.unique(np.concatenate([src, dst]))
         hold = moved[~self._held[moved]]
         self._held[hold] = True  # neither end is reused before `take_copies` hands the copy out
-        pool.ref[hold] += 1
+        pool.share(hold)
         self._copies_src.append(src)
         self._copies_dst.append(dst)
         self._cow_copies += len(rows)
 
-    def take_copies(self) -> BlockCopies:
+    def take_copies(self) -> BlockMoves:
         """The copy-on-write copies recorded since the last call, `src[i] -> dst[i]` (distinct destinations,
         no destination is a source). Run them after this step's swaps and before the next forward
         (`protocol.py`). Their blocks, held until now, become reusable."""
         if not self._copies_src:
-            return BlockCopies(_EMPTY, _EMPTY)
-        out = BlockCopies(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
+            return BlockMoves(_EMPTY, _EMPTY)
+        out = BlockMoves(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
         self._copies_src.clear()
         self._copies_dst.clear()
         self._pending.clear()
@@ -441,7 +426,7 @@ class PagedKVManager(SwapMixin, TableViews):
         t.set_blocks(child, blocks)
         for name in ("num_tokens", "num_computed", "num_published", "hashable_tokens", "priority"):
             getattr(t, name)[child] = getattr(t, name)[row]
-        self.pool.ref[blocks] += 1
+        self.pool.share(blocks)
         if n_tok % self._block_size:
             t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
         if (keys := self.prefix.keys_of(row)) is not None:
@@ -475,7 +460,7 @@ class PagedKVManager(SwapMixin, TableViews):
             if self.pool.ref[last] > 1:
                 t.cow_risk[row] = t.any_cow_risk = True  # shared: the next write copies it
             else:
-                self.pool.unpublish(last)  # private: its content past `new` will change
+                self.index.remove(last)  # private: its content past `new` will change
 
     # --- retention ------------------------------------------------------------------------------
 
@@ -518,9 +503,7 @@ class PagedKVManager(SwapMixin, TableViews):
         return self.prefix.epoch
 
     def take_events(self) -> list[CacheEvent]:
-        events = list(self.pool.events)
-        self.pool.events.clear()
-        return events
+        return self.index.take_events()
 
     # --- checks ---------------------------------------------------------------------------------
 

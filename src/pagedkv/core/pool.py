@@ -14,38 +14,28 @@ is a numpy array with a top pointer (popping k blocks is one slice); the evictio
 per retention priority, kept as numpy arrays of (block id, stamp) with lazy deletion: a hit takes a
 block out of the order in O(1) by bumping the block's stamp (its queue entry goes stale), and evicting k
 blocks scans the queue head for live entries (`hotpath.take_live`, one backend call per queue). An evicted
-block's key leaves the index at once (`hotpath.forget_keys`), so every index entry is live. The pool owns the
-key <-> block index (`index` and `key_of`, a list so that the C hot path can read it), because a block's
-state depends on having a key.
+block's key leaves the prefix index at once (`PrefixIndex.forget`), so every index entry is live.
 
-At most one block holds a given key (the index is a map). A block computed twice concurrently stays
-private in its second copy: it is never published, and goes straight to the free stack when released.
-Events (`stored` when a key enters the index, `removed` when it leaves, `cleared` on reset) therefore
-describe exactly the set of keys that can hit.
+The pool holds the prefix index (`prefix_index.py`: key <-> block, and the events), because a block's state
+depends on having a key, but never writes it except through that class's methods. Reference counts change
+only here: `allocate`, `touch_hits`, `share`, `release`, `pin` and `unpin`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core import hotpath
 from pagedkv.core.errors import InvalidArgumentError, InvariantError
-from pagedkv.core.prefix import Key
+from pagedkv.core.prefix_index import CacheEvent, PrefixIndex
+
+__all__ = ["NULL_BLOCK_ID", "BlockPool", "CacheEvent", "PoolStats"]
 
 IntArray = npt.NDArray[np.int64]
 NULL_BLOCK_ID = 0
-
-
-class CacheEvent(NamedTuple):
-    """What an external KV-aware router needs to track the cache: a key stored or removed, or all cleared."""
-
-    kind: Literal["stored", "removed", "cleared"]
-    key: Key | None
-    block_id: int | None
 
 
 @dataclass(slots=True)
@@ -95,10 +85,9 @@ class BlockPool:
         self.has_null_block = null_block
         self.ref = np.zeros(num_blocks, dtype=np.int32)
         self.pins = np.zeros(num_blocks, dtype=np.int32)
-        self.keyed = np.zeros(num_blocks, dtype=bool)
-        self.key_of: list[Key | None] = [None] * num_blocks  # the block's key, or None (a list: C reads it)
-        self.index: dict[Key, int] = {}  # key -> the block holding it
         self._hot = hotpath.backend(native)
+        self.prefix_index = PrefixIndex(num_blocks, record_events=record_events, hot=self._hot)
+        self.keyed = self.prefix_index.keyed  # read only here: written by the prefix index alone
         # Free stack: the top is the end; initial order hands out ascending ids.
         self._stack = np.arange(num_blocks - 1, self.first_id - 1, -1, dtype=np.int64)
         self._top = len(self._stack)
@@ -106,8 +95,6 @@ class BlockPool:
         self._stamp = np.zeros(num_blocks, dtype=np.int64)  # bumped when a block leaves cached-free
         self._num_evictable = 0
         self.stats = PoolStats()
-        self.record_events = record_events
-        self.events: list[CacheEvent] = []
         if null_block:
             self.ref[NULL_BLOCK_ID] = 1  # never allocated, never freed
 
@@ -134,12 +121,6 @@ class BlockPool:
     @property
     def num_in_use(self) -> int:
         return self.num_usable_blocks - self._top - self._num_evictable
-
-    def lookup(self, key: Key) -> int | None:
-        block_id = self.index.get(key)
-        if block_id is None or self.key_of[block_id] != key:
-            return None
-        return block_id
 
     # --- allocation -----------------------------------------------------------------------------
 
@@ -176,11 +157,7 @@ class BlockPool:
                 break
         if filled != n:
             raise InvariantError(f"pool: eviction found {filled} of {n} cached-free blocks")
-        if self.record_events:
-            key_of = self.key_of
-            self.events.extend(CacheEvent("removed", key_of[b], b) for b in out.tolist())
-        self._hot.forget_keys(self.index, self.key_of, out)
-        self.keyed[out] = False
+        self.prefix_index.forget(out)
         self._num_evictable -= n
         self.stats.evictions += n
         return out
@@ -194,6 +171,15 @@ class BlockPool:
             self._stamp[cached] += 1
             self._num_evictable -= len(cached)
         ref[block_ids] += 1
+
+    def share(self, block_ids: IntArray) -> None:
+        """One more reference on each (distinct) in-use block: a fork's child, or a pending copy's hold."""
+        self.ref[block_ids] += 1
+
+    def unshare(self, block_ids: IntArray) -> None:
+        """One reference less on each block (repeats allowed) that another holder keeps in use: a writer
+        moving off a shared block to its copy. No block changes state."""
+        np.subtract.at(self.ref, block_ids, 1)
 
     def release(self, block_ids: IntArray, priority: int = 0) -> None:
         """Drop one reference from each (distinct) block, in the given order (give tail blocks first).
@@ -222,34 +208,10 @@ class BlockPool:
             q.push(cached, self._stamp[cached])
             self._num_evictable += len(cached)
 
-    # --- keys -----------------------------------------------------------------------------------
-
-    def publish(self, block_id: int, key: Key) -> bool:
-        """Give an in-use, full block its content key. False if another block already holds the key."""
-        if self.lookup(key) is not None or self.key_of[block_id] is not None:
-            return False
-        self.index[key] = block_id
-        self.key_of[block_id] = key
-        self.keyed[block_id] = True
-        if self.record_events:
-            self.events.append(CacheEvent("stored", key, block_id))
-        return True
-
-    def unpublish(self, block_id: int) -> None:
-        """Remove an in-use block's key (its content is about to change)."""
-        key = self.key_of[block_id]
-        if key is None:
-            return
-        if self.index.get(key) == block_id:
-            del self.index[key]
-        self.key_of[block_id] = None
-        self.keyed[block_id] = False
-        if self.record_events:
-            self.events.append(CacheEvent("removed", key, block_id))
+    # --- keys -----------------------------------------------------------------------------------------
 
     def clear_keys(self) -> int:
         """Drop every key: cached-free blocks become free. In-use blocks keep their data, lose their key."""
-        n = int(self.keyed.sum())
         cached = self._cached_free()
         self._stamp[cached] += 1
         self._queues.clear()
@@ -257,12 +219,7 @@ class BlockPool:
         if len(cached):
             self._stack[self._top : self._top + len(cached)] = cached
             self._top += len(cached)
-        self.index.clear()
-        self.key_of[:] = [None] * self.num_blocks
-        self.keyed[:] = False
-        if self.record_events:
-            self.events.append(CacheEvent("cleared", None, None))
-        return n
+        return self.prefix_index.clear()
 
     def _cached_free(self) -> IntArray:
         parts = [q.live(self._stamp) for _, q in sorted(self._queues.items())]
@@ -282,17 +239,13 @@ class BlockPool:
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything observable, for atomicity tests."""
-        live = {k: b for k, b in self.index.items() if self.key_of[b] == k}
         return (
             self.ref.tobytes(),
             self.pins.tobytes(),
-            self.keyed.tobytes(),
-            tuple(self.key_of),
-            tuple(sorted(live.items(), key=repr)),
+            self.prefix_index.snapshot(),
             self._stack[: self._top].tobytes(),
             tuple((p, q.live(self._stamp).tobytes()) for p, q in sorted(self._queues.items())),
             self.stats.evictions,
-            len(self.events),
         )
 
     def check_invariants(self) -> None:
@@ -317,14 +270,6 @@ class BlockPool:
             fail(f"conservation: {len(free)} free + {len(cached)} cached + {in_use} in use != {self.num_usable_blocks}")
         if (self.ref < 0).any() or (self.pins < 0).any() or (self.pins > np.maximum(self.ref, 0)).any():
             fail("negative ref count or pins above ref count")
-        has_key = np.array([k is not None for k in self.key_of], dtype=bool)
-        if not np.array_equal(has_key, self.keyed):
-            fail("keyed flags and keys disagree")
-        for block_id in np.flatnonzero(self.keyed).tolist():
-            key = self.key_of[block_id]
-            if key is None or self.index.get(key) != block_id:
-                fail(f"block {block_id} holds a key the index does not map back to it")
-        if len(self.index) != int(self.keyed.sum()):
-            fail(f"the index holds {len(self.index)} keys for {int(self.keyed.sum())} keyed blocks (a stale entry)")
+        self.prefix_index.check_invariants()
         if self.has_null_block and (self.keyed[NULL_BLOCK_ID] or self.ref[NULL_BLOCK_ID] != 1):
             fail("the null block was touched")

@@ -2,12 +2,15 @@
 
 It owns what makes KV content addressable: the key function and the cache epoch, each live sequence's
 `BlockKeys`, and a mirror of every block's token ids (the KV content in token form: hashing, verify-on-hit
-and copy-on-write read it). The block pool owns the key <-> block index; the manager decides when to call.
+and copy-on-write read it). It decides which keys to look up and publish; the prefix index
+(`prefix_index.py`, held by the pool) is the one that looks them up and inserts them; the manager decides
+when to call.
 
-The per-block loops (hash, look up, index) run in `hotpath`'s backend: the C extension when it is built,
-else its Python reference. A whole `mark_computed` is one backend call (`publish_computed`, reading the
-block table and each row's `BlockKeys` through `by_row`); custom key functions and per-block extra keys
-take a plain Python path with the same semantics, and keys of an earlier epoch are never published.
+The per-block loops (hash, look up, index) run in `hotpath`'s backend, called by the prefix index: the C
+extension when it is built, else its Python reference. A whole `mark_computed` is one call
+(`publish_computed`, reading the block table and each row's `BlockKeys` through `by_row`); custom key
+functions and per-block extra keys compute their keys here and `insert` them, with the same semantics, and
+keys of an earlier epoch are never published.
 
 With `verify_hits`, a hit must match everything its key stands for, not only the key: the block's token ids
 (the mirror) and its origin, (epoch, salt, request extra key, the block's extra key), recorded when it is
@@ -21,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core import hotpath
-from pagedkv.core.pool import BlockPool, CacheEvent
-from pagedkv.core.prefix import BlockKeys, KeyFunction, fast_key, sha256_key
+from pagedkv.core.pool import BlockPool
+from pagedkv.core.prefix import BlockKeys, Key, KeyFunction, fast_key, sha256_key
 from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
@@ -34,6 +37,7 @@ class PrefixCache:
         verify_hits: bool, native: bool | None = None,
     ) -> None:  # fmt: skip
         self.pool = pool
+        self.index = pool.prefix_index
         self.tables = tables
         self.block_size = block_size
         self.key_fn = key_fn
@@ -76,14 +80,7 @@ class PrefixCache:
     def publish_computed(self, rows: IntArray, computed: IntArray | None) -> None:
         """`mark_computed`'s work in one backend call (callers check `publishes_in_one_call` first)."""
         assert self._kind is not None, "prefix: publish_computed needs a built-in key function"
-        t, pool = self.tables, self.pool
-        stored = self.hot.publish_computed(
-            self._kind, pool.index, pool.key_of, pool.keyed, self.by_row, self.epoch, rows, computed,
-            t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table, self.block_tokens,
-        )  # fmt: skip
-        if stored and pool.record_events:
-            key_of = pool.key_of
-            pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
+        self.index.publish_computed(self._kind, self.by_row, self.epoch, rows, computed, self.tables, self.block_tokens)
 
     def match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
@@ -91,8 +88,7 @@ class PrefixCache:
         if self._kind is None or keys.block_extra:
             hits = self._match_generic(tokens, keys, max_blocks)
         else:
-            pool = self.pool
-            hits = self.hot.match(self._kind, pool.index, pool.key_of, keys.keys, tokens, self._width, max_blocks)
+            hits = self.index.match(self._kind, keys.keys, tokens, self._width, max_blocks)
         if self.verify_hits and hits:
             bs = self.block_size
             same = (self.block_tokens[hits] == tokens[: len(hits) * bs].reshape(-1, bs)).all(axis=1)
@@ -106,7 +102,7 @@ class PrefixCache:
         return hits
 
     def _match_generic(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
-        bs, lookup = self.block_size, self.pool.lookup
+        bs, lookup = self.block_size, self.index.lookup
         hits: list[int] = []
         for i in range(max_blocks):
             block_id = lookup(keys.key(i, tokens[i * bs : (i + 1) * bs]))
@@ -122,7 +118,7 @@ class PrefixCache:
         are hashed (keys computed at admission are reused), and each block enters the index unless another
         block already holds its key.
         """
-        t, pool = self.tables, self.pool
+        t = self.tables
         starts = t.num_published[rows]
         t.num_published[rows] = upto
         counts = upto - starts
@@ -139,18 +135,11 @@ class PrefixCache:
         epoch = self.epoch
         lists = [k.keys for k in seq_keys if k.epoch == epoch and not k.block_extra]
         if self._kind is not None and len(lists) == len(seq_keys):
-            stored = self.hot.publish_rows(
-                self._kind, pool.index, pool.key_of, lists, starts, upto, self.block_tokens, self._width, block_ids,
-                pool.keyed,
-            )  # fmt: skip
+            stored = self.index.publish_rows(self._kind, lists, starts, upto, self.block_tokens, self._width, block_ids)
         else:
             stored = self._publish_generic(seq_keys, starts, upto, self.block_tokens[block_ids], block_ids)
-            pool.keyed[stored] = True
         if stored and self.verify_hits:
             self._record_origins(seq_keys, starts, upto, block_ids, stored)
-        if stored and pool.record_events:
-            key_of = pool.key_of
-            pool.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
 
     def _record_origins(
         self, seq_keys: list[BlockKeys], starts: IntArray, upto: IntArray, block_ids: IntArray, stored: list[int]
@@ -169,19 +158,15 @@ class PrefixCache:
         block_ids: IntArray,
     ) -> list[int]:  # fmt: skip
         """`publish` for custom key functions, per-block extra keys and rows keyed under an old epoch."""
-        pool, key_of = self.pool, self.pool.key_of
-        stored: list[int] = []
+        new_keys: list[Key] = []
+        new_ids: list[int] = []
+        ids = block_ids.tolist()
         pos = 0
         for keys, start, stop in zip(seq_keys, starts.tolist(), upto.tolist()):
             segment = range(pos, pos + stop - start)
             pos += stop - start
             if keys.epoch != self.epoch:  # computed under weights of an earlier epoch: never matchable
                 continue
-            for i, j in zip(range(start, stop), segment):
-                key = keys.key(i, data[j])
-                block_id = int(block_ids[j])
-                if key_of[block_id] is None and pool.lookup(key) is None:
-                    pool.index[key] = block_id
-                    key_of[block_id] = key
-                    stored.append(block_id)
-        return stored
+            new_keys += (keys.key(i, data[j]) for i, j in zip(range(start, stop), segment))
+            new_ids += ids[segment.start : segment.stop]
+        return self.index.insert(new_keys, new_ids)

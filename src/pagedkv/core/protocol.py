@@ -12,6 +12,8 @@ Contract:
 - `admit` allocates for the given tokens only (plus `num_lookahead`); `append` grows a batch of sequences by
   `num_tokens` each in one call. Blocks are published to the prefix cache when `mark_computed` says their KV
   is written, never before, so a request admitted in the same step cannot hit them.
+- `swap_out`/`swap_in` move a sequence's KV to host blocks and back (the paged manager; the contiguous one
+  raises `NotSupportedError`, and says so in `supports_swap`).
 - `take_copies` hands out the copy-on-write block copies (src -> dst) that the storage layer must perform
   before the next forward pass; each copy is handed out once.
 
@@ -33,6 +35,7 @@ fills.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -51,11 +54,33 @@ class Admission(NamedTuple):
     num_cached_tokens: int
 
 
-class BlockCopies(NamedTuple):
-    """Pending block copies, `src[i] -> dst[i]`, to run before the next forward pass."""
+class BlockMoves(NamedTuple):
+    """KV block moves `src[i] -> dst[i]`: a step's copy-on-write copies (device -> device, from
+    `take_copies`), a swap-out (device -> host) or a swap-in (host -> device). Run them in the order above."""
 
     src: IntArray
     dst: IntArray
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStats:
+    """Cumulative counters. `hit_rate` = cached prompt tokens / prompt tokens admitted."""
+
+    admissions: int
+    preemptions: int
+    prompt_tokens: int
+    cached_tokens: int
+    evictions: int
+    cow_copies: int
+    verify_failures: int
+    blocks_in_use: int
+    num_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class CSRPages(NamedTuple):
@@ -125,7 +150,27 @@ class KVManager(Protocol):
 
     def num_tokens(self, seq_id: int) -> int: ...
 
-    def take_copies(self) -> BlockCopies: ...
+    def take_copies(self) -> BlockMoves: ...
+
+    @property
+    def supports_swap(self) -> bool:
+        """Whether `swap_out`/`swap_in` are implemented (the paged manager; it swaps into its host blocks)."""
+        ...
+
+    def swap_out(self, seq_id: int) -> BlockMoves | None:
+        """Move a running sequence's KV to host blocks (device -> host moves); `None` if the host is short.
+        Raises `NotSupportedError` where `supports_swap` is False."""
+        ...
+
+    def swap_in(self, seq_id: int) -> BlockMoves | None:
+        """Bring a swapped-out sequence back (host -> device moves); `None` if the device is short.
+        Raises `NotSupportedError` where `supports_swap` is False."""
+        ...
+
+    @property
+    def stats(self) -> ManagerStats:
+        """Cumulative counters (admissions, preemptions, prompt and cached tokens, ...)."""
+        ...
 
     def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None) -> npt.NDArray[np.int32]: ...
 

@@ -3,19 +3,20 @@
 The host pool is a second `BlockPool` (no null block, no prefix keys). Swapping out releases the device
 blocks (shared ones stay with their other holders; the sequence keeps private host copies); swapping in
 takes fresh device blocks, which are re-published as the sequence's KV is marked computed again
-(duplicates of blocks still cached stay private, see `pool.py`). The storage layer moves the KV itself,
+(duplicates of blocks still cached stay private, see `prefix_index.py`). The storage layer moves the KV itself,
 following the returned plan, before the next forward pass.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.pool import BlockPool
+from pagedkv.core.protocol import BlockMoves
 
 if TYPE_CHECKING:
     from pagedkv.core.prefix_cache import PrefixCache
@@ -24,11 +25,6 @@ if TYPE_CHECKING:
 IntArray = npt.NDArray[np.int64]
 
 
-class SwapPlan(NamedTuple):
-    """Copy block `src[i]` to `dst[i]` (device -> host for swap-out, host -> device for swap-in)."""
-
-    src: IntArray
-    dst: IntArray
 
 
 class SwapMixin:
@@ -44,12 +40,17 @@ class SwapMixin:
     _block_size: int
     _pending: dict[int, int]
 
+    @property
+    def supports_swap(self) -> bool:
+        """True: this manager swaps (into its host pool; constructed without one, a swap raises)."""
+        return True
+
     def _host(self) -> BlockPool:
         if self.host_pool is None:
             raise InvalidArgumentError("swap needs host blocks: construct the manager with num_host_blocks > 0")
         return self.host_pool
 
-    def swap_out(self, seq_id: int) -> SwapPlan | None:
+    def swap_out(self, seq_id: int) -> BlockMoves | None:
         """Move a sequence's blocks to host memory. `None` if the host pool is short."""
         host, t = self._host(), self.tables
         row = t.device_row(seq_id)
@@ -69,9 +70,9 @@ class SwapMixin:
         t.on_device[row] = False
         t.cow_risk[row] = False
         t.num_published[row] = 0
-        return SwapPlan(src, host_ids)
+        return BlockMoves(src, host_ids)
 
-    def swap_in(self, seq_id: int) -> SwapPlan | None:
+    def swap_in(self, seq_id: int) -> BlockMoves | None:
         """Bring a swapped-out sequence back into device blocks. `None` if the device pool is short."""
         host, t = self._host(), self.tables
         row = t.row(seq_id)
@@ -87,4 +88,4 @@ class SwapMixin:
         t.set_blocks(row, dst)
         t.swapped[row] = False
         t.on_device[row] = True
-        return SwapPlan(host_ids, dst)
+        return BlockMoves(host_ids, dst)

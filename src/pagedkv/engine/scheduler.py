@@ -40,7 +40,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
-from pagedkv.core.protocol import BlockCopies, KVManager
+from pagedkv.core.protocol import BlockMoves, KVManager
 from pagedkv.engine.request import FINISH_REASONS, Request, RequestStatus
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -88,11 +88,6 @@ class ScheduledChunk(NamedTuple):
         return self.start + self.num_new_tokens
 
 
-class SwapBlocks(NamedTuple):
-    """Copy KV block `src[i]` to `dst[i]`: device -> host for swap-out, host -> device for swap-in."""
-
-    src: np.ndarray
-    dst: np.ndarray
 
 
 @dataclass
@@ -106,9 +101,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # could never fit the KV capacity
-    swap_out: SwapBlocks = field(default_factory=lambda: SwapBlocks(_EMPTY, _EMPTY))
-    swap_in: SwapBlocks = field(default_factory=lambda: SwapBlocks(_EMPTY, _EMPTY))
-    copies: BlockCopies = field(default_factory=lambda: BlockCopies(_EMPTY, _EMPTY))
+    swap_out: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
+    swap_in: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
+    copies: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
 
     @property
     def is_empty(self) -> bool:
@@ -119,7 +114,7 @@ class Scheduler:
     def __init__(self, manager: KVManager, config: SchedulerConfig | None = None) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
-        if self.config.preemption_mode == "swap" and not hasattr(manager, "swap_out"):
+        if self.config.preemption_mode == "swap" and not manager.supports_swap:
             raise InvalidArgumentError(f"{type(manager).__name__} cannot swap; use preemption_mode='recompute'")
         # heap of (-priority, arrival, order of adding, unique tie-break, request)
         self._waiting: list[tuple[int, float, int, int, Request]] = []
@@ -171,7 +166,7 @@ class Scheduler:
         """Plan one step. `now` stamps the finish time of requests rejected in it (None: their arrival)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        swap_out: list[SwapBlocks] = []
+        swap_out: list[BlockMoves] = []
         # 1. swapped requests come back first
         swap_in = self._swap_in_phase()
         # 2. decode: one slot for each running request's newest token, in one batched call
@@ -184,27 +179,28 @@ class Scheduler:
         self._inflight = {c.request.request_id: c.end for c in out.scheduled}
         out.copies = self.manager.take_copies()
         if swap_out:
-            out.swap_out = SwapBlocks(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
+            out.swap_out = BlockMoves(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
         if swap_in:
-            out.swap_in = SwapBlocks(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
+            out.swap_in = BlockMoves(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
         return out
 
-    def _swap_in_phase(self) -> list[SwapBlocks]:
+    def _swap_in_phase(self) -> list[BlockMoves]:
         """Bring swapped requests back, oldest first, while a seat and device blocks are free."""
-        swap_in: list[SwapBlocks] = []
+        swap_in: list[BlockMoves] = []
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            plan = self.manager.swap_in(request.seq_id)  # type: ignore[attr-defined]
+            assert request.seq_id is not None, "scheduler: a swapped request without KV"
+            plan = self.manager.swap_in(request.seq_id)
             if plan is None:
                 break
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            swap_in.append(SwapBlocks(plan.src, plan.dst))
+            swap_in.append(plan)
         return swap_in
 
     def _decode_phase(
-        self, out: SchedulerOutput, budget: int, swap_out: list[SwapBlocks], now: float | None
+        self, out: SchedulerOutput, budget: int, swap_out: list[BlockMoves], now: float | None
     ) -> int:
         """A slot for each decoding request's newest token, preempting (or rejecting a lone request that can
         never grow) until the batched append succeeds. Returns the budget left."""
@@ -316,19 +312,19 @@ class Scheduler:
         """The least important running request: lowest priority, then latest arrival."""
         return min(reversed(self.running), key=lambda r: (r.priority, -r.arrival_time))
 
-    def _preempt(self, request: Request, out: SchedulerOutput, swap_out: list[SwapBlocks]) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, swap_out: list[BlockMoves]) -> None:
         self.running.remove(request)
         self.num_preemptions += 1
         request.num_preemptions += 1
         out.preempted.append(request)
+        assert request.seq_id is not None, "scheduler: a running request without KV"
         if self.config.preemption_mode == "swap":
-            plan = self.manager.swap_out(request.seq_id)  # type: ignore[attr-defined]
+            plan = self.manager.swap_out(request.seq_id)
             if plan is not None:
                 request.status = RequestStatus.SWAPPED
                 self.swapped.append(request)
-                swap_out.append(SwapBlocks(plan.src, plan.dst))
+                swap_out.append(plan)
                 return
-        assert request.seq_id is not None, "scheduler: a running request without KV"
         self.manager.preempt(request.seq_id)
         request.seq_id = None
         request.num_computed_tokens = 0

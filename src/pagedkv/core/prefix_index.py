@@ -1,0 +1,174 @@
+"""The prefix index: which block holds which content key. The only code that touches it.
+
+Three structures, kept in step:
+
+    index    dict key -> block id      the block holding each published key (at most one per key)
+    key_of   list block id -> key|None  the key each block holds (a list: the C hot path reads it)
+    keyed    bool array by block id     key_of[b] is not None (the pool reads it: a released keyed block
+                                        becomes cached-free, an unkeyed one free)
+
+Invariant: `index[key] == b` if and only if `key_of[b] == key`; no entry is ever stale, because eviction
+(`forget`), unpublishing (`remove`) and `clear` drop a key the moment its block stops holding it. A block
+whose key another block already holds (a block computed twice concurrently) stays private: it is never
+indexed, and goes straight to the free stack when released. So the index is a map and the events describe
+exactly the set of keys that can hit.
+
+Every insertion, removal and lookup goes through the methods below, and they alone emit the events a
+KV-aware router follows (`stored` when a key enters, `removed` when it leaves, `cleared` on reset). The
+per-block loops (hash, look up, insert, drop) run in `hotpath`'s backend, to which this class hands its own
+structures; nothing else passes them to the backend. Reference counts are not here: they are the pool's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core import hotpath
+from pagedkv.core.errors import InvariantError
+from pagedkv.core.prefix import Key
+
+if TYPE_CHECKING:
+    from pagedkv.core.prefix import BlockKeys
+    from pagedkv.core.table import BlockTables
+
+IntArray = npt.NDArray[np.int64]
+
+
+class CacheEvent(NamedTuple):
+    """What an external KV-aware router needs to track the cache: a key stored or removed, or all cleared."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    key: Key | None
+    block_id: int | None
+
+
+class PrefixIndex:
+    """Key <-> block for `num_blocks` blocks; see the module docstring for the contract."""
+
+    def __init__(self, num_blocks: int, *, record_events: bool, hot: hotpath.Backend) -> None:
+        self.index: dict[Key, int] = {}
+        self.key_of: list[Key | None] = [None] * num_blocks
+        self.keyed = np.zeros(num_blocks, dtype=bool)
+        self.record_events = record_events
+        self.events: list[CacheEvent] = []
+        self._hot = hot
+        self.arrays = hotpath.IndexArrays(self.index, self.key_of, self.keyed)  # never reassigned: one value
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # --- look up -----------------------------------------------------------------------------------
+
+    def lookup(self, key: Key) -> int | None:
+        """The block holding `key`, or None."""
+        return self.index.get(key)
+
+    def match(self, kind: int, known: list[Key], data: npt.NDArray[np.int32], width: int, max_blocks: int) -> list[int]:
+        """Leading blocks of `data` held in the index (`hotpath.Backend.match`; `known` grows by the keys it
+        computes)."""
+        return self._hot.match(kind, self.index, known, data, width, max_blocks)
+
+    # --- insert ------------------------------------------------------------------------------------
+
+    def insert(self, keys: Sequence[Key], block_ids: Sequence[int]) -> list[int]:
+        """Give block_ids[i] the key keys[i], unless the block holds a key or another block holds that key
+        (then it stays private). Returns the blocks that entered the index."""
+        index, key_of = self.index, self.key_of
+        stored: list[int] = []
+        for key, block_id in zip(keys, block_ids):
+            if key_of[block_id] is None and key not in index:
+                index[key] = block_id
+                key_of[block_id] = key
+                stored.append(block_id)
+        self.keyed[stored] = True
+        self._stored(stored)
+        return stored
+
+    def publish_rows(
+        self, kind: int, key_lists: Sequence[list[Key]], starts: IntArray, stops: IntArray,
+        blocks: npt.NDArray[np.int32], width: int, block_ids: IntArray,
+    ) -> list[int]:  # fmt: skip
+        """`insert` for blocks [starts[r], stops[r]) of each row r, hashing the keys its list lacks
+        (`hotpath.Backend.publish_rows`)."""
+        stored = self._hot.publish_rows(
+            kind, self.index, self.key_of, key_lists, starts, stops, blocks, width, block_ids, self.keyed
+        )
+        self._stored(stored)
+        return stored
+
+    def publish_computed(
+        self, kind: int, by_row: list[BlockKeys | None], epoch: int, rows: IntArray, computed: IntArray | None,
+        tables: BlockTables, blocks: npt.NDArray[np.int32],
+    ) -> list[int]:  # fmt: skip
+        """A whole `mark_computed` (`hotpath.Backend.publish_computed`): advances the rows' computed and
+        published counts in `tables` and inserts their newly full blocks."""
+        t = tables
+        arrays = hotpath.TableArrays(t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table)
+        stored = self._hot.publish_computed(kind, self.arrays, by_row, epoch, rows, computed, arrays, blocks)
+        self._stored(stored)
+        return stored
+
+    def _stored(self, stored: list[int]) -> None:
+        if stored and self.record_events:
+            key_of = self.key_of
+            self.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
+
+    # --- remove ------------------------------------------------------------------------------------
+
+    def remove(self, block_id: int) -> None:
+        """Drop an in-use block's key (its content is about to change); nothing if it has none."""
+        key = self.key_of[block_id]
+        if key is None:
+            return
+        if self.index.get(key) == block_id:
+            del self.index[key]
+        self.key_of[block_id] = None
+        self.keyed[block_id] = False
+        if self.record_events:
+            self.events.append(CacheEvent("removed", key, block_id))
+
+    def forget(self, block_ids: IntArray) -> None:
+        """Eviction: drop the keys of `block_ids` (each holds one) at once."""
+        if self.record_events:
+            key_of = self.key_of
+            self.events.extend(CacheEvent("removed", key_of[b], b) for b in block_ids.tolist())
+        self._hot.forget_keys(self.index, self.key_of, block_ids)
+        self.keyed[block_ids] = False
+
+    def clear(self) -> int:
+        """Drop every key; returns how many there were."""
+        n = int(self.keyed.sum())
+        self.index.clear()
+        self.key_of[:] = [None] * len(self.key_of)
+        self.keyed[:] = False
+        if self.record_events:
+            self.events.append(CacheEvent("cleared", None, None))
+        return n
+
+    def take_events(self) -> list[CacheEvent]:
+        events = list(self.events)
+        self.events.clear()
+        return events
+
+    # --- checks ------------------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything observable, for atomicity tests."""
+        return (self.keyed.tobytes(), tuple(self.key_of), tuple(sorted(self.index.items(), key=repr)), len(self.events))
+
+    def check_invariants(self) -> None:
+        has_key = np.array([k is not None for k in self.key_of], dtype=bool)
+        if not np.array_equal(has_key, self.keyed):
+            raise InvariantError("prefix index: keyed flags and keys disagree")
+        for block_id in np.flatnonzero(self.keyed).tolist():
+            key = self.key_of[block_id]
+            if key is None or self.index.get(key) != block_id:
+                raise InvariantError(f"prefix index: block {block_id} holds a key the index does not map back to it")
+        if len(self.index) != int(self.keyed.sum()):
+            raise InvariantError(
+                f"prefix index: {len(self.index)} keys for {int(self.keyed.sum())} keyed blocks (a stale entry)"
+            )
