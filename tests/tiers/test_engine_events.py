@@ -38,7 +38,7 @@ BS = 4
 def real_state(engine: Engine) -> dict[str, set[int]]:
     """What each medium really holds now, as published hashes."""
     store = engine.tiering.store
-    out = {GPU: {external_hash(k) for k in engine.manager.pool.index}}
+    out = {GPU: {external_hash(k) for k in engine.manager.index.all_keys()}}
     for tier in store.local:
         idx = tier.index
         out[tier.medium] = {external_hash(k) for k, s in idx.slot_of.items() if idx.ready[s]}
@@ -193,7 +193,7 @@ def test_device_only_events_and_config() -> None:
         batch = engine.take_event_batch()
         assert batch is not None
         consumer.apply("r", batch)
-        assert consumer.state("r").get(GPU, set()) == {external_hash(k) for k in engine.manager.pool.index}
+        assert consumer.state("r").get(GPU, set()) == {external_hash(k) for k in engine.manager.index.all_keys()}
     assert engine.take_event_batch() is None
     with pytest.raises(InvalidArgumentError, match="kv_events"):
         Engine(tiny_model("llama"), None, EngineConfig(num_blocks=12, block_size=BS)).take_event_batch()

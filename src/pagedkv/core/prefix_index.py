@@ -67,6 +67,14 @@ class PrefixIndex:
         """The block holding `key`, or None."""
         return self.index.get(key)
 
+    def key_at(self, block_id: int) -> Key | None:
+        """The key block `block_id` holds, or None (a query: for readers such as event feeds)."""
+        return self.key_of[block_id]
+
+    def all_keys(self) -> list[Key]:
+        """Every key in the index (a copy)."""
+        return list(self.index)
+
     def match(self, kind: int, known: list[Key], data: npt.NDArray[np.int32], width: int, max_blocks: int) -> list[int]:
         """Leading blocks of `data` held in the index (`hotpath.Backend.match`; `known` grows by the keys it
         computes)."""

@@ -38,7 +38,7 @@ _RECENT = 256  # candidate parents kept for blocks whose sequence is gone
 
 class ManagerFeed:
     def __init__(self, manager: PagedKVManager, log: EventLog, *, medium: str = GPU) -> None:
-        if not manager.pool.record_events:
+        if not manager.index.record_events:
             raise InvalidArgumentError("the manager does not record events: build it with record_events=True")
         if log.block_size != manager.block_size:
             raise InvalidArgumentError(f"log block_size {log.block_size} != manager block_size {manager.block_size}")
@@ -61,7 +61,7 @@ class ManagerFeed:
         events = m.take_events() if drained is None else drained
         if not events:
             return 0
-        pool, log = m.pool, self.log
+        index, log = m.index, self.log
         stored_ids = [e.block_id for e in events if e.kind == "stored" and e.block_id is not None]
         parents = self._parents_in_live_rows(np.array(stored_ids, dtype=np.int64)) if stored_ids else {}
         unseen: set[Key] = set()  # stored then reused before this poll: neither end is reported
@@ -80,7 +80,7 @@ class ManagerFeed:
         for e in events:
             if e.kind == "stored":
                 assert e.key is not None and e.block_id is not None
-                if pool.key_of[e.block_id] != e.key:
+                if index.key_at(e.block_id) != e.key:
                     unseen.add(e.key)
                     continue
                 tokens = m.block_tokens[e.block_id]
@@ -101,7 +101,7 @@ class ManagerFeed:
         block_id: int,
         key: Key,
         tokens: npt.NDArray[np.int32],
-        parents: dict[int, Key],
+        parents: dict[int, Key | None],
         chain: list[Key],
         flush: Callable[[], None],
     ) -> Key | None:
@@ -159,11 +159,11 @@ class ManagerFeed:
         cols = np.arange(sub.shape[1])
         hit = (cols[None, :] < t.num_blocks[rows][:, None]) & np.isin(sub, ids)
         out: dict[int, Key | None] = {}
-        key_of, by_row = m.pool.key_of, m.prefix.by_row
+        index, by_row = m.index, m.prefix.by_row
         for r, c in zip(*np.nonzero(hit)):
             block = int(sub[r, c])
             keys = by_row[int(rows[r])] if int(rows[r]) < len(by_row) else None
-            if keys is None or len(keys.keys) <= c + 1 or keys.keys[c + 1] != key_of[block]:
+            if keys is None or len(keys.keys) <= c + 1 or keys.keys[c + 1] != index.key_at(block):
                 continue
             out[block] = keys.keys[c] if c > 0 else None
         return out

@@ -92,7 +92,7 @@ def serve_replica(
                     pub.publish(batch)
             assert result is not None
             assert isinstance(engine.manager, PagedKVManager), "fleet: kv_events needs the paged manager"
-            held = sorted(external_hash(k) for k in engine.manager.pool.index)
+            held = sorted(external_hash(k) for k in engine.manager.index.all_keys())
             push.send(msgspec.msgpack.encode([
                 index, rid, [result.output_token_ids, result.num_cached_tokens, result.num_cached_tokens_by_tier,
                              pub.next_seq, held],
