@@ -1,6 +1,6 @@
 """Typed errors for misuse, shared by every layer of pagedkv.
 
-Three kinds of failure (STYLE.md): a capacity shortfall is not an error (a call returns `None`/`False` and
+Three kinds of failure: a capacity shortfall is not an error (a call returns `None`/`False` and
 changes nothing); misuse raises one of these with a message saying what to do; a broken internal invariant
 raises `InvariantError` naming the component at fault.
 """

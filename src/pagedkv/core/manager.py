@@ -1,7 +1,7 @@
 """The paged KV manager: the facade schedulers use (see `protocol.py` for the contract).
 
 It composes the block pool (ownership, eviction, keys) with the block tables (per-sequence pages) and the
-prefix keys. Semantics follow DESIGN.md (Core semantics):
+prefix keys. The semantics it keeps:
 
 - On demand: `admit` allocates for the prompt only; `append` takes a block when a sequence crosses a block
   boundary. Nothing reserves for a maximum length.

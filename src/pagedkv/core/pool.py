@@ -23,6 +23,7 @@ only here: `allocate`, `touch_hits`, `share`, `release`, `pin` and `unpin`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -252,9 +253,23 @@ class BlockPool:
         def fail(msg: str) -> None:
             raise InvariantError(f"pool: {msg}")
 
-        first = self.first_id
         free = self._stack[: self._top]
         cached = self._cached_free()
+        self._check_orders(free, cached, fail)
+        in_use = int((self.ref[self.first_id :] > 0).sum())
+        if in_use + len(free) + len(cached) != self.num_usable_blocks:
+            fail(f"conservation: {len(free)} free + {len(cached)} cached + {in_use} in use != {self.num_usable_blocks}")
+        if (self.ref < 0).any() or (self.pins < 0).any() or (self.pins > np.maximum(self.ref, 0)).any():
+            fail("negative ref count or pins above ref count")
+        self.prefix_index.check_invariants()
+        if self.has_null_block and (self.keyed[NULL_BLOCK_ID] or self.ref[NULL_BLOCK_ID] != 1):
+            fail("the null block was touched")
+
+    def _check_orders(
+        self, free: IntArray, cached: IntArray, fail: Callable[[str], None]
+    ) -> None:
+        """The free stack and the eviction order: each block at most once, only blocks of the right state."""
+        first = self.first_id
         if len(np.unique(free)) != len(free):
             fail("a block is twice in the free stack")
         if len(np.unique(cached)) != len(cached) or len(cached) != self._num_evictable:
@@ -265,11 +280,3 @@ class BlockPool:
             fail("the eviction order holds a referenced or unkeyed block")
         if len(np.intersect1d(free, cached)):
             fail("a block is both free and cached-free")
-        in_use = int((self.ref[first:] > 0).sum())
-        if in_use + len(free) + len(cached) != self.num_usable_blocks:
-            fail(f"conservation: {len(free)} free + {len(cached)} cached + {in_use} in use != {self.num_usable_blocks}")
-        if (self.ref < 0).any() or (self.pins < 0).any() or (self.pins > np.maximum(self.ref, 0)).any():
-            fail("negative ref count or pins above ref count")
-        self.prefix_index.check_invariants()
-        if self.has_null_block and (self.keyed[NULL_BLOCK_ID] or self.ref[NULL_BLOCK_ID] != 1):
-            fail("the null block was touched")

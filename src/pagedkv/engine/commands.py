@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
+from pagedkv.engine.managers import MANAGER_KINDS
+from pagedkv.engine.scheduler import SchedulerConfig
 
 DEFAULT_KV_BUDGET = "64MiB"
 
@@ -52,11 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument("--kv-budget", help=f"KV cache bytes, e.g. 64MiB (default {DEFAULT_KV_BUDGET})")
     capacity.add_argument("--num-blocks", type=int, help="KV cache size in blocks instead of bytes")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--allocator", choices=("paged", "contiguous"), default="paged")
+    parser.add_argument("--allocator", choices=MANAGER_KINDS, default="paged")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    parser.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    defaults = SchedulerConfig()  # the one set of scheduler defaults
+    parser.add_argument("--preemption", choices=("recompute", "swap"), default=defaults.preemption_mode)
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="token budget per step"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     tenancy = parser.add_argument_group("tenants (docs/engine.md)")
     tenancy.add_argument(
         "--cache-salt",
@@ -171,7 +176,6 @@ def _sampling_params(args: argparse.Namespace, items: list[tuple[str | None, str
 def _engine_config(args: argparse.Namespace) -> Any:
     """The `EngineConfig` the flags describe (validated by its constructor)."""
     from pagedkv.engine.config import EngineConfig, parse_bytes
-    from pagedkv.engine.scheduler import SchedulerConfig
 
     return EngineConfig(
         num_blocks=args.num_blocks,

@@ -166,7 +166,7 @@ def simulate(
     budget = config.budget()
     if budget.num_tokens < config.max_model_len:
         raise CapacityError(
-            f"the KV budget of {budget.kv_budget_bytes / 1e9:.3f} GB holds {budget.num_tokens} tokens "
+            f"the KV budget of {budget.kv_budget_bytes / 2**30:.3f} GiB holds {budget.num_tokens} tokens "
             f"({budget.num_blocks} blocks of {config.block_size}), less than one request of "
             f"max_model_len={config.max_model_len}; lower --max-model-len or give the cache more memory"
         )
