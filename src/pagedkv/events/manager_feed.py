@@ -79,7 +79,7 @@ class ManagerFeed:
 
         for e in events:
             if e.kind == "stored":
-                assert e.key is not None and e.block_id is not None
+                assert e.key is not None and e.block_id is not None, "manager feed: a stored event without key or block"
                 if index.key_at(e.block_id) != e.key:
                     unseen.add(e.key)
                     continue

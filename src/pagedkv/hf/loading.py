@@ -85,7 +85,7 @@ class ModelSource:
     def load_kwargs(self) -> tuple[Path, dict[str, Any]]:
         """(folder, from_pretrained keyword arguments) for the fastest complete copy."""
         if self.cached:
-            assert self.cache_folder is not None
+            assert self.cache_folder is not None, "loading: a GGUF source without its cache folder"
             return self.cache_folder, {"local_files_only": True}
         kwargs: dict[str, Any] = {"local_files_only": True}
         if self.gguf_file is not None:
@@ -214,7 +214,7 @@ def load_weights(source: ModelSource, *, dtype: str | None = None, tokenizer: An
 
 def _save_conversion(source: ModelSource, model: Any, tokenizer: Any) -> None:
     """Write the de-quantised model into its cache folder atomically (a temporary folder, renamed)."""
-    assert source.cache_folder is not None
+    assert source.cache_folder is not None, "loading: a GGUF source without its cache folder"
     target = source.cache_folder
     tmp: Path | None = None
     try:

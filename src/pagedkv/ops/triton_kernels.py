@@ -402,7 +402,7 @@ def _planned_constexprs(
 ) -> dict[str, object]:
     """The attention kernel's constexprs for this plan and these features, made once per plan and kept."""
     tp = plan.triton
-    assert tp is not None
+    assert tp is not None, "triton kernels: a plan without its Triton part"
     key = (window, soft_cap, query.dtype)
     constexprs = tp.constexprs.get(key)
     if constexprs is None:

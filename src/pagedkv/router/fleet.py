@@ -90,7 +90,7 @@ def serve_replica(
                 batch = engine.take_event_batch()
                 if batch is not None:
                     pub.publish(batch)
-            assert result is not None
+            assert result is not None, "fleet replica: the request ended without an output"
             assert isinstance(engine.manager, PagedKVManager), "fleet: kv_events needs the paged manager"
             held = sorted(external_hash(k) for k in engine.manager.index.all_keys())
             push.send(msgspec.msgpack.encode([

@@ -346,7 +346,7 @@ class ReplicaSimulation:
                 self.arrival[order[index]] = t
                 self._route(reqs[index], t)
                 continue
-            assert r is not None
+            assert r is not None, "replicas: a scheduled request without its record"
             r.now = max(r.now, t_rep)
             self._release(r)
             if r.scheduler.has_unfinished():
