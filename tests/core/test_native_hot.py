@@ -163,10 +163,8 @@ def naive_publish_computed(case: dict[str, Any]) -> list[int]:
         if keys is None or keys.epoch != case["epoch"]:
             continue
         ids = table[r, start:stop].astype(np.int64)
-        stored += REF.publish_rows(
-            case["kind"], case["index"], case["key_of"], [keys.keys], [start], [stop], blocks, 4 * bs, ids,
-            case["keyed"],
-        )  # fmt: skip
+        prefix = (case["index"], case["key_of"], case["keyed"])
+        stored += REF.publish_rows(case["kind"], prefix, [keys.keys], [start], [stop], blocks, 4 * bs, ids)
     return stored
 
 

@@ -644,8 +644,9 @@ static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *key
 }
 
 /*
- * publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) -> list[int]
- * (PythonBackend.publish_rows)
+ * publish_rows(kind, prefix, key_lists, starts, stops, blocks, width, ids) -> list[int]
+ * (PythonBackend.publish_rows; `prefix` is the tuple (index, key_of, keyed), hotpath's `IndexArrays`,
+ * keyed None or a 1-byte-per-block buffer)
  *
  * Validation first (types; one start/stop per row with 0 <= start <= stop; at least as many ids as
  * blocks; every id to publish in [0, len(key_of)), else IndexError; `keyed`, if not None, a writable
@@ -664,14 +665,21 @@ static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *key
 static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames)
 {
-    static const char *const names[] = {"kind",  "index",  "key_of", "key_lists", "starts",
-                                        "stops", "blocks", "width",  "ids",       "keyed"};
+    static const char *const names[] = {"kind", "prefix", "key_lists", "starts", "stops", "blocks", "width", "ids"};
     const char *const fname = "publish_rows";
-    PyObject *a[10];
+    PyObject *given[8], *a[10];
     int kind;
     Py_ssize_t width;
-    if (parse_args(fname, names, 10, 10, 9, args, nargs, kwnames, a) < 0 ||
-        get_kind(fname, a[0], &kind) < 0 || check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
+    if (parse_args(fname, names, 8, 8, 8, args, nargs, kwnames, given) < 0)
+        return NULL;
+    /* the owner's struct: prefix = (index, key_of, keyed), spread into the order the code below reads */
+    if (!PyTuple_Check(given[1]) || PyTuple_GET_SIZE(given[1]) != 3)
+        return PyErr_Format(PyExc_TypeError, "%s: prefix must be a tuple (index, key_of, keyed)", fname);
+    a[0] = given[0];
+    a[1] = PyTuple_GET_ITEM(given[1], 0), a[2] = PyTuple_GET_ITEM(given[1], 1), a[9] = PyTuple_GET_ITEM(given[1], 2);
+    for (int i = 2; i < 8; i++)
+        a[i + 1] = given[i];
+    if (get_kind(fname, a[0], &kind) < 0 || check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[2], &PyList_Type) < 0 || get_ssize(a[7], &width) < 0)
         return NULL;
     if (width < 0)
@@ -776,7 +784,7 @@ fail:
 }
 
 /*
- * forget_keys(index, key_of, ids) -> None  (PythonBackend.forget_keys)
+ * forget_keys(prefix, ids) -> None  (PythonBackend.forget_keys; `prefix` is (index, key_of, keyed), keyed unused)
  *
  * Eviction drops keys eagerly, so the index never holds a stale entry: for each block b of `ids` holding
  * a key, delete index[key] if it maps to b, then key_of[b] = None. Every id is checked (0 <= b <
@@ -785,11 +793,16 @@ fail:
 static PyObject *native_forget_keys(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                     PyObject *kwnames)
 {
-    static const char *const names[] = {"index", "key_of", "ids"};
+    static const char *const names[] = {"prefix", "ids"};
     const char *const fname = "forget_keys";
-    PyObject *a[3];
-    if (parse_args(fname, names, 3, 3, 3, args, nargs, kwnames, a) < 0 ||
-        check_exact(fname, "index", a[0], &PyDict_Type) < 0 ||
+    PyObject *given[2], *a[3];
+    if (parse_args(fname, names, 2, 2, 2, args, nargs, kwnames, given) < 0)
+        return NULL;
+    /* the owner's struct: prefix = (index, key_of, keyed); keyed is the owner's to clear (one numpy call) */
+    if (!PyTuple_Check(given[0]) || PyTuple_GET_SIZE(given[0]) != 3)
+        return PyErr_Format(PyExc_TypeError, "%s: prefix must be a tuple (index, key_of, keyed)", fname);
+    a[0] = PyTuple_GET_ITEM(given[0], 0), a[1] = PyTuple_GET_ITEM(given[0], 1), a[2] = given[1];
+    if (check_exact(fname, "index", a[0], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[1], &PyList_Type) < 0)
         return NULL;
     PyObject *index = a[0], *key_of = a[1];
@@ -1387,12 +1400,12 @@ PyDoc_STRVAR(match_doc,
              "match(kind, index, known, data, width, max_blocks) -> list[int]\n\n"
              "Leading blocks of `data` found in the cache; hotpath.PythonBackend.match in C.");
 PyDoc_STRVAR(publish_rows_doc,
-             "publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) "
+             "publish_rows(kind, prefix, key_lists, starts, stops, blocks, width, ids) "
              "-> list[int]\n\n"
              "Key and index the blocks [starts[r], stops[r]) of each row; hotpath.PythonBackend.publish_rows "
              "in C.");
 PyDoc_STRVAR(forget_keys_doc,
-             "forget_keys(index, key_of, ids) -> None\n\n"
+             "forget_keys(prefix, ids) -> None\n\n"
              "Drop the keys of evicted blocks from the index and key_of; hotpath.PythonBackend.forget_keys in C.");
 PyDoc_STRVAR(check_rows_doc,
              "check_rows(on_device, mark, rows) -> int\n\n"

@@ -94,11 +94,11 @@ class Backend(Protocol):
     def match(self, kind: int, index: dict[Any, int], known: list[Any], data: I32, width: int, max_blocks: int) -> list[int]: ...
 
     def publish_rows(
-        self, kind: int, index: dict[Any, int], key_of: list[Any], key_lists: Sequence[list[Any]],
-        starts: I64, stops: I64, blocks: I32, width: int, ids: I64, keyed: Flags | None = None,
+        self, kind: int, prefix: IndexArrays, key_lists: Sequence[list[Any]], starts: I64, stops: I64,
+        blocks: I32, width: int, ids: I64,
     ) -> list[int]: ...  # fmt: skip
 
-    def forget_keys(self, index: dict[Any, int], key_of: list[Any], ids: I64) -> None: ...
+    def forget_keys(self, prefix: IndexArrays, ids: I64) -> None: ...
 
     def check_rows(self, on_device: Flags, mark: I64, rows: I64) -> int: ...
 
@@ -191,10 +191,12 @@ class PythonBackend:
 
     @staticmethod
     def publish_rows(
-        kind: int, index: dict[Any, int], key_of: list[Any], key_lists: Sequence[list[Any]],
-        starts: Any, stops: Any, blocks: Any, width: int, ids: Any, keyed: Any = None,
+        kind: int, prefix: IndexArrays, key_lists: Sequence[list[Any]], starts: Any, stops: Any, blocks: Any,
+        width: int, ids: Any,
     ) -> list[int]:  # fmt: skip
         """Publish blocks [starts[r], stops[r]) of each row r; returns the block ids that entered the index.
+
+        `prefix` is the tuple (index, key_of, keyed) (`IndexArrays`; keyed may be None).
 
         `ids` holds those blocks' ids, row after row; `blocks` is the whole block store, a C-contiguous
         buffer with block b's token bytes at `blocks[b * width : (b + 1) * width]` (the pool's int32
@@ -205,11 +207,15 @@ class PythonBackend:
         `index[key] = b`, `key_of[b] = key` and, if `keyed` is given (a writable C-contiguous 1-D array
         of 1-byte items, e.g. numpy bool, at least `len(key_of)` long), `keyed[b] = True`.
 
-        Checked before anything changes: IndexError if an id to publish is outside [0, len(key_of))
-        (negative ids included), TypeError or ValueError for a `keyed` of the wrong kind or length.
-        Checked in the loop (the rows before stay published): ValueError if a row's keys end before its
-        start, or if `blocks` ends before the bytes of a block id it has to hash.
+        Checked before anything changes: TypeError if `prefix` is not a 3-tuple, IndexError if an id to
+        publish is outside [0, len(key_of)) (negative ids included), TypeError or ValueError for a `keyed`
+        of the wrong kind or length. Checked in the loop (the rows before stay published): ValueError if a
+        row's keys end before its start, or if `blocks` ends before the bytes of a block id it has to hash.
         """
+        if not (isinstance(prefix, tuple) and len(prefix) == 3):
+            raise TypeError("publish_rows: prefix must be a tuple (index, key_of, keyed)")
+        keyed: Any  # any writable buffer of 1-byte items, or None (checked below)
+        index, key_of, keyed = prefix
         view = memoryview(blocks).cast("B")  # C-contiguous bytes, no copy (TypeError otherwise)
         block_ids = _as_list(ids)
         total = sum(stop - start for start, stop in zip(_as_list(starts), _as_list(stops)))
@@ -239,8 +245,13 @@ class PythonBackend:
         return stored
 
     @staticmethod
-    def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None:
-        """Eviction: drop the keys of blocks `ids` from `key_of`, and from the index where it maps to them."""
+    def forget_keys(prefix: IndexArrays, ids: Any) -> None:
+        """Eviction: drop the keys of blocks `ids` from `key_of`, and from the index where it maps to them;
+        `prefix` is the tuple (index, key_of, keyed) (`IndexArrays`). `keyed` is left to the owner, who
+        clears it for all `ids` in one numpy call. TypeError if `prefix` is not a 3-tuple."""
+        if not (isinstance(prefix, tuple) and len(prefix) == 3):
+            raise TypeError("forget_keys: prefix must be a tuple (index, key_of, keyed)")
+        index, key_of, _ = prefix
         block_ids = _as_list(ids)
         if block_ids and not (min(block_ids) >= 0 and max(block_ids) < len(key_of)):
             raise IndexError("forget_keys: block id out of range of key_of")

@@ -102,9 +102,7 @@ class PrefixIndex:
     ) -> list[int]:  # fmt: skip
         """`insert` for blocks [starts[r], stops[r]) of each row r, hashing the keys its list lacks
         (`hotpath.Backend.publish_rows`)."""
-        stored = self._hot.publish_rows(
-            kind, self.index, self.key_of, key_lists, starts, stops, blocks, width, block_ids, self.keyed
-        )
+        stored = self._hot.publish_rows(kind, self.arrays, key_lists, starts, stops, blocks, width, block_ids)
         self._stored(stored)
         return stored
 
@@ -144,7 +142,7 @@ class PrefixIndex:
         if self.record_events:
             key_of = self.key_of
             self.events.extend(CacheEvent("removed", key_of[b], b) for b in block_ids.tolist())
-        self._hot.forget_keys(self.index, self.key_of, block_ids)
+        self._hot.forget_keys(self.arrays, block_ids)
         self.keyed[block_ids] = False
 
     def clear(self) -> int:
