@@ -35,6 +35,7 @@ def publish_computed(
     kind: int,
     prefix: tuple[dict[Any, int], list[Any], Any],
     seq_keys: list[Any],
+    epochs: Any,
     epoch: int,
     rows: Any,
     computed: Any,

@@ -42,7 +42,8 @@ Contract of both backends (`kind` is `SHA256` or `FAST`):
 - errors: argument checks happen before anything changes; an error inside a loop (a row whose keys end
   before its first block to publish, a block store too short for a block to hash, an error from hashing
   or comparing keys) leaves the work done so far in place, identically in both backends;
-- where the C is stricter (tested): `index` must be a dict, `key_of`, `known` and each row of `key_lists`
+- where the C is stricter (tested): `index` must be a dict, `key_of`, `known`, each row of `key_lists`
+  and each key list of `seq_keys`
   lists, of exactly those types; integer arrays C-contiguous 1-D int64 (or lists of ints); `match`'s
   `data` must hold every block it has to hash (the reference would hash a short slice).
 """
@@ -109,8 +110,8 @@ class Backend(Protocol):
     ) -> tuple[int, int]: ...
 
     def publish_computed(
-        self, kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: I64, computed: I64 | None,
-        tables: TableArrays, blocks: I32,
+        self, kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], epochs: I64, epoch: int, rows: I64,
+        computed: I64 | None, tables: TableArrays, blocks: I32,
     ) -> list[int]: ...  # fmt: skip
 
     def grow(
@@ -279,14 +280,15 @@ class PythonBackend:
 
     @staticmethod
     def publish_computed(
-        kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: Any, computed: Any,
-        tables: TableArrays, blocks: Any,
+        kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], epochs: Any, epoch: int, rows: Any,
+        computed: Any, tables: TableArrays, blocks: Any,
     ) -> list[int]:  # fmt: skip
         """`mark_computed` for a batch of distinct rows, with `prefix` = (index, key_of, keyed) and `tables` =
         (num_tokens, num_computed, hashable, num_published, table) (tuples, e.g. `IndexArrays`, `TableArrays`): row i (r = rows[i]) has computed[i] tokens computed
         (num_tokens[r] when computed is None); its full blocks not published yet, [num_published[r], f)
         with f = min(computed, hashable[r]) // block_size, are published as by `publish_rows` with the keys
-        of seq_keys[r] (a `BlockKeys`), unless it is None or of another epoch (then they stay private).
+        list seq_keys[r] (root first), unless it is None or its keys were computed under another epoch
+        (epochs[r] != epoch, `epochs` an int64 array by row): then they stay private.
         Block j's id is table[r, j]; `blocks` is the int32 [num_blocks, block_size] token store.
 
         Which rows publish is found with numpy; each row's missing keys are hashed in one loop.
@@ -309,10 +311,9 @@ class PythonBackend:
         num_published[rows] = full
         stored: list[int] = []
         for r, start, stop in zip(rows.tolist(), first.tolist(), full.tolist()):
-            keys = seq_keys[r]
-            if keys is None or keys.epoch != epoch:
+            known = seq_keys[r]
+            if known is None or epochs[r] != epoch:
                 continue
-            known = keys.keys
             have = len(known) - 1
             if have < start:
                 raise ValueError("publish_computed: a row's keys end before its first block to publish")

@@ -32,7 +32,6 @@ from pagedkv.core.errors import InvariantError
 from pagedkv.core.prefix import Key
 
 if TYPE_CHECKING:
-    from pagedkv.core.prefix import BlockKeys
     from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
@@ -107,14 +106,15 @@ class PrefixIndex:
         return stored
 
     def publish_computed(
-        self, kind: int, by_row: list[BlockKeys | None], epoch: int, rows: IntArray, computed: IntArray | None,
-        tables: BlockTables, blocks: npt.NDArray[np.int32],
+        self, kind: int, key_lists: list[list[Key] | None], epochs: IntArray, epoch: int, rows: IntArray,
+        computed: IntArray | None, tables: BlockTables, blocks: npt.NDArray[np.int32],
     ) -> list[int]:  # fmt: skip
         """A whole `mark_computed` (`hotpath.Backend.publish_computed`): advances the rows' computed and
-        published counts in `tables` and inserts their newly full blocks."""
+        published counts in `tables` and inserts their newly full blocks, keyed by `key_lists[r]` when
+        `epochs[r] == epoch`."""
         t = tables
         arrays = hotpath.TableArrays(t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table)
-        stored = self._hot.publish_computed(kind, self.arrays, by_row, epoch, rows, computed, arrays, blocks)
+        stored = self._hot.publish_computed(kind, self.arrays, key_lists, epochs, epoch, rows, computed, arrays, blocks)
         self._stored(stored)
         return stored
 
