@@ -91,7 +91,7 @@ def eviction_keeps_keys(m: Any) -> Any:
         def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
-        def forget_keys(self, index: Any, key_of: Any, ids: Any) -> None:
+        def forget_keys(self, prefix: Any, ids: Any) -> None:
             pass
 
     real = m.pool.prefix_index._hot  # the backend the prefix index evicts keys with

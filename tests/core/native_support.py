@@ -37,3 +37,10 @@ def chain(kind: int, parent: Any, chunk: bytes) -> Any:
 def content_tokens(content: int, block_size: int) -> np.ndarray:
     """One block's token ids, a function of `content` alone (equal contents: equal blocks)."""
     return (np.arange(block_size, dtype=np.int64) * 7919 + content * 1_000_003).astype(np.int32)
+
+
+def prefixed(args: dict[str, Any]) -> dict[str, Any]:
+    """`publish_rows` keyword arguments from a case that holds the index's structures separately: `index`,
+    `key_of` and `keyed` (the same objects, so the case sees what the call mutates) become `prefix`."""
+    rest = {k: v for k, v in args.items() if k not in ("index", "key_of", "keyed")}
+    return {**rest, "prefix": (args["index"], args["key_of"], args.get("keyed"))}

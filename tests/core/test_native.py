@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from native_support import REF, SETTINGS, chain, content_tokens, native
+from native_support import REF, SETTINGS, chain, content_tokens, native, prefixed
 
 from pagedkv.core.hotpath import FAST, SHA256
 
@@ -244,8 +244,8 @@ def outcome(call: Any, case: dict[str, Any]) -> Any:
 def test_publish_rows_matches_reference(case: dict[str, Any]) -> None:
     ours = copy_case(case)
     before = copy_case(case)
-    expected = outcome(REF.publish_rows, case)
-    assert outcome(native.publish_rows, ours) == expected
+    expected = outcome(REF.publish_rows, prefixed(case))
+    assert outcome(native.publish_rows, prefixed(ours)) == expected
     assert_same_state(ours, case)
     if expected is IndexError:  # an id out of range of key_of: checked before anything changes
         assert_same_state(ours, before)
@@ -255,7 +255,7 @@ def test_publish_rows_matches_reference(case: dict[str, Any]) -> None:
             was = np.frombuffer(bytes(before["keyed"]), dtype=np.uint8).astype(bool)
             assert np.array_equal(flagged[: len(was)], was | np.isin(np.arange(len(was)), expected))
         again = copy_case(ours)  # publishing the same blocks again stores nothing new, in both
-        assert native.publish_rows(**again) == REF.publish_rows(**ours) == []
+        assert native.publish_rows(**prefixed(again)) == REF.publish_rows(**prefixed(ours)) == []
         assert_same_state(again, ours)
 
 
@@ -281,7 +281,7 @@ def test_publish_then_match_a_prompt() -> None:
         key_of: list[Any] = [None] * 64
         keyed = np.zeros(64, dtype=bool)
         keys = [root]
-        stored = native.publish_rows(kind, index, key_of, [keys], [0], [37], store, 64, ids, keyed)
+        stored = native.publish_rows(kind, (index, key_of, keyed), [keys], [0], [37], store, 64, ids)
         assert stored == ids.tolist() and len(keys) == 38 and len(index) == 37
         assert np.flatnonzero(keyed).tolist() == sorted(stored)
         for backend in (native, REF):
@@ -297,21 +297,21 @@ def test_positional_lists_and_keywords() -> None:
     index: dict[Any, int] = {}
     keyed = np.zeros(4, dtype=bool)
     stored = native.publish_rows(
-        kind=SHA256, index=index, key_of=key_of, key_lists=[[root]], starts=[0], stops=[2], blocks=store,
-        width=64, ids=(3, 1), keyed=keyed,
+        kind=SHA256, prefix=(index, key_of, keyed), key_lists=[[root]], starts=[0], stops=[2], blocks=store,
+        width=64, ids=(3, 1),
     )  # fmt: skip
     assert stored == [3, 1] and keyed.tolist() == [False, True, False, True]
     assert native.match(SHA256, index, [root], data, width=64, max_blocks=2) == [3, 1]
     keyed[:] = False  # keyed by position too, and None means none
     for flags in (keyed, None):
-        stored = native.publish_rows(SHA256, {}, [None] * 4, [[root]], [0], [2], store, 64, [3, 1], flags)
+        stored = native.publish_rows(SHA256, ({}, [None] * 4, flags), [[root]], [0], [2], store, 64, [3, 1])
         assert stored == [3, 1]
     assert keyed.tolist() == [False, True, False, True]
-    args: tuple[Any, ...] = (SHA256, {}, [None] * 4, [[root]], [0], [2])
+    args: tuple[Any, ...] = (SHA256, ({}, [None] * 4, None), [[root]], [0], [2])
     with pytest.raises(TypeError, match="unexpected keyword"):  # `data` is now `blocks`
         native.publish_rows(*args, width=64, ids=[3, 1], data=store)  # type: ignore[call-arg, misc]
-    with pytest.raises(TypeError, match="takes 10 positional arguments"):
-        native.publish_rows(*args, store, 64, [3, 1], None, None)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="takes 8 positional arguments"):
+        native.publish_rows(*args, store, 64, [3, 1], None)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="unexpected keyword"):
         native.match(SHA256, index, [root], data, 64, max_block=2)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="missing required argument 'max_blocks'"):
@@ -380,7 +380,22 @@ class DictSubclass(dict[Any, int]):
 )
 def test_publish_rows_type_errors(changes: dict[str, Any]) -> None:
     with pytest.raises(TypeError):
-        native.publish_rows(**small_publish(**changes))
+        native.publish_rows(**prefixed(small_publish(**changes)))
+
+
+@pytest.mark.parametrize("shape", ["list", "pair", "quad", "none"])
+def test_publish_rows_prefix_must_be_a_triple(shape: str) -> None:
+    """`prefix` is the owner's (index, key_of, keyed) as one tuple: anything else is a TypeError, before
+    anything changes, in both backends."""
+    for backend in (native, REF):
+        args = prefixed(small_publish())
+        index, key_of, keyed = args["prefix"]
+        args["prefix"] = {
+            "list": [index, key_of, keyed], "pair": (index, key_of), "quad": (index, key_of, keyed, None), "none": None
+        }[shape]  # fmt: skip
+        with pytest.raises(TypeError, match="prefix must be"):
+            backend.publish_rows(**args)
+        assert index == {} and key_of == [None] * 4 and not keyed.any() and len(args["key_lists"][0]) == 1
 
 
 def read_only(flags: np.ndarray) -> np.ndarray:
@@ -404,7 +419,7 @@ def test_publish_rows_keyed_type_errors(keyed: Any) -> None:
     for backend in (native, REF):
         args = small_publish(keyed=keyed)
         with pytest.raises(TypeError):
-            backend.publish_rows(**args)
+            backend.publish_rows(**prefixed(args))
         assert (
             args["index"] == {}
             and args["key_of"] == [None] * 4
@@ -416,7 +431,7 @@ def test_publish_rows_keyed_too_short() -> None:
     for backend in (native, REF):
         args = small_publish(keyed=np.zeros(3, dtype=bool))
         with pytest.raises(ValueError, match="keyed .*shorter than key_of"):
-            backend.publish_rows(**args)
+            backend.publish_rows(**prefixed(args))
         assert args["index"] == {} and args["key_of"] == [None] * 4 and len(args["key_lists"][0]) == 1
 
 
@@ -440,7 +455,7 @@ def test_publish_rows_keyed_too_short() -> None:
 def test_publish_rows_value_errors(changes: dict[str, Any], message: str) -> None:
     args = small_publish(**changes)
     with pytest.raises(ValueError, match=message):
-        native.publish_rows(**args)
+        native.publish_rows(**prefixed(args))
     assert args["index"] == {} and args["key_of"] == [None] * 4 and not args["keyed"].any()
     if changes.keys() != {"blocks"}:  # checked before anything changes
         assert all(len(k) == 1 for k in args["key_lists"])
@@ -449,10 +464,10 @@ def test_publish_rows_value_errors(changes: dict[str, Any], message: str) -> Non
 def test_publish_rows_reference_value_errors_too() -> None:
     args = small_publish(starts=np.array([1], dtype=np.int64))
     with pytest.raises(ValueError, match="keys end before its first block"):
-        REF.publish_rows(**args)
+        REF.publish_rows(**prefixed(args))
     args = small_publish(blocks=np.arange(11, dtype=np.int32))
     with pytest.raises(ValueError, match=r"blocks \(44 bytes\) ends before block id 2"):
-        REF.publish_rows(**args)
+        REF.publish_rows(**prefixed(args))
 
 
 def test_publish_rows_short_store_fails_only_for_blocks_to_hash() -> None:
@@ -462,12 +477,12 @@ def test_publish_rows_short_store_fails_only_for_blocks_to_hash() -> None:
     for backend in (native, REF):
         keys = keys_of(SHA256, root, [0], 4)  # block 0's key known: its id (5) is not read
         keyed = np.zeros(8, dtype=bool)
-        stored = backend.publish_rows(SHA256, {}, [None] * 8, [keys], [0], [2], store, 16, [5, 3], keyed)
+        stored = backend.publish_rows(SHA256, ({}, [None] * 8, keyed), [keys], [0], [2], store, 16, [5, 3])
         assert stored == [5, 3] and np.flatnonzero(keyed).tolist() == [3, 5]
         assert keys[2] == chain(SHA256, keys[1], store[3].tobytes())
         keys, index, key_of = [root], dict[Any, int](), [None] * 8
         with pytest.raises(ValueError, match=r"blocks \(64 bytes\) ends before block id 5"):
-            backend.publish_rows(SHA256, index, key_of, [[root], keys], [0, 0], [1, 2], store, 16, [2, 3, 5])
+            backend.publish_rows(SHA256, (index, key_of, None), [[root], keys], [0, 0], [1, 2], store, 16, [2, 3, 5])
         assert list(index.values()) == [2] and len(keys) == 2  # the first row stays published
 
 
@@ -477,12 +492,12 @@ def test_publish_rows_index_error(bad: int) -> None:
     for backend in (native, REF):
         args = small_publish(ids=np.array([0, bad], dtype=np.int64))
         with pytest.raises(IndexError, match="out of range of key_of"):
-            backend.publish_rows(**args)
+            backend.publish_rows(**prefixed(args))
         assert args["index"] == {} and args["key_of"] == [None] * 4 and not args["keyed"].any()
         assert len(args["key_lists"][0]) == 1
         # ids past the rows' blocks are not used, so not checked
         args = small_publish(ids=np.array([0, 1, bad], dtype=np.int64))
-        assert backend.publish_rows(**args) == [0, 1]
+        assert backend.publish_rows(**prefixed(args)) == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -534,7 +549,7 @@ def test_an_index_entry_is_trusted_without_reading_key_of() -> None:
         publish = small_publish(kind=FAST, key_lists=[[0]], stops=np.array([1], dtype=np.int64), ids=[0])
         publish["index"][key] = 1
         publish["key_of"][1] = Incomparable()
-        assert backend.publish_rows(**publish) == []
+        assert backend.publish_rows(**prefixed(publish)) == []
         assert publish["index"] == {key: 1} and publish["key_of"][0] is None and not publish["keyed"].any()
 
 
@@ -553,14 +568,14 @@ def test_reference_counts_are_exact() -> None:
         keyed = np.zeros(1000, dtype=bool)
         ids = np.arange(500, 505, dtype=np.int64)
         starts, stops = np.array([0], dtype=np.int64), np.array([5], dtype=np.int64)
-        native.publish_rows(kind, index, key_of, [keys], starts, stops, store, 16, ids, keyed)
+        native.publish_rows(kind, (index, key_of, keyed), [keys], starts, stops, store, 16, ids)
         watched: list[Any] = [root, index, key_of, keys, store, keyed, ids, starts, stops]
         watched += [*keys, *index.values()]
         before = [sys.getrefcount(x) for x in watched]
         for _ in range(2000):
-            native.publish_rows(kind, index, key_of, [keys], starts, stops, store, 16, ids, keyed)
+            native.publish_rows(kind, (index, key_of, keyed), [keys], starts, stops, store, 16, ids)
             # the keys are live: blocks 600.. stay private (one probe finds the entry, which stays)
-            assert native.publish_rows(kind, index, key_of, [keys], starts, stops, store, 16, ids + 100) == []
+            assert native.publish_rows(kind, (index, key_of, None), [keys], starts, stops, store, 16, ids + 100) == []
             assert native.match(kind, index, keys, tokens, 16, 5) == ids.tolist()
             known = [root]
             native.match(kind, index, known, tokens, 16, 5)
@@ -570,12 +585,12 @@ def test_reference_counts_are_exact() -> None:
             fresh_key_of: list[Any] = [None] * 1000
             fresh_key_of[700], fresh_key_of[102] = keys[2], keys[3]
             small = ids - 400
-            stored = native.publish_rows(kind, fresh, fresh_key_of, [keys], starts, stops, store, 16, small)
+            stored = native.publish_rows(kind, (fresh, fresh_key_of, None), [keys], starts, stops, store, 16, small)
             assert stored == [100, 103, 104] and list(fresh.values()) == [700, 102, *stored]
             with pytest.raises(IndexError):
-                native.publish_rows(kind, index, key_of, [[root]], starts, stops, store, 16, ids + 999, keyed)
+                native.publish_rows(kind, (index, key_of, keyed), [[root]], starts, stops, store, 16, ids + 999)
             with pytest.raises(ValueError, match="blocks"):
-                native.publish_rows(kind, {}, [None] * 2000, [[root]], starts, stops, store, 16, ids + 1000)
+                native.publish_rows(kind, ({}, [None] * 2000, None), [[root]], starts, stops, store, 16, ids + 1000)
         del known, fresh, fresh_key_of
         assert [sys.getrefcount(x) for x in watched] == before
 
@@ -594,9 +609,7 @@ def test_memory_stays_flat() -> None:
             kind = i & 1
             index: dict[Any, int] = {}
             key_of: list[Any] = [None] * 8
-            native.publish_rows(
-                kind, index, key_of, [[roots[kind]], [roots[kind]]], starts, stops, store, 64, ids, keyed
-            )
+            native.publish_rows(kind, (index, key_of, keyed), [[roots[kind]], [roots[kind]]], starts, stops, store, 64, ids)
             native.match(kind, index, [roots[kind]], tokens, 64, 8)
             native.sha256(tokens)
 

@@ -95,8 +95,8 @@ def same_list(a: list[Any], b: list[Any]) -> bool:
 @given(case=forget_cases())
 def test_forget_keys_matches_reference(case: dict[str, Any]) -> None:
     ours, before = copy_forget(case), copy_forget(case)
-    expected = outcome(REF.forget_keys, case["index"], case["key_of"], case["ids"])
-    assert outcome(native.forget_keys, ours["index"], ours["key_of"], ours["ids"]) == expected
+    expected = outcome(REF.forget_keys, (case["index"], case["key_of"], None), case["ids"])
+    assert outcome(native.forget_keys, (ours["index"], ours["key_of"], None), ours["ids"]) == expected
     assert expected in (None, IndexError)
     assert same_dict(ours["index"], case["index"]) and same_list(ours["key_of"], case["key_of"])
     if expected is IndexError:  # every id is checked before anything changes
@@ -126,7 +126,7 @@ def test_forget_keys_errors_from_hashing_propagate() -> None:
         index: dict[Any, int] = {b"a": 0, b"c": 2}
         key_of: list[Any] = [b"a", bad, b"c"]
         with pytest.raises(RuntimeError, match="no hash"):
-            backend.forget_keys(index, key_of, [0, 1, 2])
+            backend.forget_keys((index, key_of, None), [0, 1, 2])
         assert index == {b"c": 2} and key_of[0] is None and key_of[1] is bad and key_of[2] == b"c"
 
 
@@ -143,7 +143,19 @@ def test_forget_keys_errors_from_hashing_propagate() -> None:
 )
 def test_forget_keys_type_errors(args: tuple[Any, ...], error: type[Exception]) -> None:
     with pytest.raises(error):
-        native.forget_keys(*args)
+        native.forget_keys((args[0], args[1], None), args[2])
+
+
+@pytest.mark.parametrize("prefix", [[{0: 0}, [0]], ({0: 0}, [0]), ({0: 0}, [0], None, None), None])
+def test_forget_keys_prefix_must_be_a_triple(prefix: Any) -> None:
+    """`prefix` is the owner's (index, key_of, keyed) as one tuple: anything else is a TypeError, before
+    anything changes, in both backends."""
+    for backend in (native, REF):
+        index, key_of = {b"a": 0}, [b"a"]
+        bad = [index, key_of] if isinstance(prefix, list) else None if prefix is None else (index, key_of, *prefix[2:])
+        with pytest.raises(TypeError, match="prefix must be"):
+            backend.forget_keys(bad, [0])
+        assert index == {b"a": 0} and key_of == [b"a"]
 
 
 # -------------------------------------------------------------------------------------------- reference counts
@@ -158,16 +170,16 @@ def test_forget_keys_releases_the_keys() -> None:
     base_key, base_held = sys.getrefcount(key), sys.getrefcount(held)
 
     index[key], key_of[block] = block, key  # live: the index entry and key_of both go
-    native.forget_keys(index, key_of, np.array([block], dtype=np.int64))
+    native.forget_keys((index, key_of, None), np.array([block], dtype=np.int64))
     assert index == {} and key_of[block] is None
     assert sys.getrefcount(key) == base_key
 
     # indexed to another block that holds it too: only key_of[block] lets go
     index[held], key_of[block], key_of[other] = other, held, held
-    native.forget_keys(index, key_of, [block])
+    native.forget_keys((index, key_of, None), [block])
     assert index == {held: other} and key_of[other] is held
     assert sys.getrefcount(held) == base_held + 2
-    native.forget_keys(index, key_of, [other, other])
+    native.forget_keys((index, key_of, None), [other, other])
     assert index == {} and sys.getrefcount(held) == base_held
 
 
@@ -187,8 +199,8 @@ def test_forget_keys_reference_counts_are_exact() -> None:
             if (i + j) % 3:  # some keys indexed, some private, some indexed to another block
                 index[key] = b if (i + j) % 3 == 1 else blocks[(j + 1) % len(blocks)]
         with pytest.raises(IndexError):
-            native.forget_keys(index, key_of, bad)
-        native.forget_keys(index, key_of, ids if i % 2 else ids.tolist())
+            native.forget_keys((index, key_of, None), bad)
+        native.forget_keys((index, key_of, None), ids if i % 2 else ids.tolist())
         assert all(key_of[b] is None for b in blocks)
         index.clear()
     del key, b

@@ -140,12 +140,21 @@ def computed_cases(draw: st.DrawFn) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def key_lists(seq_keys: Any) -> tuple[Any, np.ndarray]:
+    """The cases' `BlockKeys` by row as the backends take them: each row's key list (the same list object,
+    or None) in a container of the same type, and the epochs they were computed under (int64, by row)."""
+    lists = type(seq_keys)(None if k is None else k.keys for k in seq_keys)
+    return lists, np.array([-1 if k is None else k.epoch for k in seq_keys], dtype=np.int64)
+
+
 def call(fn: Any, case: dict[str, Any]) -> Any:
-    """`fn(kind, (index, key_of, keyed), seq_keys, epoch, rows, computed, (num_tokens, ..., table), blocks)`."""
+    """`fn(kind, (index, key_of, keyed), key lists, epochs, epoch, rows, computed, (num_tokens, ..., table),
+    blocks)`, the key lists and epochs read from the case's `BlockKeys` (`key_lists`)."""
     c = case
     prefix = (c["index"], c["key_of"], c["keyed"])
     tables = (c["num_tokens"], c["num_computed"], c["hashable"], c["num_published"], c["table"])
-    return fn(c["kind"], prefix, c["seq_keys"], c["epoch"], c["rows"], c["computed"], tables, c["blocks"])
+    lists, epochs = key_lists(c["seq_keys"])
+    return fn(c["kind"], prefix, lists, epochs, c["epoch"], c["rows"], c["computed"], tables, c["blocks"])
 
 
 def naive_publish_computed(case: dict[str, Any]) -> list[int]:
@@ -163,10 +172,8 @@ def naive_publish_computed(case: dict[str, Any]) -> list[int]:
         if keys is None or keys.epoch != case["epoch"]:
             continue
         ids = table[r, start:stop].astype(np.int64)
-        stored += REF.publish_rows(
-            case["kind"], case["index"], case["key_of"], [keys.keys], [start], [stop], blocks, 4 * bs, ids,
-            case["keyed"],
-        )  # fmt: skip
+        prefix = (case["index"], case["key_of"], case["keyed"])
+        stored += REF.publish_rows(case["kind"], prefix, [keys.keys], [start], [stop], blocks, 4 * bs, ids)
     return stored
 
 
@@ -438,13 +445,46 @@ def test_publish_computed_takes_the_owners_structs_as_tuples() -> None:
         before = copy.deepcopy(case)
         prefix = (case["index"], case["key_of"], case["keyed"])
         tables = (case["num_tokens"], case["num_computed"], case["hashable"], case["num_published"], case["table"])
-        rest = (case["seq_keys"], case["epoch"], case["rows"], case["computed"])
+        rest = (*key_lists(case["seq_keys"]), case["epoch"], case["rows"], case["computed"])
         for bad_prefix, bad_tables in ((prefix[:2], tables), (prefix, tables[:4]), (list(prefix), tables)):
             with pytest.raises(TypeError, match="tuple|prefix must be"):
                 backend.publish_computed(case["kind"], bad_prefix, *rest, bad_tables, case["blocks"])
             assert case["index"] == before["index"] and np.array_equal(case["num_computed"], before["num_computed"])
         arrays = hotpath.TableArrays(*tables)
         assert backend.publish_computed(case["kind"], prefix, *rest, arrays, case["blocks"]) == [1, 2, 3, 4, 5]
+
+
+def test_publish_computed_reads_keys_and_epochs_as_passed() -> None:
+    """The key lists and their epochs are arguments: a row publishes only when epochs[r] == epoch (the C code
+    reads no attribute of a keys object); malformed ones are errors before anything changes."""
+    for backend in (native, REF):
+        case = small_case()
+        lists, epochs = key_lists(case["seq_keys"])
+        prefix = (case["index"], case["key_of"], case["keyed"])
+        tables = (case["num_tokens"], case["num_computed"], case["hashable"], case["num_published"], case["table"])
+        rest = (case["rows"], case["computed"], tables, case["blocks"])
+        epochs[0] = EPOCH - 1  # row 0's keys of an earlier epoch: its blocks 1-3 stay private
+        assert backend.publish_computed(case["kind"], prefix, lists, epochs, EPOCH, *rest) == [4, 5]
+        assert case["key_of"][1] is None and len(lists[0]) == 1
+    case = small_case()
+    lists, epochs = key_lists(case["seq_keys"])
+    prefix = (case["index"], case["key_of"], case["keyed"])
+    tables = (case["num_tokens"], case["num_computed"], case["hashable"], case["num_published"], case["table"])
+    rest = (case["rows"], case["computed"], tables, case["blocks"])
+    bad: list[tuple[Any, Any, Any, type[Exception]]] = [
+        (lists, epochs[:2].copy(), EPOCH, IndexError),  # row 2 past epochs
+        (lists, epochs.astype(np.int32), EPOCH, TypeError),
+        (lists, epochs.tolist(), EPOCH, TypeError),
+        (lists, epochs, "0", TypeError),
+    ]
+    for args in bad:
+        with pytest.raises(args[3]):
+            native.publish_computed(case["kind"], prefix, args[0], args[1], args[2], *rest)
+        assert case["index"] == {b"live": 8} and not case["num_computed"].any() and len(lists[1]) == 1
+    # a row's keys not a list: found in the loop (the C code is stricter than the reference here)
+    with pytest.raises(TypeError, match="must be a list or None"):
+        native.publish_computed(case["kind"], prefix, [tuple(lists[0]), *lists[1:]], epochs, EPOCH, *rest)
+    assert case["index"] == {b"live": 8} and case["key_of"][1] is None
 
 
 def test_publish_computed_keys_ending_early() -> None:

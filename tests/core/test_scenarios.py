@@ -223,6 +223,20 @@ def test_epoch_bump_makes_earlier_keys_unmatchable(m: PagedKVManager) -> None:
     m.check_invariants()
 
 
+def test_keys_rebound_while_attached_publish_under_the_new_epoch(m: PagedKVManager) -> None:
+    """One `BlockKeys` attached to a live sequence and re-admitted after an epoch bump is rebound: the key
+    lists and epochs the hot path reads follow it, so both sequences publish under the new epoch."""
+    keys = BlockKeys()
+    a = m.admit(toks(0, 9), keys=keys)
+    m.bump_epoch()
+    b = m.admit(toks(0, 9), keys=keys)
+    assert a is not None and b is not None and keys.epoch == m.epoch
+    m.check_invariants()  # checks the hot path's view of the keys against the keys
+    m.mark_computed([a.seq_id, b.seq_id])
+    assert m.match_prefix(toks(0, 9)) == 8
+    m.check_invariants()
+
+
 def test_reset_prefix_cache_emits_cleared(m: PagedKVManager) -> None:
     a = m.admit(toks(0, 9))
     assert a is not None

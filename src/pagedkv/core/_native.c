@@ -644,8 +644,9 @@ static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *key
 }
 
 /*
- * publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) -> list[int]
- * (PythonBackend.publish_rows)
+ * publish_rows(kind, prefix, key_lists, starts, stops, blocks, width, ids) -> list[int]
+ * (PythonBackend.publish_rows; `prefix` is the tuple (index, key_of, keyed), hotpath's `IndexArrays`,
+ * keyed None or a 1-byte-per-block buffer)
  *
  * Validation first (types; one start/stop per row with 0 <= start <= stop; at least as many ids as
  * blocks; every id to publish in [0, len(key_of)), else IndexError; `keyed`, if not None, a writable
@@ -664,14 +665,21 @@ static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *key
 static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames)
 {
-    static const char *const names[] = {"kind",  "index",  "key_of", "key_lists", "starts",
-                                        "stops", "blocks", "width",  "ids",       "keyed"};
+    static const char *const names[] = {"kind", "prefix", "key_lists", "starts", "stops", "blocks", "width", "ids"};
     const char *const fname = "publish_rows";
-    PyObject *a[10];
+    PyObject *given[8], *a[10];
     int kind;
     Py_ssize_t width;
-    if (parse_args(fname, names, 10, 10, 9, args, nargs, kwnames, a) < 0 ||
-        get_kind(fname, a[0], &kind) < 0 || check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
+    if (parse_args(fname, names, 8, 8, 8, args, nargs, kwnames, given) < 0)
+        return NULL;
+    /* the owner's struct: prefix = (index, key_of, keyed), spread into the order the code below reads */
+    if (!PyTuple_Check(given[1]) || PyTuple_GET_SIZE(given[1]) != 3)
+        return PyErr_Format(PyExc_TypeError, "%s: prefix must be a tuple (index, key_of, keyed)", fname);
+    a[0] = given[0];
+    a[1] = PyTuple_GET_ITEM(given[1], 0), a[2] = PyTuple_GET_ITEM(given[1], 1), a[9] = PyTuple_GET_ITEM(given[1], 2);
+    for (int i = 2; i < 8; i++)
+        a[i + 1] = given[i];
+    if (get_kind(fname, a[0], &kind) < 0 || check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[2], &PyList_Type) < 0 || get_ssize(a[7], &width) < 0)
         return NULL;
     if (width < 0)
@@ -776,7 +784,7 @@ fail:
 }
 
 /*
- * forget_keys(index, key_of, ids) -> None  (PythonBackend.forget_keys)
+ * forget_keys(prefix, ids) -> None  (PythonBackend.forget_keys; `prefix` is (index, key_of, keyed), keyed unused)
  *
  * Eviction drops keys eagerly, so the index never holds a stale entry: for each block b of `ids` holding
  * a key, delete index[key] if it maps to b, then key_of[b] = None. Every id is checked (0 <= b <
@@ -785,11 +793,16 @@ fail:
 static PyObject *native_forget_keys(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                     PyObject *kwnames)
 {
-    static const char *const names[] = {"index", "key_of", "ids"};
+    static const char *const names[] = {"prefix", "ids"};
     const char *const fname = "forget_keys";
-    PyObject *a[3];
-    if (parse_args(fname, names, 3, 3, 3, args, nargs, kwnames, a) < 0 ||
-        check_exact(fname, "index", a[0], &PyDict_Type) < 0 ||
+    PyObject *given[2], *a[3];
+    if (parse_args(fname, names, 2, 2, 2, args, nargs, kwnames, given) < 0)
+        return NULL;
+    /* the owner's struct: prefix = (index, key_of, keyed); keyed is the owner's to clear (one numpy call) */
+    if (!PyTuple_Check(given[0]) || PyTuple_GET_SIZE(given[0]) != 3)
+        return PyErr_Format(PyExc_TypeError, "%s: prefix must be a tuple (index, key_of, keyed)", fname);
+    a[0] = PyTuple_GET_ITEM(given[0], 0), a[1] = PyTuple_GET_ITEM(given[0], 1), a[2] = given[1];
+    if (check_exact(fname, "index", a[0], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[1], &PyList_Type) < 0)
         return NULL;
     PyObject *index = a[0], *key_of = a[1];
@@ -1118,29 +1131,32 @@ fail:
 }
 
 /*
- * publish_computed(kind, prefix, seq_keys, epoch, rows, computed, tables, blocks) -> list[int]
+ * publish_computed(kind, prefix, seq_keys, epochs, epoch, rows, computed, tables, blocks) -> list[int]
  * (PythonBackend.publish_computed; `prefix` is the tuple (index, key_of, keyed) and `tables` the tuple
  * (num_tokens, num_computed, hashable, num_published, table), hotpath's `IndexArrays` and `TableArrays`)
  *
  * `mark_computed` for a batch in one call. Row i (r = rows[i]) has c = computed[i] tokens computed (or
  * num_tokens[r] when computed is None): num_computed[r] = c, and its full blocks not published yet,
  * [num_published[r], f) with f = min(c, hashable[r]) // block_size, are published with `publish_row`
- * (num_published[r] = f), keyed by seq_keys[r].keys -- unless seq_keys[r] is None or was computed under
- * another epoch (seq_keys[r].epoch != epoch): then they stay private. Block j's id is table[r, j];
+ * (num_published[r] = f), keyed by the list seq_keys[r] -- unless seq_keys[r] is None or its keys were
+ * computed under another epoch (epochs[r] != epoch; `epochs` is int64 by row): then they stay private. Block j's id is table[r, j];
  * `blocks` is the int32 [num_blocks, block_size] token store (block_size = its second dimension).
  * Rows, table columns and block ids are all checked before anything changes.
  */
-static PyObject *str_keys, *str_epoch; /* interned attribute names, set at import */
-
 static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                          PyObject *kwnames)
 {
-    static const char *const names[] = {"kind", "prefix", "seq_keys", "epoch", "rows", "computed", "tables", "blocks"};
+    static const char *const names[] = {"kind",     "prefix", "seq_keys", "epochs", "epoch",
+                                        "rows", "computed", "tables", "blocks"};
     const char *const fname = "publish_computed";
-    PyObject *given[8], *a[14];
+    PyObject *given[9], *a[14];
     int kind;
-    if (parse_args(fname, names, 8, 8, 8, args, nargs, kwnames, given) < 0)
+    Py_ssize_t epoch;
+    if (parse_args(fname, names, 9, 9, 9, args, nargs, kwnames, given) < 0)
         return NULL;
+    PyObject *epochs = given[3];
+    for (int i = 4; i < 9; i++) /* the rest in the order below reads them */
+        given[i - 1] = given[i];
     /* the owners' structs: prefix = (index, key_of, keyed), tables = (num_tokens, num_computed, hashable,
        num_published, table); spread into the argument order the code below reads */
     if (!PyTuple_Check(given[1]) || PyTuple_GET_SIZE(given[1]) != 3)
@@ -1159,13 +1175,13 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
     if (get_kind(fname, a[0], &kind) < 0 ||
         check_exact(fname, "index", a[1], &PyDict_Type) < 0 ||
         check_exact(fname, "key_of", a[2], &PyList_Type) < 0 ||
-        check_exact(fname, "seq_keys", a[4], &PyList_Type) < 0)
+        check_exact(fname, "seq_keys", a[4], &PyList_Type) < 0 || get_ssize(a[5], &epoch) < 0)
         return NULL;
-    PyObject *index = a[1], *key_of = a[2], *seq_keys = a[4], *epoch = a[5];
+    PyObject *index = a[1], *key_of = a[2], *seq_keys = a[4];
     int with_computed = a[7] != Py_None;
     I64s rows, computed = {0};
-    /* num_tokens, num_computed, hashable, num_published, table, blocks, keyed */
-    Py_buffer v[7] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    /* num_tokens, num_computed, hashable, num_published, table, blocks, keyed, epochs */
+    Py_buffer v[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
     PyObject *stored = NULL;
     int64_t small[64], *ids = small;
     if (i64s_get(fname, "rows", a[6], &rows) < 0)
@@ -1175,7 +1191,8 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
         int_array(fname, "num_computed", a[9], 1, 8, 1, &v[1]) < 0 ||
         int_array(fname, "hashable", a[10], 1, 8, 0, &v[2]) < 0 ||
         int_array(fname, "num_published", a[11], 1, 8, 1, &v[3]) < 0 ||
-        int_array(fname, "table", a[12], 2, 4, 0, &v[4]) < 0 || int_array(fname, "blocks", a[13], 2, 4, 0, &v[5]) < 0)
+        int_array(fname, "table", a[12], 2, 4, 0, &v[4]) < 0 || int_array(fname, "blocks", a[13], 2, 4, 0, &v[5]) < 0 ||
+        int_array(fname, "epochs", epochs, 1, 8, 0, &v[7]) < 0)
         goto fail;
     if (PyObject_GetBuffer(a[3], &v[6], PyBUF_RECORDS_RO) < 0) {
         v[6].obj = NULL;
@@ -1187,7 +1204,7 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
                      fname, Py_TYPE(a[3])->tp_name);
         goto fail;
     }
-    const int64_t *num_tokens = v[0].buf, *hashable = v[2].buf;
+    const int64_t *num_tokens = v[0].buf, *hashable = v[2].buf, *epoch_of = v[7].buf;
     int64_t *num_computed = v[1].buf, *num_published = v[3].buf;
     const int32_t *table = v[4].buf;
     Py_ssize_t cols = v[4].shape[1], bs = v[5].shape[1], nkeys = PyList_GET_SIZE(key_of);
@@ -1199,6 +1216,8 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
         n = v[4].shape[0];
     if (PyList_GET_SIZE(seq_keys) < n)
         n = PyList_GET_SIZE(seq_keys);
+    if (v[7].shape[0] < n)
+        n = v[7].shape[0];
     if (bs <= 0 || v[6].itemsize != 1 || v[6].len < nkeys || (with_computed && computed.len != rows.len)) {
         PyErr_Format(PyExc_ValueError,
                      "%s: empty blocks, keyed not 1-byte items or shorter than key_of, or computed not one per row",
@@ -1252,24 +1271,14 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
             PyErr_Format(PyExc_RuntimeError, "%s: seq_keys changed size", fname);
             goto fail;
         }
-        PyObject *keys = PyList_GET_ITEM(seq_keys, r);
-        if (keys == Py_None)
-            continue;
-        Py_INCREF(keys);
-        PyObject *row_epoch = PyObject_GetAttr(keys, str_epoch);
-        int same = row_epoch == NULL ? -1 : PyObject_RichCompareBool(row_epoch, epoch, Py_EQ);
-        Py_XDECREF(row_epoch);
-        PyObject *known = same > 0 ? PyObject_GetAttr(keys, str_keys) : NULL;
-        Py_DECREF(keys);
-        if (same < 0 || (same > 0 && known == NULL))
-            goto fail;
-        if (!same) /* keys of an earlier epoch: never matchable, so not published */
-            continue;
+        PyObject *known = PyList_GET_ITEM(seq_keys, r);
+        if (known == Py_None || epoch_of[r] != (int64_t)epoch) /* no keys, or keys of an earlier epoch: */
+            continue;                                            /* never matchable, so not published */
         if (!PyList_CheckExact(known)) {
-            Py_DECREF(known);
-            PyErr_Format(PyExc_TypeError, "%s: seq_keys[%lld].keys must be a list", fname, (long long)r);
+            PyErr_Format(PyExc_TypeError, "%s: seq_keys[%lld] must be a list or None", fname, (long long)r);
             goto fail;
         }
+        Py_INCREF(known);
         for (int64_t j = start; j < full; j++)
             ids[j - start] = table[r * cols + j];
         int failed = publish_row(kind, index, key_of, (uint8_t *)v[6].buf, known, (Py_ssize_t)start,
@@ -1280,7 +1289,7 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
     }
     if (ids != small)
         PyMem_Free(ids);
-    release_all(v, 7);
+    release_all(v, 8);
     i64s_release(&rows);
     i64s_release(&computed);
     return stored;
@@ -1289,7 +1298,7 @@ fail:
     if (ids != small)
         PyMem_Free(ids);
     Py_XDECREF(stored);
-    release_all(v, 7);
+    release_all(v, 8);
     i64s_release(&rows);
     i64s_release(&computed);
     return NULL;
@@ -1387,12 +1396,12 @@ PyDoc_STRVAR(match_doc,
              "match(kind, index, known, data, width, max_blocks) -> list[int]\n\n"
              "Leading blocks of `data` found in the cache; hotpath.PythonBackend.match in C.");
 PyDoc_STRVAR(publish_rows_doc,
-             "publish_rows(kind, index, key_of, key_lists, starts, stops, blocks, width, ids, keyed=None) "
+             "publish_rows(kind, prefix, key_lists, starts, stops, blocks, width, ids) "
              "-> list[int]\n\n"
              "Key and index the blocks [starts[r], stops[r]) of each row; hotpath.PythonBackend.publish_rows "
              "in C.");
 PyDoc_STRVAR(forget_keys_doc,
-             "forget_keys(index, key_of, ids) -> None\n\n"
+             "forget_keys(prefix, ids) -> None\n\n"
              "Drop the keys of evicted blocks from the index and key_of; hotpath.PythonBackend.forget_keys in C.");
 PyDoc_STRVAR(check_rows_doc,
              "check_rows(on_device, mark, rows) -> int\n\n"
@@ -1403,7 +1412,7 @@ PyDoc_STRVAR(grow_doc,
              "grow(rows, num_tokens, num_blocks, table, k, block_size, ids, tokens, block_tokens) -> None\n\n"
              "Append new blocks and k tokens to each row; hotpath.PythonBackend.grow in C.");
 PyDoc_STRVAR(publish_computed_doc,
-             "publish_computed(kind, prefix, seq_keys, epoch, rows, computed, tables, blocks) -> list[int]\n\n"
+             "publish_computed(kind, prefix, seq_keys, epochs, epoch, rows, computed, tables, blocks) -> list[int]\n\n"
              "mark_computed's publishing for a batch; hotpath.PythonBackend.publish_computed in C.");
 PyDoc_STRVAR(take_live_doc,
              "take_live(queue_ids, queue_stamps, head, tail, stamp, out, filled) -> (head, filled)\n\n"
@@ -1447,10 +1456,6 @@ PyMODINIT_FUNC PyInit__native(void)
     if (cpu_has_sha_ni() && !(choice != NULL && strcmp(choice, "portable") == 0))
         sha_compress_best = sha_compress_shani;
 #endif
-    str_keys = PyUnicode_InternFromString("keys");
-    str_epoch = PyUnicode_InternFromString("epoch");
-    if (str_keys == NULL || str_epoch == NULL)
-        return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;

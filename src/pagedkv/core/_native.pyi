@@ -21,22 +21,21 @@ def match(
 ) -> list[int]: ...
 def publish_rows(
     kind: int,
-    index: dict[Any, int],
-    key_of: list[Any],
+    prefix: tuple[dict[Any, int], list[Any], Any],
     key_lists: Sequence[list[Any]],
     starts: Any,
     stops: Any,
     blocks: Any,
     width: int,
     ids: Any,
-    keyed: Any = None,
 ) -> list[int]: ...
-def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None: ...
+def forget_keys(prefix: tuple[dict[Any, int], list[Any], Any], ids: Any) -> None: ...
 def check_rows(on_device: Any, mark: Any, rows: Any) -> int: ...
 def publish_computed(
     kind: int,
     prefix: tuple[dict[Any, int], list[Any], Any],
     seq_keys: list[Any],
+    epochs: Any,
     epoch: int,
     rows: Any,
     computed: Any,

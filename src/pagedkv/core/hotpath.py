@@ -42,7 +42,8 @@ Contract of both backends (`kind` is `SHA256` or `FAST`):
 - errors: argument checks happen before anything changes; an error inside a loop (a row whose keys end
   before its first block to publish, a block store too short for a block to hash, an error from hashing
   or comparing keys) leaves the work done so far in place, identically in both backends;
-- where the C is stricter (tested): `index` must be a dict, `key_of`, `known` and each row of `key_lists`
+- where the C is stricter (tested): `index` must be a dict, `key_of`, `known`, each row of `key_lists`
+  and each key list of `seq_keys`
   lists, of exactly those types; integer arrays C-contiguous 1-D int64 (or lists of ints); `match`'s
   `data` must hold every block it has to hash (the reference would hash a short slice).
 """
@@ -94,11 +95,11 @@ class Backend(Protocol):
     def match(self, kind: int, index: dict[Any, int], known: list[Any], data: I32, width: int, max_blocks: int) -> list[int]: ...
 
     def publish_rows(
-        self, kind: int, index: dict[Any, int], key_of: list[Any], key_lists: Sequence[list[Any]],
-        starts: I64, stops: I64, blocks: I32, width: int, ids: I64, keyed: Flags | None = None,
+        self, kind: int, prefix: IndexArrays, key_lists: Sequence[list[Any]], starts: I64, stops: I64,
+        blocks: I32, width: int, ids: I64,
     ) -> list[int]: ...  # fmt: skip
 
-    def forget_keys(self, index: dict[Any, int], key_of: list[Any], ids: I64) -> None: ...
+    def forget_keys(self, prefix: IndexArrays, ids: I64) -> None: ...
 
     def check_rows(self, on_device: Flags, mark: I64, rows: I64) -> int: ...
 
@@ -109,8 +110,8 @@ class Backend(Protocol):
     ) -> tuple[int, int]: ...
 
     def publish_computed(
-        self, kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: I64, computed: I64 | None,
-        tables: TableArrays, blocks: I32,
+        self, kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], epochs: I64, epoch: int, rows: I64,
+        computed: I64 | None, tables: TableArrays, blocks: I32,
     ) -> list[int]: ...  # fmt: skip
 
     def grow(
@@ -191,10 +192,12 @@ class PythonBackend:
 
     @staticmethod
     def publish_rows(
-        kind: int, index: dict[Any, int], key_of: list[Any], key_lists: Sequence[list[Any]],
-        starts: Any, stops: Any, blocks: Any, width: int, ids: Any, keyed: Any = None,
+        kind: int, prefix: IndexArrays, key_lists: Sequence[list[Any]], starts: Any, stops: Any, blocks: Any,
+        width: int, ids: Any,
     ) -> list[int]:  # fmt: skip
         """Publish blocks [starts[r], stops[r]) of each row r; returns the block ids that entered the index.
+
+        `prefix` is the tuple (index, key_of, keyed) (`IndexArrays`; keyed may be None).
 
         `ids` holds those blocks' ids, row after row; `blocks` is the whole block store, a C-contiguous
         buffer with block b's token bytes at `blocks[b * width : (b + 1) * width]` (the pool's int32
@@ -205,11 +208,15 @@ class PythonBackend:
         `index[key] = b`, `key_of[b] = key` and, if `keyed` is given (a writable C-contiguous 1-D array
         of 1-byte items, e.g. numpy bool, at least `len(key_of)` long), `keyed[b] = True`.
 
-        Checked before anything changes: IndexError if an id to publish is outside [0, len(key_of))
-        (negative ids included), TypeError or ValueError for a `keyed` of the wrong kind or length.
-        Checked in the loop (the rows before stay published): ValueError if a row's keys end before its
-        start, or if `blocks` ends before the bytes of a block id it has to hash.
+        Checked before anything changes: TypeError if `prefix` is not a 3-tuple, IndexError if an id to
+        publish is outside [0, len(key_of)) (negative ids included), TypeError or ValueError for a `keyed`
+        of the wrong kind or length. Checked in the loop (the rows before stay published): ValueError if a
+        row's keys end before its start, or if `blocks` ends before the bytes of a block id it has to hash.
         """
+        if not (isinstance(prefix, tuple) and len(prefix) == 3):
+            raise TypeError("publish_rows: prefix must be a tuple (index, key_of, keyed)")
+        keyed: Any  # any writable buffer of 1-byte items, or None (checked below)
+        index, key_of, keyed = prefix
         view = memoryview(blocks).cast("B")  # C-contiguous bytes, no copy (TypeError otherwise)
         block_ids = _as_list(ids)
         total = sum(stop - start for start, stop in zip(_as_list(starts), _as_list(stops)))
@@ -239,8 +246,13 @@ class PythonBackend:
         return stored
 
     @staticmethod
-    def forget_keys(index: dict[Any, int], key_of: list[Any], ids: Any) -> None:
-        """Eviction: drop the keys of blocks `ids` from `key_of`, and from the index where it maps to them."""
+    def forget_keys(prefix: IndexArrays, ids: Any) -> None:
+        """Eviction: drop the keys of blocks `ids` from `key_of`, and from the index where it maps to them;
+        `prefix` is the tuple (index, key_of, keyed) (`IndexArrays`). `keyed` is left to the owner, who
+        clears it for all `ids` in one numpy call. TypeError if `prefix` is not a 3-tuple."""
+        if not (isinstance(prefix, tuple) and len(prefix) == 3):
+            raise TypeError("forget_keys: prefix must be a tuple (index, key_of, keyed)")
+        index, key_of, _ = prefix
         block_ids = _as_list(ids)
         if block_ids and not (min(block_ids) >= 0 and max(block_ids) < len(key_of)):
             raise IndexError("forget_keys: block id out of range of key_of")
@@ -268,14 +280,15 @@ class PythonBackend:
 
     @staticmethod
     def publish_computed(
-        kind: int, prefix: IndexArrays, seq_keys: list[Any], epoch: int, rows: Any, computed: Any,
-        tables: TableArrays, blocks: Any,
+        kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], epochs: Any, epoch: int, rows: Any,
+        computed: Any, tables: TableArrays, blocks: Any,
     ) -> list[int]:  # fmt: skip
         """`mark_computed` for a batch of distinct rows, with `prefix` = (index, key_of, keyed) and `tables` =
         (num_tokens, num_computed, hashable, num_published, table) (tuples, e.g. `IndexArrays`, `TableArrays`): row i (r = rows[i]) has computed[i] tokens computed
         (num_tokens[r] when computed is None); its full blocks not published yet, [num_published[r], f)
         with f = min(computed, hashable[r]) // block_size, are published as by `publish_rows` with the keys
-        of seq_keys[r] (a `BlockKeys`), unless it is None or of another epoch (then they stay private).
+        list seq_keys[r] (root first), unless it is None or its keys were computed under another epoch
+        (epochs[r] != epoch, `epochs` an int64 array by row): then they stay private.
         Block j's id is table[r, j]; `blocks` is the int32 [num_blocks, block_size] token store.
 
         Which rows publish is found with numpy; each row's missing keys are hashed in one loop.
@@ -298,10 +311,9 @@ class PythonBackend:
         num_published[rows] = full
         stored: list[int] = []
         for r, start, stop in zip(rows.tolist(), first.tolist(), full.tolist()):
-            keys = seq_keys[r]
-            if keys is None or keys.epoch != epoch:
+            known = seq_keys[r]
+            if known is None or epochs[r] != epoch:
                 continue
-            known = keys.keys
             have = len(known) - 1
             if have < start:
                 raise ValueError("publish_computed: a row's keys end before its first block to publish")

@@ -547,3 +547,9 @@ class PagedKVManager(SwapMixin, TableViews):
             raise InvariantError("manager: more blocks published than computed")
         if any(k is not None and not t.alive[r] for r, k in enumerate(self.prefix.by_row)):
             raise InvariantError("manager: block keys kept for a dead sequence")
+        p = self.prefix
+        if any(
+            (p.key_lists[r] is not (None if k is None else k.keys)) or (k is not None and p.key_epochs[r] != k.epoch)
+            for r, k in enumerate(p.by_row)
+        ):
+            raise InvariantError("manager: the key lists or epochs the hot path reads disagree with the block keys")

@@ -8,7 +8,7 @@ when to call.
 
 The per-block loops (hash, look up, index) run in `hotpath`'s backend, called by the prefix index: the C
 extension when it is built, else its Python reference. A whole `mark_computed` is one call
-(`publish_computed`, reading the block table and each row's `BlockKeys` through `by_row`); custom key
+(`publish_computed`, reading the block table and each row's keys through `key_lists` and `key_epochs`); custom key
 functions and per-block extra keys compute their keys here and `insert` them, with the same semantics, and
 keys of an earlier epoch are never published.
 
@@ -44,7 +44,10 @@ class PrefixCache:
         self.verify_hits = verify_hits
         self.epoch = 0
         self.verify_failures = 0
-        self.by_row: list[BlockKeys | None] = []  # each live sequence's block keys, by row (C reads it too)
+        self.by_row: list[BlockKeys | None] = []  # each live sequence's block keys, by row
+        # what the hot path reads of them, by row: by_row[r].keys (the same list) and by_row[r].epoch
+        self.key_lists: list[list[Key] | None] = []
+        self.key_epochs = np.zeros(0, dtype=np.int64)
         self._rows_with_extras = 0  # live sequences with per-block extra keys (they take the Python path)
         num_blocks = pool.num_blocks if enabled else 0
         self.block_tokens = np.zeros((num_blocks, block_size), np.int32)
@@ -63,13 +66,18 @@ class PrefixCache:
         self.detach(row)
         if row >= len(self.by_row):
             self.by_row.extend([None] * (row + 1 - len(self.by_row)))
+            self.key_lists.extend([None] * (row + 1 - len(self.key_lists)))
+            self.key_epochs = np.concatenate([self.key_epochs, np.zeros(len(self.by_row) - len(self.key_epochs), np.int64)])
         self.by_row[row] = keys
+        self.key_lists[row] = keys.keys
+        self.key_epochs[row] = keys.epoch
         self._rows_with_extras += bool(keys.block_extra)
 
     def detach(self, row: int) -> None:
         keys = self.keys_of(row)
         if keys is not None:
             self.by_row[row] = None
+            self.key_lists[row] = None
             self._rows_with_extras -= bool(keys.block_extra)
 
     @property
@@ -80,11 +88,18 @@ class PrefixCache:
     def publish_computed(self, rows: IntArray, computed: IntArray | None) -> None:
         """`mark_computed`'s work in one backend call (callers check `publishes_in_one_call` first)."""
         assert self._kind is not None, "prefix: publish_computed needs a built-in key function"
-        self.index.publish_computed(self._kind, self.by_row, self.epoch, rows, computed, self.tables, self.block_tokens)
+        self.index.publish_computed(
+            self._kind, self.key_lists, self.key_epochs, self.epoch, rows, computed, self.tables, self.block_tokens
+        )
 
     def match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
+        was = keys.epoch
         keys.bind(self.key_fn, self.epoch)
+        if keys.epoch != was and was >= 0:  # keys attached to a live row (epoch >= 0) rebound: follow them
+            for row, held in enumerate(self.by_row):
+                if held is keys:
+                    self.key_epochs[row] = keys.epoch
         if self._kind is None or keys.block_extra:
             hits = self._match_generic(tokens, keys, max_blocks)
         else:

@@ -32,7 +32,6 @@ from pagedkv.core.errors import InvariantError
 from pagedkv.core.prefix import Key
 
 if TYPE_CHECKING:
-    from pagedkv.core.prefix import BlockKeys
     from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
@@ -102,21 +101,20 @@ class PrefixIndex:
     ) -> list[int]:  # fmt: skip
         """`insert` for blocks [starts[r], stops[r]) of each row r, hashing the keys its list lacks
         (`hotpath.Backend.publish_rows`)."""
-        stored = self._hot.publish_rows(
-            kind, self.index, self.key_of, key_lists, starts, stops, blocks, width, block_ids, self.keyed
-        )
+        stored = self._hot.publish_rows(kind, self.arrays, key_lists, starts, stops, blocks, width, block_ids)
         self._stored(stored)
         return stored
 
     def publish_computed(
-        self, kind: int, by_row: list[BlockKeys | None], epoch: int, rows: IntArray, computed: IntArray | None,
-        tables: BlockTables, blocks: npt.NDArray[np.int32],
+        self, kind: int, key_lists: list[list[Key] | None], epochs: IntArray, epoch: int, rows: IntArray,
+        computed: IntArray | None, tables: BlockTables, blocks: npt.NDArray[np.int32],
     ) -> list[int]:  # fmt: skip
         """A whole `mark_computed` (`hotpath.Backend.publish_computed`): advances the rows' computed and
-        published counts in `tables` and inserts their newly full blocks."""
+        published counts in `tables` and inserts their newly full blocks, keyed by `key_lists[r]` when
+        `epochs[r] == epoch`."""
         t = tables
         arrays = hotpath.TableArrays(t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table)
-        stored = self._hot.publish_computed(kind, self.arrays, by_row, epoch, rows, computed, arrays, blocks)
+        stored = self._hot.publish_computed(kind, self.arrays, key_lists, epochs, epoch, rows, computed, arrays, blocks)
         self._stored(stored)
         return stored
 
@@ -144,7 +142,7 @@ class PrefixIndex:
         if self.record_events:
             key_of = self.key_of
             self.events.extend(CacheEvent("removed", key_of[b], b) for b in block_ids.tolist())
-        self._hot.forget_keys(self.index, self.key_of, block_ids)
+        self._hot.forget_keys(self.arrays, block_ids)
         self.keyed[block_ids] = False
 
     def clear(self) -> int:
