@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pagedkv.bench.e2e import ADMISSION_HEADROOM, SYSTEMS, add_arguments, hf_continuous_config, pagedkv_config
+from pagedkv.bench.e2e import SYSTEMS, add_arguments, hf_continuous_config, pagedkv_config
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -22,7 +22,14 @@ def test_recompute_by_default_and_no_host_pool() -> None:
     args.host_blocks = 0
     cfg = pagedkv_config("pagedkv-paged", args)
     assert cfg["preemption_mode"] == "recompute" and cfg["host_blocks"] == 0 and cfg["num_blocks"] == 96
-    assert cfg["watermark"] == ADMISSION_HEADROOM == 0.0
+    assert cfg["admission_headroom"] == 0.0
+
+
+def test_one_headroom_for_both_systems() -> None:
+    args = parse(["--admission-headroom", "0.15"])
+    args.host_blocks = 0
+    assert pagedkv_config("pagedkv-paged", args)["admission_headroom"] == 0.15
+    assert hf_continuous_config(args)["safety_margin"] == 0.15
 
 
 def test_swap_pool_is_taken_out_of_the_budget() -> None:
@@ -48,7 +55,7 @@ def test_transformers_gets_the_same_headroom_and_its_own_page_size_keyword() -> 
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = hf_continuous_config(parse([]))
-    assert cfg["safety_margin"] == ADMISSION_HEADROOM and cfg["num_blocks"] == 96
+    assert cfg["safety_margin"] == 0.0 and cfg["num_blocks"] == 96
     names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     key = "page_size" if "page_size" in names else "block_size"
     assert cfg[key] == 16

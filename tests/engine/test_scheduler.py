@@ -242,3 +242,33 @@ def test_finish_reasons_are_checked() -> None:
         s.finish(s.get("x"), "banana")
     s.finish(s.get("x"), "abort", now=1.0)
     assert not s.has_unfinished()
+
+
+def test_admission_headroom_admits_one_new_request_when_short_of_free_blocks() -> None:
+    """transformers' safety_margin semantics: below the headroom at the start of a step, a new request is
+    admitted only while nothing else is scheduled; at 0 (the default) admission is greedy."""
+
+    def first_step(headroom: float) -> list[str]:
+        m = PagedKVManager(16, 4)
+        held = m.admit(list(range(500, 540)))  # 10 blocks held outside the scheduler: 5 of 15 free
+        assert held is not None
+        s = Scheduler(m, SchedulerConfig(admission_headroom=headroom))
+        for rid in "abc":
+            s.add_request(Request(rid, list(range(100 * ord(rid), 100 * ord(rid) + 4)), 2))
+        out, _ = step(s)
+        return [c.request.request_id for c in out.scheduled]
+
+    assert first_step(0.0) == ["a", "b", "c"]
+    assert first_step(0.3) == ["a", "b", "c"]  # 5 of 15 free: roomy
+    assert first_step(0.5) == ["a"]  # short of free blocks: only the first request of the step goes in
+
+    s = Scheduler(PagedKVManager(16, 4), SchedulerConfig(admission_headroom=0.5))
+    for rid in "abc":
+        s.add_request(Request(rid, list(range(100 * ord(rid), 100 * ord(rid) + 12)), 8))
+    step(s)  # 9 blocks taken: 6 of 16 free at the next step's start, under the headroom
+    s.add_request(Request("d", [1, 2, 3], 2))
+    out, _ = step(s)
+    assert [c.request.request_id for c in out.scheduled] == ["a", "b", "c"], "decodes run, d waits"
+    for bad in (-0.1, 1.0, True, "0.1"):
+        with pytest.raises(InvalidArgumentError, match="admission_headroom"):
+            SchedulerConfig(admission_headroom=bad)  # type: ignore[arg-type]

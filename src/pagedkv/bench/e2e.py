@@ -13,9 +13,10 @@ blocks of `--block-size` tokens, every block the systems may hold counted in it)
   (`continuous_batching_context_manager` + `add_request` with each request's own output length);
 - `hf-static`: plain `generate` over left-padded static batches (its cache is not bounded by the budget).
 
-Admission headroom is the same for every paged system: none. The pagedkv engine admits while the blocks a
-request needs are free (no watermark), so transformers' `safety_margin` (it stops admitting while fewer than
-that fraction of blocks are free; its default is 0.15) is set to 0.0. `systems[NAME]["config"]` in the JSON
+Admission headroom is the same for every paged system: `--admission-headroom H` (default 0: none) is the
+pagedkv scheduler's `admission_headroom` and transformers' `safety_margin` alike (below that fraction of free
+blocks at the start of a step, neither admits a new request beyond the first one scheduled; transformers'
+own default is 0.15). `systems[NAME]["config"]` in the JSON
 lists every setting that differs between systems, and `admission_headroom` the common value.
 
 Workload: the first `--num-requests` rows (default 32) of the Azure conv trace (Patel et al., "Splitwise",
@@ -62,7 +63,6 @@ SYSTEMS = (
     "hf-continuous-batching",
     "hf-static",
 )
-ADMISSION_HEADROOM = 0.0  # fraction of blocks kept free before admitting; the pagedkv engine has no watermark
 TRACE_MAX_OUTPUT = 1000  # longest output of the Azure conv trace (data/README.md)
 
 
@@ -110,7 +110,7 @@ def pagedkv_config(system: str, args: argparse.Namespace) -> dict[str, Any]:
         "preemption_mode": mode,
         "num_blocks": args.num_blocks - host,  # device blocks; host + device = the budget
         "host_blocks": host,
-        "watermark": ADMISSION_HEADROOM,
+        "admission_headroom": args.admission_headroom,
         "block_size": args.block_size,
         "max_batch_tokens": args.max_batched_tokens,
         "declared_max_new_tokens": "true length" if system.endswith("-oracle") else args.max_new_tokens,
@@ -135,7 +135,7 @@ def hf_continuous_config(args: argparse.Namespace) -> dict[str, Any]:
         page_key: args.block_size,
         "num_blocks": args.num_blocks,
         "max_batch_tokens": args.max_batched_tokens,
-        "safety_margin": ADMISSION_HEADROOM,
+        "safety_margin": args.admission_headroom,
         "attn_implementation": "sdpa",
         "declared_max_new_tokens": "true length",
     }
@@ -156,7 +156,9 @@ def run_pagedkv(
         block_size=args.block_size,
         allocator=cfg["allocator"],
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_batched_tokens, preemption_mode=cfg["preemption_mode"]
+            max_num_batched_tokens=args.max_batched_tokens,
+            preemption_mode=cfg["preemption_mode"],
+            admission_headroom=args.admission_headroom,
         ),
         num_host_blocks=cfg["host_blocks"],
     )
@@ -354,6 +356,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --preemption swap: host blocks, counted inside --num-blocks (default: a quarter of it)",
     )
+    parser.add_argument(
+        "--admission-headroom",
+        type=float,
+        default=0.0,
+        help="fraction of blocks that must be free for a step to admit more than one new request, the same for "
+        "every paged system (transformers' safety_margin; its own default is 0.15)",
+    )
     parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf-static")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS)
@@ -467,7 +476,7 @@ def _result(
         "max_new_tokens": args.max_new_tokens,
         "preemption": args.preemption,
         "host_blocks_inside_budget": args.host_blocks,
-        "admission_headroom": ADMISSION_HEADROOM,
+        "admission_headroom": args.admission_headroom,
         "outputs_identical": identical,
         "outputs_mismatched": {
             s: sum(o[k] != first[k] for k in first) for s, o in outputs.items() if o != first
@@ -502,7 +511,7 @@ def _print_table(args: argparse.Namespace, workload: list[Any], result: dict[str
         "tpot_p99_s",
         "wall_s",
     )
-    print(f"admission headroom {ADMISSION_HEADROOM} for every paged system; pagedkv-paged preempts by "
+    print(f"admission headroom {args.admission_headroom} for every paged system; pagedkv-paged preempts by "
           f"{args.preemption}, host blocks inside the budget: {args.host_blocks}")  # fmt: skip
     for name, ratio in result["ratios"].items():
         print(f"{name}: {ratio:.2f}x tokens/s, {result['ratios_cpu'][name]:.2f}x tokens per CPU second")

@@ -56,7 +56,9 @@ class SchedulerConfig:
 
     Defaults (the engine's since its first release): up to `max_num_seqs=256` running requests and
     `max_num_batched_tokens=512` tokens computed per step (vLLM's budget when chunked prefill is on), with
-    chunked prefill, preempting by recompute. Entry points that want another budget pass it explicitly:
+    chunked prefill, preempting by recompute, and no admission headroom. `admission_headroom` is the fraction
+    of blocks that must be free (free or evictable) at the start of a step for it to admit a new request
+    beyond the first one scheduled, transformers' `safety_margin` (whose default is 0.15). Entry points that want another budget pass it explicitly:
     `pagedkv simulate` / `plan` model a serving deployment with `--max-num-batched-tokens 8192` (the
     simulator's `SIM_SCHEDULER`).
     """
@@ -65,6 +67,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
+    admission_headroom: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -73,6 +76,9 @@ class SchedulerConfig:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        h = self.admission_headroom
+        if isinstance(h, bool) or not isinstance(h, int | float) or not 0.0 <= h < 1.0:
+            raise InvalidArgumentError(f"admission_headroom must be a fraction in [0, 1), got {h!r}")
 
 
 class ScheduledChunk(NamedTuple):
@@ -167,6 +173,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         swap_out: list[BlockMoves] = []
+        # blocks free at the start of the step, for the admission headroom (0: always roomy)
+        roomy = self.manager.num_free_blocks >= self.config.admission_headroom * self.manager.num_blocks
         # 1. swapped requests come back first
         swap_in = self._swap_in_phase()
         # 2. decode: one slot for each running request's newest token, in one batched call
@@ -174,7 +182,7 @@ class Scheduler:
         # 3. running requests still in prefill
         budget = self._prefill_phase(out, budget)
         # 4. admit waiting requests (not in a step that had to preempt: that would only thrash)
-        self._admit_phase(out, budget, now)
+        self._admit_phase(out, budget, now, roomy)
         out.num_batched_tokens = sum(c.num_new_tokens for c in out.scheduled)
         self._inflight = {c.request.request_id: c.end for c in out.scheduled}
         out.copies = self.manager.take_copies()
@@ -246,12 +254,13 @@ class Scheduler:
                 budget -= chunk
         return budget
 
-    def _admit_phase(self, out: SchedulerOutput, budget: int, now: float | None) -> None:
-        """Admit waiting requests in priority order while the budget, a seat and blocks allow; requests that
-        can never be served are finished as rejected and the step goes on."""
+    def _admit_phase(self, out: SchedulerOutput, budget: int, now: float | None, roomy: bool) -> None:
+        """Admit waiting requests in priority order while the budget, a seat and blocks allow (below the
+        admission headroom, only while nothing else is scheduled); requests that can never be served are
+        finished as rejected and the step goes on."""
         while (
             self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-            and not self.swapped and not out.preempted
+            and not self.swapped and not out.preempted and (roomy or not out.scheduled)
         ):  # fmt: skip
             request = self._waiting[0][-1]
             if not self._chunkable(request) and request.num_tokens > self.config.max_num_batched_tokens:
