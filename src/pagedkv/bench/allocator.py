@@ -365,10 +365,9 @@ def run(args: argparse.Namespace) -> int:
 
 def plot_replay(results: list[ReplayResult], path: Path) -> Path:
     """Running requests and KV slots (allocated vs holding tokens) per step, one colour per allocator."""
-    import matplotlib
+    from pagedkv.sim.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     for r, colour in zip(results, ("tab:blue", "tab:orange", "tab:green")):
@@ -389,8 +388,4 @@ def plot_replay(results: list[ReplayResult], path: Path) -> Path:
         f"{r0.block_size} tokens, at most {r0.max_running} running",
         fontsize=10,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

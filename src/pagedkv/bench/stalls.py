@@ -270,10 +270,9 @@ def summarize(log: StepLog) -> dict[str, Any]:
 
 def plot_logs(logs: dict[str, StepLog], path: str | Path, title: str) -> Path:
     """Decode-step latency over the run, one panel per system; steps that copied KV marked in red."""
-    import matplotlib
+    from pagedkv.sim.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(logs), 1, figsize=(11, 2.4 * len(logs) + 0.8), sharex=True, squeeze=False)
     for ax, (name, log) in zip(axes[:, 0], logs.items()):
@@ -300,12 +299,7 @@ def plot_logs(logs: dict[str, StepLog], path: str | Path, title: str) -> Path:
         ax.legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("step (prefill steps omitted)")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # --- the same effect at GPU scale ---------------------------------------------------------------------
@@ -371,10 +365,9 @@ def run_sim(args: argparse.Namespace) -> int:
         "systems": figures,
     }
     if args.plot:
-        import matplotlib
+        from pagedkv.sim.figures import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.2 * len(results) + 0.8), sharey=True)
         for ax, (label, (f, trace)) in zip(axes, results.items()):
@@ -394,10 +387,7 @@ def run_sim(args: argparse.Namespace) -> int:
             ax.legend(fontsize=7, loc="upper right")
         axes[-1].set_xlabel("simulated time (s)")
         fig.suptitle(f"{args.sim_model} on {args.gpu}: {data['workload']} (simulated)", fontsize=10)
-        fig.tight_layout()
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
-        plt.close(fig)
+        save_figure(fig, args.plot)
         data["plot"] = str(args.plot)
     if args.json:
         print(json.dumps(data, indent=2))

@@ -159,10 +159,9 @@ def threshold_column(cells: Sequence[GuidanceCell], batch: float = 8.0) -> float
 def plot_guidance(cells: Sequence[GuidanceCell], path: str | Path, title: str) -> Path:
     """Two heat maps (gain over contiguous-max, over contiguous-oracle); each cell shows the gain and paged's
     mean batch; a dashed line marks where paged's mean batch reaches 8."""
-    import matplotlib
+    from pagedkv.sim.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
 
     sigmas = sorted({c.sigma for c in cells})
@@ -196,12 +195,7 @@ def plot_guidance(cells: Sequence[GuidanceCell], path: str | Path, title: str) -
         ax.set_title(f"paged req/s / {name} req/s", fontsize=10)
         fig.colorbar(im, ax=ax, shrink=0.85)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _guidance_json(

@@ -16,10 +16,9 @@ GIB = 1024**3  # as the budget arithmetic prints
 
 def plot_report(report: SimulationReport, path: str | Path) -> Path:
     """Write a PNG with one row per allocator; the title names model, GPU, workload and block size."""
-    import matplotlib
+    from pagedkv.sim.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(report.traces)
     fig, axes = plt.subplots(len(names), 2, figsize=(13, 2.6 * len(names) + 0.9), squeeze=False, sharex=True)
@@ -57,12 +56,7 @@ def plot_report(report: SimulationReport, path: str | Path) -> Path:
         f"{report.workload.name}",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def sweep_path(path: str | Path) -> Path:
@@ -73,10 +67,9 @@ def sweep_path(path: str | Path) -> Path:
 
 def plot_sweep(report: SimulationReport, path: str | Path) -> Path:
     """The block-size sweep: per allocator, KV waste, mean concurrency and throughput against block size."""
-    import matplotlib
+    from pagedkv.sim.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = sorted(report.sweep)
     metrics = (("kv_waste", "KV waste (%)", 100.0), ("mean_concurrency", "mean concurrency", 1.0),
@@ -94,9 +87,4 @@ def plot_sweep(report: SimulationReport, path: str | Path) -> Path:
     axes[0][0].legend(fontsize=7)
     c = report.config
     fig.suptitle(f"block-size sweep: {c.model.name} on {c.gpu.name}, {report.workload.name}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -1,0 +1,30 @@
+"""The two steps every pagedkv figure shares: a headless pyplot, and writing the PNG.
+
+Imported lazily by the plotting functions (matplotlib is the optional `plot` extra), so commands that draw
+nothing never load it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def pyplot() -> Any:
+    """`matplotlib.pyplot` on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out `fig`, write it as a PNG at `path` (creating its folder), close it; returns the path."""
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
