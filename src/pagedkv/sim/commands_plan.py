@@ -10,10 +10,9 @@ from collections.abc import Sequence
 
 from pagedkv.core.errors import PagedKVError
 from pagedkv.sim.options import (
-    activation_bytes_from,
     add_common_arguments,
-    catalog_from,
     dropped_warning,
+    sim_config_from,
     workload_from,
 )
 
@@ -23,27 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.engine.scheduler import SchedulerConfig
     from pagedkv.sim.planner import plan_capacity
     from pagedkv.sim.report import plan_text
-    from pagedkv.sim.simulator import SimConfig
     from pagedkv.sim.workload import build_workload
 
     try:
-        catalog = catalog_from(args)
-        model = catalog.model(args.model)
-        config = SimConfig(
-            model=model,
-            gpu=catalog.gpu(args.gpu),
-            block_size=args.block_size,
-            max_model_len=args.max_model_len or model.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            scheduler=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-            ),
-            tensor_parallel=args.tensor_parallel,
-            activation_bytes=activation_bytes_from(args),
-        )
+        config = sim_config_from(args)
+        model = config.model
         budget = config.budget()
         workload = build_workload(workload_from(args), config.max_model_len)
         plan = plan_capacity(

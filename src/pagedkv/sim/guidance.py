@@ -35,8 +35,6 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.engine.scheduler import SchedulerConfig
-from pagedkv.sim.catalog import Catalog
 from pagedkv.sim.metrics import summarize
 from pagedkv.sim.simulator import SimConfig, simulate
 from pagedkv.sim.workload import WorkloadSpec, build_workload
@@ -244,23 +242,10 @@ def _print_guidance_table(cells: list[GuidanceCell], title: str, x8: float) -> N
 def run_guidance(args: argparse.Namespace) -> int:
     """`pagedkv simulate --sweep-guidance PATH`: the sweep under the command's model/GPU/block size; table
     (or `--json`) on stdout, the chart at PATH."""
-    from pagedkv.sim.options import activation_bytes_from, catalog_from
+    from pagedkv.sim.options import sim_config_from
 
-    catalog: Catalog = catalog_from(args)
-    model = catalog.model(args.model)
-    activation_bytes_from(args)  # validated, then replaced per cell
-    base = SimConfig(
-        model=model,
-        gpu=catalog.gpu(args.gpu),
-        block_size=args.block_size,
-        max_model_len=args.max_model_len or model.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
-        step_overhead_s=args.step_overhead_ms / 1000.0,
-        tensor_parallel=args.tensor_parallel,
-    )
+    base = sim_config_from(args, activation_bytes=None)  # the flag is validated, then replaced per cell
+    model = base.model
     cells = guidance_sweep(
         base,
         prompt_len=args.prompt_len,

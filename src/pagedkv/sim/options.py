@@ -7,7 +7,7 @@ import argparse
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.sim.allocators import ALLOCATORS
 from pagedkv.sim.catalog import EXAMPLE_CATALOG, Catalog
-from pagedkv.sim.simulator import SIM_SCHEDULER
+from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig
 from pagedkv.sim.workload import ARRIVALS, DEFAULT_WORKLOAD, GENERATORS, WorkloadSpec
 
 
@@ -181,6 +181,32 @@ def activation_bytes_from(args: argparse.Namespace) -> int | None:
                 raise InvalidArgumentError(f"{flag} must be >= 0, got {value}")
             return int(value * unit)
     return None
+
+
+def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
+    """The `SimConfig` the common flags describe (model, GPU, catalog, block size, context, memory, scheduler
+    limits, tensor parallelism, activation reserve, and the step overhead where the command has it);
+    `overrides` replace fields (a command's own allocator, say)."""
+    from pagedkv.engine.scheduler import SchedulerConfig
+
+    catalog = catalog_from(args)
+    model = catalog.model(args.model)
+    fields: dict[str, object] = {
+        "model": model,
+        "gpu": catalog.gpu(args.gpu),
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len or model.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "scheduler": SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        "tensor_parallel": args.tensor_parallel,
+        "activation_bytes": activation_bytes_from(args),
+    }
+    if hasattr(args, "step_overhead_ms"):
+        fields["step_overhead_s"] = args.step_overhead_ms / 1000.0
+    fields.update(overrides)
+    return SimConfig(**fields)  # type: ignore[arg-type]
 
 
 def dropped_warning(num_dropped: int, num_total: int, max_model_len: int, model_max_len: int) -> str | None:

@@ -43,7 +43,6 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
-from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.simulator import EOS_TOKEN_ID, SimConfig
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
@@ -562,25 +561,14 @@ def run_command(args: Any) -> int:
     import sys
 
     from pagedkv.core.errors import PagedKVError
-    from pagedkv.sim.options import activation_bytes_from, catalog_from, workload_from
+    from pagedkv.sim.options import sim_config_from, workload_from
     from pagedkv.sim.runner import _Progress
     from pagedkv.sim.workload import build_workload
 
     try:
-        catalog = catalog_from(args)
-        model = catalog.model(args.model)
         if args.host_tier_gib < 0 or (args.remote_tier_gib is not None and args.remote_tier_gib <= 0):
             raise InvalidArgumentError("--host-tier-gib must be >= 0 and --remote-tier-gib > 0")
-        config = SimConfig(
-            model=model, gpu=catalog.gpu(args.gpu), allocator="paged-prefix", block_size=args.block_size,
-            max_model_len=args.max_model_len or model.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            scheduler=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-            ),
-            step_overhead_s=args.step_overhead_ms / 1000.0,
-            tensor_parallel=args.tensor_parallel, activation_bytes=activation_bytes_from(args),
-        )  # fmt: skip
+        config = sim_config_from(args, allocator="paged-prefix")
         tiers = TierConfig(
             host_tier_bytes=int(args.host_tier_gib * GIB),
             remote_tier=args.remote_tier or args.remote_tier_gib is not None,
