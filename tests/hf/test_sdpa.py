@@ -7,18 +7,20 @@ import pytest
 import torch
 
 from pagedkv import ops
-from pagedkv.hf.sdpa import paged_sdpa, sdpa_supports
+from pagedkv.hf.sdpa import SdpaPlan, decode_buckets, paged_sdpa, sdpa_supports
 
 BS, NUM_BLOCKS, H, HKV, D = 4, 40, 4, 2, 8
 
 
-def caches_and_tables(lens: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def caches_and_tables(
+    lens: list[int], seed: int, num_blocks: int = NUM_BLOCKS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen)
-    v = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen)
+    k = torch.randn(num_blocks, BS, HKV, D, generator=gen)
+    v = torch.randn(num_blocks, BS, HKV, D, generator=gen)
     rng = np.random.default_rng(seed)
     width = max(-(-n // BS) for n in lens) + 1
-    ids = rng.permutation(np.arange(1, NUM_BLOCKS))[: len(lens) * width].reshape(len(lens), width)
+    ids = rng.permutation(np.arange(1, num_blocks))[: len(lens) * width].reshape(len(lens), width)
     table = torch.zeros(len(lens), width, dtype=torch.int32)
     for i, n in enumerate(lens):
         used = -(-n // BS)
@@ -77,3 +79,64 @@ def test_shapes_it_declines() -> None:
     assert sdpa_supports(1, 8, None) and sdpa_supports(30, 1, None)
     assert not sdpa_supports(3, 2, None)  # several prefill chunks in one group
     assert not sdpa_supports(1, 8, 50.0)  # soft-cap
+
+
+def _brute_force_cost(counts: list[int], call_cost: float) -> float:
+    """The cheapest cut of the sorted counts into consecutive buckets, by trying every cut."""
+    values = sorted(counts)
+    best = float("inf")
+    n = len(values)
+    for mask in range(1 << max(n - 1, 0)):
+        cost, start = 0.0, 0
+        for i in range(n):
+            if i == n - 1 or mask >> i & 1:
+                cost += call_cost + (i + 1 - start) * values[i]
+                start = i + 1
+        best = min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_decode_buckets_are_a_cheapest_partition(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(1, 30, size=int(rng.integers(1, 11))).tolist()
+    call_cost = float(rng.choice([0, 1, 4, 8, 50]))
+    buckets = decode_buckets(counts, call_cost)
+    rows = np.concatenate(buckets)
+    assert sorted(rows.tolist()) == list(range(len(counts)))  # every row exactly once
+    assert all((np.diff(b) > 0).all() for b in buckets)  # sorted inside a bucket
+    cost = sum(call_cost + len(b) * max(counts[i] for i in b) for b in buckets)
+    assert cost == pytest.approx(_brute_force_cost(counts, call_cost))
+    if call_cost >= 50 * 30:
+        assert len(buckets) == 1
+
+
+def test_decode_buckets_edge_cases() -> None:
+    assert decode_buckets([]) == []
+    assert [b.tolist() for b in decode_buckets([3] * 5)] == [[0, 1, 2, 3, 4]]
+    assert [b.tolist() for b in decode_buckets([1, 100], call_cost=1)] == [[0], [1]]
+    assert [b.tolist() for b in decode_buckets([1, 100], call_cost=1000)] == [[0, 1]]
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("seed", range(4))
+def test_bucketed_decode_equals_the_padded_one(window: int | None, seed: int) -> None:
+    """Cutting a decode group by length gives what one padded call gives (to rounding: SDPA's tiling depends on
+    the padded length), and what the reference gives."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 40 * BS, size=12).tolist()
+    lens[0] = 1
+    k, v, table = caches_and_tables(lens, seed, num_blocks=12 * 41 + 1)
+    kv = torch.stack([k, v])
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(seed))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    args = dict(max_seqlen_q=1, max_seqlen_k=max(lens), scale=0.3, sliding_window=window)
+    bucketed = SdpaPlan.build(table, seq_lens, 1, max(lens), BS)
+    assert len(bucketed.buckets) > 1, "the lengths should span several buckets"
+    padded = SdpaPlan.build(table, seq_lens, 1, max(lens), BS, bucketed=False)
+    got = paged_sdpa(q, kv, table, seq_lens, plan=bucketed, **args)  # type: ignore[arg-type]
+    want = paged_sdpa(q, kv, table, seq_lens, plan=padded, **args)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    ref = ops.paged_attention(q, k, v, table, seq_lens, cu, scale=0.3, sliding_window=window, backend="reference")
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -4,9 +4,12 @@ Same semantics as `pagedkv.ops.paged_attention` (causal; a query at position p s
 `<= p` and, with a window w, `> p - w`; GQA; `seq_lens` counts the new tokens, whose KV is already written),
 for the two shapes a CPU step is made of (see `pagedkv.hf.metadata`, attention groups):
 
-- a decode group: B sequences with one query each. Their blocks are gathered into `[B, Hkv, L, D]`
-  (L = the longest context, rounded up to whole blocks), a boolean mask hides each row's positions past its
-  own length (and outside its window), and one SDPA call does the rest;
+- a decode group: B sequences with one query each, cut into length buckets (`decode_buckets`: sequences
+  of similar length together, so a short context is not padded to the longest one; the cut minimises the
+  padded blocks read plus a fixed cost per call). Each bucket's blocks are gathered into `[b, Hkv, L, D]`
+  (L = the bucket's longest context, rounded up to whole blocks), a boolean mask hides each row's positions
+  past its own length (and outside its window), and one SDPA call per bucket does the rest. As before the
+  cut, a row's last bits depend on the padded length SDPA tiles over, so on the other rows' lengths;
 - one prefill chunk: a single sequence's n queries against its L keys, gathered from its blocks; with no
   cached context and no window it is plain causal SDPA, otherwise a bottom-right causal mask.
 
@@ -21,14 +24,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
+
+# What one more bucket costs (a gather, an SDPA call, the query and output copies), in blocks of one sequence
+# read: on a CPU ~18 us a call and ~4-5 us a block of 16 tokens for a 9-head model, and replaying the decode
+# groups of `pagedkv bench e2e` through `paged_sdpa` was fastest at 8 (1, 2, 4, 8, 16 tried; 1.7x less time
+# than one padded call). `decode_buckets` trades padding against calls with it.
+CALL_COST_BLOCKS = 8
+
+
+def decode_buckets(num_blocks: npt.ArrayLike, call_cost: float = CALL_COST_BLOCKS) -> list[npt.NDArray[np.int64]]:
+    """Cut a decode group's sequences (`num_blocks[i]` blocks of context each) into buckets, each a sorted
+    array of row indices, minimising `sum over buckets (call_cost + rows * the bucket's most blocks)`: the
+    blocks one SDPA call per bucket reads, padding included, plus a fixed cost per call. Exact (dynamic
+    programming over the distinct block counts, O(K^2) for K distinct counts); rows keep their order inside a
+    bucket, and buckets come shortest first."""
+    counts = np.asarray(num_blocks, dtype=np.int64).reshape(-1)
+    order = np.argsort(counts, kind="stable")
+    values, first = np.unique(counts[order], return_index=True)
+    ends = np.append(first[1:], counts.size)  # rows [0, ends[j]) of `order` have count <= values[j]
+    k = values.size
+    best = np.zeros(k + 1)  # best[j]: cheapest cut of the rows with the j smallest distinct counts
+    cut = np.zeros(k + 1, dtype=np.int64)
+    starts = np.concatenate(([0], ends[:-1]))
+    for j in range(1, k + 1):
+        costs = best[:j] + call_cost + (ends[j - 1] - starts[:j]) * values[j - 1]
+        cut[j] = int(np.argmin(costs))
+        best[j] = costs[cut[j]]
+    buckets: list[npt.NDArray[np.int64]] = []
+    j = k
+    while j > 0:
+        i = int(cut[j])
+        buckets.append(np.sort(order[starts[i] : ends[j - 1]]))
+        j = i
+    return buckets[::-1]
 
 
 @dataclass(frozen=True, slots=True)
 class SdpaPlan:
     """What `paged_sdpa` derives from a group's metadata alone, made once per step and shared by the layers:
-    the block ids to gather, the key length, and the visibility mask per sliding window (made at first use)."""
+    the block ids to gather, the key length, the visibility mask per sliding window (made at first use), and
+    for a decode group cut into length buckets, each bucket's rows and plan (`buckets`; the outer plan then
+    gathers nothing itself)."""
 
     ids: torch.Tensor  # int64 [B * num_blocks]: table[:, :num_blocks], flattened
     num_blocks: int
@@ -36,18 +76,34 @@ class SdpaPlan:
     seq_lens: torch.Tensor
     max_seqlen_q: int
     block_size: int
+    buckets: tuple[tuple[torch.Tensor, SdpaPlan], ...] = ()  # decode: (row indices, that bucket's plan)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def build(block_table: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-              block_size: int) -> SdpaPlan:
+              block_size: int, *, bucketed: bool = True) -> SdpaPlan:
+        """The plan of one group; a decode group of several sequences is cut by `decode_buckets` unless
+        `bucketed=False` (then one gather over every row, padded to the longest)."""
+        if max_seqlen_q == 1 and bucketed and seq_lens.shape[0] > 1:
+            lens = seq_lens.cpu().numpy().astype(np.int64)
+            cut = decode_buckets(-(-lens // block_size))
+            if len(cut) > 1:
+                parts = []
+                for rows in cut:
+                    idx = torch.from_numpy(rows).to(block_table.device)
+                    sub = SdpaPlan.build(block_table[idx], seq_lens[idx], 1, int(lens[rows].max()), block_size,
+                                         bucketed=False)  # fmt: skip
+                    parts.append((idx, sub))
+                return SdpaPlan(block_table.new_empty(0, dtype=torch.long), 0, 0, seq_lens, 1, block_size,
+                                tuple(parts))  # fmt: skip
         num_blocks = -(-max_seqlen_k // block_size)
         ids = block_table[:, :num_blocks].reshape(-1).long()
         length = int(seq_lens[0]) if max_seqlen_q > 1 else 0
         return SdpaPlan(ids, num_blocks, length, seq_lens, max_seqlen_q, block_size)
 
-    def mask(self, num_q: int, sliding_window: int | None) -> torch.Tensor:
-        """Decode: `[B, 1, 1, L]`; prefill chunk: `[num_q, length]` (True = visible), cached per window."""
+    def mask(self, num_q: int, sliding_window: int | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decode: `[B, 1, 1, L]` additive (0 visible, -inf hidden) of `dtype`; prefill chunk: `[num_q,
+        length]` boolean (True = visible); cached per window."""
         mask = self._masks.get(sliding_window)
         if mask is None:
             device = self.ids.device
@@ -57,7 +113,9 @@ class SdpaPlan:
                 visible = key_pos[None, :] < lens
                 if sliding_window is not None:
                     visible &= key_pos[None, :] > lens - 1 - sliding_window
-                mask = visible[:, None, None, :]
+                # additive (0 / -inf) in the query's dtype: SDPA would convert a boolean mask at every call
+                mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+                mask = mask[:, None, None, :]
             else:
                 q_pos = torch.arange(self.length - num_q, self.length, device=device)[:, None]
                 visible = key_pos[None, : self.length] <= q_pos
@@ -103,24 +161,19 @@ def paged_sdpa(
     chunk's own K/V, already written to the pages) when given, skipping the gather. `plan` (from
     `SdpaPlan.build` on the same metadata, shared by a step's layers) saves the per-call index work."""
     num_q, num_heads, head_dim = query.shape
-    num_kv_heads = kv.shape[3]
-    gqa = num_heads != num_kv_heads
+    gqa = num_heads != kv.shape[3]
     if plan is None:
         plan = SdpaPlan.build(block_table, seq_lens, max_seqlen_q, max_seqlen_k, kv.shape[2])
-    if max_seqlen_q > 1 and max_seqlen_k == max_seqlen_q and new_key is not None and new_value is not None:
+    if max_seqlen_q == 1:  # decode group: one query per sequence, at position seq_len - 1
+        return _decode(query, kv, plan, scale, sliding_window)
+    if max_seqlen_k == max_seqlen_q and new_key is not None and new_value is not None:
         k, v = new_key.transpose(0, 1).unsqueeze(0), new_value.transpose(0, 1).unsqueeze(0)
         if sliding_window is None:
             q = query.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             return out[0].transpose(0, 1)
     else:
-        k, v = _gather(kv, plan.ids, block_table.shape[0], plan.num_blocks)
-    if max_seqlen_q == 1:  # decode group: one query per sequence, at position seq_len - 1
-        # One query position per sequence: the query heads sharing a KV head become that head's query rows
-        # (heads h*g .. h*g+g-1 read KV head h), so K/V are never repeated per query head.
-        q = query.reshape(num_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask(num_q, sliding_window), scale=scale)
-        return out.reshape(num_q, num_heads, head_dim)
+        k, v = _gather(kv, plan.ids, 1, plan.num_blocks)
     # one sequence, n queries at positions [L - n, L)
     length = plan.length
     k, v = k[:, :, :length], v[:, :, :length]
@@ -131,3 +184,21 @@ def paged_sdpa(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask(num_q, sliding_window), scale=scale,
                                              enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def _decode(query: torch.Tensor, kv: torch.Tensor, plan: SdpaPlan, scale: float | None,
+            sliding_window: int | None) -> torch.Tensor:
+    """A decode group's `[B, H, D]` attention: one gather + SDPA per length bucket of `plan`."""
+    if plan.buckets:
+        out = torch.empty_like(query)
+        for rows, sub in plan.buckets:
+            out.index_copy_(0, rows, _decode(query.index_select(0, rows), kv, sub, scale, sliding_window))
+        return out
+    num_q, num_heads, head_dim = query.shape
+    num_kv_heads = kv.shape[3]
+    k, v = _gather(kv, plan.ids, num_q, plan.num_blocks)
+    # One query position per sequence: the query heads sharing a KV head become that head's query rows
+    # (heads h*g .. h*g+g-1 read KV head h), so K/V are never repeated per query head.
+    q = query.reshape(num_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask(num_q, sliding_window, q.dtype), scale=scale)
+    return out.reshape(num_q, num_heads, head_dim)
