@@ -7,7 +7,7 @@ import torch
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.params import SamplingParams
-from pagedkv.engine.sampler import filter_logits, make_generator, sample
+from pagedkv.engine.sampler import bad_rows, filter_logits, make_generator, sample
 
 
 def test_greedy_is_argmax_with_lowest_id_on_ties() -> None:
@@ -79,3 +79,32 @@ def test_child_seeds_differ() -> None:
     p = SamplingParams(seed=10, n=3)
     assert [p.child_seed(i) for i in range(3)] == [10, 11, 12]
     assert SamplingParams().child_seed(1) is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bad_rows_are_exactly_those_with_nan_posinf_or_nothing_finite(seed: int) -> None:
+    """The one-pass check (a row's max is not finite) finds the rows the definition names, and `sample`
+    refuses exactly when there is one."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(8, 50, generator=gen)
+    for row in range(8):
+        kind = int(torch.randint(0, 6, (1,), generator=gen))
+        cols = torch.randint(0, 50, (3,), generator=gen)
+        if kind == 1:
+            logits[row, cols] = float("nan")
+        elif kind == 2:
+            logits[row, cols] = float("inf")
+        elif kind == 3:
+            logits[row] = float("-inf")
+        elif kind == 4:
+            logits[row, cols] = float("-inf")  # still samplable
+        elif kind == 5:
+            logits[row, cols[0]], logits[row, cols[1]] = float("inf"), float("nan")
+    want = (logits.isnan().any(-1) | logits.isposinf().any(-1) | logits.isneginf().all(-1)).nonzero().flatten()
+    assert bad_rows(logits) == want.tolist()
+    greedy = [SamplingParams(max_new_tokens=1)] * 8
+    if want.numel():
+        with pytest.raises(InvalidArgumentError):
+            sample(logits, greedy, [None] * 8)
+    else:
+        assert sample(logits, greedy, [None] * 8) == logits.argmax(-1).tolist()

@@ -386,9 +386,12 @@ class Engine:
         before any draws, so dropping the bad rows and sampling the rest costs no seeded stream a draw."""
         params = [t.params for t in tracked]
         generators = [t.generator for t in tracked]
-        bad = bad_rows(logits)
-        if not bad:
+        try:  # the common case: every row can be sampled (one check inside `sample`)
             return sample(logits, params, generators), {}
+        except InvalidArgumentError:
+            bad = bad_rows(logits)
+            if not bad:
+                raise
         good = [i for i in range(len(tracked)) if i not in set(bad)]
         drawn = sample(logits[good], [params[i] for i in good], [generators[i] for i in good])
         tokens = [0] * len(tracked)

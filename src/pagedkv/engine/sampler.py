@@ -61,10 +61,13 @@ def sample(
         )
     if logits.shape[0] == 0:
         return []
-    bad = bad_rows(logits)
-    if bad:
-        raise InvalidArgumentError(f"sample: rows {bad} of the logits hold NaN or +inf (or nothing finite); cannot sample them")
-    greedy = logits.argmax(-1)
+    # one pass gives the greedy picks and the check: a row's max is NaN, +inf or -inf exactly when the row
+    # holds a NaN, holds +inf or has nothing finite (max propagates NaN)
+    top, greedy = logits.max(-1)
+    if not bool(torch.isfinite(top).all()):
+        raise InvalidArgumentError(
+            f"sample: rows {bad_rows(logits)} of the logits hold NaN or +inf (or nothing finite); cannot sample them"
+        )
     if all(p.greedy for p in params):
         return [int(t) for t in greedy.tolist()]
     out: list[int] = []
@@ -79,5 +82,6 @@ def sample(
 
 def bad_rows(logits: torch.Tensor) -> list[int]:
     """Rows of `[K, V]` logits that cannot be sampled: any NaN or +inf, or no finite value at all."""
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    top = logits.amax(-1)  # NaN if the row holds one, +inf if it holds one, -inf if nothing is finite
+    bad = ~torch.isfinite(top)
     return [int(i) for i in bad.nonzero().flatten().tolist()]
