@@ -61,3 +61,51 @@ def test_transformers_gets_the_same_headroom_and_its_own_page_size_keyword() -> 
     assert cfg[key] == 16
     built = ContinuousBatchingConfig(**{k: v for k, v in cfg.items() if k in names})
     assert built.safety_margin == 0.0 and built.num_blocks == 96
+
+
+def test_repeats_report_the_median_run_and_paired_ratios() -> None:
+    from pagedkv.bench.e2e import median_run, paired_ratios
+
+    runs = {
+        "pagedkv-paged": [{"tokens_per_s": 12.0, "wall_s": 1.0}, {"tokens_per_s": 10.0, "wall_s": 1.2},
+                          {"tokens_per_s": 11.0, "wall_s": 1.1}],
+        "hf-continuous-batching": [{"tokens_per_s": 10.0, "wall_s": 1.2}, {"tokens_per_s": 10.0, "wall_s": 1.2},
+                                   {"tokens_per_s": 5.0, "wall_s": 2.4}],
+    }  # fmt: skip
+    median = median_run(runs["pagedkv-paged"])
+    assert median["tokens_per_s"] == 11.0 and median["wall_s"] == 1.1
+    assert median["runs_tokens_per_s"] == [12.0, 10.0, 11.0]
+    ratios = paired_ratios(runs, "tokens_per_s")["pagedkv-paged/hf-continuous-batching"]
+    assert ratios["runs"] == [1.2, 1.0, 2.2]  # run i against run i, not best against worst
+    assert (ratios["median"], ratios["min"], ratios["max"]) == (1.2, 1.0, 2.2)
+    assert median_run(runs["hf-continuous-batching"][:2])["tokens_per_s"] == 10.0
+    assert paired_ratios({"hf-static": runs["pagedkv-paged"]}, "tokens_per_s") == {}
+
+
+@pytest.mark.parametrize(
+    "argv", [["--repeat", "0"], ["--trace-offset", "-1"], ["--num-requests", "0"], ["--systems", "nope"]]
+)
+def test_bad_arguments_are_one_line_before_any_model_loads(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    import pagedkv.hf.loading as loading
+    from pagedkv.bench.e2e import run
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    args = parse(argv)
+    assert run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+
+
+def test_another_slice_of_the_trace() -> None:
+    from pagedkv.bench.e2e import build_workload
+
+    first = build_workload(8, 16, 2, 1000)
+    later = build_workload(4, 16, 2, 1000, offset=4)
+    assert [r.request_id for r in later] == [r.request_id for r in first[4:]]
+    assert [r.output_len for r in later] == [r.output_len for r in first[4:]]

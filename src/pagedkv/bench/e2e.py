@@ -19,8 +19,8 @@ blocks at the start of a step, neither admits a new request beyond the first one
 own default is 0.15). `systems[NAME]["config"]` in the JSON
 lists every setting that differs between systems, and `admission_headroom` the common value.
 
-Workload: the first `--num-requests` rows (default 32) of the Azure conv trace (Patel et al., "Splitwise",
-ISCA 2024, CC-BY 4.0), prompt length `max(8, ContextTokens // prompt_scale)` (default 16), output length
+Workload: `--num-requests` rows (default 32, from row `--trace-offset`, default 0) of the Azure conv trace
+(Patel et al., "Splitwise", ISCA 2024, CC-BY 4.0), prompt length `max(8, ContextTokens // prompt_scale)` (default 16), output length
 `max(4, GeneratedTokens // output_scale)` (default 2), seeded random prompt ids (no special ids), all
 arriving at t=0, greedy decoding with EOS ignored so every system does the same work. Prompts are scaled down
 more than outputs because a one-thread CPU prefills ~300 tokens/s: at the trace's own 6:1 ratio the run
@@ -38,6 +38,11 @@ first token and finish at once), kv_utilization (time-averaged live KV tokens / 
 decodes), TTFT and TPOT percentiles, wall_s; and cpu_s / tokens_per_cpu_s (process CPU time, all threads):
 the machines are shared, so wall-clock figures move with other load while CPU time barely does. `outputs_identical` says whether every system produced the same
 token ids for every request.
+
+`--repeat N` runs the systems N times, interleaved (A B A B ...), so a slow spell of a shared machine falls
+on both sides of a ratio: each system's figures are its median run's (with every run's tokens/s and wall
+time), `ratios` divides the median runs, and `ratio_ranges` gives the median, min and max of the per-run
+ratios (run i of one system against run i of the other).
 """
 
 from __future__ import annotations
@@ -82,10 +87,11 @@ class Timeline:
 
 
 def build_workload(
-    num_requests: int, prompt_scale: int, output_scale: int, vocab_size: int, seed: int = 0
+    num_requests: int, prompt_scale: int, output_scale: int, vocab_size: int, seed: int = 0, offset: int = 0
 ) -> list[BenchRequest]:
-    """The seeded requests every system serves (see the module docstring)."""
-    rows = load_trace(default_trace_path(), limit=num_requests)
+    """The seeded requests every system serves (see the module docstring): trace rows
+    `[offset, offset + num_requests)`."""
+    rows = load_trace(default_trace_path(), limit=offset + num_requests)[offset:]
     rng = np.random.default_rng(seed)
     out = []
     for row in rows:
@@ -334,6 +340,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file"
     )
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument(
+        "--trace-offset", type=int, default=0, help="skip this many trace rows first (another slice of the trace)"
+    )
     parser.add_argument("--prompt-scale", type=int, default=16, help="prompt length = ContextTokens // this")
     parser.add_argument("--output-scale", type=int, default=2, help="output length = GeneratedTokens // this")
     parser.add_argument(
@@ -363,6 +372,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of blocks that must be free for a step to admit more than one new request, the same for "
         "every paged system (transformers' safety_margin; its own default is 0.15)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per system, interleaved (A B A B ...); figures are the median run's, ratios the median and "
+        "range of the per-run ratios",
+    )
     parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf-static")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS)
@@ -383,17 +399,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens is None:
         args.max_new_tokens = TRACE_MAX_OUTPUT // args.output_scale
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        print(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
-        return 2
-    if args.host_blocks is not None and args.host_blocks < 0:
-        print("--host-blocks must be >= 0", file=sys.stderr)
+    problem = _argument_problem(args, systems)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     model, _ = load_model(args.model)
     spec = model_spec(model)
     workload = build_workload(
-        args.num_requests, args.prompt_scale, args.output_scale, model.config.vocab_size, args.seed
+        args.num_requests, args.prompt_scale, args.output_scale, model.config.vocab_size, args.seed,
+        args.trace_offset,
     )
     if any(r.output_len > args.max_new_tokens for r in workload):
         print(f"--max-new-tokens {args.max_new_tokens} is below a request's output length", file=sys.stderr)
@@ -403,18 +417,29 @@ def run(args: argparse.Namespace) -> int:
     if args.preemption == "swap" and not 0 < args.host_blocks <= args.num_blocks - 2:
         print(f"--host-blocks must be in [1, {args.num_blocks - 2}] (inside --num-blocks)", file=sys.stderr)
         return 2
+    warm_up(model, args.max_batched_tokens)
     budget_bytes = args.num_blocks * spec.kv_cache_spec().bytes_per_block(args.block_size)
     capacity = (args.num_blocks - 1) * args.block_size
-    # 2. every system on the same workload
-    figures: dict[str, dict[str, Any]] = {}
+    # 2. every system on the same workload, the repeats interleaved so that a slow spell of a shared machine
+    # falls on every system alike
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
     outputs: dict[str, dict[str, list[int]]] = {}
-    for system in systems:
-        figures[system], outputs[system] = _run_system(system, model, workload, args, capacity)
+    for i in range(args.repeat):
+        for system in systems:
+            label = f"{system} (run {i + 1}/{args.repeat})" if args.repeat > 1 else system
+            figure, out = _run_system(system, model, workload, args, capacity, label)
+            runs[system].append(figure)
+            if outputs.setdefault(system, out) != out:
+                print(f"[bench e2e] warning: {system} produced other tokens in run {i + 1}", file=sys.stderr)
+    figures = {system: median_run(r) for system, r in runs.items()}
     if args.outputs_file is not None:
         prompts = {r.request_id: r.prompt_token_ids for r in workload}
         args.outputs_file.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
     # 3. the figures side by side
     result = _result(args, workload, figures, outputs, budget_bytes)
+    result["repeat"] = args.repeat
+    result["ratio_ranges"] = paired_ratios(runs, "tokens_per_s")
+    result["ratio_ranges_cpu"] = paired_ratios(runs, "tokens_per_cpu_s")
     if args.json:
         print(json.dumps(result))
         return 0
@@ -422,11 +447,60 @@ def run(args: argparse.Namespace) -> int:
     return 0 if math.isfinite(sum(f["wall_s"] for f in figures.values())) else 1
 
 
+def _argument_problem(args: argparse.Namespace, systems: list[str]) -> str | None:
+    """One line saying what is wrong with the arguments that need no model, or None."""
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        return f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}"
+    if args.host_blocks is not None and args.host_blocks < 0:
+        return "--host-blocks must be >= 0"
+    if args.repeat < 1 or args.trace_offset < 0 or args.num_requests < 1:
+        return "--repeat and --num-requests must be >= 1, --trace-offset >= 0"
+    return None
+
+
+def warm_up(model: Any, num_tokens: int) -> None:
+    """Untimed forwards at a decode-like and a prefill-like size before any system runs, so the first system
+    timed does not pay the process's one-time costs (allocator growth, library initialisation) alone."""
+    import torch
+
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        for n in (8, num_tokens):
+            model(input_ids=torch.full((1, n), 100, dtype=torch.long), use_cache=False)
+
+
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of the run with the median output tokens/s (the lower middle one for an even count), with
+    every run's tokens/s and wall time under `runs_tokens_per_s` and `runs_wall_s`."""
+    ordered = sorted(runs, key=lambda f: f["tokens_per_s"])
+    figure = dict(ordered[(len(ordered) - 1) // 2])
+    figure["runs_tokens_per_s"] = [f["tokens_per_s"] for f in runs]
+    figure["runs_wall_s"] = [f["wall_s"] for f in runs]
+    return figure
+
+
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, dict[str, Any]]:
+    """`pagedkv-paged / system` of `key` within each run (the runs are interleaved, so run i of both systems
+    saw the same machine): median, min, max and every run's ratio."""
+    if "pagedkv-paged" not in runs:
+        return {}
+    out = {}
+    for system, other in runs.items():
+        if system == "pagedkv-paged":
+            continue
+        ratios = [a[key] / b[key] for a, b in zip(runs["pagedkv-paged"], other)]
+        out[f"pagedkv-paged/{system}"] = {
+            "median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios), "runs": ratios,
+        }  # fmt: skip
+    return out
+
+
 def _run_system(
-    system: str, model: Any, workload: list[Any], args: argparse.Namespace, capacity: int
+    system: str, model: Any, workload: list[Any], args: argparse.Namespace, capacity: int, label: str = ""
 ) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """Serve the workload with one system: (its figures, its output token ids per request)."""
-    print(f"[bench e2e] {system} ...", file=sys.stderr, flush=True)
+    print(f"[bench e2e] {label or system} ...", file=sys.stderr, flush=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     static_util = None
     counters: dict[str, Any] = {}
@@ -471,6 +545,7 @@ def _result(
         "kv_budget_blocks": args.num_blocks,
         "block_size": args.block_size,
         "requests": len(workload),
+        "trace_offset": args.trace_offset,
         "prompt_tokens_mean": float(np.mean([len(r.prompt_token_ids) for r in workload])),
         "output_tokens_mean": float(np.mean([r.output_len for r in workload])),
         "max_new_tokens": args.max_new_tokens,
@@ -515,6 +590,10 @@ def _print_table(args: argparse.Namespace, workload: list[Any], result: dict[str
           f"{args.preemption}, host blocks inside the budget: {args.host_blocks}")  # fmt: skip
     for name, ratio in result["ratios"].items():
         print(f"{name}: {ratio:.2f}x tokens/s, {result['ratios_cpu'][name]:.2f}x tokens per CPU second")
+        spread = result["ratio_ranges"].get(name)
+        if spread and len(spread["runs"]) > 1:
+            print(f"  over {len(spread['runs'])} interleaved runs: median {spread['median']:.2f}x, "
+                  f"range {spread['min']:.2f}-{spread['max']:.2f}x")  # fmt: skip
     print("| system | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for system, f in result["systems"].items():
