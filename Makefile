@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml Makefile setup.py src/pagedkv/core/_native.c
+$(STAMP): pyproject.toml Makefile setup.py src/pagedkv/core/_native.c src/pagedkv/ops/_cpu_decode.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -m pip install -q -e '.[torch,hf,triton,plot,dev,tiers,events]' 2>&1 | { grep -v 'is ignored' || true; }
@@ -31,4 +31,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy src/pagedkv/core src/pagedkv/engine src/pagedkv/sim src/pagedkv/storage
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info src/pagedkv/core/_native*.so
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/pagedkv/core/_native*.so src/pagedkv/ops/_cpu_decode*.so

@@ -1,20 +1,23 @@
-"""Builds the optional C extension `pagedkv.core._native`; all package metadata lives in pyproject.toml.
+"""Builds the optional C extensions `pagedkv.core._native` and `pagedkv.ops._cpu_decode`; all package metadata
+lives in pyproject.toml.
 
-`optional=True`: without a working C compiler the install still succeeds, and `pagedkv.core.hotpath` falls
-back to its Python reference.
+`optional=True`: without a working C compiler the install still succeeds, `pagedkv.core.hotpath` falls back
+to its Python reference and `pagedkv.hf.sdpa` to torch SDPA.
 """
 
 import sys
 
 from setuptools import Extension, setup
 
+FLAGS = [] if sys.platform == "win32" else ["-O3", "-std=c11", "-Wall", "-Wextra"]
+
 setup(
     ext_modules=[
+        Extension("pagedkv.core._native", ["src/pagedkv/core/_native.c"], optional=True, extra_compile_args=FLAGS),
+        # paged float32 decode attention on a CPU (pagedkv.ops.cpu_decode); the hf integration falls back to
+        # its SDPA path without it
         Extension(
-            "pagedkv.core._native",
-            ["src/pagedkv/core/_native.c"],
-            optional=True,
-            extra_compile_args=[] if sys.platform == "win32" else ["-O3", "-std=c11", "-Wall", "-Wextra"],
-        )
+            "pagedkv.ops._cpu_decode", ["src/pagedkv/ops/_cpu_decode.c"], optional=True, extra_compile_args=FLAGS
+        ),
     ]
 )

@@ -8,6 +8,7 @@ import torch
 
 from pagedkv import ops
 from pagedkv.hf.sdpa import SdpaPlan, decode_buckets, paged_sdpa, sdpa_supports
+from pagedkv.ops import cpu_decode
 
 BS, NUM_BLOCKS, H, HKV, D = 4, 40, 4, 2, 8
 
@@ -28,8 +29,13 @@ def caches_and_tables(
     return k, v, table
 
 
+@pytest.mark.parametrize("c_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_group(window: int | None) -> None:
+def test_decode_group(window: int | None, c_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if c_kernel and cpu_decode.isa() is None:
+        pytest.skip("pagedkv.ops._cpu_decode is not built")
+    if not c_kernel:
+        monkeypatch.setattr(cpu_decode, "available", lambda *_: False)
     lens = [7, 1, 16, 13]
     k, v, table = caches_and_tables(lens, 0)
     q = torch.randn(len(lens), H, D)
@@ -118,8 +124,15 @@ def test_decode_buckets_edge_cases() -> None:
     assert [b.tolist() for b in decode_buckets([1, 100], call_cost=1000)] == [[0, 1]]
 
 
+@pytest.fixture
+def sdpa_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode groups take the gather + SDPA path even where the C kernel would serve them."""
+    monkeypatch.setattr(cpu_decode, "available", lambda *_: False)
+
+
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.usefixtures("sdpa_only")
 def test_bucketed_decode_equals_the_padded_one(window: int | None, seed: int) -> None:
     """Cutting a decode group by length gives what one padded call gives (to rounding: SDPA's tiling depends on
     the padded length), and what the reference gives."""

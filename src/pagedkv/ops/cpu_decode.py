@@ -1,0 +1,86 @@
+"""Paged decode attention on a CPU in C (`pagedkv.ops._cpu_decode`), reading the pages in place.
+
+`decode_attention(query, kv, block_table, seq_lens, scale=..., sliding_window=...)` computes what
+`pagedkv.ops.paged_attention` computes for a decode group (one query per sequence, at its last position:
+causal, GQA, optional sliding window) without gathering the blocks into a dense tensor first: for each
+sequence and KV head the C kernel reads each visible key row once for all query heads that share it, then
+the exact softmax (max, exp, sum) and the weighted sum of value rows. float32 only, one thread; an x86-64 CPU
+with AVX2 and FMA runs a copy compiled for them (`isa()`).
+
+`available(query, kv)` says whether it applies: the extension is built (an optional C extension, like the
+allocator's hot path, and off under `PAGEDKV_NATIVE=0`), the tensors are float32 on the CPU, and torch runs
+one thread (with more, the SDPA path in `pagedkv.hf.sdpa` parallelises and this kernel would not). Callers
+fall back to that path otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from pagedkv.core.errors import InvalidArgumentError
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("PAGEDKV_NATIVE", "1") == "0":
+        return None
+    try:
+        from pagedkv.ops import _cpu_decode  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _cpu_decode  # type: ignore[no-any-return]
+
+
+_NATIVE = _load()
+
+
+def isa() -> str | None:
+    """Which compiled copy runs (`"avx2+fma"` or `"generic"`), or None without the extension."""
+    return None if _NATIVE is None else str(_NATIVE.isa())
+
+
+def available(query: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether `decode_attention` serves these tensors (see the module docstring)."""
+    return (
+        _NATIVE is not None
+        and query.dtype == torch.float32
+        and kv.dtype == torch.float32
+        and query.device.type == "cpu"
+        and kv.device.type == "cpu"
+        and torch.get_num_threads() == 1
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`[B, H, D]` attention of `query` `[B, H, D]` (sequence i's newest token, at position `seq_lens[i] - 1`)
+    over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`.
+    Bad shapes, lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
+    if _NATIVE is None:
+        raise InvalidArgumentError("pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)")
+    if sliding_window is not None and sliding_window < 1:
+        raise InvalidArgumentError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    q = query.contiguous()
+    out = torch.empty_like(q)
+    try:
+        _NATIVE.decode(
+            q.numpy(),
+            kv.contiguous().numpy(),
+            block_table.to(torch.int32).contiguous().numpy(),
+            seq_lens.to(torch.int32).contiguous().numpy(),
+            out.numpy(),
+            float(scale),
+            int(sliding_window or 0),
+        )
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(str(e)) from None
+    return out
