@@ -94,4 +94,5 @@ def test_takes_a_strided_query_and_applies_only_to_float32_on_one_thread() -> No
     assert torch.equal(a, b)
     assert cpu_decode.available(q, kv) == (torch.get_num_threads() == 1)
     assert not cpu_decode.available(q.half(), kv.half())
+    assert not cpu_decode.available(q.clone().requires_grad_(), kv)  # no backward: SDPA serves it
     assert cpu_decode.isa() in ("avx2+fma", "generic")

@@ -9,8 +9,8 @@ with AVX2 and FMA runs a copy compiled for them (`isa()`).
 
 `available(query, kv)` says whether it applies: the extension is built (an optional C extension, like the
 allocator's hot path, and off under `PAGEDKV_NATIVE=0`), the tensors are float32 on the CPU, and torch runs
-one thread (with more, the SDPA path in `pagedkv.hf.sdpa` parallelises and this kernel would not). Callers
-fall back to that path otherwise.
+one thread (with more, the SDPA path in `pagedkv.hf.sdpa` parallelises and this kernel would not), and no
+gradient is wanted (the kernel has no backward). Callers fall back to that path otherwise.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def available(query: torch.Tensor, kv: torch.Tensor) -> bool:
         and kv.dtype == torch.float32
         and query.device.type == "cpu"
         and kv.device.type == "cpu"
+        and not (query.requires_grad or kv.requires_grad)  # the kernel has no backward
         and torch.get_num_threads() == 1
     )
 
