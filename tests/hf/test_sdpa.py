@@ -145,7 +145,7 @@ def test_bucketed_decode_equals_the_padded_one(window: int | None, seed: int) ->
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     args = dict(max_seqlen_q=1, max_seqlen_k=max(lens), scale=0.3, sliding_window=window)
     bucketed = SdpaPlan.build(table, seq_lens, 1, max(lens), BS)
-    assert len(bucketed.buckets) > 1, "the lengths should span several buckets"
+    assert len(bucketed.buckets()) > 1, "the lengths should span several buckets"
     padded = SdpaPlan.build(table, seq_lens, 1, max(lens), BS, bucketed=False)
     got = paged_sdpa(q, kv, table, seq_lens, plan=bucketed, **args)  # type: ignore[arg-type]
     want = paged_sdpa(q, kv, table, seq_lens, plan=padded, **args)  # type: ignore[arg-type]

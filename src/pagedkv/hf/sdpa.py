@@ -73,9 +73,8 @@ def decode_buckets(num_blocks: npt.ArrayLike, call_cost: float = CALL_COST_BLOCK
 @dataclass(frozen=True, slots=True)
 class SdpaPlan:
     """What `paged_sdpa` derives from a group's metadata alone, made once per step and shared by the layers:
-    the block ids to gather, the key length, the visibility mask per sliding window (made at first use), and
-    for a decode group cut into length buckets, each bucket's rows and plan (`buckets`; the outer plan then
-    gathers nothing itself)."""
+    the block ids to gather, the key length, and, each at first use, the visibility mask per sliding window
+    and a decode group's length buckets (`buckets()`; not computed at all when the C kernel serves it)."""
 
     ids: torch.Tensor  # int64 [B * num_blocks]: table[:, :num_blocks], flattened
     num_blocks: int
@@ -83,30 +82,36 @@ class SdpaPlan:
     seq_lens: torch.Tensor
     max_seqlen_q: int
     block_size: int
-    buckets: tuple[tuple[torch.Tensor, SdpaPlan], ...] = ()  # decode: (row indices, that bucket's plan)
+    table: torch.Tensor | None = None  # a decode group's block table, to cut into buckets; None: never cut
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _cut: list[tuple[tuple[torch.Tensor, SdpaPlan], ...]] = field(default_factory=list)
 
     @staticmethod
     def build(block_table: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
               block_size: int, *, bucketed: bool = True) -> SdpaPlan:
-        """The plan of one group; a decode group of several sequences is cut by `decode_buckets` unless
-        `bucketed=False` (then one gather over every row, padded to the longest)."""
-        if max_seqlen_q == 1 and bucketed and seq_lens.shape[0] > 1:
-            lens = seq_lens.cpu().numpy().astype(np.int64)
-            cut = decode_buckets(-(-lens // block_size))
-            if len(cut) > 1:
-                parts = []
-                for rows in cut:
-                    idx = torch.from_numpy(rows).to(block_table.device)
-                    sub = SdpaPlan.build(block_table[idx], seq_lens[idx], 1, int(lens[rows].max()), block_size,
-                                         bucketed=False)  # fmt: skip
-                    parts.append((idx, sub))
-                return SdpaPlan(block_table.new_empty(0, dtype=torch.long), 0, 0, seq_lens, 1, block_size,
-                                tuple(parts))  # fmt: skip
+        """The plan of one group; a decode group of several sequences is cut by `decode_buckets` when first
+        asked (`buckets()`) unless `bucketed=False` (then one gather over every row, padded to the longest)."""
         num_blocks = -(-max_seqlen_k // block_size)
         ids = block_table[:, :num_blocks].reshape(-1).long()
         length = int(seq_lens[0]) if max_seqlen_q > 1 else 0
-        return SdpaPlan(ids, num_blocks, length, seq_lens, max_seqlen_q, block_size)
+        cuttable = max_seqlen_q == 1 and bucketed and seq_lens.shape[0] > 1
+        return SdpaPlan(ids, num_blocks, length, seq_lens, max_seqlen_q, block_size, block_table if cuttable else None)
+
+    def buckets(self) -> tuple[tuple[torch.Tensor, SdpaPlan], ...]:
+        """A decode group's length buckets, each (row indices, that bucket's plan); () when one padded call
+        serves the group. Cut at the first call and kept."""
+        if not self._cut:
+            parts = []
+            if self.table is not None:
+                lens = self.seq_lens.cpu().numpy().astype(np.int64)
+                cut = decode_buckets(-(-lens // self.block_size))
+                for rows in cut if len(cut) > 1 else ():
+                    idx = torch.from_numpy(rows).to(self.table.device)
+                    sub = SdpaPlan.build(self.table[idx], self.seq_lens[idx], 1, int(lens[rows].max()),
+                                         self.block_size, bucketed=False)  # fmt: skip
+                    parts.append((idx, sub))
+            self._cut.append(tuple(parts))
+        return self._cut[0]
 
     def mask(self, num_q: int, sliding_window: int | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decode: `[B, 1, 1, L]` additive (0 visible, -inf hidden) of `dtype`; prefill chunk: `[num_q,
@@ -200,9 +205,10 @@ def paged_sdpa(
 def _decode(query: torch.Tensor, kv: torch.Tensor, plan: SdpaPlan, scale: float | None,
             sliding_window: int | None) -> torch.Tensor:
     """A decode group's `[B, H, D]` attention: one gather + SDPA per length bucket of `plan`."""
-    if plan.buckets:
+    parts = plan.buckets()
+    if parts:
         out = torch.empty_like(query)
-        for rows, sub in plan.buckets:
+        for rows, sub in parts:
             out.index_copy_(0, rows, _decode(query.index_select(0, rows), kv, sub, scale, sliding_window))
         return out
     num_q, num_heads, head_dim = query.shape
