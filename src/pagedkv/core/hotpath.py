@@ -51,8 +51,10 @@ Contract of both backends (`kind` is `SHA256` or `FAST`):
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -377,14 +379,19 @@ class PythonBackend:
         num_tokens[rows] = old + k
 
 
-def _load_native() -> Backend | None:
+def load_extension(module: str) -> ModuleType | None:
+    """One of pagedkv's optional C extensions (`"pagedkv.core._native"`, `"pagedkv.ops._cpu_decode"`), or None
+    where it is not built or `PAGEDKV_NATIVE=0` turns the C code off (the one switch for every extension)."""
     if os.environ.get("PAGEDKV_NATIVE", "1") == "0":
         return None
     try:
-        from pagedkv.core import _native
+        return importlib.import_module(module)
     except ImportError:
         return None
-    return _native
+
+
+def _load_native() -> Backend | None:
+    return load_extension("pagedkv.core._native")
 
 
 NATIVE: Backend | None = _load_native()

@@ -15,25 +15,12 @@ gradient is wanted (the kernel has no backward). Callers fall back to that path 
 
 from __future__ import annotations
 
-import os
-from types import ModuleType
-
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.hotpath import load_extension
 
-
-def _load() -> ModuleType | None:
-    if os.environ.get("PAGEDKV_NATIVE", "1") == "0":
-        return None
-    try:
-        from pagedkv.ops import _cpu_decode  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _cpu_decode  # type: ignore[no-any-return]
-
-
-_NATIVE = _load()
+_NATIVE = load_extension("pagedkv.ops._cpu_decode")
 
 
 def isa() -> str | None:
