@@ -10,12 +10,16 @@ decode(query, kv, block_table, seq_lens, out, scale, window)
   scale       float                         the softmax scale
   window      int                           sliding window (> 0: keys at positions >= len - window), 0: none
 
-Query head h reads KV head h / (H / Hkv) (GQA). For each sequence and KV head the kernel reads each visible
-key row once for all the query heads that share it, keeps every score (two passes: max, then exp and the
-weighted sum of V rows), so the answer is the exact softmax, not an online rescaled one. Sums run in float32
-with 8 partial sums per dot product. An x86-64 CPU with AVX2 and FMA runs a copy of the same code compiled
-for them (chosen once, at import). Arguments are checked before anything is written; the GIL is released
-while the kernel runs. Python side: `pagedkv.ops.cpu_decode`.
+Query head h reads KV head h / (H / Hkv) (GQA). For each sequence the kernel first lists its visible key
+rows (one pointer per position, found block by block, so no division per key), then for each KV head scores
+every visible key against all the query heads that share it, keeps every score (two passes: max, then exp and
+the weighted sum of V rows), so the answer is the exact softmax, not an online rescaled one. A dot product runs
+in float32 over 8 partial sums (lane j takes the elements d = j mod 8) added as ((0+1)+(2+3))+((4+5)+(6+7)),
+the same order wherever the key sits, so a sequence's output depends only on its own tokens, not on the batch
+or on which blocks hold them. An x86-64 CPU with AVX2 and FMA runs a vectorised copy (eight keys scored at
+once, the value sum kept in registers) for head sizes that are a multiple of 8, chosen once at import
+(`set_isa` switches, for tests); the portable copy serves the rest. Arguments are checked before anything is
+written; the GIL is released while the kernel runs. Python side: `pagedkv.ops.cpu_decode`.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -37,58 +41,208 @@ typedef struct {
     long window;
 } DecodeArgs;
 
-#define DECODE_BODY                                                                                          \
-    const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim, bs = a->block_size;                           \
-    const Py_ssize_t row = a->kv_heads * D, block = bs * row, half = a->num_blocks * block;                  \
-    for (Py_ssize_t b = 0; b < a->batch; b++) {                                                              \
-        const Py_ssize_t len = a->lens[b];                                                                   \
-        const Py_ssize_t first = (a->window > 0 && len > a->window) ? len - a->window : 0;                   \
-        const int32_t *tbl = a->table + b * a->width;                                                        \
-        for (Py_ssize_t h = 0; h < a->kv_heads; h++) {                                                       \
-            const float *q = a->query + (b * a->heads + h * g) * D;                                          \
-            float *o = a->out + (b * a->heads + h * g) * D;                                                  \
-            for (Py_ssize_t l = first; l < len; l++) {                                                       \
-                const float *k = a->kv + (Py_ssize_t)tbl[l / bs] * block + (l % bs) * row + h * D;           \
-                for (Py_ssize_t i = 0; i < g; i++) {                                                         \
-                    const float *qi = q + i * D;                                                             \
-                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                 \
-                    Py_ssize_t d = 0;                                                                        \
-                    for (; d + 8 <= D; d += 8)                                                               \
-                        for (int j = 0; j < 8; j++) acc[j] += qi[d + j] * k[d + j];                          \
-                    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])); \
-                    for (; d < D; d++) s += qi[d] * k[d];                                                    \
-                    scores[i * a->width * bs + l] = s * a->scale;                                            \
-                }                                                                                            \
-            }                                                                                                \
-            for (Py_ssize_t i = 0; i < g; i++) {                                                             \
-                float *sc = scores + i * a->width * bs;                                                      \
-                float m = -INFINITY, sum = 0.0f;                                                             \
-                for (Py_ssize_t l = first; l < len; l++) m = sc[l] > m ? sc[l] : m;                          \
-                for (Py_ssize_t l = first; l < len; l++) {                                                   \
-                    sc[l] = expf(sc[l] - m);                                                                 \
-                    sum += sc[l];                                                                            \
-                }                                                                                            \
-                float *oi = o + i * D;                                                                       \
-                memset(oi, 0, (size_t)D * sizeof(float));                                                    \
-                for (Py_ssize_t l = first; l < len; l++) {                                                   \
-                    const float *v = a->kv + half + (Py_ssize_t)tbl[l / bs] * block + (l % bs) * row + h * D; \
-                    const float p = sc[l];                                                                   \
-                    for (Py_ssize_t d = 0; d < D; d++) oi[d] += p * v[d];                                    \
-                }                                                                                            \
-                const float inv = 1.0f / sum;                                                                \
-                for (Py_ssize_t d = 0; d < D; d++) oi[d] *= inv;                                             \
-            }                                                                                                \
-        }                                                                                                    \
+/* The row of each visible key of sequence b (KV head 0; head h is `+ h * dim`, its V row `+ half`), in
+position order, into rows[0..n); returns n. One division per block, none per key. */
+static Py_ssize_t visible_rows(const DecodeArgs *a, Py_ssize_t b, const float **rows) {
+    const Py_ssize_t bs = a->block_size, row = a->kv_heads * a->dim, block = bs * row, len = a->lens[b];
+    const Py_ssize_t first = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int32_t *tbl = a->table + b * a->width;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t l = first; l < len;) {
+        const Py_ssize_t j = l / bs;
+        const float *base = a->kv + (Py_ssize_t)tbl[j] * block;
+        for (Py_ssize_t t = l - j * bs; t < bs && l < len; t++, l++) rows[n++] = base + t * row;
     }
+    return n;
+}
 
-static void decode_generic(const DecodeArgs *a, float *scores) { DECODE_BODY }
+/* scores[0..n) -> exp(score - max), in place; returns their sum. */
+static float softmax_numerators(float *sc, Py_ssize_t n) {
+    float m = -INFINITY, sum = 0.0f;
+    for (Py_ssize_t l = 0; l < n; l++) m = sc[l] > m ? sc[l] : m;
+    for (Py_ssize_t l = 0; l < n; l++) {
+        sc[l] = expf(sc[l] - m);
+        sum += sc[l];
+    }
+    return sum;
+}
+
+/* The portable copy: any head size. */
+static void decode_generic(const DecodeArgs *a, float *scores, const float **rows) {
+    const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim;
+    const Py_ssize_t half = a->num_blocks * a->block_size * a->kv_heads * D;
+    for (Py_ssize_t b = 0; b < a->batch; b++) {
+        const Py_ssize_t n = visible_rows(a, b, rows);
+        for (Py_ssize_t h = 0; h < a->kv_heads; h++) {
+            const float *q = a->query + (b * a->heads + h * g) * D;
+            float *o = a->out + (b * a->heads + h * g) * D;
+            for (Py_ssize_t l = 0; l < n; l++) {
+                const float *k = rows[l] + h * D;
+                for (Py_ssize_t i = 0; i < g; i++) {
+                    const float *qi = q + i * D;
+                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    Py_ssize_t d = 0;
+                    for (; d + 8 <= D; d += 8)
+                        for (int j = 0; j < 8; j++) acc[j] += qi[d + j] * k[d + j];
+                    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+                    for (; d < D; d++) s += qi[d] * k[d];
+                    scores[i * n + l] = s * a->scale;
+                }
+            }
+            for (Py_ssize_t i = 0; i < g; i++) {
+                float *sc = scores + i * n;
+                const float inv = 1.0f / softmax_numerators(sc, n);
+                float *oi = o + i * D;
+                memset(oi, 0, (size_t)D * sizeof(float));
+                for (Py_ssize_t l = 0; l < n; l++) {
+                    const float *v = rows[l] + half + h * D;
+                    const float p = sc[l];
+                    for (Py_ssize_t d = 0; d < D; d++) oi[d] += p * v[d];
+                }
+                for (Py_ssize_t d = 0; d < D; d++) oi[d] *= inv;
+            }
+        }
+    }
+}
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define HAVE_AVX2_COPY 1
-__attribute__((target("avx2,fma"))) static void decode_avx2(const DecodeArgs *a, float *scores) { DECODE_BODY }
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* lane sums of x in the order ((0+1)+(2+3))+((4+5)+(6+7)), broadcast */
+AVX2 static inline float hsum8(__m256 x) {
+    const __m256 t = _mm256_hadd_ps(x, x);
+    const __m256 u = _mm256_hadd_ps(t, t);
+    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
+/* q . k of eight keys at once, each summed in hsum8's order: [s0 .. s7] */
+AVX2 static inline __m256 dot8(const float *q, const float *const *k, Py_ssize_t off, Py_ssize_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (Py_ssize_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + off + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + off + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + off + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + off + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[4] + off + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[5] + off + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + off + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + off + d), a7);
+    }
+    /* after two hadds lane j of the low half holds key j's ((0+1)+(2+3)), of the high half its ((4+5)+(6+7)) */
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* e^x of eight floats: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r, 2^n put in
+the exponent bits), within 2 ulp of libm's over the range softmax uses (x <= 0); below -88.37 it is 0, a NaN
+stays NaN (`max(lo, x)` and `min(hi, x)` return x when x is NaN). */
+AVX2 static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* softmax_numerators with eight lanes: the max, e^(x - max) in place, and their sum (lane sums added in
+hsum8's order, then the tail in position order). */
+AVX2 static float softmax_numerators8(float *sc, Py_ssize_t n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    Py_ssize_t l = 0;
+    for (; l + 8 <= n; l += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sc + l), mv); /* a NaN never wins */
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, mv);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    for (; l < n; l++) m = sc[l] > m ? sc[l] : m;
+    const __m256 top = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (l = 0; l + 8 <= n; l += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + l), top));
+        _mm256_storeu_ps(sc + l, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    for (; l < n; l++) {
+        sc[l] = expf(sc[l] - m);
+        sum += sc[l];
+    }
+    return sum;
+}
+
+/* o[0..8*nv) = sum_l p[l] * (rows[l] + off)[0..8*nv), nv <= 8, kept in registers */
+AVX2 static inline void weighted_sum(float *o, const float *p, const float *const *rows, Py_ssize_t n,
+                                     Py_ssize_t off, int nv, float inv) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    if (nv == 8) {
+        for (Py_ssize_t l = 0; l < n; l++) {
+            const __m256 w = _mm256_broadcast_ss(p + l);
+            const float *v = rows[l] + off;
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+    } else {
+        for (Py_ssize_t l = 0; l < n; l++) {
+            const __m256 w = _mm256_broadcast_ss(p + l);
+            const float *v = rows[l] + off;
+            for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+    }
+    const __m256 s = _mm256_set1_ps(inv);
+    for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], s));
+}
+
+/* The AVX2 + FMA copy: head sizes that are a multiple of 8 (the others go to the portable copy). */
+AVX2 static void decode_avx2(const DecodeArgs *a, float *scores, const float **rows) {
+    const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim;
+    const Py_ssize_t half = a->num_blocks * a->block_size * a->kv_heads * D;
+    if (D % 8 != 0) {
+        decode_generic(a, scores, rows);
+        return;
+    }
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    for (Py_ssize_t b = 0; b < a->batch; b++) {
+        const Py_ssize_t n = visible_rows(a, b, rows);
+        for (Py_ssize_t h = 0; h < a->kv_heads; h++) {
+            const float *q = a->query + (b * a->heads + h * g) * D;
+            float *o = a->out + (b * a->heads + h * g) * D;
+            for (Py_ssize_t i = 0; i < g; i++) {
+                const float *qi = q + i * D;
+                float *sc = scores + i * n;
+                Py_ssize_t l = 0;
+                for (; l + 8 <= n; l += 8) _mm256_storeu_ps(sc + l, _mm256_mul_ps(dot8(qi, rows + l, h * D, D), scale));
+                for (; l < n; l++) {
+                    const float *k = rows[l] + h * D;
+                    __m256 acc = _mm256_setzero_ps();
+                    for (Py_ssize_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(k + d), acc);
+                    sc[l] = hsum8(acc) * a->scale;
+                }
+            }
+            for (Py_ssize_t i = 0; i < g; i++) {
+                float *sc = scores + i * n;
+                const float inv = 1.0f / softmax_numerators8(sc, n);
+                for (Py_ssize_t d0 = 0; d0 < D; d0 += 64) {
+                    const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
+                    weighted_sum(o + i * D + d0, sc, rows, n, half + h * D + d0, nv, inv);
+                }
+            }
+        }
+    }
+}
 #endif
 
-static void (*decode_impl)(const DecodeArgs *, float *) = decode_generic;
+static void (*decode_impl)(const DecodeArgs *, float *, const float **) = decode_generic;
 
 /* A C-contiguous buffer of `ndim` dimensions with items of `itemsize` bytes and format `fmt`. */
 static int get_array(PyObject *obj, Py_buffer *view, const char *name, const char *fmt, int ndim, int writable) {
@@ -160,14 +314,17 @@ static PyObject *native_decode(PyObject *self, PyObject *const *args, Py_ssize_t
                     kv.shape[1], kv.shape[2], t.shape[1], (float)scale, window};
     if (check_args(&a, &q, &kv, &t, &s, &o) == 0) {
         const Py_ssize_t g = a.kv_heads > 0 ? a.heads / a.kv_heads : 0;
-        float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * (size_t)(a.width * a.block_size + 1));
-        if (scores == NULL) {
+        const size_t keys = (size_t)(a.width * a.block_size + 1);
+        float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * keys);
+        const float **rows = malloc(sizeof(float *) * keys);
+        if (scores == NULL || rows == NULL) {
             PyErr_NoMemory();
         } else {
-            Py_BEGIN_ALLOW_THREADS decode_impl(&a, scores);
-            Py_END_ALLOW_THREADS free(scores);
-            result = Py_NewRef(Py_None);
+            Py_BEGIN_ALLOW_THREADS decode_impl(&a, scores, rows);
+            Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
         }
+        free(scores);
+        free(rows);
     }
     PyBuffer_Release(&o);
 fail_s:
@@ -190,10 +347,29 @@ static PyObject *native_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString("generic");
 }
 
+static PyObject *native_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    if (strcmp(name, "generic") == 0) {
+        decode_impl = decode_generic;
+        Py_RETURN_NONE;
+    }
+#ifdef HAVE_AVX2_COPY
+    if (strcmp(name, "avx2+fma") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        decode_impl = decode_avx2;
+        Py_RETURN_NONE;
+    }
+#endif
+    PyErr_Format(PyExc_ValueError, "set_isa: %s is not a copy this build and CPU can run", name);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))native_decode, METH_FASTCALL | METH_KEYWORDS,
      "decode(query, kv, block_table, seq_lens, out, scale, window): paged float32 decode attention into out."},
     {"isa", native_isa, METH_NOARGS, "Which compiled copy of the kernel runs: 'avx2+fma' or 'generic'."},
+    {"set_isa", native_set_isa, METH_O, "set_isa(name): run the 'generic' or the 'avx2+fma' copy from now on."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,7 +5,8 @@
 causal, GQA, optional sliding window) without gathering the blocks into a dense tensor first: for each
 sequence and KV head the C kernel reads each visible key row once for all query heads that share it, then
 the exact softmax (max, exp, sum) and the weighted sum of value rows. float32 only, one thread; an x86-64 CPU
-with AVX2 and FMA runs a copy compiled for them (`isa()`).
+with AVX2 and FMA runs a vectorised copy (`isa()`; head sizes that are a multiple of 8, eight keys scored at
+once, e^x in eight lanes within 2 ulp of libm's), `set_isa` switches copies (tests compare them).
 
 `available(query, kv)` says whether it applies: the extension is built (an optional C extension, like the
 allocator's hot path, and off under `PAGEDKV_NATIVE=0`), the tensors are float32 on the CPU, and torch runs
@@ -26,6 +27,17 @@ _NATIVE = load_extension("pagedkv.ops._cpu_decode")
 def isa() -> str | None:
     """Which compiled copy runs (`"avx2+fma"` or `"generic"`), or None without the extension."""
     return None if _NATIVE is None else str(_NATIVE.isa())
+
+
+def set_isa(name: str) -> None:
+    """Run the `"generic"` or the `"avx2+fma"` copy from now on (this process); InvalidArgumentError when this
+    build or CPU has no such copy or the extension is not built."""
+    if _NATIVE is None:
+        raise InvalidArgumentError("pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)")
+    try:
+        _NATIVE.set_isa(name)
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
 
 
 def available(query: torch.Tensor, kv: torch.Tensor) -> bool:
