@@ -78,6 +78,7 @@ POLICIES: dict[str, tuple[type[Scheduler], dict[str, Any]]] = {
     "victim-cheapest": (VictimCheapest, {}),
     "victim-starved": (VictimStarved, {}),
     "headroom-0.15": (Scheduler, {"admission_headroom": 0.15}),
+    "no-growth-reserve": (Scheduler, {"admission_lookahead": 0}),
 }
 
 

@@ -109,3 +109,15 @@ def test_another_slice_of_the_trace() -> None:
     later = build_workload(4, 16, 2, 1000, offset=4)
     assert [r.request_id for r in later] == [r.request_id for r in first[4:]]
     assert [r.output_len for r in later] == [r.output_len for r in first[4:]]
+
+
+def test_growth_reserve_is_the_engine_default_and_reported_per_system() -> None:
+    from pagedkv.engine.scheduler import SchedulerConfig
+
+    args = parse([])
+    args.host_blocks = 0
+    assert args.admission_lookahead == SchedulerConfig().admission_lookahead == 16
+    assert pagedkv_config("pagedkv-paged", args)["growth_reserve_tokens"] == 16
+    assert "none" in str(pagedkv_config("pagedkv-contiguous", args)["growth_reserve_tokens"])
+    assert "none" in hf_continuous_config(args)["growth_reserve_tokens"]
+    assert pagedkv_config("pagedkv-paged", parse(["--admission-lookahead", "0"]))["growth_reserve_tokens"] == 0

@@ -422,7 +422,8 @@ def test_case11_a_stop_token_on_the_last_allowed_step_is_stop_as_documented() ->
 
 
 def test_case12_without_chunked_prefill_a_preempted_request_is_recomputed_in_chunks() -> None:
-    engine = small_engine(num_blocks=9, enable_chunked_prefill=False, max_num_batched_tokens=15)
+    # greedy admission (no growth reserve): both go in and one must be preempted
+    engine = small_engine(num_blocks=9, enable_chunked_prefill=False, max_num_batched_tokens=15, admission_lookahead=0)
     p = SamplingParams(max_new_tokens=18, ignore_eos=True)
     prompts = [list(range(10, 24)), list(range(40, 54))]  # 14 + 18 = 32 tokens: exactly the capacity
     outputs = engine.generate(prompts, p)

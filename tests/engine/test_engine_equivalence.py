@@ -117,7 +117,9 @@ def test_heavy_preemption_stress(mode: str) -> None:
     lengths = (6, 11, 3, 14, 9, 7, 12, 5)
     prompts = prompts_of(lengths, seed=9)
     engine = Engine(
-        tiny_model("gpt2", 4), None, EngineConfig(num_blocks=12, block_size=4, scheduler=SchedulerConfig(preemption_mode=mode))
+        tiny_model("gpt2", 4), None, EngineConfig(
+            num_blocks=12, block_size=4, scheduler=SchedulerConfig(preemption_mode=mode, admission_lookahead=0)
+        ),  # greedy admission: the stress is the preemptions
     )
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     expected = reference_generate(

@@ -53,7 +53,7 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
 
 def test_priority_admits_first_and_is_preempted_last() -> None:
     m = PagedKVManager(8, 4)  # 7 usable blocks
-    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, admission_lookahead=0))  # greedy: it must preempt
     s.add_request(Request("low", list(range(12)), 20, arrival_time=0.0, priority=0))
     s.add_request(Request("high", list(range(50, 62)), 20, arrival_time=1.0, priority=1))
     out, _ = step(s)
@@ -69,7 +69,7 @@ def test_priority_admits_first_and_is_preempted_last() -> None:
 def test_recompute_and_swap_finish_every_request_without_leaks() -> None:
     for mode in ("recompute", "swap"):
         m = PagedKVManager(16, 4, num_host_blocks=32)
-        s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=16, preemption_mode=mode))
+        s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=16, preemption_mode=mode, admission_lookahead=0))
         rng = np.random.default_rng(1)
         for i in range(10):
             s.add_request(Request(f"r{i}", rng.integers(0, 50, size=int(rng.integers(2, 20))).tolist(), int(rng.integers(1, 15))))
@@ -157,7 +157,7 @@ def test_config_and_request_validation() -> None:
 
 def test_a_preempted_request_goes_back_ahead_of_later_arrivals() -> None:
     m = PagedKVManager(6, 4)  # 5 usable blocks
-    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, admission_lookahead=0))  # greedy: b is preempted
     for i, name in enumerate("abc"):
         s.add_request(Request(name, list(range(10 * i, 10 * i + 7)), 30))  # same arrival: FCFS by order added
     out, _ = step(s)
@@ -211,7 +211,7 @@ def test_without_chunking_rejection_ignores_the_prefix_cache_and_recompute_is_ch
     out = s.schedule()
     assert [r.request_id for r in out.rejected] == ["long"] and "exceeds max_num_batched_tokens" in out.rejected[0].error
     m2 = PagedKVManager(9, 4)  # 8 usable blocks = 32 tokens
-    s2 = Scheduler(m2, SchedulerConfig(max_num_batched_tokens=15, enable_chunked_prefill=False))
+    s2 = Scheduler(m2, SchedulerConfig(max_num_batched_tokens=15, enable_chunked_prefill=False, admission_lookahead=0))
     s2.add_request(Request("a", list(range(10, 24)), 18))
     s2.add_request(Request("b", list(range(40, 54)), 18))
     finished = []
@@ -252,7 +252,7 @@ def test_admission_headroom_admits_one_new_request_when_short_of_free_blocks() -
         m = PagedKVManager(16, 4)
         held = m.admit(list(range(500, 540)))  # 10 blocks held outside the scheduler: 5 of 15 free
         assert held is not None
-        s = Scheduler(m, SchedulerConfig(admission_headroom=headroom))
+        s = Scheduler(m, SchedulerConfig(admission_headroom=headroom, admission_lookahead=0))
         for rid in "abc":
             s.add_request(Request(rid, list(range(100 * ord(rid), 100 * ord(rid) + 4)), 2))
         out, _ = step(s)
@@ -262,7 +262,7 @@ def test_admission_headroom_admits_one_new_request_when_short_of_free_blocks() -
     assert first_step(0.3) == ["a", "b", "c"]  # 5 of 15 free: roomy
     assert first_step(0.5) == ["a"]  # short of free blocks: only the first request of the step goes in
 
-    s = Scheduler(PagedKVManager(16, 4), SchedulerConfig(admission_headroom=0.5))
+    s = Scheduler(PagedKVManager(16, 4), SchedulerConfig(admission_headroom=0.5, admission_lookahead=0))
     for rid in "abc":
         s.add_request(Request(rid, list(range(100 * ord(rid), 100 * ord(rid) + 12)), 8))
     step(s)  # 9 blocks taken: 6 of 16 free at the next step's start, under the headroom
@@ -272,3 +272,34 @@ def test_admission_headroom_admits_one_new_request_when_short_of_free_blocks() -
     for bad in (-0.1, 1.0, True, "0.1"):
         with pytest.raises(InvalidArgumentError, match="admission_headroom"):
             SchedulerConfig(admission_headroom=bad)  # type: ignore[arg-type]
+
+
+def test_growth_reserve_keeps_the_blocks_running_requests_are_about_to_need() -> None:
+    """With the default 16-token growth reserve a second request waits while admitting it would leave the
+    running one without the blocks it needs for its next 16 tokens; greedy admission (0) takes it and then
+    has to preempt. The first request of a step is always admitted, and a request whose `max_new_tokens`
+    ends sooner reserves only what it can still use."""
+
+    def run(lookahead: int, max_new: int = 40) -> tuple[list[list[str]], int]:
+        m = PagedKVManager(9, 4)  # 8 usable blocks = 32 tokens
+        s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, admission_lookahead=lookahead))
+        s.add_request(Request("a", list(range(12)), max_new))  # 3 blocks, 4 more for 16 tokens of growth
+        s.add_request(Request("b", list(range(20, 32)), 8))  # 3 blocks
+        steps = []
+        while s.has_unfinished() and len(steps) < 200:
+            out, _ = step(s)
+            steps.append([c.request.request_id for c in out.scheduled])
+            m.check_invariants()
+        assert not s.has_unfinished()
+        return steps, s.num_preemptions
+
+    greedy, preemptions = run(0)
+    assert greedy[0] == ["a", "b"] and preemptions > 0
+    reserved, preemptions = run(16)
+    assert reserved[0] == ["a"] and preemptions == 0, "b waits: 8 - 3 - 3 < 4 blocks"
+    assert "b" in {r for s in reserved for r in s}, "b runs once a has finished"
+    short, _ = run(16, max_new=3)  # a can grow by 3 tokens only: no block beyond its 3
+    assert short[0] == ["a", "b"]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="admission_lookahead"):
+            SchedulerConfig(admission_lookahead=bad)  # type: ignore[arg-type]

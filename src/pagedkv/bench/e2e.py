@@ -16,8 +16,11 @@ blocks of `--block-size` tokens, every block the systems may hold counted in it)
 Admission headroom is the same for every paged system: `--admission-headroom H` (default 0: none) is the
 pagedkv scheduler's `admission_headroom` and transformers' `safety_margin` alike (below that fraction of free
 blocks at the start of a step, neither admits a new request beyond the first one scheduled; transformers'
-own default is 0.15). `systems[NAME]["config"]` in the JSON
-lists every setting that differs between systems, and `admission_headroom` the common value.
+own default is 0.15). The pagedkv engine's growth reserve (`--admission-lookahead`, default 16 tokens: the
+scheduler's own default, see `pagedkv.engine.scheduler`) is a policy of its scheduler with no counterpart in
+transformers (which admits past a request that does not fit instead); it does not apply to the contiguous
+systems, whose growth is reserved at admission. `systems[NAME]["config"]` in the JSON lists every setting
+that differs between systems, and `admission_headroom` the common value.
 
 Workload: `--num-requests` rows (default 32, from row `--trace-offset`, default 0) of the Azure conv trace
 (Patel et al., "Splitwise", ISCA 2024, CC-BY 4.0), prompt length `max(8, ContextTokens // prompt_scale)` (default 16), output length
@@ -117,6 +120,7 @@ def pagedkv_config(system: str, args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks - host,  # device blocks; host + device = the budget
         "host_blocks": host,
         "admission_headroom": args.admission_headroom,
+        "growth_reserve_tokens": args.admission_lookahead if allocator == "paged" else "none (reserved at admission)",
         "block_size": args.block_size,
         "max_batch_tokens": args.max_batched_tokens,
         "declared_max_new_tokens": "true length" if system.endswith("-oracle") else args.max_new_tokens,
@@ -144,6 +148,7 @@ def hf_continuous_config(args: argparse.Namespace) -> dict[str, Any]:
         "safety_margin": args.admission_headroom,
         "attn_implementation": "sdpa",
         "declared_max_new_tokens": "true length",
+        "growth_reserve_tokens": "none (its scheduler admits past a request that does not fit instead)",
     }
 
 
@@ -165,6 +170,7 @@ def run_pagedkv(
             max_num_batched_tokens=args.max_batched_tokens,
             preemption_mode=cfg["preemption_mode"],
             admission_headroom=args.admission_headroom,
+            admission_lookahead=args.admission_lookahead,
         ),
         num_host_blocks=cfg["host_blocks"],
     )
@@ -208,7 +214,7 @@ def run_hf_continuous(
     gen = GenerationConfig(  # type: ignore[no-untyped-call]
         do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new_tokens
     )
-    skip = ("attn_implementation", "declared_max_new_tokens")
+    skip = ("attn_implementation", "declared_max_new_tokens", "growth_reserve_tokens")
     cb = ContinuousBatchingConfig(**{k: v for k, v in config.items() if k not in skip})
     results: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -335,6 +341,12 @@ def summarize(
     }
 
 
+def _engine_lookahead() -> int:
+    from pagedkv.engine.scheduler import SchedulerConfig
+
+    return SchedulerConfig().admission_lookahead
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file"
@@ -371,6 +383,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="fraction of blocks that must be free for a step to admit more than one new request, the same for "
         "every paged system (transformers' safety_margin; its own default is 0.15)",
+    )
+    parser.add_argument(
+        "--admission-lookahead",
+        type=int,
+        default=_engine_lookahead(),
+        help="pagedkv's growth reserve: admission keeps free the blocks each running request needs for this "
+        "many more tokens (default: the engine's, 16; 0 = greedy, the engine before 2026-12)",
     )
     parser.add_argument(
         "--repeat",
@@ -456,6 +475,8 @@ def _argument_problem(args: argparse.Namespace, systems: list[str]) -> str | Non
         return "--host-blocks must be >= 0"
     if args.repeat < 1 or args.trace_offset < 0 or args.num_requests < 1:
         return "--repeat and --num-requests must be >= 1, --trace-offset >= 0"
+    if args.admission_lookahead < 0:
+        return "--admission-lookahead must be >= 0 (tokens; 0 = greedy admission)"
     return None
 
 
@@ -587,7 +608,8 @@ def _print_table(args: argparse.Namespace, workload: list[Any], result: dict[str
         "wall_s",
     )
     print(f"admission headroom {args.admission_headroom} for every paged system; pagedkv-paged preempts by "
-          f"{args.preemption}, host blocks inside the budget: {args.host_blocks}")  # fmt: skip
+          f"{args.preemption}, host blocks inside the budget: {args.host_blocks}, growth reserve "
+          f"{args.admission_lookahead} tokens per running request (pagedkv's scheduler only)")  # fmt: skip
     for name, ratio in result["ratios"].items():
         print(f"{name}: {ratio:.2f}x tokens/s, {result['ratios_cpu'][name]:.2f}x tokens per CPU second")
         spread = result["ratio_ranges"].get(name)

@@ -142,12 +142,15 @@ class ContiguousKVManager(TableViews):
         salt: bytes = b"",
         num_lookahead: int = 0,
         keys: BlockKeys | None = None,
+        keep_free: int = 0,
     ) -> Admission | None:
-        """Reserve prompt + max_new_tokens (+ lookahead) contiguously, first fit. `None` if no hole fits."""
+        """Reserve prompt + max_new_tokens (+ lookahead) contiguously, first fit. `None` if no hole fits or
+        fewer than `keep_free` blocks would stay free."""
         tokens = as_tokens(token_ids)  # the same checks, in the same order, as PagedKVManager.admit
         n = len(tokens)
         max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
         num_lookahead = as_count(num_lookahead, "num_lookahead")
+        keep_free = as_count(keep_free, "keep_free")
         priority = as_priority(priority)
         need = self._reservation(n, max_new_tokens + num_lookahead)
         if need > self._num_blocks:
@@ -155,7 +158,7 @@ class ContiguousKVManager(TableViews):
         given = as_keys(keys, as_salt(salt), tokens)  # unused (nothing is shared) but checked alike
         if given is not None:
             given.remember(tokens)
-        hole = self.runs.find(need)
+        hole = self.runs.find(need) if self.runs.num_free - need >= keep_free else None
         if hole is None:
             return None
         start = self.runs.take(hole, need)
@@ -168,11 +171,11 @@ class ContiguousKVManager(TableViews):
         return Admission(row, 0)
 
     def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
-        """Blocks beyond the reservations; any such growth is impossible (see `append`)."""
-        t = self.tables
-        rows = t.rows(seq_ids)
-        new = t.num_tokens[rows] + as_count(num_tokens, "num_tokens")
-        return int(np.maximum(-(-new // self._block_size) - t.num_blocks[rows], 0).sum())
+        """0: growth stays inside the reservations and never takes a block from the pool (beyond a
+        reservation `append` fails instead). The ids and count are checked as `append` checks them."""
+        self.tables.rows(seq_ids)
+        as_count(num_tokens, "num_tokens")
+        return 0
 
     def append(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1) -> bool:
         """Grow within the reservations. False (nothing changed) if any sequence would outgrow its run."""

@@ -212,8 +212,10 @@ class PagedKVManager(SwapMixin, TableViews):
         salt: bytes = b"",
         num_lookahead: int = 0,
         keys: BlockKeys | None = None,
+        keep_free: int = 0,
     ) -> Admission | None:
-        """Allocate blocks for `token_ids` (sharing cached leading blocks). `None`: not enough free blocks now.
+        """Allocate blocks for `token_ids` (sharing cached leading blocks). `None`: not enough free blocks now,
+        counting `keep_free` blocks that must stay free after the admission (cached hits cost nothing).
 
         `max_new_tokens` is ignored (paging reserves nothing ahead); `keys` lets a request keep its block
         keys across admissions, so re-admitting a waiting or preempted request hashes nothing twice.
@@ -222,6 +224,7 @@ class PagedKVManager(SwapMixin, TableViews):
         tokens = as_tokens(token_ids)
         as_count(max_new_tokens, "max_new_tokens")
         num_lookahead = as_count(num_lookahead, "num_lookahead")
+        keep_free = as_count(keep_free, "keep_free")
         priority = as_priority(priority)
         n, bs = len(tokens), self._block_size
         if -(-(n + num_lookahead) // bs) > self.num_blocks:
@@ -230,7 +233,7 @@ class PagedKVManager(SwapMixin, TableViews):
         hits = _EMPTY
         if self.enable_prefix_caching:
             hits = np.array(self.prefix.match(tokens, keys, (n - 1) // bs), dtype=np.int64)
-        if self._blocks_short(n, num_lookahead, hits) > 0:
+        if self._blocks_short(n, num_lookahead, hits) + keep_free > 0:
             return None
         # --- commit (nothing below can fail) ---
         pool, t = self.pool, self.tables

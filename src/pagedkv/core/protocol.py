@@ -120,8 +120,10 @@ class KVManager(Protocol):
         salt: bytes = b"",
         num_lookahead: int = 0,
         keys: BlockKeys | None = None,
+        keep_free: int = 0,
     ) -> Admission | None:
-        """Allocate for `token_ids`; `keys` (a request's `BlockKeys`) lets re-admissions skip hashing."""
+        """Allocate for `token_ids`; `keys` (a request's `BlockKeys`) lets re-admissions skip hashing. `None`
+        also when admitting would leave fewer than `keep_free` blocks free (the scheduler's growth reserve)."""
         ...
 
     def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:

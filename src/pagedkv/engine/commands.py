@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="token budget per step"
     )
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument(
+        "--admission-lookahead",
+        type=int,
+        default=defaults.admission_lookahead,
+        help="growth reserve: admission keeps free the blocks each running request needs for this many more "
+        f"tokens (default {defaults.admission_lookahead}; 0 = greedy)",
+    )
     tenancy = parser.add_argument_group("tenants (docs/engine.md)")
     tenancy.add_argument(
         "--cache-salt",
@@ -189,6 +196,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_batched_tokens,
             preemption_mode=args.preemption,
+            admission_lookahead=args.admission_lookahead,
         ),
         host_blocks=args.host_blocks,
         disk_path=args.disk_path,

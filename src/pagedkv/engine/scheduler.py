@@ -12,7 +12,11 @@ budget (`max_num_batched_tokens`) over the requests:
   4. waiting requests are admitted, most important first then arrival order, while the allocator holds
      their prompt and the budget and `max_num_seqs` allow; each gets its first chunk. Head-of-line
      blocking is deliberate: a request that does not fit stops admission, so big requests do not starve.
-     A step that preempted admits nothing (as vLLM does): admitting would only thrash.
+     A step that preempted admits nothing (as vLLM does): admitting would only thrash. Admission also
+     keeps free the blocks the running requests need to grow by `admission_lookahead` tokens (the growth
+     reserve), so that new prompts do not take the blocks the running ones are about to need and force a
+     preemption a few steps later; with nothing running nothing is reserved, so an idle engine always
+     admits.
 
 Without chunked prefill a new prompt runs in one step, so a prompt longer than `max_num_batched_tokens`
 is rejected at admission, whatever the prefix cache holds (the answer must not depend on it). A request
@@ -54,13 +58,24 @@ class SchedulerConfig:
     """The scheduler's settings: the one place they are declared, defaulted and validated. `EngineConfig`
     (`engine.scheduler`) and the simulator's `SimConfig` (`scheduler`) embed it.
 
-    Defaults (the engine's since its first release): up to `max_num_seqs=256` running requests and
-    `max_num_batched_tokens=512` tokens computed per step (vLLM's budget when chunked prefill is on), with
-    chunked prefill, preempting by recompute, and no admission headroom. `admission_headroom` is the fraction
-    of blocks that must be free (free or evictable) at the start of a step for it to admit a new request
-    beyond the first one scheduled, transformers' `safety_margin` (whose default is 0.15). Entry points that want another budget pass it explicitly:
-    `pagedkv simulate` / `plan` model a serving deployment with `--max-num-batched-tokens 8192` (the
-    simulator's `SIM_SCHEDULER`).
+    Defaults: up to `max_num_seqs=256` running requests and `max_num_batched_tokens=512` tokens computed per
+    step (vLLM's budget when chunked prefill is on), with chunked prefill, preempting by recompute, no
+    admission headroom and a growth reserve of 16 tokens (since 2026-12; 0 before).
+
+    `admission_headroom` is the fraction of blocks that must be free (free or evictable) at the start of a
+    step for it to admit a new request beyond the first one scheduled, transformers' `safety_margin` (whose
+    default is 0.15).
+
+    `admission_lookahead` is the growth reserve: a new request is admitted only if the blocks every running
+    request (and each one admitted before it in the step) would take to grow by that many tokens, fewer
+    where its `max_new_tokens` ends sooner, stay free afterwards. Counted by the allocator
+    (`num_blocks_to_append`): one block per paged sequence at 16 tokens and block size 16, none for the
+    contiguous allocator, whose growth is reserved at admission. 0 turns it off (greedy admission, as vLLM
+    does). Admitting into the last free blocks only to preempt a request a few steps later re-runs its
+    tokens; docs/engine.md has the measurements behind the default.
+
+    Entry points that want another budget pass it explicitly: `pagedkv simulate` / `plan` model a serving
+    deployment with `--max-num-batched-tokens 8192` and greedy admission (the simulator's `SIM_SCHEDULER`).
     """
 
     max_num_seqs: int = 256
@@ -68,12 +83,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     admission_headroom: float = 0.0
+    admission_lookahead: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name, least in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("admission_lookahead", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         h = self.admission_headroom
@@ -256,8 +272,9 @@ class Scheduler:
 
     def _admit_phase(self, out: SchedulerOutput, budget: int, now: float | None, roomy: bool) -> None:
         """Admit waiting requests in priority order while the budget, a seat and blocks allow (below the
-        admission headroom, only while nothing else is scheduled); requests that can never be served are
-        finished as rejected and the step goes on."""
+        admission headroom, only while nothing else is scheduled) and the growth reserve stays free; requests
+        that can never be served are finished as rejected and the step goes on."""
+        reserve = self._growth_reserve(self.running)
         while (
             self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
             and not self.swapped and not out.preempted and (roomy or not out.scheduled)
@@ -276,6 +293,7 @@ class Scheduler:
                 admission = self.manager.admit(
                     request.all_token_ids, max_new_tokens=request.max_new_tokens - len(request.output_token_ids),
                     priority=request.priority, salt=request.salt, keys=request.keys,
+                    keep_free=reserve,
                 )
             except (CapacityError, InvalidArgumentError) as e:
                 # the allocator checks before it changes anything: this request goes, the step goes on
@@ -293,6 +311,21 @@ class Scheduler:
             heapq.heappop(self._waiting)
             self._start(request, admission.seq_id, admission.num_cached_tokens, chunk, out)
             budget -= chunk
+            reserve += self._growth_reserve([request])
+
+    def _growth_reserve(self, requests: list[Request]) -> int:
+        """Blocks `requests` would take from the pool to grow by `admission_lookahead` tokens each, or by
+        what their `max_new_tokens` still allows where that is less."""
+        look = self.config.admission_lookahead
+        if not look or not requests:
+            return 0
+        left = [r.max_new_tokens - len(r.output_token_ids) for r in requests]
+        full = np.array([r.seq_id for r, n in zip(requests, left) if n >= look], dtype=np.int64)
+        need = self.manager.num_blocks_to_append(full, look) if len(full) else 0
+        for r, n in zip(requests, left):
+            if 0 < n < look:
+                need += self.manager.num_blocks_to_append(np.array([r.seq_id], dtype=np.int64), n)
+        return need
 
     def _start(self, request: Request, seq_id: int, num_cached: int, chunk: int, out: SchedulerOutput) -> None:
         """An admitted request joins the running set with its first chunk scheduled."""

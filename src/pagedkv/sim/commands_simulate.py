@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
             scheduler=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                admission_lookahead=args.admission_lookahead,
             ),
             step_overhead_s=args.step_overhead_ms / 1000.0,
             tensor_parallel=args.tensor_parallel,

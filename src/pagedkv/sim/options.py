@@ -79,6 +79,14 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens", type=int, default=budget, help=f"token budget/step (default: {budget})"
     )
+    look = SIM_SCHEDULER.admission_lookahead
+    g.add_argument(
+        "--admission-lookahead",
+        type=int,
+        default=look,
+        help=f"growth reserve in tokens per running request, as the engine's scheduler keeps (default: {look}, "
+        "vLLM's greedy admission; the engine's default is 16)",
+    )
     reserve = g.add_mutually_exclusive_group()
     reserve.add_argument(
         "--activation-reserve-gib",
@@ -198,7 +206,8 @@ def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
         "max_model_len": args.max_model_len or model.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "scheduler": SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            admission_lookahead=args.admission_lookahead,
         ),
         "tensor_parallel": args.tensor_parallel,
         "activation_bytes": activation_bytes_from(args),

@@ -44,8 +44,10 @@ EOS_TOKEN_ID = 50_000  # outside the synthetic vocabulary [0, 50000): sampled on
 REALLOC_MODES = ("none", "doubling", "concat")
 REALLOC_MIN_CAPACITY = 16  # tokens: the first buffer of a doubling cache
 # The simulator's scheduler: `SchedulerConfig`'s defaults except a serving deployment's token budget of
-# 8192 per step (vLLM V1's default), what `pagedkv simulate` / `plan` and `SimConfig` have always used.
-SIM_SCHEDULER = SchedulerConfig(max_num_batched_tokens=8192)
+# 8192 per step (vLLM V1's default) and vLLM's greedy admission (no growth reserve, `admission_lookahead`
+# 0), what `pagedkv simulate` / `plan` and `SimConfig` have always used; `--admission-lookahead` models the
+# engine's reserve.
+SIM_SCHEDULER = SchedulerConfig(max_num_batched_tokens=8192, admission_lookahead=0)
 
 
 @dataclass(frozen=True)
