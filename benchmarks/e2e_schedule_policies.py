@@ -1,6 +1,6 @@
 """Would another scheduling policy make `pagedkv bench e2e` faster? The real scheduler and allocator, a modelled step.
 
-    PYTHONPATH=src python benchmarks/e2e_schedule_policies.py [--slices 20] [--json]
+    PYTHONPATH=src python benchmarks/e2e_schedule_policies.py [--slices 20] [--wide] [--json]
 
 Replays `pagedkv bench e2e`'s workload (the Azure conv trace scaled the same way: prompts // 16, outputs
 // 2, all arriving at once, each stopped at its trace length, `max_new_tokens` 500) through the engine's
@@ -8,17 +8,22 @@ Replays `pagedkv bench e2e`'s workload (the Azure conv trace scaled the same way
 SmolLM2-135M: `65 ms + 3.3 ms per scheduled token + 26 us per context token` (a least-squares fit of the
 measured step times of a `bench e2e` run, 2026-12-01, `Intel(R) Xeon(R) Processor`). Every policy sees the
 same workloads: the default slice (rows 0-31, 96 blocks) and `--slices` more (rows 64k.., sizes 32/64/48
-requests over 96/128/64 blocks). It prints, per policy, the modelled time relative to the engine's policy
-(mean, min, max over the workloads) and the default slice's steps, scheduled tokens and preemptions.
+requests over 96/128/64 blocks); `--wide` adds 60 more (prompt/output scales 16/2, 8/1, 32/4, 16/1 x 32-128
+requests over 64-256 blocks, rows 500 on). It prints, per policy, the modelled time relative to the
+engine's policy (mean, min, max over the workloads, and on how many it is slower) and the default slice's
+steps, scheduled tokens and preemptions.
 
 The policies, each a small change of `Scheduler`:
-- `engine`: the engine's own (admit in order while the prompt fits, stop at the first that does not; preempt
-  the latest arrival by recompute);
+- `engine`: the engine's own (admit in order while the prompt fits and the growth reserve stays free, stop
+  at the first that does not; preempt the latest arrival by recompute);
 - `skip-ahead`: admission passes over a request that does not fit and tries the next ones (transformers'
   continuous batching does this);
 - `victim-cheapest`: preempt the running request with the fewest computed tokens;
 - `victim-starved`: preempt the latest arrival among the requests that need a new block this step;
-- `headroom-0.15`: the engine with `admission_headroom=0.15`.
+- `headroom-0.15`: the engine with `admission_headroom=0.15`;
+- `no-growth-reserve`: the engine with `admission_lookahead=0` (greedy admission, its policy before 2026-12).
+`skip-ahead` replaces admission altogether (it admits greedily, with no growth reserve); the victim
+policies keep the engine's admission, reserve included.
 """
 
 from __future__ import annotations
@@ -105,20 +110,31 @@ def replay(policy: tuple[type[Scheduler], dict[str, Any]], workload: list[BenchR
     return {"seconds": seconds, "steps": steps, "tokens": tokens, "preemptions": scheduler.num_preemptions}
 
 
-def workloads(slices: int) -> list[tuple[list[BenchRequest], int]]:
+def workloads(slices: int, wide: bool = False) -> list[tuple[list[BenchRequest], int]]:
     out = [(build_workload(32, 16, 2, 49152, offset=0), 96)]
     for k in range(slices):
         n, blocks = ((32, 96), (64, 128), (48, 64))[k % 3]
         out.append((build_workload(n, 16, 2, 49152, seed=k, offset=64 * (k // 3 + 1)), blocks))
+    if wide:  # other length scales and sizes, from row 500 on; those whose longest request fits
+        for i, (prompt_scale, output_scale) in enumerate([(16, 2), (8, 1), (32, 4), (16, 1)]):
+            for j, (n, blocks) in enumerate([(32, 96), (64, 128), (48, 64), (96, 256), (128, 192)]):
+                for k in range(3):
+                    offset = 500 + 300 * k + 97 * j + 1000 * i
+                    wl = build_workload(n, prompt_scale, output_scale, 49152, seed=k, offset=offset)
+                    if max(-(-(len(r.prompt_token_ids) + r.output_len) // 16) for r in wl) < blocks:
+                        out.append((wl, blocks))
     return out
 
 
 def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--slices", type=int, default=20, help="workloads beside the default slice")
+    parser.add_argument(
+        "--wide", action="store_true", help="add 60 workloads of other length scales and sizes (~2 min)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    cases = workloads(args.slices)
+    cases = workloads(args.slices, args.wide)
     runs = {name: [replay(policy, wl, nb) for wl, nb in cases] for name, policy in POLICIES.items()}
     base = np.array([r["seconds"] for r in runs["engine"]])
     result: dict[str, Any] = {"workloads": len(cases), "step_model_s": [STEP_S, TOKEN_S, CONTEXT_S], "policies": {}}
@@ -126,18 +142,19 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
         rel = np.array([r["seconds"] for r in rs]) / base
         result["policies"][name] = {
             "relative_mean": float(rel.mean()), "relative_min": float(rel.min()), "relative_max": float(rel.max()),
+            "slower_on": int((rel > 1.001).sum()),
             "default_slice": rs[0],
         }  # fmt: skip
     if args.json:
         emit(json.dumps(result))
         return result
     emit(f"modelled time relative to the engine's policy over {len(cases)} workloads (lower is faster)")
-    emit("| policy | mean | min | max | default slice: modelled s | steps | tokens | preemptions |")
-    emit("|---|---|---|---|---|---|---|---|")
+    emit("| policy | mean | min | max | slower on | default slice: modelled s | steps | tokens | preemptions |")
+    emit("|---|---|---|---|---|---|---|---|---|")
     for name, p in result["policies"].items():
         d = p["default_slice"]
-        emit(f"| {name} | {p['relative_mean']:.3f} | {p['relative_min']:.3f} | {p['relative_max']:.3f} | "
-             f"{d['seconds']:.1f} | {d['steps']} | {d['tokens']} | {d['preemptions']} |")  # fmt: skip
+        rel = f"{p['relative_mean']:.3f} | {p['relative_min']:.3f} | {p['relative_max']:.3f} | {p['slower_on']}"
+        emit(f"| {name} | {rel} | {d['seconds']:.1f} | {d['steps']} | {d['tokens']} | {d['preemptions']} |")
     return result
 
 

@@ -36,3 +36,19 @@ def test_table_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
     assert attention.run(args) == 0
     out = capsys.readouterr().out
     assert "skipped: prefill batch=1 context=32" in out and "paged ms" in out
+
+
+def test_the_cpu_decode_kernel_is_timed_against_contiguous_sdpa(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.ops import cpu_decode
+
+    if cpu_decode.isa() is None:
+        pytest.skip("pagedkv.ops._cpu_decode is not built")
+    args = _args("--batch", "3", "--context", "70", "--num-heads", "6", "--num-kv-heads", "2", "--head-dim", "16",
+                 "--repeats", "1", "--json", "--backend", "cpu-decode")  # fmt: skip
+    assert attention.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["mode"], r["batch"], r["context"]) for r in report["results"]] == [("decode", 3, 70)]
+    assert report["results"][0]["max_abs_diff"] < 1e-5 and report["config"]["isa"] == cpu_decode.isa()
+    bad = _args("--backend", "cpu-decode", "--mode", "prefill")
+    assert attention.run(bad) == 2
+    assert "decode on one CPU thread" in capsys.readouterr().err

@@ -10,6 +10,10 @@ noisy statistic, and alternating exposes both sides to the same background load)
 Both sides' outputs are compared, and the max abs difference is part of the table.
 
 Target (issue 3): paged decode within 1.25x of contiguous SDPA at batch 32, context 2048, on the CPU.
+
+`--backend cpu-decode` times the C decode kernel the transformers integration runs for float32 decode on a
+one-thread CPU (`pagedkv.ops.cpu_decode`, K and V in one `[2, NB, BS, Hkv, D]` tensor) instead of
+`paged_attention`; decode shapes only.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 
@@ -43,7 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", choices=["reference", "triton"], default=None, help="default: by device")
+    parser.add_argument(
+        "--backend",
+        choices=["reference", "triton", "cpu-decode"],
+        default=None,
+        help="default: by device; cpu-decode: the C decode kernel (float32, one thread, decode only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small subset for smoke tests")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -89,10 +99,21 @@ def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -
     cu = torch.arange(0, batch * q_per_seq + 1, q_per_seq, dtype=torch.int32, device=device)
     q_sdpa = query.view(batch, q_per_seq, hq, dim).transpose(1, 2)
 
-    def paged() -> torch.Tensor:
-        return paged_attention(
-            query, key_cache, value_cache, block_table, seq_lens, cu, max_seqlen_q=q_per_seq, backend=args.backend
-        )
+    if args.backend == "cpu-decode":
+        from pagedkv.ops import cpu_decode
+
+        kv = torch.stack([key_cache, value_cache])  # the layout of a PagedKVCache layer
+        scale = dim**-0.5
+
+        def paged() -> torch.Tensor:
+            return cpu_decode.decode_attention(query, kv, block_table, seq_lens, scale=scale)
+
+    else:
+
+        def paged() -> torch.Tensor:
+            return paged_attention(
+                query, key_cache, value_cache, block_table, seq_lens, cu, max_seqlen_q=q_per_seq, backend=args.backend
+            )
 
     def contiguous() -> torch.Tensor:
         return F.scaled_dot_product_attention(q_sdpa, k, v, is_causal=mode == "prefill", enable_gqa=True)
@@ -112,7 +133,38 @@ def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -
     }
 
 
+def _backend_problem(args: argparse.Namespace) -> str | None:
+    """One line saying why `--backend cpu-decode` cannot run these arguments, or None."""
+    if args.backend != "cpu-decode":
+        return None
+    from pagedkv.ops import cpu_decode
+
+    if cpu_decode.isa() is None:
+        return "--backend cpu-decode: pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)"
+    dtype = normalize_dtype_name(args.dtype)
+    if args.mode == "prefill" or args.device != "cpu" or dtype != "float32" or args.threads != 1:
+        return (
+            "--backend cpu-decode times float32 decode on one CPU thread: use --mode decode and the default "
+            "device, dtype and threads"
+        )
+    return None
+
+
+def _isa(backend: str | None) -> str | None:
+    if backend != "cpu-decode":
+        return None
+    from pagedkv.ops import cpu_decode
+
+    return cpu_decode.isa()
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = _backend_problem(args)
+    if problem:
+        print(f"pagedkv bench attention: {problem}", file=sys.stderr)
+        return 2
+    if args.backend == "cpu-decode":
+        args.mode = "decode"
     torch.set_num_threads(args.threads)
     if args.quick:
         args.batch, args.context, args.repeats = [1, 4], [128, 256], min(args.repeats, 2)
@@ -141,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "repeats": args.repeats,
         "backend": args.backend or "auto",
+        "isa": _isa(args.backend),
         "torch": torch.__version__,
     }
     if args.json:
