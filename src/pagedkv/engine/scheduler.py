@@ -274,7 +274,7 @@ class Scheduler:
         """Admit waiting requests in priority order while the budget, a seat and blocks allow (below the
         admission headroom, only while nothing else is scheduled) and the growth reserve stays free; requests
         that can never be served are finished as rejected and the step goes on."""
-        reserve = self._growth_reserve(self.running)
+        reserve = self._growth_reserve(self.running) if self._waiting else 0  # no query when none waits
         while (
             self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
             and not self.swapped and not out.preempted and (roomy or not out.scheduled)
