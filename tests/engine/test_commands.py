@@ -201,10 +201,13 @@ def test_cache_salt_and_tier_flags_reach_the_engine(
     monkeypatch.setattr(Engine, "close", spy_close)
     argv = ["w3 w4 w5", "--model", str(tiny_model), "--max-new-tokens", "2", "--ignore-eos", "--json",
             "--cache-salt", "tenant-a", "--host-blocks", "8", "--disk-path", str(tmp_path / "disk"),
-            "--disk-bytes", "1MiB"]  # fmt: skip
+            "--disk-bytes", "1MiB", "--admission-lookahead", "0"]  # fmt: skip
     code, out, _ = generate(argv, capsys)
     assert code == 0 and len(json.loads(out.splitlines()[0])["output_token_ids"]) == 2
     config = seen["config"]
     assert seen["salt"] == "tenant-a" and seen["closed"] is True
     assert (config.host_blocks, config.disk_bytes) == (8, 1 << 20)  # type: ignore[attr-defined]
     assert config.disk_path == str(tmp_path / "disk")  # type: ignore[attr-defined]
+    assert config.scheduler.admission_lookahead == 0  # type: ignore[attr-defined]
+    code, out, err = generate(["w3", "--model", str(tiny_model), "--admission-lookahead", "-1"], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "admission_lookahead" in err
