@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedkv.ops import paged_attention
+from pagedkv.ops import cpu_decode, paged_attention
 from pagedkv.ops.contiguous import gather_kv
 from pagedkv.storage.kv import torch_dtype
 from pagedkv.storage.spec import normalize_dtype_name
@@ -100,8 +100,6 @@ def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -
     q_sdpa = query.view(batch, q_per_seq, hq, dim).transpose(1, 2)
 
     if args.backend == "cpu-decode":
-        from pagedkv.ops import cpu_decode
-
         kv = torch.stack([key_cache, value_cache])  # the layout of a PagedKVCache layer
         scale = dim**-0.5
 
@@ -137,8 +135,6 @@ def _backend_problem(args: argparse.Namespace) -> str | None:
     """One line saying why `--backend cpu-decode` cannot run these arguments, or None."""
     if args.backend != "cpu-decode":
         return None
-    from pagedkv.ops import cpu_decode
-
     if cpu_decode.isa() is None:
         return "--backend cpu-decode: pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)"
     dtype = normalize_dtype_name(args.dtype)
@@ -148,14 +144,6 @@ def _backend_problem(args: argparse.Namespace) -> str | None:
             "device, dtype and threads"
         )
     return None
-
-
-def _isa(backend: str | None) -> str | None:
-    if backend != "cpu-decode":
-        return None
-    from pagedkv.ops import cpu_decode
-
-    return cpu_decode.isa()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "repeats": args.repeats,
         "backend": args.backend or "auto",
-        "isa": _isa(args.backend),
+        "isa": cpu_decode.isa() if args.backend == "cpu-decode" else None,
         "torch": torch.__version__,
     }
     if args.json:

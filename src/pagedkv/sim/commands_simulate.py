@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.core.errors import PagedKVError
-from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.options import (
     _int_list,
     activation_bytes_from,
     add_common_arguments,
     catalog_from,
     dropped_warning,
+    scheduler_from,
     workload_from,
 )
 
@@ -73,10 +73,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            scheduler=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                admission_lookahead=args.admission_lookahead,
-            ),
+            scheduler=scheduler_from(args),
             step_overhead_s=args.step_overhead_ms / 1000.0,
             tensor_parallel=args.tensor_parallel,
             activation_bytes=activation_bytes_from(args),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.allocators import ALLOCATORS
 from pagedkv.sim.catalog import EXAMPLE_CATALOG, Catalog
 from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig
@@ -191,12 +192,18 @@ def activation_bytes_from(args: argparse.Namespace) -> int | None:
     return None
 
 
+def scheduler_from(args: argparse.Namespace) -> SchedulerConfig:
+    """The `SchedulerConfig` the scheduler flags describe (batch limit, token budget, growth reserve)."""
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        admission_lookahead=args.admission_lookahead,
+    )  # fmt: skip
+
+
 def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
     """The `SimConfig` the common flags describe (model, GPU, catalog, block size, context, memory, scheduler
     limits, tensor parallelism, activation reserve, and the step overhead where the command has it);
     `overrides` replace fields (a command's own allocator, say)."""
-    from pagedkv.engine.scheduler import SchedulerConfig
-
     catalog = catalog_from(args)
     model = catalog.model(args.model)
     fields: dict[str, object] = {
@@ -205,10 +212,7 @@ def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
         "block_size": args.block_size,
         "max_model_len": args.max_model_len or model.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
-        "scheduler": SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            admission_lookahead=args.admission_lookahead,
-        ),
+        "scheduler": scheduler_from(args),
         "tensor_parallel": args.tensor_parallel,
         "activation_bytes": activation_bytes_from(args),
     }
