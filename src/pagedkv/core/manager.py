@@ -247,8 +247,9 @@ class PagedKVManager(SwapMixin, TableViews):
         t.num_computed[row] = h * bs
         t.num_published[row] = h
         t.priority[row] = priority
+        # the keys follow the row in both settings, so rollback truncates the tokens they remember
+        self.prefix.attach(row, keys)
         if self.enable_prefix_caching:
-            self.prefix.attach(row, keys)
             t.hashable_tokens[row] = ALL_TOKENS_KNOWN
             rest = tokens[h * bs :]
             m = -(-len(rest) // bs)
@@ -484,9 +485,13 @@ class PagedKVManager(SwapMixin, TableViews):
         return PinHandle(tuple(hits))
 
     def unpin(self, handle: PinHandle) -> None:
-        if not isinstance(handle, PinHandle):
+        if not isinstance(handle, PinHandle) or not isinstance(handle.block_ids, tuple):
             raise InvalidArgumentError("unpin takes the PinHandle that pin returned")
-        need = np.bincount(np.asarray(handle.block_ids, dtype=np.int64), minlength=self.pool.num_blocks)
+        size = self.pool.num_blocks
+        ids = handle.block_ids
+        if not all(isinstance(b, int | np.integer) and not isinstance(b, bool) and 0 <= b < size for b in ids):
+            raise InvalidArgumentError(f"unpin: block ids must be ints in [0, {size}); pass the PinHandle pin returned")
+        need = np.bincount(np.asarray(handle.block_ids, dtype=np.int64), minlength=size)
         if (need > self.pool.pins).any():
             raise PinError("these blocks are not pinned (unpinned twice, or reset since?)")
         for block_id in reversed(handle.block_ids):

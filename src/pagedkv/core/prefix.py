@@ -66,6 +66,22 @@ def root_key(fn: KeyFunction, epoch: int, salt: bytes, extra: bytes) -> Key:
     return fn(hashlib.sha256(seed).digest(), salt, extra)
 
 
+def _block_extras(given: object) -> dict[int, bytes]:
+    """`block_extra` checked: a mapping from block index (an int >= 0) to that block's extra key (bytes)."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise InvalidArgumentError(f"block_extra must map block indices to bytes, got {type(given).__name__}")
+    for index, extra in given.items():
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise InvalidArgumentError(f"block_extra: block indices are ints >= 0, got {index!r}")
+        if not isinstance(extra, bytes):
+            raise InvalidArgumentError(
+                f"block_extra[{index}] must be bytes (encode strings first), got {type(extra).__name__}"
+            )
+    return dict(given)
+
+
 class BlockKeys:
     """The content keys of one token sequence's full blocks, computed lazily and kept across admissions.
 
@@ -85,7 +101,7 @@ class BlockKeys:
             raise InvalidArgumentError("salt and extra keys must be bytes (encode strings first)")
         self.salt = salt
         self.extra = extra
-        self.block_extra: Mapping[int, bytes] = dict(block_extra or {})
+        self.block_extra: Mapping[int, bytes] = _block_extras(block_extra)
         self.keys: list[Key] = []  # keys[0] is the root, keys[i + 1] the key of block i
         self.epoch = -1
         self._fn: KeyFunction | None = None
