@@ -74,6 +74,7 @@ class Config:
     num_host_blocks: int = 0
     verify_hits: bool = False
     hash_fn: str = "sha256"
+    prefix_caching: bool = True
 
     def build(self) -> Any:
         if self.kind == "contiguous":
@@ -81,12 +82,14 @@ class Config:
         return PagedKVManager(
             self.num_blocks, self.block_size, num_host_blocks=self.num_host_blocks, verify_hits=self.verify_hits,
             hash_fn=self.hash_fn, record_events=True, native=False if self.kind == "paged-python" else None,
+            enable_prefix_caching=self.prefix_caching,
         )  # fmt: skip
 
     def source(self) -> str:
         if self.kind == "contiguous":
             return f"m = ContiguousKVManager({self.num_blocks}, {self.block_size})"
         native = ", native=False" if self.kind == "paged-python" else ""
+        native += "" if self.prefix_caching else ", enable_prefix_caching=False"
         return (
             f"m = PagedKVManager({self.num_blocks}, {self.block_size}, num_host_blocks={self.num_host_blocks}, "
             f"verify_hits={self.verify_hits}, hash_fn={self.hash_fn!r}, record_events=True{native})"
@@ -105,6 +108,7 @@ class Seq:
     keys: BlockKeys | None
     swapped: bool = False
     cells: np.ndarray | None = None  # the expected KV cells of all its tokens (None: stale)
+    keys_copied: bool = False  # keys copied by the caller at a fork: the manager holds its own copy
 
 
 @dataclass
@@ -240,16 +244,24 @@ class Episode:
                     raise Violation(f"s{label}: computed tokens or swap state disagree with the calls made")
 
     def op_admit(self, label: int, tokens: list[int], salt: bytes, extra: bytes, block_extra: dict[int, bytes],
-                 priority: int, use_keys: bool, max_new: int) -> None:  # fmt: skip
+                 priority: int, use_keys: bool, max_new: int, own: BlockKeys | None = None,
+                 copied: bool = False) -> None:  # fmt: skip
         keys = BlockKeys(salt, extra=extra, block_extra=block_extra) if use_keys or extra or block_extra else None
+        keys = own if own is not None else keys  # a re-admitted request brings the keys it had
         adm = self.m.admit(tokens, max_new_tokens=max_new, priority=priority, salt=b"" if keys else salt, keys=keys)
         kw = f"keys=BlockKeys({salt!r}, extra={extra!r}, block_extra={block_extra!r})" if keys else f"salt={salt!r}"
+        if own is not None:
+            kw = f"keys=k{label}"
+        elif keys is not None:
+            self.lines.append(f"k{label} = BlockKeys({salt!r}, extra={extra!r}, block_extra={block_extra!r})")
+            kw = f"keys=k{label}"
         if adm is None:
             self._failed = True
             self.lines.append(f"m.admit({tokens}, max_new_tokens={max_new}, priority={priority}, {kw})  # None")
             return
         self.lines.append(f"s{label} = m.admit({tokens}, max_new_tokens={max_new}, priority={priority}, {kw}).seq_id")
         seq = Seq(adm.seq_id, list(tokens), 0, salt, extra, dict(block_extra), self.epoch, keys)
+        seq.keys_copied = copied
         cached = adm.num_cached_tokens
         if cached:
             if not self.paged or cached % self.config.block_size or cached >= len(tokens):
@@ -315,6 +327,9 @@ class Episode:
         self.lines.append(f"s{child} = m.fork(s{label})")
         keys = s.keys.copy() if s.keys is not None else None
         self.seqs[child] = Seq(sid, list(s.tokens), s.computed, s.salt, s.extra, dict(s.block_extra), s.epoch, keys)
+        self.seqs[child].keys_copied = keys is not None
+        if keys is not None:
+            self.lines.append(f"k{child} = k{label}.copy()")
 
     def op_rollback(self, label: int, n: int) -> None:
         s = self.seqs[label]
@@ -326,8 +341,9 @@ class Episode:
         del s.tokens[len(s.tokens) - n :]
         s.cells = None
         s.computed = min(s.computed, len(s.tokens))
-        if s.keys is not None:
+        if s.keys is not None and s.keys_copied:  # the manager truncates the keys it was given, not this copy
             s.keys.truncate(len(s.tokens) // self.config.block_size, len(s.tokens))
+            self.lines.append(f"k{label}.truncate({len(s.tokens) // self.config.block_size}, {len(s.tokens)})")
 
     def op_free(self, label: int) -> None:
         self.m.free(self.seqs.pop(label).sid)
@@ -340,7 +356,7 @@ class Episode:
         if n != len(s.tokens):
             raise Violation(f"preempt returned {n} for a sequence of {len(s.tokens)} tokens")
         if readmit:  # the request comes back with its own BlockKeys
-            self.op_admit(label, s.tokens, s.salt, s.extra, s.block_extra, 0, True, 0)
+            self.op_admit(label, s.tokens, s.salt, s.extra, s.block_extra, 0, True, 0, s.keys, s.keys_copied)
 
     def op_swap_out(self, label: int) -> None:
         s = self.seqs[label]
@@ -645,7 +661,8 @@ def draw_config(rng: np.random.Generator, kinds: tuple[str, ...]) -> Config:
     if kind == "contiguous":
         return Config(kind, bs, num_blocks)
     return Config(kind, bs, num_blocks, num_host_blocks=(0, 32, 128)[int(rng.integers(3))],
-                  verify_hits=bool(rng.random() < 0.3), hash_fn="fast" if rng.random() < 0.3 else "sha256")  # fmt: skip
+                  verify_hits=bool(rng.random() < 0.3), hash_fn="fast" if rng.random() < 0.3 else "sha256",
+                  prefix_caching=bool(rng.random() >= 0.25))  # fmt: skip
 
 
 def replay(config: Config, ops: list[Op], patch: Patch | None) -> tuple[str | None, list[str]]:
