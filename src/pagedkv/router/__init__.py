@@ -4,6 +4,8 @@
 - `Router` and the policies (`policy.py`): round-robin, pure longest-prefix, and the cost model
   `compute_weight * blocks to compute + discounts * blocks to load + queue_weight * queued work`.
 - `request_hashes`: a prompt's block hashes, as the replicas' events name them.
+- `EventStreams` (`streams.py`, needs pyzmq): the replicas' ZMQ event streams folded into one `PrefixIndex`,
+  exact through gaps, restarts and dead replicas.
 
 Real replicas publish with `EngineConfig(kv_events=True)` and `Engine.take_event_batch()`;
 `pagedkv.router.fleet` runs N engine processes sharing one Redis behind a `Router`.
