@@ -27,7 +27,11 @@ Contracts (docs/engine.md spells them out; tests/engine/test_engine_contracts.py
 - child i of an `n > 1` request "A" is "A.i", reserved when "A" is accepted; automatic ids skip ids in use;
 - `finish(id, "abort" | "stop")`: unknown ids are an error, ended ones a no-op (False); a parent takes its
   unfinished children with it; forked children count against `max_num_seqs`;
-- `cache_salt` per request keys the prefix cache: different salts never share a block.
+- `cache_salt` per request keys the prefix cache: different salts never share a block;
+- `SamplingParams.logprobs` / `prompt_logprobs` are recorded on the outputs from the raw logits, apart from
+  the draw (a request asking for prompt log-probabilities computes its whole prompt: its blocks are keyed
+  by a salt of its own, so it takes no prefix-cache hit); `release(id)` hands a finished request's outputs
+  back and frees its ids (a long-lived caller of `add_request` + `step` keeps memory bounded with it).
 """
 
 from __future__ import annotations
@@ -36,19 +40,19 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.intake import RequestIntake, family_ids
-from pagedkv.engine.outputs import EngineStats, RequestOutput
+from pagedkv.engine.intake import RequestIntake, family_ids, salt_bytes
+from pagedkv.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.sampler import bad_rows, make_generator, sample
-from pagedkv.hf.attention import prepare_model
+from pagedkv.engine.sampler import bad_rows, make_generator, sample, token_logprobs
+from pagedkv.hf.attention import forward_step, prepare_model
 from pagedkv.hf.cache import PagedKVCache
 from pagedkv.storage.spec import blocks_in_budget
 
@@ -72,6 +76,8 @@ class _Tracked:
     parent_id: str | None = None
     children_forked: bool = False
     stop_text: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when params.logprobs is set
+    prompt_logprobs: dict[int, TokenLogprobs] | None = None  # prompt position -> entry, when asked
 
 
 class Engine:
@@ -162,6 +168,7 @@ class Engine:
         self._ids_in_use: set[str] = set()  # accepted ids and the child ids they reserve
         self._auto_ids = itertools.count()
         self._in_callbacks = False
+        self._scoring: set[str] = set()  # requests whose prompt log-probabilities are still being computed
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
@@ -255,7 +262,7 @@ class Engine:
             params,
             priority=priority,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt if params.prompt_logprobs is None else _scoring_salt(cache_salt, rid),
             ids_in_use=self._ids_in_use,
         )
         return _Tracked(request, params, make_generator(params.child_seed(0)), on_token)
@@ -265,6 +272,9 @@ class Engine:
         self.scheduler.add_request(request)
         self._tracked[request.request_id] = tracked
         self._ids_in_use.update(family_ids(request.request_id, tracked.params.n))
+        if tracked.params.prompt_logprobs is not None and request.num_prompt_tokens > 1:
+            tracked.prompt_logprobs = {}
+            self._scoring.add(request.request_id)
 
     def finish(self, request_id: str, reason: str = "abort") -> bool:
         """End a request now (a client abort, a stop the caller detects); True if it ended it, False if it
@@ -313,6 +323,22 @@ class Engine:
             raise InvalidArgumentError(f"request {request_id!r} has not finished (or generate returned it)")
         return self._outputs[request_id]
 
+    def release(self, request_id: str) -> list[RequestOutput] | None:
+        """Hand back the final outputs of request `request_id` and its n > 1 children (parent first) and free
+        their ids, once all have ended and `step()` has delivered their ends; None (nothing changes) before.
+        `generate` does this for its own batch; a caller of `add_request` + `step` calls it per request."""
+        family = [request_id]
+        while f"{request_id}.{len(family)}" in self._ids_in_use:
+            family.append(f"{request_id}.{len(family)}")
+        if request_id not in self._ids_in_use:
+            raise InvalidArgumentError(f"no request {request_id!r} in this engine (never added, or released)")
+        undelivered = set(self._undelivered)
+        if any(i in self._tracked or i in undelivered for i in family):
+            return None
+        outputs = [self._outputs.pop(i) for i in family if i in self._outputs]
+        self._ids_in_use.difference_update(family)
+        return outputs
+
     def has_unfinished(self) -> bool:
         """True while a request has not ended, or its end has not been returned by `step()` yet."""
         return bool(self._tracked or self._undelivered)
@@ -348,7 +374,7 @@ class Engine:
             self._collect_finished()
             return self._deliver()
         # a failure here belongs to no request: it propagates, and the next step redoes this one
-        logits = self.runner.execute(self.manager, out)
+        logits = self._execute(out)
         producing = [c for c in chunks if c.produces_token]
         tokens, errors = self._sample(logits, [self._tracked[c.request.request_id] for c in producing])
         now = self.clock()
@@ -362,6 +388,7 @@ class Engine:
             if tracked.params.n > 1 and not tracked.children_forked and not chunk.request.output_token_ids:
                 self._fork_children(tracked, logits[row : row + 1], sampled)
         self.scheduler.update(out, sampled, now)
+        self._record_logprobs(producing, logits, sampled)
         if self.tiering is not None:
             self.tiering.after_update()
         if self.kv_events is not None:
@@ -399,6 +426,63 @@ class Engine:
             tokens[i] = token
         message = "the model's logits for this request hold NaN or +inf (or nothing finite); cannot sample"
         return tokens, {i: message for i in bad}
+
+    def _execute(self, out: Any) -> torch.Tensor:
+        """`runner.execute`, except that a step with prompt chunks of a request asking for prompt
+        log-probabilities keeps the logits of those chunks' every position and records them."""
+        chunks = list(out.scheduled)
+        wanted = [
+            (i, c)
+            for i, c in enumerate(chunks)
+            if self._scoring and c.request.request_id in self._scoring and c.start + 1 < c.request.num_prompt_tokens
+        ]
+        if not wanted:  # the common case: the runner's own path, untouched
+            return self.runner.execute(self.manager, out)
+        self.runner.apply_block_moves(out)
+        batch = self.runner.build_batch(self.manager, chunks)
+        offsets = list(itertools.accumulate((c.num_new_tokens for c in chunks), initial=0))
+        sampling_rows = [int(r) for r in batch.logits_indices.tolist()]
+        extra = {offsets[i] + j for i, c in wanted for j in range(c.num_new_tokens)}
+        rows = sorted(set(sampling_rows) | extra)
+        at = {r: k for k, r in enumerate(rows)}
+        keep = torch.tensor(rows, dtype=torch.int64, device=batch.logits_indices.device)
+        logits = forward_step(self.model, self.cache, replace(batch, logits_indices=keep))
+        for i, chunk in wanted:
+            self._record_prompt_logprobs(chunk, logits, [at[offsets[i] + j] for j in range(chunk.num_new_tokens)])
+        return logits[[at[r] for r in sampling_rows]]
+
+    def _record_prompt_logprobs(self, chunk: Any, logits: torch.Tensor, rows: list[int]) -> None:
+        """The logits at prompt position p score prompt token p + 1; record those not recorded yet."""
+        request = chunk.request
+        tracked = self._tracked[request.request_id]
+        got = tracked.prompt_logprobs
+        if got is None:
+            return
+        prompt = request.prompt_token_ids
+        todo = [(p, row) for p, row in zip(range(chunk.start, chunk.end), rows) if p + 1 < len(prompt) and p + 1 not in got]
+        k = int(tracked.params.prompt_logprobs or 0)
+        entries = token_logprobs(logits[[row for _, row in todo]], [int(prompt[p + 1]) for p, _ in todo], k)
+        for (p, _), entry in zip(todo, entries):
+            got[p + 1] = entry
+        if len(got) == len(prompt) - 1:
+            self._scoring.discard(request.request_id)
+
+    def _record_logprobs(self, producing: list[Any], logits: torch.Tensor, sampled: dict[str, int]) -> None:
+        """Append each sampled token's log-probabilities for the requests that asked; a forked child's first
+        token came from its parent's row."""
+        wants = [rid for rid in sampled if self._tracked[rid].params.logprobs is not None]
+        if not wants:
+            return
+        row_of = {c.request.request_id: i for i, c in enumerate(producing)}
+        for rid in wants:
+            tracked = self._tracked[rid]
+            row = row_of.get(rid, row_of.get(tracked.parent_id or ""))
+            if tracked.logprobs is None:
+                tracked.logprobs = []
+            if row is None or len(tracked.logprobs) >= len(tracked.request.output_token_ids):
+                continue
+            k = int(tracked.params.logprobs or 0)
+            tracked.logprobs.extend(token_logprobs(logits[row : row + 1], [sampled[rid]], k))
 
     def _fork_children(self, parent: _Tracked, logits: torch.Tensor, sampled: dict[str, int]) -> None:
         """Parallel sampling: after the prompt's last chunk, n-1 children share its blocks (fork, copy-on-write
@@ -486,6 +570,7 @@ class Engine:
         rid = tracked.request.request_id
         if self._tracked.pop(rid, None) is None:
             return  # collected already
+        self._scoring.discard(rid)
         self._outputs[rid] = self._snapshot(tracked)
         if self.tiering is not None:
             self.tiering.forget(rid)
@@ -506,7 +591,14 @@ class Engine:
         by_tier = None
         if self.tiering is not None:
             by_tier = self.tiering.cached_by_tier(tracked.request.request_id, int(tracked.request.num_cached_tokens))
-        return RequestOutput.of(tracked.request, text=text, parent_id=tracked.parent_id, by_tier=by_tier)
+        out = RequestOutput.of(tracked.request, text=text, parent_id=tracked.parent_id, by_tier=by_tier)
+        if tracked.params.logprobs is not None:
+            out.logprobs = list(tracked.logprobs or ())
+        if tracked.params.prompt_logprobs is not None and tracked.parent_id is None:
+            got = tracked.prompt_logprobs or {}
+            scored: list[TokenLogprobs | None] = [None]
+            out.prompt_logprobs = scored + [got.get(p) for p in range(1, tracked.request.num_prompt_tokens)]
+        return out
 
     # --- batch API ------------------------------------------------------------------------------
 
@@ -565,6 +657,11 @@ class Engine:
             results.extend(self._outputs.pop(i) for i in family if i in self._outputs)
             self._ids_in_use.difference_update(family)
         return results
+
+
+def _scoring_salt(cache_salt: str | bytes | None, request_id: str) -> bytes:
+    """A salt no other request has: a request that scores its prompt must compute every prompt token."""
+    return salt_bytes(cache_salt) + b"\x00prompt-logprobs\x00" + request_id.encode("utf-8")
 
 
 def _n_of(params: object) -> int:

@@ -13,12 +13,22 @@ Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from pagedkv.engine.request import Request
 
+from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.tiers.store import TierStats
+
+
+class TokenLogprobs(NamedTuple):
+    """One token's log-probability and the `k` most likely tokens' at its position (`SamplingParams.logprobs`),
+    from the model's raw distribution; `top` is (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(slots=True)
@@ -39,6 +49,9 @@ class RequestOutput:
     e2e_s: float | None = None
     parent_id: str | None = None
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "GPU", "CPU", "DISK", "REMOTE"
+    queue_s: float | None = None  # first scheduled - arrival
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
 
     @classmethod
     def of(
@@ -77,6 +90,7 @@ class RequestOutput:
             tpot_s=tpot,
             e2e_s=(finish - arrival) if finished and finish is not None else None,
             parent_id=parent_id,
+            queue_s=None if request.first_scheduled_time is None else request.first_scheduled_time - arrival,
         )
 
     @property
@@ -117,6 +131,14 @@ class EngineStats:
     live_tokens: list[int] = field(default_factory=list)
     used_blocks: list[int] = field(default_factory=list)
     tiers: TierStats | None = None  # hit rates by medium and losses by reason, when tiers are on
+
+    def trim(self, max_samples: int) -> None:
+        """Keep only the last `max_samples` per-step samples (a long-lived server's memory stays bounded;
+        the counters are kept whole)."""
+        if max_samples < 1:
+            raise InvalidArgumentError(f"max_samples must be >= 1, got {max_samples}")
+        for samples in (self.step_times, self.running, self.live_tokens, self.used_blocks):
+            del samples[: max(0, len(samples) - max_samples)]
 
     @property
     def peak_concurrency(self) -> int:

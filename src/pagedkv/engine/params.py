@@ -14,6 +14,12 @@ So a stop token that is also the last allowed token ends the request with "stop"
 `n > 1` samples n completions of one prompt that share the prompt's KV blocks (fork + copy-on-write).
 Child i draws from seed `seed + i` when a seed is given.
 
+`logprobs=k` records, for every generated token, its log-probability and the k most likely tokens' (from the
+model's raw distribution, before temperature and filtering, as vLLM and OpenAI report them);
+`prompt_logprobs=k` does the same for every prompt token after the first (scoring, `echo` in the OpenAI
+API). A request asking for prompt log-probabilities computes its whole prompt (no prefix-cache hits).
+k is at most `MAX_LOGPROBS`.
+
 Every field is checked on construction (types included: a float `n` or a NaN temperature is refused, not
 truncated or carried into the sampler), so a `SamplingParams` that exists is one the engine can run.
 """
@@ -25,6 +31,8 @@ from dataclasses import dataclass
 
 from pagedkv.core.errors import InvalidArgumentError
 
+MAX_LOGPROBS = 20  # OpenAI's largest top_logprobs
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -32,6 +40,12 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_logprobs(*ks: object) -> None:
+    for name, k in zip(("logprobs", "prompt_logprobs"), ks):
+        if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):
+            raise InvalidArgumentError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-k log-probabilities of each generated token (0 = the token's own only)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -73,6 +89,7 @@ class SamplingParams:
             raise InvalidArgumentError(f"stop_token_ids must be a tuple of ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_logprobs(self.logprobs, self.prompt_logprobs)
         # lists are accepted for convenience; stored as tuples so the params stay hashable and immutable
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -8,6 +8,9 @@ generator, so a seeded sequence draws the same tokens whatever else is in the ba
 Every row is checked before any row draws (a row with NaN or +inf logits, or no finite one, is refused with
 `InvalidArgumentError` naming it), so a call that raises has consumed no generator's randomness: the
 caller can drop the bad rows (`bad_rows`) and sample the rest with every seeded stream intact.
+
+`token_logprobs` gives the log-probabilities a request asked for (`SamplingParams.logprobs`): of the raw
+distribution, apart from the draw, so asking for them changes no sampled token.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.params import SamplingParams
 
 
@@ -85,3 +89,20 @@ def bad_rows(logits: torch.Tensor) -> list[int]:
     top = logits.amax(-1)  # NaN if the row holds one, +inf if it holds one, -inf if nothing is finite
     bad = ~torch.isfinite(top)
     return [int(i) for i in bad.nonzero().flatten().tolist()]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """For each row of `[R, V]` logits, the log-probability of `token_ids[row]` and the `k` most likely
+    tokens' (raw distribution: no temperature or filtering), most likely first."""
+    if logits.ndim != 2 or logits.shape[0] != len(token_ids):
+        raise InvalidArgumentError(f"token_logprobs: logits {tuple(logits.shape)} need one row per token ({len(token_ids)})")
+    if logits.shape[0] == 0:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.as_tensor(list(token_ids), dtype=torch.int64).view(-1, 1)).view(-1).tolist()
+    top_vals, top_ids = (logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long()))
+    out: list[TokenLogprobs] = []
+    for row, token in enumerate(token_ids):
+        top = tuple(zip((int(t) for t in top_ids[row].tolist()), (float(v) for v in top_vals[row].tolist())))
+        out.append(TokenLogprobs(int(token), float(chosen[row]), top))
+    return out
