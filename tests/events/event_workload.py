@@ -20,7 +20,9 @@ def gpu_hashes(m: PagedKVManager, feed: ManagerFeed) -> set[int]:
     return {external_hash(k) for k in m.index.all_keys() if k not in feed._stale}
 
 
-def random_steps(rng: np.random.Generator, m: PagedKVManager, feed: ManagerFeed, steps: int, *, ops: bool = True):
+def random_steps(
+    rng: np.random.Generator, m: PagedKVManager, feed: ManagerFeed, steps: int, *, ops: bool = True
+):
     """Yield after each step (callers poll/publish there). Prompts share a few random prefixes; sequences
     decode, finish, get rolled back; now and then the cache is reset or the epoch bumped."""
     prefixes = [rng.integers(0, 50, size=int(rng.integers(BS, 4 * BS))) for _ in range(4)]
@@ -29,7 +31,9 @@ def random_steps(rng: np.random.Generator, m: PagedKVManager, feed: ManagerFeed,
         r = rng.random()
         if r < 0.35 or not live:
             p = prefixes[int(rng.integers(len(prefixes)))]
-            prompt = np.concatenate([p, rng.integers(0, 50, size=int(rng.integers(1, 2 * BS)))]).astype(np.int32)
+            prompt = np.concatenate([p, rng.integers(0, 50, size=int(rng.integers(1, 2 * BS)))]).astype(
+                np.int32
+            )
             adm = m.admit(prompt)
             if adm is not None:
                 m.mark_computed([adm.seq_id])

@@ -16,6 +16,9 @@ can recompute keys). `fast` is Python's built-in hash (SipHash-1-3 with a per-pr
 64 bits): about half the cost, but process-local and too short to rule out collisions at scale or
 against a determined tenant, so it is unsafe across tenants (a collision would serve one request
 another's KV). Use it for single-tenant serving, ideally with `verify_hits=True`.
+`vllm` computes vLLM's own block hashes (`sha256_cbor` chain from its NONE_HASH; see `VllmKeyFunction`), so
+routers written for vLLM's KV events can index pagedkv replicas; its CBOR is pure Python: 6.5 us per 16-token block
+here against 0.43 us for `sha256`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy.typing as npt
 from pagedkv.core.errors import InvalidArgumentError
 
 Key = bytes | int
-HashName = Literal["sha256", "fast"]
+HashName = Literal["sha256", "fast", "vllm"]
 # (parent key, block token bytes, extra key bytes) -> key
 KeyFunction = Callable[[Key, bytes, bytes], Key]
 
@@ -49,6 +52,100 @@ def fast_key(parent: Key, data: bytes, extra: bytes) -> Key:
 KEY_FUNCTIONS: dict[str, KeyFunction] = {"sha256": sha256_key, "fast": fast_key}
 
 
+# --- vLLM's block hashes (hash_fn="vllm") ----------------------------------------------------------------
+#
+# vLLM v1 (vllm/v1/core/kv_cache_utils.py, `hash_block_tokens` with `sha256_cbor`, its default since 0.10):
+#
+#     key(block) = sha256(cbor2.dumps((parent_key, tuple(token_ids), extra_keys), canonical=True))
+#     parent_key of the first block = NONE_HASH = sha256_cbor(PYTHONHASHSEED or "vllm-none-hash")
+#     extra_keys = None, or a tuple: ("cache_salt", salt) on the first block of a salted request, ...
+#
+# and publishes a block as the low 64 bits of its key, as `external_hash` does. With these keys a router built
+# for vLLM's events (llm-d's precise prefix scorer, Dynamo's KV router) indexes pagedkv replicas unchanged.
+# pagedkv's salt maps to vLLM's cache_salt (a str: the salt bytes decoded as UTF-8). What vLLM has no name for
+# goes into the extra keys under pagedkv's own tags, so keys stay distinct but match no vLLM key: an epoch
+# above 0 ("pagedkv_epoch", n) and request-level extras ("pagedkv_extra", bytes) on the first block, a
+# block's own extras ("pagedkv_extra", bytes) on that block.
+
+VLLM_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's DEFAULT_NONE_HASH_SEED
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes([major << 5 | n])
+    for extra, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if n < 1 << (8 * size):
+            return bytes([major << 5 | extra]) + n.to_bytes(size, "big")
+    raise InvalidArgumentError(f"cbor: integer {n} does not fit 64 bits")
+
+
+def cbor_canonical(obj: object) -> bytes:
+    """Canonical CBOR (RFC 8949 4.2.1, as `cbor2.dumps(obj, canonical=True)`) of None, bools, ints of up to
+    64 bits, bytes, str, and tuples or lists of them: the types vLLM's block hashes are made of."""
+    if obj is None:
+        return b"\xf6"
+    if isinstance(obj, bool):
+        return b"\xf5" if obj else b"\xf4"
+    if isinstance(obj, int):
+        return _cbor_head(0, obj) if obj >= 0 else _cbor_head(1, -1 - obj)
+    if isinstance(obj, bytes):
+        return _cbor_head(2, len(obj)) + obj
+    if isinstance(obj, str):
+        data = obj.encode()
+        return _cbor_head(3, len(data)) + data
+    if isinstance(obj, tuple | list):
+        return _cbor_head(4, len(obj)) + b"".join(cbor_canonical(x) for x in obj)
+    raise InvalidArgumentError(f"cbor: cannot encode {type(obj).__name__}")
+
+
+def sha256_cbor(obj: object) -> bytes:
+    """vLLM's `sha256_cbor`."""
+    return hashlib.sha256(cbor_canonical(obj)).digest()
+
+
+class _VllmRoot(bytes):
+    """A vLLM chain's root: NONE_HASH, carrying the extra keys vLLM puts on the first block."""
+
+    first: tuple[object, ...] = ()
+
+
+class VllmKeyFunction:
+    """The key function of `hash_fn="vllm"` (see above); `none_hash` is vLLM's NONE_HASH for `seed`."""
+
+    def __init__(self, seed: str | None = None) -> None:
+        import os
+
+        self.seed = seed if seed is not None else os.environ.get("PYTHONHASHSEED", VLLM_NONE_HASH_SEED)
+        self.none_hash = sha256_cbor(self.seed)
+
+    def root(self, epoch: int, salt: bytes, extra: bytes) -> Key:
+        root = _VllmRoot(self.none_hash)
+        first: list[object] = []
+        if salt:
+            try:
+                first.append(("cache_salt", salt.decode()))
+            except UnicodeDecodeError:
+                first.append(("cache_salt", salt))
+        if epoch:
+            first.append(("pagedkv_epoch", epoch))
+        if extra:
+            first.append(("pagedkv_extra", extra))
+        root.first = tuple(first)
+        return root
+
+    def __call__(self, parent: Key, data: bytes, extra: bytes) -> Key:
+        assert isinstance(parent, bytes), "prefix: vllm keys chain from bytes parents"
+        keys: list[object] = list(parent.first) if isinstance(parent, _VllmRoot) else []
+        if extra:
+            keys.append(("pagedkv_extra", extra))
+        tokens = tuple(np.frombuffer(data, dtype=np.int32).tolist())
+        return sha256_cbor((bytes(parent), tokens, tuple(keys) if keys else None))
+
+
+vllm_key = VllmKeyFunction()
+KEY_FUNCTIONS["vllm"] = vllm_key
+
+
 def key_function(name: str | KeyFunction) -> KeyFunction:
     if callable(name):
         return name
@@ -62,6 +159,9 @@ def key_function(name: str | KeyFunction) -> KeyFunction:
 
 def root_key(fn: KeyFunction, epoch: int, salt: bytes, extra: bytes) -> Key:
     """The parent of a sequence's first block: one per (epoch, salt, request-level extras)."""
+    custom = getattr(fn, "root", None)
+    if custom is not None:  # a key function with its own root (vllm: NONE_HASH)
+        return custom(epoch, salt, extra)  # type: ignore[no-any-return]
     seed = b"pagedkv/root/" + epoch.to_bytes(8, "little")
     return fn(hashlib.sha256(seed).digest(), salt, extra)
 

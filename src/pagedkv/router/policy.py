@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.core.prefix import BlockKeys, key_function
+from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.events.wire import external_hash
 from pagedkv.router.index import PrefixIndex, PrefixMatch
 
@@ -40,7 +40,12 @@ POLICIES = ("round-robin", "prefix", "cost")
 
 
 def request_hashes(
-    token_ids: npt.ArrayLike, block_size: int, *, salt: bytes = b"", hash_fn: str = "sha256", epoch: int = 0
+    token_ids: npt.ArrayLike,
+    block_size: int,
+    *,
+    salt: bytes = b"",
+    hash_fn: str | KeyFunction = "sha256",
+    epoch: int = 0,
 ) -> list[int]:
     """The published hashes of a prompt's cacheable blocks (what a replica's events would call them)."""
     tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int32))
@@ -147,7 +152,9 @@ class Decision(NamedTuple):
 class Router:
     """A policy over a fixed list of replicas, reading a `PrefixIndex` the caller keeps fed with events."""
 
-    def __init__(self, replicas: Sequence[Hashable], policy: str | Policy = "cost", index: PrefixIndex | None = None):
+    def __init__(
+        self, replicas: Sequence[Hashable], policy: str | Policy = "cost", index: PrefixIndex | None = None
+    ):
         if not replicas:
             raise InvalidArgumentError("a router needs at least one replica")
         if len(set(replicas)) != len(replicas):
