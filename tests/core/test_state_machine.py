@@ -29,12 +29,13 @@ class ManagerMachine(RuleBasedStateMachine):
     record_events = True  # with events off, evicted keys are dropped lazily: both paths are checked
     hash_fn = "sha256"
     native: bool | None = None  # the C hot path when built
+    eviction = "lru"  # tests/core/test_eviction.py runs this machine under every other policy
 
     def __init__(self) -> None:
         super().__init__()
         self.m = PagedKVManager(
             num_blocks=24, block_size=BS, num_host_blocks=8, record_events=self.record_events, hash_fn=self.hash_fn,
-            native=self.native,
+            native=self.native, eviction=self.eviction,
         )
         self.tokens: dict[int, list[int]] = {}  # seq id -> expected token ids
         self.keys: dict[int, BlockKeys] = {}

@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
+from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
@@ -106,6 +107,7 @@ class PagedKVManager(SwapMixin, TableViews):
         num_host_blocks: int = 0,
         record_events: bool = False,
         native: bool | None = None,
+        eviction: str | EvictionPolicy = "lru",
     ) -> None:
         num_blocks, block_size = as_pool_size(num_blocks, block_size, minimum=2 if null_block is True else 1)
         num_host_blocks = as_count(num_host_blocks, "num_host_blocks")
@@ -115,7 +117,10 @@ class PagedKVManager(SwapMixin, TableViews):
         native = as_native(native)
         self._block_size = block_size
         self._capacity_tokens = (num_blocks - (1 if null_block else 0)) * block_size
-        self.pool = BlockPool(num_blocks, null_block=null_block, record_events=record_events, native=native)
+        self.pool = BlockPool(
+            num_blocks, null_block=null_block, record_events=record_events, native=native, eviction=eviction,
+            block_size=block_size,
+        )  # fmt: skip
         self.index = self.pool.prefix_index  # key <-> block: written only through its methods
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)

@@ -9,12 +9,13 @@ Every usable block is in exactly one state:
 
     free + cached-free + in-use == num_usable_blocks  (the null block, if any, is outside all three)
 
-Allocation, release, eviction and hits are O(1) per block, and batched where they can be: the free stack
-is a numpy array with a top pointer (popping k blocks is one slice); the eviction order is one FIFO queue
-per retention priority, kept as numpy arrays of (block id, stamp) with lazy deletion: a hit takes a
-block out of the order in O(1) by bumping the block's stamp (its queue entry goes stale), and evicting k
-blocks scans the queue head for live entries (`hotpath.take_live`, one backend call per queue). An evicted
-block's key leaves the prefix index at once (`PrefixIndex.forget`), so every index entry is live.
+Allocation, release, eviction and hits are O(1) per block (O(log n) under the heap policies), and batched
+where they can be: the free stack is a numpy array with a top pointer (popping k blocks is one slice); the
+order of the cached-free blocks is the eviction policy's (`eviction.py`: LRU per retention priority by
+default, kept as numpy FIFO queues with lazy deletion and scanned by `hotpath.take_live`; SLRU, LFU,
+priority with retention, cost-aware). The pool tells the policy when a block enters or leaves cached-free,
+is hit or is allocated afresh; the policy only orders. An evicted block's key leaves the prefix index at
+once (`PrefixIndex.forget`), so every index entry is live.
 
 The pool holds the prefix index (`prefix_index.py`: key <-> block, and the events), because a block's state
 depends on having a key, but never writes it except through that class's methods. Reference counts change
@@ -31,6 +32,7 @@ import numpy.typing as npt
 
 from pagedkv.core import hotpath
 from pagedkv.core.errors import InvalidArgumentError, InvariantError
+from pagedkv.core.eviction import EvictionPolicy, eviction_policy
 from pagedkv.core.prefix_index import CacheEvent, PrefixIndex
 
 __all__ = ["NULL_BLOCK_ID", "BlockPool", "CacheEvent", "PoolStats"]
@@ -44,39 +46,11 @@ class PoolStats:
     evictions: int = 0
 
 
-class _Queue:
-    """A FIFO of (block id, stamp) entries; an entry is live while the block's stamp is unchanged."""
-
-    __slots__ = ("ids", "stamps", "head", "tail")
-
-    def __init__(self, capacity: int = 256) -> None:
-        self.ids = np.empty(capacity, dtype=np.int64)
-        self.stamps = np.empty(capacity, dtype=np.int64)
-        self.head = self.tail = 0
-
-    def push(self, ids: IntArray, stamps: IntArray) -> None:
-        n = len(ids)
-        if self.tail + n > len(self.ids):
-            live = self.tail - self.head
-            capacity = max(2 * (live + n), 256)
-            grown_ids, grown_stamps = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
-            grown_ids[:live] = self.ids[self.head : self.tail]
-            grown_stamps[:live] = self.stamps[self.head : self.tail]
-            self.ids, self.stamps, self.head, self.tail = grown_ids, grown_stamps, 0, live
-        self.ids[self.tail : self.tail + n] = ids
-        self.stamps[self.tail : self.tail + n] = stamps
-        self.tail += n
-
-    def live(self, stamp: npt.NDArray[np.int64]) -> IntArray:
-        ids = self.ids[self.head : self.tail]
-        live: IntArray = ids[stamp[ids] == self.stamps[self.head : self.tail]]
-        return live
-
-
 class BlockPool:
     def __init__(
-        self, num_blocks: int, *, null_block: bool = True, record_events: bool = False, native: bool | None = None
-    ) -> None:
+        self, num_blocks: int, *, null_block: bool = True, record_events: bool = False, native: bool | None = None,
+        eviction: str | EvictionPolicy = "lru", block_size: int = 16,
+    ) -> None:  # fmt: skip
         if not isinstance(num_blocks, int) or num_blocks < (2 if null_block else 1):
             raise InvalidArgumentError(
                 f"num_blocks must be an int >= {2 if null_block else 1} (one is the null block), got {num_blocks!r}"
@@ -92,9 +66,8 @@ class BlockPool:
         # Free stack: the top is the end; initial order hands out ascending ids.
         self._stack = np.arange(num_blocks - 1, self.first_id - 1, -1, dtype=np.int64)
         self._top = len(self._stack)
-        self._queues: dict[int, _Queue] = {}  # retention priority -> eviction order
-        self._stamp = np.zeros(num_blocks, dtype=np.int64)  # bumped when a block leaves cached-free
-        self._num_evictable = 0
+        self.policy = eviction_policy(eviction, num_blocks, block_size, hot=self._hot)  # orders cached-free blocks
+        self._counts_hits = type(self.policy).hit is not EvictionPolicy.hit  # skip the calls LRU ignores
         self.stats = PoolStats()
         if null_block:
             self.ref[NULL_BLOCK_ID] = 1  # never allocated, never freed
@@ -112,25 +85,25 @@ class BlockPool:
 
     @property
     def num_evictable(self) -> int:
-        return self._num_evictable
+        return self.policy.num_evictable
 
     @property
     def num_available(self) -> int:
         """Blocks an allocation can take now: free plus cached-free."""
-        return self._top + self._num_evictable
+        return self._top + self.policy.num_evictable
 
     @property
     def num_in_use(self) -> int:
-        return self.num_usable_blocks - self._top - self._num_evictable
+        return self.num_usable_blocks - self._top - self.policy.num_evictable
 
     # --- allocation -----------------------------------------------------------------------------
 
     def allocate(self, n: int) -> IntArray:
-        """Take `n` blocks (ref 1 each): free ones first, then evict cached-free ones in LRU order.
+        """Take `n` blocks (ref 1 each): free ones first, then evict cached-free ones in the policy's order.
 
         The caller has checked `n <= num_available`.
         """
-        if n > self._top + self._num_evictable:
+        if n > self._top + self.policy.num_evictable:
             raise InvariantError(f"pool: allocate({n}) with only {self.num_available} available")
         top = self._top
         if top == 0:  # a full pool: every block comes from the eviction order
@@ -142,35 +115,27 @@ class BlockPool:
             if take < n:
                 ids = np.concatenate([ids, self._evict(n - take)])
         self.ref[ids] = 1
+        if self._counts_hits:
+            self.policy.reset(ids)
         return ids
 
     def _evict(self, n: int) -> IntArray:
-        """The `n` oldest cached-free blocks, lowest priority first; their keys are dropped."""
-        out = np.empty(n, dtype=np.int64)
-        filled = 0
-        queues = self._queues
-        for prio in sorted(queues):
-            q = queues[prio]  # taken entries' stamps are bumped: they go stale in the queue
-            q.head, filled = self._hot.take_live(q.ids, q.stamps, q.head, q.tail, self._stamp, out, filled)
-            if q.head == q.tail:
-                del queues[prio]
-            if filled == n:
-                break
-        if filled != n:
-            raise InvariantError(f"pool: eviction found {filled} of {n} cached-free blocks")
+        """The policy's first `n` cached-free blocks (LRU: the oldest, lowest priority first); their keys are
+        dropped."""
+        out = self.policy.evict(n)
         self.prefix_index.forget(out)
-        self._num_evictable -= n
         self.stats.evictions += n
         return out
 
     def touch_hits(self, block_ids: IntArray) -> None:
         """Prefix hits on distinct blocks take one more reference each; cached-free ones leave the eviction
-        order (their stamp is bumped, so their queue entries go stale)."""
+        order; the policy counts every hit."""
         ref = self.ref
         cached = block_ids[ref[block_ids] == 0]
         if len(cached):
-            self._stamp[cached] += 1
-            self._num_evictable -= len(cached)
+            self.policy.take(cached)
+        if self._counts_hits:
+            self.policy.hit(block_ids)
         ref[block_ids] += 1
 
     def share(self, block_ids: IntArray) -> None:
@@ -185,8 +150,8 @@ class BlockPool:
     def release(self, block_ids: IntArray, priority: int = 0) -> None:
         """Drop one reference from each (distinct) block, in the given order (give tail blocks first).
 
-        A block reaching zero becomes cached-free (keyed: appended to its priority's LRU order, so the
-        first released is the first evicted) or free (no key).
+        A block reaching zero becomes cached-free (keyed: handed to the eviction policy; under LRU appended
+        to its priority's order, so the first released is the first evicted) or free (no key).
         """
         if len(block_ids) == 0:
             return
@@ -202,29 +167,17 @@ class BlockPool:
             self._stack[top : top + len(plain)] = plain[::-1]  # first released is taken first
             self._top = top + len(plain)
         if len(plain) != len(zero):
-            cached = zero[keyed]
-            q = self._queues.get(priority)
-            if q is None:
-                q = self._queues[priority] = _Queue()
-            q.push(cached, self._stamp[cached])
-            self._num_evictable += len(cached)
+            self.policy.release(zero[keyed], priority)
 
     # --- keys -----------------------------------------------------------------------------------------
 
     def clear_keys(self) -> int:
         """Drop every key: cached-free blocks become free. In-use blocks keep their data, lose their key."""
-        cached = self._cached_free()
-        self._stamp[cached] += 1
-        self._queues.clear()
-        self._num_evictable = 0
+        cached = self.policy.clear()
         if len(cached):
             self._stack[self._top : self._top + len(cached)] = cached
             self._top += len(cached)
         return self.prefix_index.clear()
-
-    def _cached_free(self) -> IntArray:
-        parts = [q.live(self._stamp) for _, q in sorted(self._queues.items())]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     # --- pins -----------------------------------------------------------------------------------
 
@@ -245,7 +198,7 @@ class BlockPool:
             self.pins.tobytes(),
             self.prefix_index.snapshot(),
             self._stack[: self._top].tobytes(),
-            tuple((p, q.live(self._stamp).tobytes()) for p, q in sorted(self._queues.items())),
+            self.policy.snapshot(),
             self.stats.evictions,
         )
 
@@ -254,7 +207,8 @@ class BlockPool:
             raise InvariantError(f"pool: {msg}")
 
         free = self._stack[: self._top]
-        cached = self._cached_free()
+        self.policy.check_invariants()
+        cached = self.policy.cached()
         self._check_orders(free, cached, fail)
         in_use = int((self.ref[self.first_id :] > 0).sum())
         if in_use + len(free) + len(cached) != self.num_usable_blocks:
@@ -272,7 +226,7 @@ class BlockPool:
         first = self.first_id
         if len(np.unique(free)) != len(free):
             fail("a block is twice in the free stack")
-        if len(np.unique(cached)) != len(cached) or len(cached) != self._num_evictable:
+        if len(np.unique(cached)) != len(cached) or len(cached) != self.policy.num_evictable:
             fail("eviction order holds a block twice, or disagrees with its count")
         if len(free) and (free.min() < first or (self.ref[free] != 0).any() or self.keyed[free].any()):
             fail("the free stack holds a null, referenced or keyed block")
