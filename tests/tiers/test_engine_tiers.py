@@ -94,15 +94,23 @@ def test_redis_tier_brings_an_evicted_prefix_back(baseline: list[list[int]], red
 
 
 def test_device_events_stay_readable_for_an_event_log() -> None:
-    engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=12, block_size=BS, host_blocks=8))
-    engine.tiering.device_events = []
-    engine.generate([SHARED], PARAMS)
-    engine.generate(OTHERS[:1], PARAMS)
-    kinds = [e.kind for e in engine.tiering.device_events]
-    assert kinds.count("stored") >= 10 and "removed" in kinds  # published, then evicted (written back)
-    host_keys = {e.key for e in engine.tiering.take_events() if e.kind == "stored" and e.medium == "CPU"}
-    removed = {e.key for e in engine.tiering.device_events if e.kind == "removed"}
-    assert host_keys == removed
+    """The tiering is the one reader of the manager's events; the engine's event log takes what it drained
+    through `take_device_events` (nothing to set from outside): every block evicted from the device is
+    reported removed from GPU and stored in CPU."""
+    config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=8, kv_events=True)
+    engine = Engine(tiny_model("llama"), None, config)
+    assert engine.tiering is not None and engine.tiering.take_device_events() == []
+    batches = []
+    for prompts in ([SHARED], OTHERS[:1]):
+        engine.generate(prompts, PARAMS)
+        batches.append(engine.take_event_batch())
+    events = [e for b in batches if b is not None for e in b.events]
+    stored = {m: {h for e in events if type(e).__name__ == "BlockStored" and e.medium == m for h in e.block_hashes}
+              for m in ("GPU", "CPU")}  # fmt: skip
+    removed = {h for e in events if type(e).__name__ == "BlockRemoved" and e.medium == "GPU" for h in e.block_hashes}
+    assert len(stored["GPU"]) >= 10 and removed  # published, then evicted (written back)
+    assert stored["CPU"] == removed
+    assert engine.tiering.take_device_events() == []  # the log took them
 
 
 def test_a_redis_that_goes_away_is_a_miss_not_a_crash(baseline: list[list[int]], redis_server: Any) -> None:

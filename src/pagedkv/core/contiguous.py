@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvariantError, NotSupportedError
 from pagedkv.core.prefix import BlockKeys
-from pagedkv.core.protocol import Admission, BlockMoves, ManagerStats
+from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource, ManagerStats
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
     as_computed,
@@ -232,6 +232,13 @@ class ContiguousKVManager(TableViews):
         src = [pending.get(b, b) for b in t.blocks_of(row).tolist()]
         pending.update(zip(t.blocks_of(child).tolist(), src))
         return child
+
+    def fetch_blocks(
+        self, seq_id: int, start: int, end: int, source: BlockSource, tag: object = None
+    ) -> BlockFill | None:
+        """The baseline keys no blocks (no prefix cache), so a tier never fills one: always None."""
+        self.tables.row(seq_id)
+        return None
 
     def take_copies(self) -> BlockMoves:
         """The fork copies since the last call, `src[i] -> dst[i]`, distinct destinations, each live in the

@@ -44,7 +44,7 @@ from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
 from pagedkv.core.prefix_index import CacheEvent
-from pagedkv.core.protocol import Admission, BlockMoves, ManagerStats
+from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource, ManagerStats
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
@@ -383,6 +383,39 @@ class PagedKVManager(SwapMixin, TableViews):
         self._held[held] = False
         self.pool.release(held[::-1])
         return out
+
+    def fetch_blocks(
+        self, seq_id: int, start: int, end: int, source: BlockSource, tag: object = None
+    ) -> BlockFill | None:
+        """A tier hit (`protocol.py`): the sequence's `BlockKeys` key its full blocks inside `[start, end)`
+        but the block of token `end - 1`; `source` fills the longest leading run it holds. Those blocks are
+        private and unwritten (past the computed tokens), so the fill is their one writer this step; they
+        are published by the `mark_computed` that follows the forward, like computed blocks."""
+        t, bs = self.tables, self._block_size
+        row = t.device_row(seq_id)
+        start, end = as_count(start, "start"), as_count(end, "end")
+        if start % bs or start < t.num_computed[row] or end > t.num_tokens[row]:
+            raise InvalidArgumentError(
+                f"fetch_blocks: start {start} must be a block boundary at or past the {t.num_computed[row]} "
+                f"computed tokens and end {end} at most the {t.num_tokens[row]} tokens of sequence {seq_id}"
+            )
+        first, last = start // bs, (end - 1) // bs
+        keys = self.prefix.keys_of(row)
+        if not self.enable_prefix_caching or keys is None or keys.epoch != self.prefix.epoch:
+            return None  # keys of an earlier epoch name KV of other weights
+        last = min(last, int(min(t.num_tokens[row], t.hashable_tokens[row])) // bs)
+        if last <= first:
+            return None
+        blocks = t.blocks_of(row)
+        for j in range(keys.num_keys(), last):
+            keys.key(j, self.block_tokens[blocks[j]])
+        n, rows = source.fetch(keys.keys[first + 1 : last + 1], first, tag)
+        if n == 0:
+            return None
+        dst = blocks[first : first + n].astype(np.int64)
+        if (self.pool.ref[dst] != 1).any() or self.pool.keyed[dst].any():
+            raise InvariantError("manager: fetch_blocks would fill a shared or published block")
+        return BlockFill(dst, rows[:n])
 
     def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
         """KV is written for tokens [0, num_computed) of each sequence; publish the full blocks among them."""

@@ -16,13 +16,21 @@ Contract:
   raises `NotSupportedError`, and says so in `supports_swap`).
 - `take_copies` hands out the copy-on-write block copies (src -> dst) that the storage layer must perform
   before the next forward pass; each copy is handed out once.
+- `fetch_blocks` is a tier hit: the manager keys a sequence's next full blocks and asks a `BlockSource`
+  (the tiers below the device) for their KV; the bytes come back as a `BlockFill` for the step's plan, and
+  the blocks count as computed only when the caller's `mark_computed` says so, after the forward.
 
 Block moves of one step (the one safe order, followed by the engine's runner):
 
 1. swap plans (`swap_in` host -> device, `swap_out` device -> host) in the order the calls returned them;
 2. then the copies of `take_copies()`, as one batch: destinations are distinct and none is a source, so
    their order does not matter;
-3. then the forward pass writes the step's new KV.
+3. then the fills of `fetch_blocks` (bytes from a tier into blocks no other move of the step writes);
+4. then the forward pass writes the step's new KV.
+
+One writer per device block per step: a block that one of these moves writes is written by no other
+(a swap-in's block that the same step swaps out again has been read back first, so it may be written
+again). The engine's scheduler checks its whole plan against this rule (`SchedulerOutput.check_writes`).
 
 The managers make this order safe for every sequence of calls: a block that is the source or the
 destination of a copy not yet handed out is held until `take_copies` returns it (no swap-in or later copy
@@ -35,13 +43,14 @@ fills.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.prefix import BlockKeys
+from pagedkv.core.prefix import BlockKeys, Key
 
 IntArray = npt.NDArray[np.int64]
 TokenIds = npt.ArrayLike  # a 1-D sequence of non-negative ints (list, tuple, numpy array)
@@ -60,6 +69,23 @@ class BlockMoves(NamedTuple):
 
     src: IntArray
     dst: IntArray
+
+
+class BlockFill(NamedTuple):
+    """KV from below the device for blocks of one sequence (a tier hit): `rows[i]` (a block's bytes, K and V
+    of every layer) is written into device block `dst[i]` after the step's other moves, before the forward."""
+
+    dst: IntArray
+    rows: npt.NDArray[np.uint8]
+
+
+class BlockSource(Protocol):
+    """Where a manager may find the KV of blocks no device block holds (the tiers below the device)."""
+
+    def fetch(self, keys: Sequence[Key], first_block: int, tag: object) -> tuple[int, npt.NDArray[np.uint8]]:
+        """The bytes of the longest leading run of `keys` (the content keys of blocks `first_block`, ... of
+        the sequence the caller's `tag` names) that it holds: (how many, their rows)."""
+        ...
 
 
 
@@ -153,6 +179,15 @@ class KVManager(Protocol):
     def num_tokens(self, seq_id: int) -> int: ...
 
     def take_copies(self) -> BlockMoves: ...
+
+    def fetch_blocks(
+        self, seq_id: int, start: int, end: int, source: BlockSource, tag: object = None
+    ) -> BlockFill | None:
+        """A tier hit: ask `source` for the KV of the full blocks of tokens `[start, end)` (`start` on a block
+        boundary at or past the computed tokens; never the block of token `end - 1`, which the caller
+        computes). The blocks it fills are marked computed by the caller's `mark_computed` after the
+        forward, like computed ones. None when nothing is fetched (or the manager keys no blocks)."""
+        ...
 
     @property
     def supports_swap(self) -> bool:

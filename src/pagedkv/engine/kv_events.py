@@ -6,7 +6,8 @@ events since the last call as one vLLM-compatible `EventBatch` (publish it with
 
 - GPU: the manager's `CacheEvent`s, through a `ManagerFeed`. There is one reader of
   `manager.take_events()`: the tiering when tiers are on (it needs the evictions and publications
-  itself, and keeps what it drained in `tiering.device_events` for this class), else this class.
+  itself; the engine builds it with `keep_device_events=True` and this class takes what it drained with
+  `tiering.take_device_events()`), else this class.
 - CPU, DISK, REMOTE: the tiers' `TierEvent`s (`tiering.take_events()`), which carry only the key. A
   block's parent and tokens are those the log recorded when a medium first reported it: a block written
   back to the host is, in the same sync, removed from the device, so `poll` reads what the log knows of
@@ -22,21 +23,28 @@ reported `removed` when a lookup, a write-through check or a load finds them gon
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.prefix import Key
 from pagedkv.events import EventBatch, EventLog, ManagerFeed
+
+if TYPE_CHECKING:
+    from pagedkv.core.protocol import KVManager
+    from pagedkv.engine.tiering import EngineTiering
 
 
 class EngineEvents:
     def __init__(
-        self, manager: Any, block_size: int, tiering: Any = None, *, data_parallel_rank: int = 0
-    ) -> None:
+        self, manager: KVManager, block_size: int, tiering: EngineTiering | None = None, *,
+        data_parallel_rank: int = 0,
+    ) -> None:  # fmt: skip
+        if not isinstance(manager, PagedKVManager):
+            raise InvalidArgumentError("kv_events need the paged allocator with prefix caching on")
         self.log = EventLog(block_size, data_parallel_rank=data_parallel_rank)
         self.feed = ManagerFeed(manager, self.log)
-        self.tiering = tiering
-        if tiering is not None:
-            tiering.device_events = []  # the tiering drains the manager; we read what it drained
+        self.tiering = tiering  # when set, built with keep_device_events=True: it drains the manager
 
     def poll(self) -> None:
         """Move every medium's pending events into the log."""
@@ -44,7 +52,7 @@ class EngineEvents:
         if tiering is None:
             self.feed.poll()
             return
-        drained, tiering.device_events = tiering.device_events, []
+        drained = tiering.take_device_events()
         tier_events = tiering.take_events()
         leaving = {e.key for e in drained if e.kind == "removed" and e.key is not None}
         known: dict[Key, tuple[Key | None, tuple[int, ...]]] = {}

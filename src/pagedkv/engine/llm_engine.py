@@ -58,6 +58,7 @@ from pagedkv.storage.spec import blocks_in_budget
 
 if TYPE_CHECKING:
     from pagedkv.engine.request import Request
+    from pagedkv.engine.tiering import EngineTiering
 
 logger = logging.getLogger(__name__)
 
@@ -120,16 +121,18 @@ class Engine:
             attention_backend=cfg.attention_backend,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
-        self.scheduler = Scheduler(self.manager, cfg.scheduler)
-        self.runner = ModelRunner(model, self.cache)
         self.stats = EngineStats()
-        self.tiering: Any = None
+        self.tiering: EngineTiering | None = None
         if cfg.tiers_enabled:  # host RAM / disk / remote store below the device (pagedkv.engine.tiering)
             from pagedkv.engine.tiering import EngineTiering
 
             model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
-            self.tiering = EngineTiering.build(cfg, self.cache.storage, self.manager, model_id)
+            self.tiering = EngineTiering.build(
+                cfg, self.cache.storage, self.manager, model_id, keep_device_events=cfg.kv_events
+            )
             self.stats.tiers = self.tiering.stats
+        self.scheduler = Scheduler(self.manager, cfg.scheduler, source=self.tiering)  # tier hits: fetch_blocks
+        self.runner = ModelRunner(model, self.cache)
         self.kv_events: Any = None
         if cfg.kv_events:  # one event log for every medium (pagedkv.engine.kv_events)
             from pagedkv.engine.kv_events import EngineEvents

@@ -6,7 +6,8 @@ it happen on tensors, in this order:
 1. swap-ins (host -> device), then swap-outs (device -> host), the order in which the scheduler decides
    them (`PagedKVCache.swap`): the allocator already reassigned the blocks, so the bytes must move before
    anything writes them;
-2. copy-on-write block copies (`SchedulerOutput.copies`);
+2. copy-on-write block copies (`SchedulerOutput.copies`), then the tier hits' bytes (`SchedulerOutput.fills`);
+   the scheduler's plan has one writer per device block (`SchedulerOutput.check_writes`);
 3. one packed forward over every scheduled chunk (`pagedkv.hf.metadata`), with the allocator's block tables
    and slot mapping; the attention function writes the chunk's K/V and reads the pages;
 4. the logits of the chunks that end at their request's last known token (`produces_token`), one row each.
@@ -26,6 +27,7 @@ import torch
 from pagedkv.hf.attention import forward_step
 from pagedkv.hf.cache import PagedKVCache
 from pagedkv.hf.metadata import StepBatch, build_step_batch
+from pagedkv.storage.block_rows import write_rows
 
 if TYPE_CHECKING:
     from pagedkv.core.protocol import KVManager
@@ -41,12 +43,14 @@ class ModelRunner:
         self.device = next(model.parameters()).device
 
     def apply_block_moves(self, output: SchedulerOutput) -> None:
-        """Swaps then copy-on-write copies, before the forward (see the module docstring)."""
+        """Swaps, copy-on-write copies, then tier fills, before the forward (see the module docstring)."""
         if len(output.swap_out.src) or len(output.swap_in.src):
             # swap_in: host src -> device dst, then swap_out: device src -> host dst
             self.cache.swap(output.swap_out.src, output.swap_out.dst, output.swap_in.src, output.swap_in.dst)
         if len(output.copies.src):
             self.cache.copy_blocks(output.copies.src, output.copies.dst)
+        for fill in output.fills:
+            write_rows(self.cache.storage, fill.dst.tolist(), fill.rows)
 
     def build_batch(self, manager: KVManager, chunks: Sequence[ScheduledChunk]) -> StepBatch:
         """Pack the scheduled chunks: tokens `[start, start + num_new_tokens)` of each request."""

@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
-from pagedkv.core.errors import CapacityError, InvalidArgumentError
-from pagedkv.core.protocol import BlockMoves, KVManager
+from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.core.protocol import BlockFill, BlockMoves, BlockSource, KVManager
 from pagedkv.engine.request import FINISH_REASONS, Request, RequestStatus
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -115,9 +116,13 @@ class ScheduledChunk(NamedTuple):
 @dataclass
 class SchedulerOutput:
     """One step's plan. Apply the block moves before the forward pass, in this order: `swap_in` (host ->
-    device), then `swap_out` (device -> host), then `copies` (copy-on-write). Swap-ins are decided first:
-    a swap-out may reuse host blocks a swap-in just released, and one request may come in and go out in the
-    same step, so the other order would overwrite host KV before it is read."""
+    device), then `swap_out` (device -> host), then `copies` (copy-on-write), then `fills` (tier hits).
+    Swap-ins are decided first: a swap-out may reuse host blocks a swap-in just released, and one request
+    may come in and go out in the same step, so the other order would overwrite host KV before it is read.
+    Swaps move only computed KV (a swapped request's blocks past its computed tokens hold nothing yet).
+
+    One writer per device block (`check_writes`, run on every plan): two moves writing one block would
+    leave whichever runs last, e.g. a swap-in's never-computed host block over a tier hit loaded into it."""
 
     scheduled: list[ScheduledChunk] = field(default_factory=list)
     num_batched_tokens: int = 0
@@ -126,16 +131,44 @@ class SchedulerOutput:
     swap_out: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
     swap_in: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
     copies: BlockMoves = field(default_factory=lambda: BlockMoves(_EMPTY, _EMPTY))
+    fills: list[BlockFill] = field(default_factory=list)  # tier hits (`KVManager.fetch_blocks`)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def check_writes(self) -> None:
+        """Every device block is written by at most one move of the plan. A block a swap-in writes and a
+        swap-out then reads back to the host may be written again (the swap-out runs first). Raises
+        `InvariantError` naming both writers."""
+        if not (len(self.swap_in.dst) or len(self.copies.dst) or self.fills):
+            return
+        writer: dict[int, str] = {}
+
+        def claim(blocks: npt.NDArray[np.int64], name: str) -> None:
+            for block in blocks.tolist():
+                if block in writer:
+                    raise InvariantError(
+                        f"scheduler: device block {block} is written twice before the forward, by {writer[block]} "
+                        f"and by {name}; one step's block moves must not share a destination"
+                    )
+                writer[block] = name
+
+        claim(self.swap_in.dst, "swap-in")
+        for block in self.swap_out.src.tolist():  # read back to the host: free to be written again
+            writer.pop(block, None)
+        claim(self.copies.dst, "copy-on-write")
+        for fill in self.fills:
+            claim(fill.dst, "tier load")
+
 
 class Scheduler:
-    def __init__(self, manager: KVManager, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, manager: KVManager, config: SchedulerConfig | None = None, *, source: BlockSource | None = None
+    ) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
+        self.source = source  # the tiers below the device: a chunk's leading full blocks may be fetched
         if self.config.preemption_mode == "swap" and not manager.supports_swap:
             raise InvalidArgumentError(f"{type(manager).__name__} cannot swap; use preemption_mode='recompute'")
         # heap of (-priority, arrival, order of adding, unique tie-break, request)
@@ -206,6 +239,7 @@ class Scheduler:
             out.swap_out = BlockMoves(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
         if swap_in:
             out.swap_in = BlockMoves(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
+        out.check_writes()
         return out
 
     def _swap_in_phase(self) -> list[BlockMoves]:
@@ -220,7 +254,7 @@ class Scheduler:
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            swap_in.append(plan)
+            swap_in.append(self._computed_only(plan, request))
         return swap_in
 
     def _decode_phase(
@@ -266,7 +300,7 @@ class Scheduler:
                 continue  # decode, handled above
             chunk = self._chunk(remaining, budget, r)
             if chunk:
-                out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, chunk, chunk == remaining))
+                out.scheduled.append(self._planned(r, chunk, chunk == remaining, out))
                 budget -= chunk
         return budget
 
@@ -336,7 +370,26 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         remaining = request.num_tokens - request.num_computed_tokens
-        out.scheduled.append(ScheduledChunk(request, request.num_computed_tokens, chunk, chunk == remaining))
+        out.scheduled.append(self._planned(request, chunk, chunk == remaining, out))
+
+    def _planned(self, request: Request, chunk: int, produces: bool, out: SchedulerOutput) -> ScheduledChunk:
+        """The request's next chunk of `chunk` tokens. With a block source, the manager first fetches the
+        full blocks at its head that a tier holds (never the block of its last token): they join the plan as
+        a fill, count as computed, and the chunk starts after them (its budget stays spent)."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + chunk
+        if self.source is not None and request.seq_id is not None and start % self.manager.block_size == 0:
+            fill = self.manager.fetch_blocks(request.seq_id, start, end, self.source, request)
+            if fill is not None:
+                out.fills.append(fill)
+                start += len(fill.dst) * self.manager.block_size
+                request.num_computed_tokens = start
+        return ScheduledChunk(request, start, end - start, produces)
+
+    def _computed_only(self, plan: BlockMoves, request: Request) -> BlockMoves:
+        """A swap plan cut to the blocks holding computed KV: the rest hold nothing yet, and the step may
+        fill them from a tier (a second writer of the block, see `SchedulerOutput.check_writes`)."""
+        keep = -(-request.num_computed_tokens // self.manager.block_size)
+        return plan if keep >= len(plan.src) else BlockMoves(plan.src[:keep], plan.dst[:keep])
 
     def _chunkable(self, request: Request) -> bool:
         """May this request's tokens be computed over several steps? Always after a preemption (see the
@@ -365,7 +418,7 @@ class Scheduler:
             if plan is not None:
                 request.status = RequestStatus.SWAPPED
                 self.swapped.append(request)
-                swap_out.append(plan)
+                swap_out.append(self._computed_only(plan, request))
                 return
         self.manager.preempt(request.seq_id)
         request.seq_id = None

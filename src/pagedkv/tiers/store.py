@@ -136,6 +136,11 @@ class TieredStore:
             out.append(self.remote)
         return out
 
+    def count_prompt(self, prompt_tokens: int, device_tokens: int) -> None:
+        """A request's first admission: its prompt tokens, and how many the device's prefix cache served."""
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.cached_tokens["GPU"] += device_tokens
+
     # --- load -----------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> list[Medium]:
