@@ -1,0 +1,193 @@
+"""`LiveRouter`: the routing decision for live replicas (Ray Serve's `PagedKVRequestRouter` wraps it).
+
+    router = LiveRouter()
+    router.observe("r0", stats)            # a replica's routing stats: where its events are, its sizes, its load
+    ranked = router.rank(["r0", "r1"], prompt_ids, cache_salt=None)   # best first
+    router.routed(request_id, ranked[0]); ...; router.completed(request_id)
+
+It owns one `EventStreams` (the replicas' ZMQ KV events folded into a `PrefixIndex`, exact through gaps,
+restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy.CostPolicy`, the same code
+`pagedkv simulate --replicas` runs:
+
+    cost = blocks to compute + 0.1 * blocks from its CPU/DISK + 0.3 * blocks from the shared store
+         + queue_weight * queued work
+
+Queued work is what this router sent the replica and has not seen complete, in blocks: the blocks each
+request had to compute when it was routed, plus one per request (its decode). Replica stats (refreshed by
+Ray every `request_routing_stats_period_s`) add the requests other routers sent: `num_running +
+num_waiting` beyond what this router counts. Load-imbalance fallback: when the most and least loaded
+candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come first
+whatever they hold (a hot prefix must not pile every request onto one replica).
+
+Replica stats (`record_routing_stats` on the replica; plain JSON types):
+
+    {"kv_events": "tcp://HOST:PORT", "kv_replay": "tcp://HOST:PORT", "incarnation": int,
+     "block_size": int, "hash_fn": "sha256" | "vllm", "free_blocks": int, "num_blocks": int,
+     "num_running": int, "num_waiting": int, "epoch": int}
+
+A replica whose `kv_events` endpoint changes (Ray restarted it elsewhere) is re-followed from scratch; one
+that leaves the candidate set for good is forgotten (`forget`). Not thread-safe: one event loop owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.router.index import PrefixIndex, PrefixMatch
+from pagedkv.router.policy import CostPolicy, CostWeights, request_hashes
+from pagedkv.router.streams import EventStreams
+
+
+@dataclass
+class _Replica:
+    stats: dict[str, Any] = field(default_factory=dict)
+    inflight_blocks: float = 0.0
+    inflight_requests: int = 0
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A decision: candidates best first, with what the index predicted for each."""
+
+    order: list[Hashable]
+    matches: dict[Hashable, PrefixMatch]
+    loads: dict[Hashable, float]
+    fallback: bool  # the load-imbalance fallback decided
+    num_blocks: int  # the request's cacheable blocks
+
+
+class LiveRouter:
+    def __init__(
+        self,
+        *,
+        weights: CostWeights | None = None,
+        imbalance_threshold: int = 8,
+        replay_timeout_ms: int = 2000,
+        sync_interval_s: float = 1.0,
+    ) -> None:
+        if imbalance_threshold < 0:
+            raise InvalidArgumentError(f"imbalance_threshold must be >= 0, got {imbalance_threshold}")
+        self.policy = CostPolicy(weights)
+        self.imbalance_threshold = imbalance_threshold
+        self.streams = EventStreams(
+            PrefixIndex(), replay_timeout_ms=replay_timeout_ms, sync_interval_s=sync_interval_s
+        )
+        self._replicas: dict[Hashable, _Replica] = {}
+        self._inflight: dict[Hashable, tuple[Hashable, float]] = {}  # request id -> (replica, blocks)
+        self._predicted: dict[Hashable, dict[Hashable, float]] = {}  # request id -> replica -> blocks
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self.streams.index
+
+    def observe(self, replica: Hashable, stats: Mapping[str, Any] | None) -> None:
+        """Take a replica's latest routing stats; follow its events (again, if its endpoints changed)."""
+        rec = self._replicas.setdefault(replica, _Replica())
+        if not stats:
+            return
+        old = rec.stats
+        rec.stats = dict(stats)
+        endpoint, replay = stats.get("kv_events"), stats.get("kv_replay")
+        if not isinstance(endpoint, str):
+            return
+        if replica in self.streams and (
+            old.get("kv_events") != endpoint or old.get("incarnation") != stats.get("incarnation")
+        ):
+            self.streams.remove(replica)  # restarted elsewhere: its old history means nothing
+        if replica not in self.streams:
+            self.streams.add(replica, endpoint, replay if isinstance(replay, str) else None)
+
+    def forget(self, replica: Hashable) -> None:
+        """The replica is gone: drop its stream, its index entries and its load."""
+        self._replicas.pop(replica, None)
+        self.streams.remove(replica)
+        for rid, (r, _) in list(self._inflight.items()):
+            if r == replica:
+                del self._inflight[rid]
+
+    def rank(
+        self,
+        candidates: Sequence[Hashable],
+        prompt_ids: Sequence[int],
+        *,
+        cache_salt: str | bytes | None = None,
+    ) -> Ranking:
+        if not candidates:
+            raise InvalidArgumentError("no candidate replicas")
+        self.streams.poll()
+        live = set(self.streams.live())
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
+        by_keys: dict[tuple[Any, ...], list[int]] = {}  # replicas agree on these normally: one hashing
+        matches: dict[Hashable, PrefixMatch] = {}
+        num_blocks = 0
+        for r in candidates:
+            keys = self._keying(r)
+            if keys not in by_keys:
+                by_keys[keys] = request_hashes(
+                    list(prompt_ids), keys[0], salt=salt, hash_fn=keys[1], epoch=keys[2]
+                )
+            hashes = by_keys[keys]
+            num_blocks = max(num_blocks, len(hashes))
+            matches[r] = self.index.match(hashes, [r])[r] if r in live else PrefixMatch()
+        loads = {r: self._load(r) for r in candidates}
+        requests = {r: self._requests(r) for r in candidates}
+        fallback = max(requests.values()) - min(requests.values()) > self.imbalance_threshold
+        if fallback:
+            order = sorted(candidates, key=lambda r: (requests[r], loads[r]))
+        else:
+            costs = {r: self.policy.cost(num_blocks, matches[r], loads[r]) for r in candidates}
+            i = self.policy.choose(
+                num_blocks, [matches[r] for r in candidates], [loads[r] for r in candidates]
+            )
+            first = candidates[i]
+            order = [first] + sorted(
+                (r for r in candidates if r != first), key=lambda r: (costs[r], loads[r])
+            )
+        return Ranking(order, matches, loads, fallback, num_blocks)
+
+    def predict(self, request_id: Hashable, ranking: Ranking) -> None:
+        """Remember, per candidate, the work a request would queue there (committed by `routed`)."""
+        n = ranking.num_blocks
+        self._predicted[request_id] = {r: max(n - m.total, 0) + 1.0 for r, m in ranking.matches.items()}
+
+    def routed(self, request_id: Hashable, replica: Hashable) -> None:
+        work = self._predicted.pop(request_id, {}).get(replica, 1.0)
+        rec = self._replicas.setdefault(replica, _Replica())
+        rec.inflight_blocks += work
+        rec.inflight_requests += 1
+        self._inflight[request_id] = (replica, work)
+
+    def completed(self, request_id: Hashable) -> None:
+        entry = self._inflight.pop(request_id, None)
+        self._predicted.pop(request_id, None)
+        if entry is None:
+            return
+        rec = self._replicas.get(entry[0])
+        if rec is not None:
+            rec.inflight_blocks = max(0.0, rec.inflight_blocks - entry[1])
+            rec.inflight_requests = max(0, rec.inflight_requests - 1)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _keying(self, replica: Hashable) -> tuple[int, str, int]:
+        """(block size, hash function, epoch) the replica keys its blocks with (defaults until it reports)."""
+        stats = self._replicas.get(replica, _Replica()).stats
+        bs, fn, epoch = stats.get("block_size"), stats.get("hash_fn"), stats.get("epoch")
+        return (
+            bs if isinstance(bs, int) and bs > 0 else 16,
+            fn if isinstance(fn, str) else "sha256",
+            epoch if isinstance(epoch, int) and epoch >= 0 else 0,
+        )
+
+    def _requests(self, replica: Hashable) -> int:
+        rec = self._replicas.get(replica, _Replica())
+        reported = int(rec.stats.get("num_running", 0)) + int(rec.stats.get("num_waiting", 0))
+        return max(rec.inflight_requests, reported)
+
+    def _load(self, replica: Hashable) -> float:
+        rec = self._replicas.get(replica, _Replica())
+        reported = int(rec.stats.get("num_running", 0)) + int(rec.stats.get("num_waiting", 0))
+        return rec.inflight_blocks + max(0, reported - rec.inflight_requests)

@@ -1,0 +1,102 @@
+"""`LiveRouter` over two replicas publishing real ZMQ events: prefix first, load next, the imbalance
+fallback, a restarted replica re-followed, a forgotten one gone from the index."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pagedkv.core import PagedKVManager
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.events import GPU, EventLog, ManagerFeed
+from pagedkv.events.publisher import ZmqEventPublisher
+from pagedkv.router.live import LiveRouter
+
+BS = 4
+
+
+class Replica:
+    def __init__(self, folder, name: str) -> None:
+        self.m = PagedKVManager(64, BS, record_events=True)
+        self.feed = ManagerFeed(self.m, EventLog(BS))
+        self.pub = ZmqEventPublisher(f"ipc://{folder}/{name}.pub", f"ipc://{folder}/{name}.replay")
+
+    def stats(self, **load: int) -> dict[str, object]:
+        return {"kv_events": self.pub.endpoint, "kv_replay": self.pub.replay_endpoint,
+                "incarnation": self.pub.first_seq, "block_size": BS, "hash_fn": "sha256", "epoch": 0,
+                "free_blocks": self.m.num_blocks - self.m.num_used_blocks,
+                "num_running": load.get("running", 0), "num_waiting": load.get("waiting", 0)}  # fmt: skip
+
+    def serve(self, prompt: list[int]) -> None:
+        adm = self.m.admit(np.asarray(prompt, dtype=np.int32))
+        self.m.mark_computed([adm.seq_id])
+        self.m.free(adm.seq_id)
+        self.feed.poll()
+        batch = self.feed.log.take_batch()
+        if batch is not None:
+            self.pub.publish(batch)
+
+
+def wait_for(router: LiveRouter, replica: str, blocks: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(router.index.state(replica).get(GPU, ())) < blocks:
+        assert time.monotonic() < deadline, "events did not arrive"
+        router.streams.poll()
+        router.streams.check()
+
+
+def test_prefix_then_load_then_the_imbalance_fallback(tmp_path) -> None:
+    a, b = Replica(tmp_path, "a"), Replica(tmp_path, "b")
+    router = LiveRouter(imbalance_threshold=3, sync_interval_s=3600)
+    try:
+        for name, r in (("a", a), ("b", b)):
+            router.observe(name, r.stats())
+        doc = list(range(100, 124))  # 6 blocks
+        b.serve(doc + [1])
+        wait_for(router, "b", 6)
+        prompt = doc + [7, 8, 9]
+        ranking = router.rank(["a", "b"], prompt)
+        assert ranking.order == ["b", "a"] and ranking.matches["b"].gpu == 6 and not ranking.fallback
+        # b gets busy with what this router sent it: 8 blocks of queued work outweigh 6 blocks to compute
+        for i in range(2):
+            router.predict(f"q{i}", router.rank(["a", "b"], list(range(500 + 10 * i, 517 + 10 * i))))
+            router.routed(f"q{i}", "b")
+        busy = router.rank(["a", "b"], prompt)
+        assert busy.loads["b"] == 10.0 and busy.order[0] == "a"
+        for i in range(2):
+            router.completed(f"q{i}")
+        assert router.rank(["a", "b"], prompt).order[0] == "b"
+        # other routers' requests, seen through b's stats: 5 in flight against a's 0 > threshold 3
+        router.observe("b", b.stats(running=4, waiting=1))
+        fallback = router.rank(["a", "b"], prompt)
+        assert fallback.fallback and fallback.order == ["a", "b"]
+    finally:
+        router.streams.close()
+        a.pub.close()
+        b.pub.close()
+
+
+def test_a_replica_restarted_elsewhere_is_refollowed_and_a_gone_one_forgotten(tmp_path) -> None:
+    a = Replica(tmp_path, "a")
+    router = LiveRouter(sync_interval_s=3600)
+    try:
+        router.observe("a", a.stats())
+        a.serve(list(range(40)))
+        wait_for(router, "a", 9)
+        a.pub.close()
+        a2 = Replica(tmp_path, "a2")  # Ray restarted it: a new process, new endpoints, an empty cache
+        router.observe("a", a2.stats())
+        router.streams.check()
+        assert router.index.state("a") == {}
+        a2.serve(list(range(8)) + [1])
+        wait_for(router, "a", 2)
+        assert len(router.index.state("a")[GPU]) == 2 and len(router.index) == 2  # the old 9 blocks are gone
+        router.forget("a")
+        assert len(router.index) == 0 and "a" not in router.streams
+        with pytest.raises(InvalidArgumentError):
+            router.rank([], [1, 2, 3])
+        a2.pub.close()
+    finally:
+        router.streams.close()
