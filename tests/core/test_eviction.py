@@ -235,3 +235,29 @@ TestSLRUMachine = _machine("slru").TestCase
 TestLFUMachine = _machine("lfu").TestCase
 TestPriorityMachine = _machine("priority").TestCase
 TestCostMachine = _machine("cost").TestCase
+
+
+# --- the soak draws every policy ------------------------------------------------------------------------------
+
+
+def test_the_soak_runs_every_policy_without_violation() -> None:
+    from pagedkv.bench.soak import draw_config, run_soak
+
+    rng = np.random.default_rng(0)
+    drawn = {draw_config(rng, ("paged",), POLICIES).eviction for _ in range(60)}
+    assert drawn == set(POLICIES)
+    result = run_soak(6000, seed=1, kinds=("paged", "paged-python"), policies=POLICIES)
+    assert result.violations == 0, result.message
+
+
+def test_the_soak_catches_an_eviction_that_forgets_keys() -> None:
+    from pagedkv.bench.soak import run_soak
+
+    def patch(m: object) -> object:
+        pool = getattr(m, "pool", None)
+        if pool is not None:  # evicted blocks keep their keys: a later hit would read overwritten KV
+            pool._evict = lambda n, pool=pool: pool.policy.evict(n)
+        return m
+
+    result = run_soak(20000, seed=2, kinds=("paged",), policies=("slru", "lfu"), patch=patch, shrink_s=2.0)
+    assert result.violations == 1

@@ -31,7 +31,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,7 @@ class Config:
     verify_hits: bool = False
     hash_fn: str = "sha256"
     prefix_caching: bool = True
+    eviction: str = "lru"  # the pool's eviction policy (`pagedkv.core.eviction`; --policy)
 
     def build(self) -> Any:
         if self.kind == "contiguous":
@@ -82,7 +83,7 @@ class Config:
         return PagedKVManager(
             self.num_blocks, self.block_size, num_host_blocks=self.num_host_blocks, verify_hits=self.verify_hits,
             hash_fn=self.hash_fn, record_events=True, native=False if self.kind == "paged-python" else None,
-            enable_prefix_caching=self.prefix_caching,
+            enable_prefix_caching=self.prefix_caching, eviction=self.eviction,
         )  # fmt: skip
 
     def source(self) -> str:
@@ -90,6 +91,7 @@ class Config:
             return f"m = ContiguousKVManager({self.num_blocks}, {self.block_size})"
         native = ", native=False" if self.kind == "paged-python" else ""
         native += "" if self.prefix_caching else ", enable_prefix_caching=False"
+        native += "" if self.eviction == "lru" else f", eviction={self.eviction!r}"
         return (
             f"m = PagedKVManager({self.num_blocks}, {self.block_size}, num_host_blocks={self.num_host_blocks}, "
             f"verify_hits={self.verify_hits}, hash_fn={self.hash_fn!r}, record_events=True{native})"
@@ -654,8 +656,15 @@ class Generator:
         return (name,)
 
 
-def draw_config(rng: np.random.Generator, kinds: tuple[str, ...]) -> Config:
+def draw_config(rng: np.random.Generator, kinds: tuple[str, ...], policies: tuple[str, ...] = ("lru",)) -> Config:
     kind = kinds[int(rng.integers(len(kinds)))]
+    if len(policies) > 1 or policies != ("lru",):  # one more draw only then: default runs replay as before
+        policy = policies[int(rng.integers(len(policies)))]
+        return replace(_draw_sizes(rng, kind), eviction=policy)
+    return _draw_sizes(rng, kind)
+
+
+def _draw_sizes(rng: np.random.Generator, kind: str) -> Config:
     bs = (1, 16, 32)[int(rng.integers(3))]
     num_blocks = int(rng.integers(64, 513))
     if kind == "contiguous":
@@ -700,9 +709,10 @@ def shrink(config: Config, ops: list[Op], patch: Patch | None, budget_s: float =
 
 def run_soak(
     ops: int, seed: int = 0, *, patch: Patch | None = None, kinds: tuple[str, ...] | None = None,
-    progress: bool = False, shrink_s: float = 20.0,
+    progress: bool = False, shrink_s: float = 20.0, policies: tuple[str, ...] = ("lru",),
 ) -> SoakResult:  # fmt: skip
-    """Run `ops` random operations in episodes; stop at the first violation (then shrink it)."""
+    """Run `ops` random operations in episodes; stop at the first violation (then shrink it). Paged episodes
+    draw their eviction policy from `policies`."""
     rng = np.random.default_rng(seed)
     if kinds is None:
         kinds = ("paged", "paged-python", "contiguous") if hotpath.NATIVE is not None else ("paged-python", "contiguous")
@@ -711,7 +721,7 @@ def run_soak(
     start = time.perf_counter()
     shown = -1
     while done < ops:
-        config = draw_config(rng, kinds)
+        config = draw_config(rng, kinds, policies)
         gen = Generator(rng, config)
         ep = Episode(config, patch)
         log: list[Op] = []
@@ -754,12 +764,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--policy", default="lru", metavar="NAME[,NAME]",
+        help="eviction policies the paged episodes draw from: lru, slru, lfu, priority, cost, or all (default lru)",
+    )  # fmt: skip
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    from pagedkv.core.eviction import EVICTION_POLICIES
+
+    names = tuple(EVICTION_POLICIES) if text == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in EVICTION_POLICIES]
+    if bad or not names:
+        raise InvalidArgumentError(f"--policy: unknown eviction policy {bad or text!r}; choose from "
+                                   f"{', '.join(EVICTION_POLICIES)} or all")  # fmt: skip
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
     if args.ops < 1:
         raise InvalidArgumentError(f"--ops must be >= 1, got {args.ops}")
-    result = run_soak(args.ops, args.seed, progress=not args.no_progress and args.ops >= 50_000)
+    result = run_soak(args.ops, args.seed, progress=not args.no_progress and args.ops >= 50_000,
+                      policies=_policies(args.policy))  # fmt: skip
     if args.json:
         print(json.dumps(asdict(result)))
     else:
