@@ -32,6 +32,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "what is bit-identical: allocators, vs transformers, Triton",
     ),
     ("bench", "soak"): ("pagedkv.bench.soak", "random operations on both managers, checked against a shadow KV store"),
+    ("bench", "serve"): ("pagedkv.bench.serve", "pagedkv serve vs transformers serve under one load generator"),
 }
 
 

@@ -1,0 +1,185 @@
+"""The server processes of `pagedkv bench serve`: started on a free port, waited for, measured, stopped.
+
+Each server is a subprocess of the bench, bound to 127.0.0.1 port 0 (the kernel picks a free port; the bench
+reads it from uvicorn's "running on http://HOST:PORT" line in the server's log), with `HF_HUB_OFFLINE=1`
+(nothing downloads) and `OMP_NUM_THREADS=1`. It is ready when `GET /health` answers 200. It is stopped by
+its pid: SIGTERM, then SIGKILL after `grace_s`. Its resident memory and CPU time are read from
+`/proc/PID/status` and `/proc/PID/stat` (Linux).
+
+`transformers serve` cannot read pagedkv's cached conversion of a GGUF file as it is (its loader takes the
+model class from `config.json`'s `architectures`, which GGUF conversions leave out), so `peer_folder` makes
+a folder of links to the same files with that one key added: both servers then load the same weights and
+the same tokenizer. `transformers serve` itself is run through `PEER_LAUNCHER`, which sets one torch thread
+before handing over to its command line, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedkv.core.errors import InvalidArgumentError
+
+_LISTENING = re.compile(r"running on https?://[^:\s]+:(\d+)", re.IGNORECASE)
+PEER_LAUNCHER = (
+    "import sys, torch; torch.set_num_threads(1); "
+    "from transformers.cli.transformers import main; sys.argv = ['transformers'] + sys.argv[1:]; main()"
+)
+
+
+@dataclass(slots=True)
+class ServerProcess:
+    """A started server: its process, its log file and the URL it answers on."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    base_url: str = ""
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (time, RSS bytes)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    return env
+
+
+def start_server(
+    name: str, argv: list[str], log_dir: Path, *, ready_timeout_s: float = 300.0
+) -> ServerProcess:
+    """Start `argv` (a server that binds port 0 and logs uvicorn's "running on" line), wait until its
+    `/health` answers 200; on failure stop it and raise `RuntimeError` with its log's tail."""
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=server_env()
+        )
+    server = ServerProcess(name, proc, log_path)
+    try:
+        _wait_ready(server, ready_timeout_s)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"{server.name} exited with code {server.proc.returncode} before it was ready:\n{server.log_tail()}"
+            )
+        if not server.base_url:
+            match = _LISTENING.search(server.log_path.read_text(errors="replace"))
+            if match:
+                server.base_url = f"http://127.0.0.1:{match.group(1)}"
+        if server.base_url:
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{server.name} was not ready within {timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+def stop_server(server: ServerProcess, grace_s: float = 15.0) -> int | None:
+    """SIGTERM, then SIGKILL after `grace_s`; the exit code."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait(10)
+    return server.proc.returncode
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmRSS line")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of `pid`, all threads."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- the two servers ------------------------------------------------------------------------------------
+
+
+def pagedkv_argv(model: str, options: list[str]) -> list[str]:
+    """`pagedkv serve` on 127.0.0.1, a free port, with the bench's engine options."""
+    return [sys.executable, "-m", "pagedkv.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
+            *options]  # fmt: skip
+
+
+def peer_argv(folder: Path, block_size: int, num_blocks: int, max_batch_tokens: int) -> list[str]:
+    """`transformers serve --continuous-batching` on 127.0.0.1, a free port, the same KV budget, fp32, SDPA."""
+    return [sys.executable, "-c", PEER_LAUNCHER, "serve", str(folder), "--continuous-batching",
+            "--cb-block-size", str(block_size), "--cb-num-blocks", str(num_blocks),
+            "--cb-max-batch-tokens", str(max_batch_tokens), "--attn-implementation", "sdpa",
+            "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+            "--log-level", "warning"]  # fmt: skip
+
+
+def peer_extra_body() -> dict[str, Any]:
+    """How `transformers serve` is told to ignore EOS: a `generation_config` JSON string in the body (its
+    only way; every request sends the same one, because its continuous batching takes the sampling settings
+    of the first request it sees for all)."""
+    return {"generation_config": json.dumps({"do_sample": False, "eos_token_id": -1})}
+
+
+def peer_folder(model_folder: Path, parent: Path | None = None) -> Path:
+    """A folder of links to `model_folder`'s files whose `config.json` names the model class
+    (`architectures`), which `transformers serve` needs (see the module docstring)."""
+    config_path = model_folder / "config.json"
+    if not config_path.is_file():
+        raise InvalidArgumentError(f"{model_folder} has no config.json; pass a transformers model folder")
+    config = json.loads(config_path.read_text())
+    if not config.get("architectures"):
+        config["architectures"] = [_architecture(config)]
+    out = Path(tempfile.mkdtemp(prefix="pagedkv-peer-", dir=parent))
+    for item in model_folder.iterdir():
+        if item.name != "config.json":
+            (out / item.name).symlink_to(item.resolve())
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = str(config.get("model_type", ""))
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is None:
+        raise InvalidArgumentError(f"transformers has no causal LM class for model_type {model_type!r}")
+    return str(name)

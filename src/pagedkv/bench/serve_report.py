@@ -1,0 +1,212 @@
+"""The report of `pagedkv bench serve`: the JSON object, the goals of issue 22, the table and the plot.
+
+Per system and load: the median run's figures (by output tokens/s; the lower middle for an even count),
+`runs_tokens_per_s` and `ranges` (min, max over runs of tokens/s, TTFT p99 and TPOT p50). Paired ratios
+(run i against run i: the runs were interleaved) of `pagedkv-serve` over `transformers-serve` at each load,
+and of `pagedkv-serve` over `pagedkv-offline` at the burst (the server's cost).
+
+Goals, each `met` True/False (None where a system needed was not run):
+- `saturation`: at the burst, the median paired tokens/s ratio pagedkv-serve / transformers-serve >= 1.25;
+- `ttft_below_saturation`: at every Poisson rate, pagedkv-serve's p99 TTFT (median run) is lower;
+- `server_cost`: at the burst, the median paired ratio pagedkv-serve / pagedkv-offline >= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RANGE_KEYS = ("tokens_per_s", "ttft_p99_s", "tpot_p50_s", "tokens_per_cpu_s")
+TABLE_COLUMNS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                 "errors", "tokens_per_cpu_s")  # fmt: skip
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name (or the platform's processor string)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(runs, key=lambda f: f["tokens_per_s"])
+    figure = dict(ordered[(len(ordered) - 1) // 2])
+    figure["runs_tokens_per_s"] = [f["tokens_per_s"] for f in runs]
+    figure["ranges"] = {
+        k: [min(vals), max(vals)] if vals else None
+        for k in RANGE_KEYS
+        for vals in [[f[k] for f in runs if f.get(k) is not None]]
+    }
+    return figure
+
+
+def paired(
+    a: list[dict[str, Any]], b: list[dict[str, Any]], key: str = "tokens_per_s"
+) -> dict[str, Any] | None:
+    ratios = [x[key] / y[key] for x, y in zip(a, b) if x.get(key) and y.get(key)]
+    if not ratios:
+        return None
+    return {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios), "runs": ratios}
+
+
+def text_agreement(texts: dict[str, dict[str, list[dict[str, str]]]]) -> dict[str, Any]:
+    """Per load: how many requests' texts differ from pagedkv-serve's (or the first system's), per system."""
+    out: dict[str, Any] = {}
+    systems = list(texts)
+    if not systems:
+        return out
+    base = "pagedkv-serve" if "pagedkv-serve" in texts else systems[0]
+    for name, base_runs in texts[base].items():
+        mismatched: dict[str, int] = {}
+        compared = 0
+        for other in systems:
+            if other == base:
+                continue
+            for run_a, run_b in zip(base_runs, texts[other].get(name, [])):
+                compared += len(run_a)
+                mismatched[other] = mismatched.get(other, 0) + sum(run_a[k] != run_b.get(k) for k in run_a)
+        out[name] = {"against": base, "requests_compared": compared, "mismatched": mismatched}
+    return out
+
+
+def goals(figures: dict[str, dict[str, Any]], ratios: dict[str, Any], loads: list[str]) -> dict[str, Any]:
+    sat = ratios.get("pagedkv-serve/transformers-serve", {}).get("burst")
+    cost = ratios.get("pagedkv-serve/pagedkv-offline", {}).get("burst")
+    ttft: dict[str, Any] = {}
+    for name in loads:
+        if name == "burst" or "pagedkv-serve" not in figures or "transformers-serve" not in figures:
+            continue
+        a, b = figures["pagedkv-serve"][name]["ttft_p99_s"], figures["transformers-serve"][name]["ttft_p99_s"]
+        ttft[name] = {"pagedkv_p99_s": a, "transformers_p99_s": b,
+                      "lower": None if a is None or b is None else a < b}  # fmt: skip
+    lowers = [v["lower"] for v in ttft.values()]
+    return {
+        "saturation": {"goal": ">= 1.25x transformers serve's output tok/s at the burst", "ratio": sat,
+                       "met": None if sat is None else sat["median"] >= 1.25},
+        "ttft_below_saturation": {"goal": "lower p99 TTFT at every Poisson rate", "rates": ttft,
+                                  "met": None if not lowers or None in lowers else all(lowers)},
+        "server_cost": {"goal": "pagedkv serve >= 0.95x the offline engine's tok/s at the burst", "ratio": cost,
+                        "met": None if cost is None else cost["median"] >= 0.95},
+    }  # fmt: skip
+
+
+def result_object(
+    args: argparse.Namespace,
+    setup: Any,
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    texts: dict[str, dict[str, list[dict[str, str]]]],
+    memory: dict[str, list[tuple[float, int]]],
+) -> dict[str, Any]:
+    from pagedkv.bench.serve import system_configs
+
+    figures = {s: {name: median_run(r) for name, r in by_load.items() if r} for s, by_load in runs.items()}
+    ratios: dict[str, Any] = {}
+    for other in ("transformers-serve", "pagedkv-offline"):
+        if "pagedkv-serve" in runs and other in runs:
+            ratios[f"pagedkv-serve/{other}"] = {
+                name: paired(runs["pagedkv-serve"][name], runs[other][name])
+                for name in setup.loads if runs[other][name]
+            }  # fmt: skip
+    configs = system_configs(args)
+    agreement = text_agreement(texts)
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_model(),
+        "model": args.model,
+        "requests_per_run": len(setup.shapes),
+        "trace_offset": args.trace_offset,
+        "prompt_tokens_mean": float(np.mean([s.prompt_tokens for s in setup.shapes])),
+        "output_tokens_mean": float(np.mean([s.output_len for s in setup.shapes])),
+        "kv_budget_blocks": args.num_blocks,
+        "block_size": args.block_size,
+        "loads": setup.loads,
+        "repeat": args.repeat,
+        "systems": {s: {"config": configs[s]} for s in runs},
+        "differing_settings": differing(configs, list(runs)),
+        "figures": figures,
+        "ratios": ratios,
+        "texts": agreement,
+        "texts_identical": all(not any(v["mismatched"].values()) for v in agreement.values()),
+        "goals": goals(figures, ratios, setup.loads),
+        "server_rss_samples": memory,
+    }
+
+
+def differing(configs: dict[str, dict[str, Any]], systems: list[str]) -> dict[str, dict[str, Any]]:
+    keys = sorted({k for s in systems for k in configs[s]})
+    return {
+        k: {s: configs[s].get(k) for s in systems}
+        for k in keys
+        if len({str(configs[s].get(k)) for s in systems}) > 1
+    }
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 100 else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"{result['model']} on {result['cpu']}, {result['date']}: {result['requests_per_run']} requests a run "
+          f"(prompt mean {result['prompt_tokens_mean']:.0f}, output mean {result['output_tokens_mean']:.0f} tokens), "
+          f"KV budget {result['kv_budget_blocks']} blocks x {result['block_size']} tokens, "
+          f"{result['repeat']} interleaved repeat(s); texts identical: {result['texts_identical']}")  # fmt: skip
+    print("settings that differ:")
+    for key, by_system in result["differing_settings"].items():
+        print(f"  {key}: " + "; ".join(f"{s}: {v}" for s, v in by_system.items()))
+    print("| system | load | " + " | ".join(TABLE_COLUMNS) + " | tok/s range |")
+    print("|---" * (len(TABLE_COLUMNS) + 3) + "|")
+    for system, by_load in result["figures"].items():
+        for name, f in by_load.items():
+            spread = f["ranges"]["tokens_per_s"]
+            cells = [_cell(f.get(c)) for c in TABLE_COLUMNS]
+            print(f"| {system} | {name} | " + " | ".join(cells) + f" | {spread[0]:.1f}-{spread[1]:.1f} |")
+    for pair, by_load in result["ratios"].items():
+        for name, r in by_load.items():
+            if r:
+                print(f"{pair} at {name}: median {r['median']:.2f}x, range {r['min']:.2f}-{r['max']:.2f}x "
+                      f"over {len(r['runs'])} pair(s)")  # fmt: skip
+    for goal, g in result["goals"].items():
+        state = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]
+        print(f"goal {goal} ({g['goal']}): {state}")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """p99 TTFT and p50 TPOT against output tokens/s, one line per system through its loads (headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system, by_load in result["figures"].items():
+        names = [n for n in result["loads"] if n in by_load]
+        x = [by_load[n]["tokens_per_s"] for n in names]
+        for ax, key in zip(axes, ("ttft_p99_s", "tpot_p50_s")):
+            y = [by_load[n][key] for n in names]
+            ax.plot(x, y, marker="o", label=system)
+            for xi, yi, n in zip(x, y, names):
+                ax.annotate(n, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for ax, title in zip(axes, ("p99 time to first token (s)", "p50 time per output token (s)")):
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"{result['model']}, {result['cpu']}, {result['date']} (labels: requests/s or burst)", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
