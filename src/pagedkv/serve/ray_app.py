@@ -1,0 +1,317 @@
+"""`pagedkv serve --replicas N`: N engine replicas on Ray Serve behind one OpenAI ingress and a KV-aware router.
+
+    ingress (1 replica, FastAPI: the same OpenAI routes as `pagedkv serve`, `pagedkv.serve.app.build_app`)
+        | DeploymentHandle, streaming; the handle's router is PagedKVRequestRouter (pagedkv.serve.ray_router)
+        v
+    PagedKVReplica x N   each: an Engine(kv_events=True) in an AsyncEngine, a ZMQ publisher of its KV events,
+                         record_routing_stats() = where its events are + its sizes and load; all share the Redis
+                         tier when --remote-url is given
+
+As a library (a local cluster by default; `address="ray://..."` or `"auto"` joins one):
+
+    from pagedkv.serve.ray_app import ReplicaSet, build_application
+    app = build_application(ReplicaSet(replicas=2, engine="pagedkv.serve.ray_app:tiny_engine",
+                                       remote_url="redis://10.0.0.5:6379/0"))
+    serve.run(app, name="pagedkv", route_prefix="/")
+
+A replica's engine comes from a factory `"module:function"`, called in the replica's process with the store
+URL (or None) and returning an `Engine` built with `kv_events=True`; replicas sharing a store must load the
+same weights under the same model id. `tiny_engine` is the CPU demo/test replica (a seeded tiny Llama).
+Ray restarts a replica whose actor dies or whose `check_health` fails (the engine loop stopped); the router
+follows the new one from its first event. Routers (`router=`): `pagedkv` (default), `prefix-affinity` (Ray's
+`PrefixCacheAffinityRouter`, which matches prompt text: `ReplicaRequest.prompt` is one character per token),
+`pow2` (Ray's default power of two choices).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.prefix import KEY_FUNCTIONS
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.params import SamplingParams
+from pagedkv.events import external_hash
+from pagedkv.events.publisher import ZmqEventPublisher
+from pagedkv.serve.async_engine import AsyncEngine
+
+ROUTERS = ("pagedkv", "prefix-affinity", "pow2")
+TINY_ENGINE = "pagedkv.serve.ray_app:tiny_engine"
+
+
+def tiny_engine(remote_url: str | None) -> Any:
+    """The demo and test replica: a tiny Llama with seeded weights (the same in every process), CPU, 4-token
+    blocks, one torch thread."""
+    import torch
+
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.tiny import tiny_model
+
+    torch.set_num_threads(1)
+    config = EngineConfig(num_blocks=96, block_size=4, kv_events=True, remote_url=remote_url)
+    return Engine(tiny_model("llama", 0), None, config)
+
+
+def load_factory(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise InvalidArgumentError(f"an engine factory is 'module:function', got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise InvalidArgumentError(f"cannot load the engine factory {spec!r}: {err}") from None
+
+
+@dataclass
+class ReplicaRequest:
+    """One engine request as the ingress hands it to a replica (and as routers see it)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @property
+    def prompt(self) -> str:
+        """The prompt for text-prefix routers (Ray's PrefixCacheAffinityRouter): one character per token, so
+        a shared text prefix is exactly a shared token prefix."""
+        return "".join(chr(0x10000 + (t % 0xF0000)) for t in self.prompt_token_ids)
+
+
+class _PublishingEngine(AsyncEngine):
+    """An AsyncEngine that publishes the engine's KV events on its own thread after every step."""
+
+    publisher: ZmqEventPublisher | None = None
+
+    def _publish(self, finished: list[RequestOutput]) -> None:
+        super()._publish(finished)
+        if self.publisher is not None:
+            batch = self.engine.take_event_batch()
+            if batch is not None:
+                self.publisher.publish(batch)
+
+
+class PagedKVReplica:
+    """The body of one replica (`build_application` makes it a deployment)."""
+
+    def __init__(
+        self, engine: str = TINY_ENGINE, remote_url: str | None = None, max_waiting: int = 1024
+    ) -> None:
+        built = load_factory(engine)(remote_url)
+        if getattr(built, "kv_events", None) is None:
+            raise InvalidArgumentError(
+                f"the engine from {engine!r} records no KV events: build it with kv_events=True"
+            )
+        host = os.environ.get("PAGEDKV_EVENTS_HOST") or _node_ip()
+        self.publisher = ZmqEventPublisher(f"tcp://{host}:*", f"tcp://{host}:*")
+        self.engine = _PublishingEngine(built, max_waiting=max_waiting)
+        self.engine.publisher = self.publisher
+        self.engine.start()
+        fn = built.manager.prefix.key_fn
+        self.hash_fn = next((name for name, f in KEY_FUNCTIONS.items() if f is fn), "custom")
+
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(
+            request.prompt_token_ids, request.params, request_id=request.request_id,
+            cache_salt=request.cache_salt, priority=request.priority,
+        ):  # fmt: skip
+            yield out
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "kv_events": self.publisher.endpoint, "kv_replay": self.publisher.replay_endpoint,
+            "incarnation": self.publisher.first_seq, "block_size": self.engine.engine.config.block_size,
+            "hash_fn": self.hash_fn, "epoch": int(self.engine.engine.manager.epoch),
+            "free_blocks": s.num_blocks - s.num_used_blocks, "num_blocks": s.num_blocks,
+            "num_running": s.num_running, "num_waiting": s.num_waiting + self.engine.num_waiting(),
+        }  # fmt: skip
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError("the engine loop stopped")
+
+    def describe(self) -> dict[str, Any]:
+        """What the ingress needs to serve the OpenAI routes for this model."""
+        e = self.engine.engine
+        return {
+            "tokenizer": e.tokenizer, "max_positions": e.spec.max_position_embeddings,
+            "capacity_tokens": e.capacity_tokens, "block_size": e.config.block_size, "pid": os.getpid(),
+        }  # fmt: skip
+
+    def kv_contents(self) -> dict[str, list[int]]:
+        """The hashes this replica can serve, per medium (the GPU from the manager itself, the others from the
+        event log: what the tiers reported). For tests; read while the replica is idle."""
+        e = self.engine.engine
+        out = {
+            m: sorted(external_hash(k) for k in e.kv_events.log.holds(m)) for m in ("CPU", "DISK", "REMOTE")
+        }
+        stale = e.kv_events.feed._stale
+        out["GPU"] = sorted(external_hash(k) for k in e.manager.index.all_keys() if k not in stale)
+        return {m: v for m, v in out.items() if v}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def kill(self) -> None:
+        """Die at once, as a crash would (tests: Ray must restart the replica)."""
+        os._exit(1)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # not inside Ray: loopback
+        return "127.0.0.1"
+
+
+class RemoteStream:
+    """One request's outputs streamed from a replica; the interface `pagedkv.serve.streams` expects."""
+
+    def __init__(self, gen: Any, request_id: str, on_final: Any) -> None:
+        self._gen = gen
+        self.request_id = request_id
+        self._on_final = on_final
+        self._finals: list[RequestOutput] = []
+        self.done = False
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            out: RequestOutput = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self.done = True
+            if self._finals:
+                self._on_final(self._finals)
+            raise
+        if out.finished:
+            self._finals.append(out)
+        return out
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self._gen.cancel()
+
+
+class RemoteEngine:
+    """The ingress's stand-in for an `AsyncEngine`: requests go to the replicas through a Ray handle (the
+    handle's request router picks the replica). Enough of AsyncEngine for `build_app`."""
+
+    def __init__(self, handle: Any, info: dict[str, Any]) -> None:
+        self.handle = handle.options(stream=True)
+        self.tokenizer = info["tokenizer"]
+        self.engine = SimpleNamespace(
+            spec=SimpleNamespace(max_position_embeddings=info["max_positions"]),
+            capacity_tokens=info["capacity_tokens"],
+            config=SimpleNamespace(block_size=info["block_size"]),
+        )
+        self.metrics: Any = None
+        self.alive = True
+        self._ids = 0
+
+    def start(self) -> None:
+        self.alive = True
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.alive = False
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+        cache_salt: str | None = None, priority: int = 0,
+    ) -> RemoteStream:  # fmt: skip
+        self._ids += 1
+        rid = request_id or f"ingress-{os.getpid()}-{self._ids}"
+        request = ReplicaRequest(list(prompt_token_ids), params, rid, cache_salt, priority)
+        return RemoteStream(self.handle.generate.remote(request), rid, self._observe)
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(outputs)
+
+
+@dataclass(frozen=True)
+class ReplicaSet:
+    """What `build_application` deploys (validated here, before Ray starts anything)."""
+
+    replicas: int = 2
+    engine: str = TINY_ENGINE
+    remote_url: str | None = None
+    router: str = "pagedkv"
+    model_name: str = "pagedkv"
+    api_key: str | None = None
+    num_cpus: float = 1.0
+    max_ongoing_requests: int = 64
+    stats_period_s: float = 1.0
+    router_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise InvalidArgumentError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if self.router not in ROUTERS:
+            raise InvalidArgumentError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        if self.num_cpus < 0 or self.max_ongoing_requests < 1 or self.stats_period_s <= 0:
+            raise InvalidArgumentError("num_cpus must be >= 0, max_ongoing_requests >= 1, stats_period_s > 0")
+        load_factory(self.engine)  # a bad factory is one line here, not a crash loop in every replica
+
+
+def router_class(name: str) -> Any:
+    if name == "pagedkv":
+        from pagedkv.serve.ray_router import PagedKVRequestRouter
+
+        return PagedKVRequestRouter
+    if name == "prefix-affinity":
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter,
+        )
+
+        return PrefixCacheAffinityRouter
+    from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+    return PowerOfTwoChoicesRequestRouter
+
+
+def build_application(spec: ReplicaSet) -> Any:
+    """The Ray Serve application: the ingress bound to N replicas (deploy it with `serve.run`)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    config = RequestRouterConfig(
+        request_router_class=router_class(spec.router), request_router_kwargs=dict(spec.router_kwargs),
+        request_routing_stats_period_s=spec.stats_period_s, request_routing_stats_timeout_s=10.0,
+    )  # fmt: skip
+    replica = serve.deployment(
+        PagedKVReplica, name="PagedKVReplica", num_replicas=spec.replicas,
+        ray_actor_options={"num_cpus": spec.num_cpus}, request_router_config=config,
+        max_ongoing_requests=spec.max_ongoing_requests, health_check_period_s=1.0, health_check_timeout_s=30.0,
+    )  # fmt: skip
+    ingress = serve.deployment(
+        serve.ingress()(OpenAIIngress), name="OpenAIIngress", ray_actor_options={"num_cpus": 0}
+    )
+    return ingress.bind(replica.bind(spec.engine, spec.remote_url), spec.model_name, spec.api_key)
+
+
+class OpenAIIngress:
+    """The one ingress: `build_app`'s OpenAI routes over a `RemoteEngine`."""
+
+    async def __init__(self, replicas: Any, model_name: str, api_key: str | None) -> None:
+        self.replicas = replicas
+        self.remote = RemoteEngine(replicas, await replicas.describe.remote())
+        self.model_name = model_name
+        self.api_key = api_key
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from pagedkv.serve.app import build_app
+
+        return build_app(self.remote, model_name=self.model_name, api_key=self.api_key, manage_engine=False)  # type: ignore[arg-type]

@@ -1,0 +1,106 @@
+"""`PagedKVRequestRouter`: Ray Serve's pluggable request router, deciding with pagedkv's KV-aware policy.
+
+    from ray.serve.config import RequestRouterConfig
+    RequestRouterConfig(request_router_class="pagedkv.serve.ray_router:PagedKVRequestRouter",
+                        request_router_kwargs={"imbalance_threshold": 8},
+                        request_routing_stats_period_s=1.0)
+
+Ray calls `choose_replicas(candidates, pending_request)` for each request; this router returns the candidates
+ranked by `pagedkv.router.live.LiveRouter` (one rank each, best first: Ray sends the request to the first
+that accepts it, i.e. is below `max_ongoing_requests`). The ranking is the cost policy of `pagedkv.router`
+over an index fed by every replica's KV events (ZMQ, vLLM's wire format, exact through gaps, restarts and
+dead replicas: `pagedkv.router.streams`), with a load-imbalance fallback. The replicas tell the router where
+their events are, which hashing they use and their load through `record_routing_stats` (see
+`pagedkv.serve.ray_app.PagedKVReplica`); Ray refreshes those every `request_routing_stats_period_s`.
+
+A request is recognised by its first argument having `prompt_token_ids` (a `ReplicaRequest`); anything else
+(health probes, other methods) is ranked in Ray's order. Ray's hooks keep the router's own count of work in
+flight per replica (`on_request_routed` / `on_request_completed`), and forget a replica Ray removed
+(`update_replicas`, `on_replica_actor_died`).
+
+The router runs in every process that holds a handle to the deployment (the ingress replicas); each keeps its
+own index from the same event streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from pagedkv.router.live import LiveRouter
+from pagedkv.router.policy import CostWeights
+
+logger = logging.getLogger(__name__)
+
+
+def request_of(pending: PendingRequest | None) -> Any:
+    """The request object of a pending call (the first argument with `prompt_token_ids`), or None."""
+    if pending is None:
+        return None
+    for arg in pending.args:
+        if hasattr(arg, "prompt_token_ids"):
+            return arg
+    return None
+
+
+class PagedKVRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(
+        self,
+        imbalance_threshold: int = 8,
+        compute_weight: float = 1.0,
+        local_discount: float = 0.1,
+        remote_discount: float = 0.3,
+        queue_weight: float = 1.0,
+        replay_timeout_ms: int = 500,
+        sync_interval_s: float = 1.0,
+    ) -> None:
+        self.live = LiveRouter(
+            weights=CostWeights(compute_weight, local_discount, remote_discount, queue_weight),
+            imbalance_threshold=imbalance_threshold,
+            replay_timeout_ms=replay_timeout_ms,
+            sync_interval_s=sync_interval_s,
+        )
+        self.decisions = 0
+        self.fallbacks = 0
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        request = request_of(pending_request)
+        if request is None or pending_request is None:
+            return [candidate_replicas]
+        for r in candidate_replicas:
+            self.live.observe(r.replica_id, r.routing_stats)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        ranking = self.live.rank(list(by_id), list(request.prompt_token_ids), cache_salt=request.cache_salt)
+        self.live.predict(pending_request.metadata.internal_request_id, ranking)
+        self.decisions += 1
+        self.fallbacks += ranking.fallback
+        return [[by_id[rid]] for rid in ranking.order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        if request_of(pending_request) is not None:
+            self.live.routed(pending_request.metadata.internal_request_id, replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.live.completed(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        old = set(self._replica_id_set)
+        super().update_replicas(replicas)
+        for gone in old - set(self._replica_id_set):
+            self.live.forget(gone)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.live.forget(replica_id)
