@@ -1,7 +1,9 @@
 """Seeded random schedules through the whole engine, checked against transformers and against themselves.
 
 Each round draws a tiny model family and an engine configuration (paged or contiguous, block size 1/4/16,
-preemption by swap or recompute, chunked prefill on or off, a pool and budget small enough to preempt), then
+preemption by swap or recompute, chunked prefill on or off, a pool and budget small enough to preempt; the
+tier rounds: paged with a small host RAM tier, sometimes a disk tier, swap preemption and chunked prefill,
+so that requests swapped out mid-prefill come back in the step that loads a tier hit), then
 interleaves adding requests (greedy or seeded sampling, n > 1, stop tokens, ignore_eos, priorities),
 steps, aborts from outside, callbacks that abort other requests, finish themselves or raise, and malformed
 requests that must be refused with nothing queued. It checks:
@@ -16,6 +18,7 @@ requests that must be refused with nothing queued. It checks:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,30 +88,44 @@ class Round:
     finished_by_self: set[str] = field(default_factory=set)
 
 
-def draw_round(seed: int) -> Round:
+def draw_round(seed: int, tier_dir: Path | None = None) -> Round:
+    """A round's configuration and requests; with `tier_dir`, a tier round (see the module docstring)."""
     rng = np.random.default_rng(seed)
     family = FAMILIES[seed % len(FAMILIES)]
     allocator = "contiguous" if rng.random() < 0.25 else "paged"
     block_size = int(rng.choice([1, 4, 16]))
     chunked = bool(rng.random() < 0.6)
     capacity = int(rng.integers(32, 64))  # tokens: a few requests at once, so preemption happens
+    swap = allocator == "paged" and rng.random() < 0.5
+    trng = np.random.default_rng(10_000 + seed)  # the tier round's own stream: rng draws stay the same
+    tiers: dict[str, Any] = {}
+    if tier_dir is not None:
+        allocator, chunked, swap, block_size = "paged", True, True, int(trng.choice([1, 2, 4]))
+        capacity = int(trng.integers(24, 40))  # tighter: prefixes leave the device, requests are swapped
+        tiers = _tier_settings(trng, tier_dir)
     config = EngineConfig(
         num_blocks=-(-capacity // block_size) + 1,
         block_size=block_size,
         allocator=allocator,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(
-            preemption_mode="swap" if allocator == "paged" and rng.random() < 0.5 else "recompute",
+            preemption_mode="swap" if swap else "recompute",
             enable_chunked_prefill=chunked,
-            max_num_batched_tokens=int(rng.integers(6, 24)) if chunked else int(rng.integers(16, 32)),
-            max_num_seqs=int(rng.integers(2, 9)),
+            max_num_batched_tokens=(
+                int(rng.integers(6, 24)) if tier_dir is None else int(trng.integers(4, 10))
+            ) if chunked else int(rng.integers(16, 32)),
+            max_num_seqs=int(rng.integers(2, 9)) if tier_dir is None else 8,
+            admission_lookahead=16 if tier_dir is None else 0,  # no growth reserve: more preemption
         ),
-        enable_prefix_caching=bool(rng.random() < 0.8),
+        enable_prefix_caching=bool(rng.random() < 0.8) or bool(tiers),
+        **tiers,
     )
     shared = rng.integers(3, VOCAB, size=12).tolist()  # a common head: prefix-cache hits happen
+    heads = [trng.integers(3, VOCAB, size=16).tolist() for _ in range(4)]  # tier rounds: four heads
     plans = []
-    for i in range(int(rng.integers(5, 9))):
+    for i in range(int(rng.integers(5, 9)) if tier_dir is None else int(trng.integers(10, 16))):
         n_prompt = int(rng.integers(1, 18))
-        prompt = (shared[: int(rng.integers(0, 12))] + rng.integers(3, VOCAB, size=n_prompt).tolist())[:20]
+        head = shared[: int(rng.integers(0, 12))] if tier_dir is None else heads[int(trng.integers(4))]
+        prompt = (head + rng.integers(3, VOCAB, size=n_prompt).tolist())[:20]
         sampled = rng.random() < 0.4
         params = SamplingParams(
             max_new_tokens=int(rng.integers(1, MAX_NEW + 1)),
@@ -125,6 +142,14 @@ def draw_round(seed: int) -> Round:
             Plan(f"r{i}", prompt, params, int(rng.integers(-1, 3)), callback, int(rng.integers(1, 4)))
         )
     return Round(family, config, plans)
+
+
+def _tier_settings(trng: np.random.Generator, tier_dir: Path) -> dict[str, Any]:
+    """A small host RAM tier, half the time a disk tier below it."""
+    tiers: dict[str, Any] = {"host_blocks": int(trng.integers(4, 16))}
+    if trng.random() < 0.5:
+        tiers.update(disk_path=str(tier_dir), disk_bytes=1 << 20)
+    return tiers
 
 
 TAKEN = object()
@@ -272,6 +297,8 @@ def check_round(rnd: Round, engine: Engine) -> None:
     assert set(final) <= accepted
     engine.manager.check_invariants()
     assert engine.manager.num_used_blocks == 0 and engine.manager.num_sequences == 0, "KV leaked"
+    if engine.tiering is not None:
+        engine.tiering.store.check_invariants()
     assert engine.stats.num_steps == len(engine.stats.running) == len(engine.stats.used_blocks)
 
 
@@ -280,6 +307,19 @@ def test_random_engine_rounds(seed: int) -> None:
     rnd = draw_round(seed)
     engine = run_round(rnd, np.random.default_rng(1000 + seed))
     check_round(rnd, engine)
+
+
+@pytest.mark.parametrize("seed", [2, 4, 6, 9, 15, 17])  # rounds that both swap and serve tier hits
+def test_random_engine_rounds_with_tiers_and_swap(seed: int, tmp_path: Path) -> None:
+    """Tier hits under swap preemption and chunked prefill: outputs still equal transformers', and every
+    step's plan had one writer per device block (`SchedulerOutput.check_writes` runs in each schedule)."""
+    rnd = draw_round(seed, tmp_path)
+    engine = run_round(rnd, np.random.default_rng(2000 + seed))
+    check_round(rnd, engine)
+    stats = engine.stats.tiers
+    assert stats is not None and stats.cached_tokens["CPU"] + stats.cached_tokens["DISK"] > 0
+    assert engine.stats.num_swapped_in_blocks > 0
+    engine.close()
 
 
 @pytest.mark.slow
