@@ -5,6 +5,7 @@ higher rank, nor another package of its own rank. Top-level imports and imports 
 (a lazy import is still a dependency).
 
     rank 0   core                 torch-free block manager; imports no other pagedkv package
+    rank 0   progress             progress on stderr (terminal only), for every layer that runs long work
     rank 1   workloads, events    torch-free, beside core: they import only core, everything above may use them
     rank 2   storage              KV tensors and their byte layout
     rank 3   tiers                torch-free byte tiers below the device (host, disk, remote); uses storage.spec
@@ -32,6 +33,7 @@ PKG = SRC / "pagedkv"
 
 RANKS: dict[str, int] = {
     "core": 0,
+    "progress": 0,
     "workloads": 1,
     "events": 1,
     "storage": 2,

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedkv.core.errors import PagedKVError
+from pagedkv.progress import on_terminal
 
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
+    if hasattr(args, "no_progress") and not on_terminal():
+        args.no_progress = True  # progress bars only where a person watches (piped: no 40 KB line of redraws)
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help()

@@ -35,20 +35,21 @@ Usable blocks are the pool less its null block.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.contiguous import RunAllocator
 from pagedkv.core.errors import CapacityError
+from pagedkv.progress import Progress
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
+from pagedkv.workloads.traces import sm64
 
 IntArray = npt.NDArray[np.int64]
 
@@ -60,56 +61,146 @@ def _ceil_sum(n: IntArray, b: int) -> IntArray:
     return total
 
 
-def shared_prefix_chains(
-    requests: Sequence[GeneratedRequest], block_size: int
-) -> list[list[tuple[int, ...]]]:
-    """Per request, for each leading full prompt block that a request of another conversation also starts
-    with: the sorted positions (in the workload) of one request per other conversation holding it. The list
-    of a request stops at its first block no other conversation holds. Turns of one conversation (linked by
-    `parent`) are not live together, so sharing between them does not count."""
+class SharedChains(NamedTuple):
+    """Which leading prompt blocks each request shares with other conversations, as flat arrays.
+
+    Entry e: request `owner[e]` holds shared block `block[e]`; `own[e]` is the first position (in the
+    workload) of a request of the owner's conversation holding that block. `holders[starts[k]:starts[k+1]]`
+    are the first positions of every conversation holding block k, ascending. A request's entries stop at its
+    first block no other conversation holds."""
+
+    owner: IntArray
+    block: IntArray
+    own: IntArray
+    holders: IntArray
+    starts: IntArray
+    num_requests: int
+
+
+def _conversations(requests: Sequence[GeneratedRequest]) -> list[int]:
+    """Per request, the index of the first turn of its conversation (turns are linked by `parent`)."""
     by_index = {r.index: r for r in requests}
+    root: dict[int, int] = {}
+    for r in requests:
+        path, cur = [], r
+        while cur.index not in root and cur.parent is not None and cur.parent in by_index:
+            path.append(cur.index)
+            cur = by_index[cur.parent]
+        first = root.get(cur.index, cur.index)
+        for index in (*path, cur.index):
+            root[index] = first
+    return [root[r.index] for r in requests]
 
-    def root(r: GeneratedRequest) -> int:
-        while r.parent is not None and r.parent in by_index:
-            r = by_index[r.parent]
-        return r.index
 
-    conversations = [root(r) for r in requests]
-    keys: list[list[int]] = []
-    holders: dict[int, dict[int, int]] = {}  # block key -> conversation -> first position holding it
-    for pos, r in enumerate(requests):
-        chain, parent = [], 0
-        ids = np.ascontiguousarray(r.prompt_token_ids, dtype=np.int32)
-        for j in range(len(ids) // block_size):
-            parent = hash((parent, ids[j * block_size : (j + 1) * block_size].tobytes()))
-            chain.append(parent)
-            holders.setdefault(parent, {}).setdefault(conversations[pos], pos)
-        keys.append(chain)
-    out: list[list[tuple[int, ...]]] = []
-    for pos, chain in enumerate(keys):
-        shared: list[tuple[int, ...]] = []
-        for k in chain:
-            others = tuple(sorted(p for c, p in holders[k].items() if c != conversations[pos]))
-            if not others:
+_CHUNK_BLOCKS = 64  # blocks of each live prompt copied into one array at a time
+
+
+def _block_hashes(parents: npt.NDArray[np.uint64], tokens: npt.NDArray[np.int32]) -> npt.NDArray[np.uint64]:
+    """Each row's block key, chained from its parent's: 64 bits (a planner estimate; a collision merges two
+    blocks' holders, it serves no KV)."""
+    weights = sm64(np.arange(1, tokens.shape[1] + 1, dtype=np.uint64)) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        row = (tokens.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+        return sm64(sm64(parents) ^ row)
+
+
+class _Depth(NamedTuple):
+    """One depth's shared blocks: the entries (in `alive` order, `shared` marks them) and the holders."""
+
+    shared: npt.NDArray[np.bool_]
+    block: IntArray  # per alive request: the shared block's number within this depth (where shared)
+    own: IntArray
+    holders: IntArray  # first positions per shared block, ascending within each block
+    counts: IntArray  # holders per shared block
+
+
+def _shared_at_depth(alive: IntArray, keys: npt.NDArray[np.uint64], conv: IntArray) -> _Depth:
+    """Which of the `alive` requests' blocks (keys `keys`) another conversation holds: one sort."""
+    c = conv[alive]
+    order = np.lexsort((alive, c, keys))  # by key, then conversation, then position
+    ks, cs, ps = keys[order], c[order], alive[order]
+    new_key = np.ones(len(ks), dtype=bool)
+    new_key[1:] = ks[1:] != ks[:-1]
+    new_pair = new_key.copy()
+    new_pair[1:] |= cs[1:] != cs[:-1]
+    key_id = np.cumsum(new_key) - 1
+    pair_id = np.cumsum(new_pair) - 1
+    pair_key, pair_pos = key_id[new_pair], ps[new_pair]  # each (block, conversation): its first position
+    convs = np.bincount(pair_key, minlength=int(key_id[-1]) + 1)
+    shared_keys = convs >= 2
+    number = np.cumsum(shared_keys) - 1  # shared blocks numbered 0.. in key order
+    shared, block, own = (np.empty(len(alive), dtype=t) for t in (bool, np.int64, np.int64))
+    shared[order] = shared_keys[key_id]
+    block[order] = number[key_id]
+    own[order] = pair_pos[pair_id]
+    keep = shared_keys[pair_key]
+    by_block = np.lexsort((pair_pos[keep], number[pair_key[keep]]))
+    return _Depth(shared, block, own, pair_pos[keep][by_block], convs[shared_keys])
+
+
+def shared_prefix_chains(
+    requests: Sequence[GeneratedRequest], block_size: int, progress: Progress | None = None
+) -> SharedChains:
+    """Per request, each leading full prompt block that a request of another conversation also starts with
+    (see `SharedChains`). Turns of one conversation (linked by `parent`) are not live together, so sharing
+    between them does not count.
+
+    Blocks are keyed depth by depth, and only for requests whose previous block is shared: a block's key
+    chains from its parent's, so a request whose block j no other conversation holds shares nothing after
+    it. Each depth is one sort of its live requests (the pass was quadratic in the holders of a block)."""
+    conv = np.array(_conversations(requests), dtype=np.int64)
+    prompts = [r.prompt_token_ids for r in requests]
+    num_blocks = np.array([len(t) // block_size for t in prompts], dtype=np.int64)
+    alive = np.flatnonzero(num_blocks > 0)
+    keys = np.zeros(len(alive), dtype=np.uint64)
+    out: list[list[IntArray]] = [[], [], [], [], []]  # owner, block, own, holders, counts
+    depth = numbered = 0
+    while len(alive):
+        span = min(_CHUNK_BLOCKS, int(num_blocks[alive].max()) - depth)
+        chunk = np.zeros((len(alive), span * block_size), dtype=np.int32)
+        for row, pos in enumerate(alive.tolist()):
+            head = prompts[pos][depth * block_size : (depth + span) * block_size]
+            chunk[row, : len(head)] = head
+        rows = np.arange(len(alive))
+        for d in range(span):
+            keys = _block_hashes(keys, chunk[rows, d * block_size : (d + 1) * block_size])
+            got = _shared_at_depth(alive, keys, conv)
+            s = got.shared
+            for part, value in zip(
+                out, (alive[s], got.block[s] + numbered, got.own[s], got.holders, got.counts)
+            ):
+                part.append(value)
+            numbered += len(got.counts)
+            if progress is not None:
+                progress.update(len(alive))
+            depth += 1
+            keep = s & (num_blocks[alive] > depth)
+            alive, keys, rows = alive[keep], keys[keep], rows[keep]
+            if not len(alive):
                 break
-            shared.append(others)
-        out.append(shared)
-    return out
+    owner, block, own, holders, counts = (np.concatenate(p) if p else np.zeros(0, np.int64) for p in out)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return SharedChains(owner, block, own, holders, starts, len(requests))
 
 
-def shared_blocks_saved(chains: list[list[tuple[int, ...]]], window: int) -> npt.NDArray[np.float64]:
+def shared_blocks_saved(chains: SharedChains, window: int) -> npt.NDArray[np.float64]:
     """Per request, the blocks it does not pay for when the requests live with it are the `window` around it
-    in workload order: each shared block costs 1/c, c its live holders (itself included)."""
+    in workload order: each shared block costs 1/c, c its live holders (itself included).
+
+    One sorted search for all entries: holder positions are encoded as block * n + position, ascending."""
+    n = max(chains.num_requests, 1)
     half = max(window, 1) // 2
-    saved = np.zeros(len(chains), dtype=np.float64)
-    for pos, shared in enumerate(chains):
-        lo, hi = pos - half, pos + half
-        total = 0.0
-        for others in shared:
-            live = bisect.bisect_right(others, hi) - bisect.bisect_left(others, lo)
-            total += 1.0 - 1.0 / (1 + live)
-        saved[pos] = total
-    return saved
+    if not len(chains.owner):
+        return np.zeros(chains.num_requests, dtype=np.float64)
+    which = np.repeat(np.arange(len(chains.starts) - 1, dtype=np.int64), np.diff(chains.starts))
+    encoded = which * n + chains.holders
+    lo = np.maximum(chains.owner - half, 0)
+    hi = np.minimum(chains.owner + half, n - 1)
+    inside = np.searchsorted(encoded, chains.block * n + hi, side="right")
+    inside -= np.searchsorted(encoded, chains.block * n + lo, side="left")
+    live = inside - ((chains.own >= lo) & (chains.own <= hi))  # other conversations only
+    saved = 1.0 - 1.0 / (1.0 + live)
+    return np.bincount(chains.owner, weights=saved, minlength=chains.num_requests).astype(np.float64)
 
 
 def first_fit_concurrency(
@@ -150,8 +241,10 @@ def plan_capacity(
     *,
     max_num_seqs: int = 256,
     allocators: Sequence[str] = ALLOCATORS,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
-    """Blocks per request and concurrent requests per allocator (see the module docstring), JSON-ready."""
+    """Blocks per request and concurrent requests per allocator (see the module docstring), JSON-ready.
+    `progress`: a progress line on stderr (None: on a terminal, where the work takes over a second)."""
     b = budget.block_size
     p = np.array([r.prompt_len for r in workload.requests], dtype=np.int64)
     o = np.array([r.output_len for r in workload.requests], dtype=np.int64)
@@ -170,7 +263,7 @@ def plan_capacity(
         full = float((full_blocks * life).sum() / total_life)
         tokens = float(((p + (o - 1) / 2 + 0.5) * life).sum() / total_life)
         if name == "paged-prefix":
-            avg, full = _prefix_shared_blocks(workload, budget, life, avg, full, max_num_seqs)
+            avg, full = _prefix_shared_blocks(workload, budget, life, avg, full, max_num_seqs, progress)
         free_blocks = budget.num_usable_blocks
         memory = int(free_blocks // avg)
         no_preempt = int(free_blocks // full)
@@ -229,12 +322,14 @@ def _prefix_shared_blocks(
     avg0: float,
     full0: float,
     max_num_seqs: int,
+    progress: bool | None = None,
 ) -> tuple[float, float]:
     """(mean, full) blocks per request once shared prefixes are counted once: a fixed point, N -> live
     holders per block -> blocks per request -> N."""
     total_life = float(life.sum())
     free_blocks = budget.num_usable_blocks
-    chains = shared_prefix_chains(workload.requests, budget.block_size)
+    with Progress("plan: shared prefixes", unit="blocks hashed", enabled=progress) as bar:
+        chains = shared_prefix_chains(workload.requests, budget.block_size, bar)
     n, avg, full = max(int(free_blocks // avg0), 1), avg0, full0
     for _ in range(20):
         saved = float((shared_blocks_saved(chains, min(n, max_num_seqs)) * life).sum() / total_life)
