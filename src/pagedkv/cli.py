@@ -1,4 +1,4 @@
-"""`pagedkv simulate | plan | generate | bench {allocator,attention,e2e,tiers,stalls,bitwise,soak}`: a thin front door.
+"""`pagedkv serve | simulate | plan | generate | bench {allocator,attention,e2e,tiers,stalls,bitwise,soak}`: a thin front door.
 
 Each command lives in the module that owns its logic and exposes `add_arguments(parser)` and
 `run(args) -> int`. Modules are imported only when their command is chosen, so `simulate`, `plan` and
@@ -23,6 +23,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("plan",): ("pagedkv.sim.commands_plan", "capacity planner: how many requests fit with each allocator"),
     ("generate",): ("pagedkv.engine.commands", "generate text with a real model served on pagedkv"),
+    ("serve",): ("pagedkv.serve.commands", "an OpenAI-compatible HTTP server of a model on pagedkv"),
     ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
     ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),
     ("bench", "e2e"): ("pagedkv.bench.e2e", "end-to-end serving throughput on a real model (CPU)"),

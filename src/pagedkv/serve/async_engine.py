@@ -1,0 +1,373 @@
+"""`AsyncEngine`: the engine behind an asyncio server. One thread steps it; requests are async streams.
+
+```
+caller's event loop(s)                         the engine thread (owns the Engine, nothing else touches it)
+  add_request(ids, params) ──validate──> commands ──> add / abort ──> step() back to back while requests
+      (raises at once: bad input,          (deque)                     are in flight, waits on an event when
+       never fits, overloaded)                                          none is
+  async for out in stream  <──── call_soon_threadsafe(one batch per step and loop) <── snapshots, ends
+```
+
+Contracts:
+
+- the door never waits on a step: `add_request` checks the request with the engine's intake (a pure
+  function of the request and the engine's fixed sizes), counts it against `max_waiting`, queues a command
+  and returns its `RequestStream`. `InvalidArgumentError` / `CapacityError` / `ServerOverloadedError`
+  come back at once, and nothing is queued;
+- a stream yields `RequestOutput` snapshots of each completion of its request (`parent_id` set for the
+  children of `n > 1`) as tokens arrive, exactly one `finished` output per completion, then ends. The
+  outputs are handed back by `Engine.release` when the last completion has ended, so the engine keeps
+  nothing of a finished request;
+- `abort(id)` (and a consumer that stops iterating `generate`) ends the request at the engine thread's
+  next turn, before the next step: its blocks go back to the pool then;
+- a failure of the engine itself (a forward raising) ends every in-flight stream with `EngineDeadError`
+  and stops the loop; `alive` turns False (the server's /health says so);
+- `stats()` is a snapshot the engine thread publishes after each turn: reading it never touches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagedkv.core.errors import InvalidArgumentError, PagedKVError
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+STATS_WINDOW = 4096  # per-step samples the engine keeps (its lists would otherwise grow for weeks)
+
+
+class ServerOverloadedError(PagedKVError):
+    """More requests wait for their first token than the server admits (`max_waiting`); retry later."""
+
+
+class EngineDeadError(PagedKVError):
+    """The engine loop has stopped (a failure of the engine itself, or shutdown)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the engine thread publishes after each turn (plain numbers: reading it is thread-safe)."""
+
+    alive: bool
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_steps: int
+    num_in_flight: int  # streams not yet ended (requests accepted by the door)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV blocks held by requests (cached-free prefix blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    outputs: tuple[RequestOutput, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: BaseException
+
+
+class RequestStream:
+    """The async stream of one request's outputs (see the module docstring). Iterate it once."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | _Ended | _Failed] = asyncio.Queue()
+        self._finished_ids: set[str] = set()
+        self._started = False  # first output seen (the request no longer counts as waiting)
+        self._pending: list[RequestOutput] = []
+        self.done = False
+
+    def _put(self, items: list[RequestOutput | _Ended | _Failed]) -> None:
+        """On the stream's loop: queue the engine thread's items; the first one ends "waiting"."""
+        if not self._started:
+            self._started = True
+            self._owner._left_waiting()
+        for item in items:
+            self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._pending:  # final outputs the end carried that were not yielded yet
+                out = self._pending.pop(0)
+                self._finished_ids.add(out.request_id)
+                return out
+            if self.done:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, _Failed):
+                self.done = True
+                raise item.error
+            if isinstance(item, _Ended):
+                self.done = True
+                self._pending = [o for o in item.outputs if o.request_id not in self._finished_ids]
+                continue
+            if item.finished:
+                if item.request_id in self._finished_ids:
+                    continue
+                self._finished_ids.add(item.request_id)
+            return item
+
+    def abort(self) -> None:
+        if not self.done:
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Serve an `Engine` to asyncio callers; see the module docstring."""
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 1024, metrics: ServerMetrics | None = None) -> None:
+        if not isinstance(max_waiting, int) or max_waiting < 1:
+            raise InvalidArgumentError(f"max_waiting must be an int >= 1, got {max_waiting!r}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._num_waiting = 0  # accepted at the door, no output yet
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        # owned by the engine thread
+        self._streams: dict[str, RequestStream] = {}
+        self._notes: list[RequestOutput] = []
+        self._snapshot = self._take_snapshot(alive=False)
+
+    # --- the caller's side ----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._failure is None and not self._stopping
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+        self._snapshot = self._take_snapshot(alive=True)
+
+    def stats(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def num_waiting(self) -> int:
+        """Requests accepted by the door that have not produced an output yet."""
+        return self._num_waiting
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | bytes | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Check the request and queue it; its stream. Must be called from a running event loop."""
+        loop = asyncio.get_running_loop()
+        if not self.alive:
+            raise EngineDeadError(self._dead_reason())
+        rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
+        arrival = self.engine.clock()
+        self.engine.intake.build(
+            rid, prompt_token_ids, params, priority=priority, arrival_time=arrival, cache_salt=cache_salt, ids_in_use=()
+        )  # the door's checks, on this thread: raises without queueing anything
+        with self._lock:
+            if self._num_waiting >= self.max_waiting:
+                raise ServerOverloadedError(
+                    f"{self._num_waiting} requests are waiting for their first token (--max-waiting "
+                    f"{self.max_waiting}); retry later"
+                )
+            self._num_waiting += 1
+        stream = RequestStream(rid, loop, self)
+        self._send("add", (stream, list(prompt_token_ids), params, cache_salt, priority, arrival))
+        return stream
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | bytes | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """`add_request`, then its outputs; closing the iterator early (or cancelling) aborts the request."""
+        stream = self.add_request(
+            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, priority=priority
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """End a request at the engine thread's next turn (no-op once it has ended)."""
+        self._send("abort", request_id)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort what is in flight, stop the engine thread and close the engine's tiers."""
+        self._stopping = True
+        self._send("abort_all", None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.engine.close()
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.append((kind, payload))
+        self._wake.set()
+
+    def _left_waiting(self) -> None:
+        with self._lock:
+            self._num_waiting -= 1
+
+    def _dead_reason(self) -> str:
+        if self._failure is not None:
+            return f"the engine loop failed: {type(self._failure).__name__}: {self._failure}"
+        return "the engine loop is not running (not started, or shut down)"
+
+    # --- the engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                self._apply_commands()
+                if self._stopping and not self.engine.has_unfinished():
+                    break
+                if not self.engine.has_unfinished():
+                    self._snapshot = self._take_snapshot(alive=True)
+                    self._wake.wait()
+                    continue
+                finished = self.engine.step()
+                self._publish(finished)
+        except BaseException as e:  # the engine itself failed: every stream learns it, /health turns red
+            logger.exception("pagedkv engine loop failed")
+            self._failure = e
+            self._fail_all(EngineDeadError(self._dead_reason()))
+        finally:
+            self._snapshot = self._take_snapshot(alive=False)
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                self._add(*payload)
+            elif kind == "abort":
+                self._abort(payload)
+            else:  # abort_all
+                for rid in list(self._streams):
+                    self._abort(rid)
+
+    def _add(
+        self, stream: RequestStream, ids: list[int], params: SamplingParams, salt: Any, priority: int, arrival: float
+    ) -> None:
+        try:
+            self.engine.add_request(
+                ids, params, request_id=stream.request_id, priority=priority, arrival_time=arrival,
+                on_token=self._notes.append, cache_salt=salt,
+            )  # fmt: skip
+        except PagedKVError as e:  # checked at the door already; an id clash can still land here
+            self._dispatch({stream: [_Failed(e)]})
+            return
+        self._streams[stream.request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self.engine.finish(request_id, "abort")
+
+    def _publish(self, finished: list[RequestOutput]) -> None:
+        """Route this turn's snapshots and ends to their streams; release families that have ended."""
+        batches: dict[RequestStream, list[RequestOutput | _Ended | _Failed]] = {}
+        roots: set[str] = set()
+        for out in itertools.chain(self._notes, finished):
+            root = out.parent_id or out.request_id
+            stream = self._streams.get(root)
+            if stream is not None:
+                batches.setdefault(stream, []).append(out)
+                if out.finished:
+                    roots.add(root)
+        self._notes.clear()
+        for root in roots:
+            outputs = self.engine.release(root)
+            if outputs is not None:
+                stream = self._streams.pop(root)
+                batches.setdefault(stream, []).append(_Ended(tuple(outputs)))
+                if self.metrics is not None:
+                    self.metrics.observe_request(outputs)
+        self._dispatch(batches)
+        self._snapshot = self._take_snapshot(alive=True)
+        if len(self.engine.stats.step_times) > 2 * STATS_WINDOW:
+            self.engine.stats.trim(STATS_WINDOW)
+
+    def _dispatch(self, batches: dict[RequestStream, list[RequestOutput | _Ended | _Failed]]) -> None:
+        """One `call_soon_threadsafe` per event loop for the whole turn."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[Any]]]] = {}
+        for stream, items in batches.items():
+            by_loop.setdefault(stream._loop, []).append((stream, items))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, pairs)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                for stream, _ in pairs:
+                    self._abort(stream.request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._dispatch({stream: [_Failed(error)] for stream in self._streams.values()})
+        self._streams.clear()
+
+    def _take_snapshot(self, *, alive: bool) -> EngineSnapshot:
+        engine, scheduler = self.engine, self.engine.scheduler
+        snapshot = EngineSnapshot(
+            alive=alive,
+            num_running=int(scheduler.num_running),
+            num_waiting=int(scheduler.num_waiting),
+            num_swapped=len(scheduler.swapped),
+            num_used_blocks=int(engine.manager.num_used_blocks),
+            num_blocks=int(engine.manager.num_blocks),
+            num_preemptions=int(engine.stats.num_preemptions),
+            num_steps=int(engine.stats.num_steps),
+            num_in_flight=len(self._streams),
+        )
+        if self.metrics is not None:
+            self.metrics.observe_engine(snapshot)
+        return snapshot
+
+
+def _deliver(pairs: list[tuple[RequestStream, list[Any]]]) -> None:
+    for stream, items in pairs:
+        stream._put(items)

@@ -1,0 +1,136 @@
+"""`pagedkv serve`: an OpenAI-compatible server of one model on the pagedkv engine (FastAPI + uvicorn).
+
+    pagedkv serve --model smollm2 --port 8000
+    pagedkv serve --model ./my-model --kv-budget 256MiB --api-key secret --max-waiting 256
+
+The engine flags are `pagedkv generate`'s (the same names, defaults and `EngineConfig`); the server adds
+`--host`, `--port`, `--served-model-name`, `--api-key`, `--max-waiting`, `--max-body-bytes`,
+`--drain-timeout`. Arguments and the model source are checked before the weights load (one line on stderr,
+exit 2). SIGTERM or Ctrl-C: the server stops accepting connections, lets the requests in flight finish for
+up to `--drain-timeout` seconds (then aborts them), stops the engine loop and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from pagedkv.core.errors import InvalidArgumentError, PagedKVError
+from pagedkv.engine.managers import MANAGER_KINDS
+from pagedkv.engine.scheduler import SchedulerConfig
+
+DEFAULT_PORT = 8000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="smollm2 (bundled), a local transformers folder or a .gguf file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port (printed on stderr)")
+    parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    parser.add_argument("--max-waiting", type=int, default=1024, help="requests waiting for a first token before 429")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    _add_engine_arguments(parser)
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags as `pagedkv generate` spells them (its `_engine_config` reads them)."""
+    from pagedkv.engine.commands import DEFAULT_KV_BUDGET
+
+    engine = parser.add_argument_group("engine (as pagedkv generate)")
+    capacity = engine.add_mutually_exclusive_group()
+    capacity.add_argument("--kv-budget", help=f"KV cache bytes, e.g. 64MiB (default {DEFAULT_KV_BUDGET})")
+    capacity.add_argument("--num-blocks", type=int, help="KV cache size in blocks instead of bytes")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--allocator", choices=MANAGER_KINDS, default="paged")
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    defaults = SchedulerConfig()
+    engine.add_argument("--preemption", choices=("recompute", "swap"), default=defaults.preemption_mode)
+    engine.add_argument("--max-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    engine.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    engine.add_argument("--admission-lookahead", type=int, default=defaults.admission_lookahead)
+    engine.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
+    tiers.add_argument("--host-blocks", type=int, default=0, help="host-RAM tier size in blocks (0 = off)")
+    tiers.add_argument("--disk-path", default=None, help="folder of the local disk tier")
+    tiers.add_argument("--disk-bytes", default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)")
+    tiers.add_argument("--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH")
+
+
+def check_server_arguments(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise InvalidArgumentError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 1:
+        raise InvalidArgumentError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.max_body_bytes < 1024:
+        raise InvalidArgumentError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if not args.drain_timeout >= 0:
+        raise InvalidArgumentError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        check_server_arguments(args)
+        server, sock = _build_server(args)
+    except PagedKVError as err:
+        print(f"pagedkv serve: {err}", file=sys.stderr)
+        return 2
+    # uvicorn re-raises the signal it caught once it has drained; a handler here makes that a no-op, so the
+    # process ends with exit code 0 after a graceful SIGTERM
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[sock])
+    return 0
+
+
+def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
+    """Check the source, load the model, build the engine, the app and the uvicorn server (not started),
+    and bind its socket (so `--port 0` can say which port it got)."""
+    import torch
+    import uvicorn
+
+    from pagedkv.engine.commands import _engine_config
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.loading import check_source, load_tokenizer, load_weights, set_progress_bars
+    from pagedkv.serve.app import build_app
+    from pagedkv.serve.async_engine import AsyncEngine
+
+    config = _engine_config(args)
+    source = check_source(args.model)
+    set_progress_bars(False)
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(source)
+    model = load_weights(source, dtype=args.dtype, tokenizer=tokenizer)
+    engine = Engine(model, tokenizer, config)
+    app = build_app(
+        AsyncEngine(engine, max_waiting=args.max_waiting),
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+        access_log=args.log_level in ("info", "debug"),
+    )  # fmt: skip
+    server = uvicorn.Server(uv_config)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        sock.close()
+        raise InvalidArgumentError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    port = sock.getsockname()[1]
+    print(
+        f"pagedkv serve: {args.served_model_name or args.model} on http://{args.host}:{port} "
+        f"({engine.manager.num_blocks} KV blocks of {config.block_size} tokens)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return server, sock

@@ -1,0 +1,324 @@
+"""POST /v1/completions and /v1/chat/completions: OpenAI request in, OpenAI response (or SSE stream) out.
+
+Each handler: parse the body strictly (`protocol`), check the model, encode the prompts (the chat template for
+chat), map the fields onto `SamplingParams`, submit every prompt at once (`streams.submit`: 400 / 429 / 503
+before anything runs), then either wait for the ends (aborting if the client leaves) or stream
+`data: {chunk}` events and `data: [DONE]` through starlette's `StreamingResponse`.
+
+`echo` with `max_tokens: 0` (the scoring call of evaluation harnesses) runs the prompt for one token, which
+is dropped: the answer holds the prompt's text and, with `logprobs`, its tokens' log-probabilities (the first
+token's is null, as OpenAI's).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedkv.core.errors import PagedKVError
+from pagedkv.engine.outputs import RequestOutput, TokenLogprobs
+from pagedkv.serve.async_engine import AsyncEngine
+from pagedkv.serve.errors import APIError, bad_request, internal_error
+from pagedkv.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
+from pagedkv.serve.streams import (
+    ClientGone,
+    DeltaTracker,
+    choice_index,
+    collect,
+    finish_reason,
+    merged,
+    submit,
+    usage,
+)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """What the handlers need: the engine, the served model's name, the server's own tokenizer copy."""
+
+    engine: AsyncEngine
+    model_name: str
+    tokenizer: Any
+    max_positions: int | None
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this server has no tokenizer: send token ids", param)
+        ids = [int(t) for t in self.tokenizer(text)["input_ids"]]
+        if not ids:
+            raise bad_request(f"{param}: the prompt is empty (no tokens)", param)
+        return ids
+
+    def chat_ids(self, messages: Sequence[Any]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [m.as_template_input() for m in messages], add_generation_prompt=True, tokenize=True
+            )
+        except Exception as err:  # the template refused these messages (roles, order): the client's input
+            raise bad_request(f"messages: the chat template refused them ({err})", "messages") from None
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(t) for t in ids]
+
+    def text_of(self, token_id: int) -> str:
+        """One token's text (bounded by the vocabulary)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = str(self.tokenizer.decode([token_id])) if self.tokenizer is not None else f"<{token_id}>"
+            self._token_text[token_id] = text
+        return text
+
+    def default_max_tokens(self, num_prompt: int) -> int:
+        """Chat without max_tokens: what the positions and the KV pool leave (at least 1)."""
+        capacity = self.engine.engine.capacity_tokens - self.engine.engine.config.block_size
+        limit = capacity if self.max_positions is None else min(capacity, self.max_positions)
+        return max(1, limit - num_prompt)
+
+    def completion_logprobs(self, entries: Sequence[TokenLogprobs | None], ids: Sequence[int], offset: int) -> dict[str, Any]:
+        tokens = [self.text_of(t) for t in ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {self.text_of(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.text_of(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def stream_error(err: BaseException) -> str:
+    if isinstance(err, APIError):
+        return sse(err.body())
+    return sse(APIError(500, str(err), type="server_error", code="engine_unavailable").body())
+
+
+def check_finals(finals: Sequence[Sequence[RequestOutput]]) -> None:
+    """A completion that ended in error (not the client's doing) is a 500 with its message."""
+    for group in finals:
+        for out in group:
+            if out.finish_reason == "error":
+                raise internal_error(f"request failed: {out.error}")
+
+
+# --- /v1/completions ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Completion:
+    req: CompletionRequest
+    texts: list[str]
+    ids: list[list[int]]
+    echo_only: bool
+    rid: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[str], list[list[int]]]:
+    if isinstance(prompt, str):
+        return [prompt], [ctx.encode(prompt, "prompt")]
+    if not prompt:
+        raise bad_request("prompt: give a string, a list of strings, a list of token ids or a list of such lists", "prompt")
+    if isinstance(prompt[0], str):
+        return list(prompt), [ctx.encode(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+    lists = [prompt] if isinstance(prompt[0], int) else list(prompt)
+    texts = [str(ctx.tokenizer.decode(ids)) if ctx.tokenizer is not None else "" for ids in lists]
+    return texts, [list(ids) for ids in lists]
+
+
+async def create_completion(ctx: ServerContext, request: Request, body: bytes) -> Response:
+    req = parse_body(CompletionRequest, body)
+    ctx.check_model(req.model)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens: must be >= 1 (0 only with echo)", "max_tokens")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of: only best_of == n is supported", "best_of", "unsupported_parameter")
+    if req.suffix:
+        raise bad_request("suffix is not supported by pagedkv", "suffix", "unsupported_parameter")
+    texts, ids = _completion_prompts(ctx, req.prompt)
+    job = _Completion(req, texts, ids, echo_only=req.echo and req.max_tokens == 0)
+    max_tokens = 1 if job.echo_only else (req.max_tokens or DEFAULT_COMPLETION_TOKENS)
+    scoring = req.logprobs if req.echo and req.logprobs is not None else None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=scoring)
+    streams = submit(ctx.engine, ids, [params] * len(ids), req.cache_salt)
+    if req.stream:
+        events = _completion_events(ctx, job, merged(streams), DeltaTracker.for_params(params))
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        finals = await collect(streams, request)
+    except ClientGone:
+        return Response(status_code=499)
+    check_finals(finals)
+    choices = [_completion_choice(ctx, job, i, out) for i, group in enumerate(finals) for out in group]
+    choices.sort(key=lambda c: c["index"])
+    return JSONResponse(
+        {
+            "id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name,
+            "choices": choices, "usage": usage(ids, finals, echo_only=job.echo_only), "system_fingerprint": None,
+        }  # fmt: skip
+    )
+
+
+def _completion_choice(ctx: ServerContext, job: _Completion, i: int, out: RequestOutput) -> dict[str, Any]:
+    text = "" if job.echo_only else (out.output_text or "")
+    token_ids = [] if job.echo_only else list(out.output_token_ids)
+    entries: list[TokenLogprobs | None] = [] if job.echo_only else list(out.logprobs or [])
+    if job.req.echo:
+        text = job.texts[i] + text
+        token_ids = job.ids[i] + token_ids
+        entries = list(out.prompt_logprobs or [None] * len(job.ids[i])) + entries
+    logprobs = ctx.completion_logprobs(entries, token_ids, 0) if job.req.logprobs is not None else None
+    return {
+        "index": choice_index(i, out, job.req.n),
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(out, echo_only=job.echo_only),
+    }
+
+
+async def _completion_events(
+    ctx: ServerContext, job: _Completion, outputs: AsyncIterator[tuple[int, RequestOutput]], tracker: DeltaTracker
+) -> AsyncIterator[str]:
+    finals: list[list[RequestOutput]] = [[] for _ in job.ids]
+    echoed: set[int] = set()
+    try:
+        async for i, out in outputs:
+            index = choice_index(i, out, job.req.n)
+            delta, a, b = ("", 0, 0) if job.echo_only else tracker.step(index, out)
+            token_ids = list(out.output_token_ids[a:b])
+            entries: list[TokenLogprobs | None] = list((out.logprobs or [])[a:b])
+            if job.req.echo and index not in echoed:
+                echoed.add(index)
+                delta = job.texts[i] + delta
+                token_ids = job.ids[i] + token_ids
+                entries = list(out.prompt_logprobs or [None] * len(job.ids[i])) + entries
+            if out.finished:
+                finals[i].append(out)
+            elif not delta and not token_ids:
+                continue
+            logprobs = ctx.completion_logprobs(entries, token_ids, 0) if job.req.logprobs is not None else None
+            choice = {"index": index, "text": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason(out, echo_only=job.echo_only)}  # fmt: skip
+            yield sse(_completion_chunk(ctx, job, [choice]))
+        if job.req.include_usage:
+            yield sse({**_completion_chunk(ctx, job, []), "usage": usage(job.ids, finals, echo_only=job.echo_only)})
+    except PagedKVError as err:
+        yield stream_error(err)
+    yield "data: [DONE]\n\n"
+
+
+def _completion_chunk(ctx: ServerContext, job: _Completion, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    chunk = {"id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name, "choices": choices}
+    if job.req.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+# --- /v1/chat/completions -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Chat:
+    req: ChatCompletionRequest
+    ids: list[int]
+    rid: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+async def create_chat_completion(ctx: ServerContext, request: Request, body: bytes) -> Response:
+    req = parse_body(ChatCompletionRequest, body)
+    ctx.check_model(req.model)
+    if req.max_tokens == 0:
+        raise bad_request("max_tokens: must be >= 1", "max_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    job = _Chat(req, ctx.chat_ids(req.messages))
+    max_tokens = req.max_completion_tokens or req.max_tokens or ctx.default_max_tokens(len(job.ids))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    streams = submit(ctx.engine, [job.ids], [params], req.cache_salt)
+    if req.stream:
+        return StreamingResponse(_chat_events(ctx, job, merged(streams), DeltaTracker.for_params(params)), media_type="text/event-stream")
+    try:
+        finals = await collect(streams, request)
+    except ClientGone:
+        return Response(status_code=499)
+    check_finals(finals)
+    choices = []
+    for out in finals[0]:
+        choices.append({
+            "index": choice_index(0, out, req.n),
+            "message": {"role": "assistant", "content": out.output_text or ""},
+            "logprobs": ctx.chat_logprobs(out.logprobs or []) if req.logprobs else None,
+            "finish_reason": out.finish_reason,
+        })  # fmt: skip
+    return JSONResponse(
+        {
+            "id": job.rid, "object": "chat.completion", "created": job.created, "model": ctx.model_name,
+            "choices": choices, "usage": usage([job.ids], finals), "system_fingerprint": None,
+        }  # fmt: skip
+    )
+
+
+async def _chat_events(
+    ctx: ServerContext, job: _Chat, outputs: AsyncIterator[tuple[int, RequestOutput]], tracker: DeltaTracker
+) -> AsyncIterator[str]:
+    finals: list[list[RequestOutput]] = [[]]
+    started: set[int] = set()
+    try:
+        async for _, out in outputs:
+            index = choice_index(0, out, job.req.n)
+            if index not in started:  # the role first, as OpenAI does
+                started.add(index)
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                yield sse(_chat_chunk(ctx, job, [role]))
+            delta, a, b = tracker.step(index, out)
+            if out.finished:
+                finals[0].append(out)
+            elif not delta and a == b:
+                continue
+            logprobs = ctx.chat_logprobs((out.logprobs or [])[a:b]) if job.req.logprobs else None
+            choice = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason if out.finished else None}  # fmt: skip
+            yield sse(_chat_chunk(ctx, job, [choice]))
+        if job.req.include_usage:
+            yield sse({**_chat_chunk(ctx, job, []), "usage": usage([job.ids], finals)})
+    except PagedKVError as err:
+        yield stream_error(err)
+    yield "data: [DONE]\n\n"
+
+
+def _chat_chunk(ctx: ServerContext, job: _Chat, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    chunk = {"id": job.rid, "object": "chat.completion.chunk", "created": job.created, "model": ctx.model_name, "choices": choices}
+    if job.req.include_usage:
+        chunk["usage"] = None
+    return chunk
+
