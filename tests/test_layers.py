@@ -14,6 +14,8 @@ higher rank, nor another package of its own rank. Top-level imports and imports 
     rank 6   engine               continuous batching (uses hf, ops, storage, tiers)
     rank 7   router               requests across engines (imports core/events, and may use engine)
     rank 8   sim                  simulator and planner (may use router)
+    rank 8   serve                online serving: async engine, OpenAI-compatible HTTP, metrics (uses engine,
+                                  router); bench drives it
     rank 9   bench                benchmarks
     rank 10  cli                  the command line
     rank 11  demo                 the `python -m pagedkv.demo` tour, which drives the command line
@@ -44,6 +46,7 @@ RANKS: dict[str, int] = {
     "router": 7,
     "sim": 8,
     "bench": 9,
+    "serve": 8,
     "cli": 10,
     "demo": 11,
 }
