@@ -1,0 +1,445 @@
+"""`HybridKVManager`: KV cache groups (full, sliding window, chunked local) over ONE block pool.
+
+Each group (`group.py`) has its own block table per sequence (`BlockTables`, rows in lockstep: a sequence
+id is the same row in every group), over the one `BlockPool` of one block size, so a block id names a page
+that holds one group's layers at a time. A model with one attention type is served by `PagedKVManager`,
+untouched; this class is for models that mix them (or that want their windows to free memory).
+
+Per group g and sequence, the table is a run of leading null entries, then real blocks:
+
+    tokens      | 0 .. 15 | 16 .. 31 | 32 .. 47 | 48 .. 63 | 64 .. 70 |     computed = 66, window 24
+    full        |   b3    |   b8     |   b1     |   b9     |   b4     |     every block held
+    sliding-24  |  null   |  null    |   b2     |   b7     |   b5     |     released = 2 (first needed: 43)
+                                     ^ held from `released` on; `held` tokens have slots (table num_tokens)
+
+- Release as the window passes: `mark_computed` releases, in every sliding/chunked group, each block no
+  query at or after `num_computed` reads (its entry becomes the null block). Published ones stay cached.
+  A windowed hit is all or nothing: it needs every block of the window before the hit point, and the hit
+  points that recur are the end of a prompt (re-sent with a new suffix) and the end of a sequence (the
+  next turn). So released blocks within two windows before the prompt's end keep the sequence's
+  priority, like the blocks `free` leaves (the full-group prefix and the sliding tail), and every other
+  released block goes to the front of the eviction order (`OUT_OF_WINDOW_PRIORITY`). One LRU for all of
+  them starved the prefix in vLLM (#48435): the out-of-window blocks each new request frees are more
+  recent than older sessions' useful tails, so those went first and whole-prefix hits collapsed to 0.
+  `evict_out_of_window_first=False` keeps that one LRU (for the test that reproduces it).
+- Prefix hits across groups: content keys are qualified by group (`group_keys.py`); a hit at h tokens
+  needs blocks [0, h) in a full group and the blocks covering [first_needed(h), h) in a windowed one
+  (the last window - 1 tokens). The hit is the longest h every group can serve.
+- Admission counts each group's need: a full group the whole prompt, a windowed group only from
+  first_needed(h) to the end of the first chunk when the caller says how many tokens it computes per step
+  (`chunk_tokens`), so a windowed group never needs more than its window plus one chunk (and one block)
+  per sequence, and long prompts never deadlock. Later chunks take their slots with `reserve` (the
+  scheduler calls it before scheduling a chunk, as vLLM allocates per step); `append` reserves too.
+- Fork/copy-on-write, rollback, swap, pending copies and events work per group with the same rules as
+  `PagedKVManager` (a block is written in place only when its writer is its sole holder and it has no
+  key). A rollback may not go back past a block a group has already released (`InvalidArgumentError`).
+- `check_invariants` checks the pool, every group's table, reference counts over all groups, null
+  entries exactly before `released`, keys qualified by the group of the block holding them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.core.group import KVGroupSpec
+from pagedkv.core.group_keys import GroupCacheEvent, check_num_groups, group_events, group_key
+from pagedkv.core.hybrid_check import check_hybrid
+from pagedkv.core.hybrid_growth import HybridGrowth
+from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
+from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
+from pagedkv.core.prefix import BlockKeys, key_function
+from pagedkv.core.protocol import Admission, CSRPages, ManagerStats
+from pagedkv.core.table import BlockTables
+from pagedkv.core.validate import (
+    as_computed,
+    as_count,
+    as_flag,
+    as_index_array,
+    as_keys,
+    as_pad_id,
+    as_pool_size,
+    as_priority,
+    as_salt,
+    as_tokens,
+)  # fmt: skip
+
+IntArray = npt.NDArray[np.int64]
+_EMPTY = np.zeros(0, dtype=np.int64)
+OUT_OF_WINDOW_PRIORITY = -(2**62)  # released as the window passed: evicted before anything else cached
+
+
+class HybridKVManager(HybridGrowth, HybridLifecycle):
+    """Per-group block tables over one pool; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        groups: Sequence[KVGroupSpec] = (KVGroupSpec(),),
+        *,
+        enable_prefix_caching: bool = True,
+        hash_fn: str = "sha256",
+        num_host_blocks: int = 0,
+        record_events: bool = False,
+        evict_out_of_window_first: bool = True,
+    ) -> None:
+        num_blocks, block_size = as_pool_size(num_blocks, block_size, minimum=2)
+        num_host_blocks = as_count(num_host_blocks, "num_host_blocks")
+        for flag, name in ((enable_prefix_caching, "enable_prefix_caching"), (record_events, "record_events"),
+                           (evict_out_of_window_first, "evict_out_of_window_first")):  # fmt: skip
+            as_flag(flag, name)
+        self.groups = as_groups(groups)
+        check_num_groups(len(self.groups))
+        self._block_size = block_size
+        self.pool = BlockPool(num_blocks, null_block=True, record_events=record_events)
+        self.index = self.pool.prefix_index
+        self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
+        self.tables = [BlockTables(block_size, NULL_BLOCK_ID) for _ in self.groups]
+        self.enable_prefix_caching = enable_prefix_caching
+        self.key_fn = key_function(hash_fn)
+        self.evict_out_of_window_first = evict_out_of_window_first
+        self.seqs: dict[int, SeqState] = {}
+        self.group_of = np.full(num_blocks, -1, dtype=np.int64)  # the group a block was last allocated to
+        self._copies_src: list[IntArray] = []
+        self._copies_dst: list[IntArray] = []
+        self._pending: dict[int, int] = {}
+        self._held = np.zeros(num_blocks, dtype=bool)
+        self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = self._cow_copies = 0
+
+    # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self.pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_available
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_in_use
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can hold: the pool less each windowed group's bounded share (one
+        block per step's token), split between the full groups (unbounded with none)."""
+        bounded = sum(g.max_blocks_per_sequence(1, self._block_size) or 0 for g in self.groups)
+        full = sum(g.is_full for g in self.groups)
+        if not full:
+            return 2**62 - 1
+        return max(self.num_blocks - bounded, 0) // full * self._block_size
+
+    @property
+    def supports_swap(self) -> bool:
+        return True
+
+    @property
+    def reserves_chunks(self) -> bool:
+        """True: admit takes `chunk_tokens` and later chunks take their slots with `reserve`."""
+        return True
+
+    @property
+    def stats(self) -> ManagerStats:
+        return ManagerStats(
+            self._admissions, self._preemptions, self._prompt_tokens, self._cached_tokens,
+            self.pool.stats.evictions, self._cow_copies, 0, self.pool.num_in_use, self.num_blocks,
+        )  # fmt: skip
+
+    def num_tokens(self, seq_id: int) -> int:
+        return len(self.seqs[self.tables[0].row(seq_id)].tokens)
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        return self.seqs[self.tables[0].row(seq_id)].num_computed
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return bool(self.tables[0].swapped[self.tables[0].row(seq_id)])
+
+    def block_ids(self, seq_id: int, group: int | None = None) -> list[int]:
+        """The sequence's table in one group (null entries included as the null block id)."""
+        t = self.tables[self._group(group)]
+        return t.blocks_of(t.row(seq_id)).tolist()  # type: ignore[no-any-return]
+
+    def num_blocks_held(self, seq_id: int) -> list[int]:
+        """Real (non-null) blocks the sequence holds in each group."""
+        row = self.tables[0].row(seq_id)
+        return [int(t.num_blocks[row]) - self.seqs[row].released[g] for g, t in enumerate(self.tables)]
+
+    def _group(self, group: int | None) -> int:
+        if group is None:
+            if len(self.groups) != 1:
+                raise InvalidArgumentError(f"this manager has {len(self.groups)} KV cache groups; pass group=0..{len(self.groups) - 1}")
+            return 0
+        if not isinstance(group, int | np.integer) or isinstance(group, bool) or not 0 <= group < len(self.groups):
+            raise InvalidArgumentError(f"group must be an int in [0, {len(self.groups)}), got {group!r}")
+        return int(group)
+
+    # --- batch views (per group) ------------------------------------------------------------------
+
+    def block_table(self, seq_ids: npt.ArrayLike, *, pad_id: int | None = None, group: int | None = None) -> npt.NDArray[np.int32]:
+        """Padded `[B, max_blocks]` table of one group; released entries hold the null block."""
+        g = self._group(group)
+        return self.tables[g].block_table(self.tables[g].rows(seq_ids), as_pad_id(pad_id))
+
+    def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
+        rows = self.tables[0].rows(seq_ids)
+        return np.array([len(self.seqs[r].tokens) for r in rows.tolist()], dtype=np.int32)
+
+    def slot_mapping(
+        self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike, *, group: int | None = None
+    ) -> npt.NDArray[np.int64]:
+        """Slots of tokens [starts[i], ends[i]) in one group (every token must have a slot there)."""
+        g = self._group(group)
+        t = self.tables[g]
+        rows = t.rows(seq_ids)
+        starts_a = as_index_array(starts, "starts", rows.shape)
+        released = np.array([self.seqs[r].released[g] for r in rows.tolist()], dtype=np.int64)
+        if (starts_a < released * self._block_size).any():
+            raise InvalidArgumentError(f"slot_mapping: group {g} released the blocks of a range start (out of its window)")
+        return t.slot_mapping(rows, starts_a, ends)
+
+    def csr(self, seq_ids: npt.ArrayLike, *, group: int | None = None) -> CSRPages:
+        g = self._group(group)
+        return self.tables[g].csr(self.tables[g].rows(seq_ids))
+
+    # --- prefix match -----------------------------------------------------------------------------
+
+    def _keys(self, tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
+        salt = as_salt(salt)
+        given = as_keys(keys, salt, tokens)
+        if given is None:
+            return BlockKeys(salt)
+        given.remember(tokens)
+        return given
+
+    def _content_keys(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_blocks: int) -> list[object]:
+        keys.bind(self.key_fn, 0)
+        bs = self._block_size
+        return [keys.key(i, tokens[i * bs : (i + 1) * bs]) for i in range(num_blocks)]
+
+    def _match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> tuple[int, list[IntArray]]:
+        """(k, hits): the longest prefix of k blocks every group serves, and each group's hit blocks (those
+        covering [first_needed(k * bs), k * bs))."""
+        if not self.enable_prefix_caching or max_blocks == 0:
+            return 0, [_EMPTY for _ in self.groups]
+        content = self._content_keys(tokens, keys, max_blocks)
+        lookup, bs, k = self.index.lookup, self._block_size, max_blocks
+        found: list[list[int | None]] = []
+        for g, spec in enumerate(self.groups):
+            ids = [lookup(group_key(c, g)) for c in content[:k]]  # type: ignore[arg-type]
+            if spec.is_full:
+                k = next((j for j, b in enumerate(ids) if b is None), len(ids))
+            found.append(ids)
+        while k > 0 and not all(
+            all(b is not None for b in found[g][spec.first_needed(k * bs) // bs : k])
+            for g, spec in enumerate(self.groups) if not spec.is_full
+        ):  # fmt: skip
+            k -= 1
+        hits = [
+            np.array(found[g][spec.first_needed(k * bs) // bs : k], dtype=np.int64) for g, spec in enumerate(self.groups)
+        ]
+        return k, hits
+
+    def match_prefix(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> int:
+        """How many leading tokens of `token_ids` an admission would take from the cache now."""
+        tokens = as_tokens(token_ids)
+        k, _ = self._match(tokens, self._keys(tokens, salt, keys), (len(tokens) - 1) // self._block_size)
+        return k * self._block_size
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def _held_end(self, g: int, n: int, lookahead: int, h: int, chunk: int | None) -> int:
+        """Tokens group g gives slots at admission: all of them, or (windowed, with a chunk size) the first
+        chunk's."""
+        if self.groups[g].is_full or chunk is None or h + chunk >= n:
+            return n + lookahead
+        return h + chunk
+
+    def _check_fits(self, n: int, chunk: int | None) -> None:
+        bs = self._block_size
+        need = 0
+        for spec in self.groups:
+            whole = -(-n // bs)
+            bound = spec.max_blocks_per_sequence(chunk, bs) if chunk is not None else None
+            need += whole if bound is None else min(whole, bound)
+        if need > self.num_blocks:
+            raise CapacityError(f"a sequence of {n} tokens needs {need} blocks over its groups; the pool has {self.num_blocks}")
+
+    def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0, salt: bytes = b"") -> bool:
+        tokens = as_tokens(token_ids)
+        as_count(max_new_tokens, "max_new_tokens")
+        k, hits = self._match(tokens, self._keys(tokens, salt, None), (len(tokens) - 1) // self._block_size)
+        return self._admission_need(len(tokens), 0, k, hits, None)[0] <= self.pool.num_available
+
+    def _admission_need(
+        self, n: int, lookahead: int, k: int, hits: list[IntArray], chunk: int | None
+    ) -> tuple[int, list[int]]:
+        """(blocks taken from the pool counting cached hits that leave the eviction order, new blocks per
+        group)."""
+        bs, h = self._block_size, k * self._block_size
+        new = [-(-self._held_end(g, n, lookahead, h, chunk) // bs) - k for g in range(len(self.groups))]
+        cached = sum(int(np.count_nonzero(self.pool.ref[x] == 0)) for x in hits if len(x))
+        return sum(new) + cached, new
+
+    def admit(
+        self,
+        token_ids: npt.ArrayLike,
+        *,
+        max_new_tokens: int = 0,
+        priority: int = 0,
+        salt: bytes = b"",
+        num_lookahead: int = 0,
+        keys: BlockKeys | None = None,
+        keep_free: int = 0,
+        chunk_tokens: int | None = None,
+    ) -> Admission | None:
+        """Allocate each group's blocks for `token_ids` (see the module docstring); `None`: not enough free
+        blocks now (counting `keep_free`). `chunk_tokens`: at most that many uncached tokens are computed
+        in the first step (windowed groups then hold only those); later chunks call `reserve`.
+        Raises `CapacityError` if the sequence could never fit."""
+        tokens = as_tokens(token_ids)
+        as_count(max_new_tokens, "max_new_tokens")
+        lookahead = as_count(num_lookahead, "num_lookahead")
+        keep_free = as_count(keep_free, "keep_free")
+        priority = as_priority(priority)
+        chunk = None if chunk_tokens is None else as_count(chunk_tokens, "chunk_tokens", minimum=1)
+        n, bs = len(tokens), self._block_size
+        self._check_fits(n + lookahead, chunk)
+        keys = self._keys(tokens, salt, keys)
+        k, hits = self._match(tokens, keys, (n - 1) // bs)
+        total, new = self._admission_need(n, lookahead, k, hits, chunk)
+        if total + keep_free > self.pool.num_available:
+            return None
+        # --- commit (nothing below can fail) ---
+        all_hits = np.concatenate(hits)
+        if len(all_hits):
+            self.pool.touch_hits(all_hits)
+        ids = self.pool.allocate(sum(new)) if sum(new) else _EMPTY
+        row = self._new_row()
+        seq = self.seqs[row] = SeqState(
+            tokens.tolist(), k * bs, priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n
+        )
+        for g, t in enumerate(self.tables):
+            lo = k - len(hits[g])
+            mine, ids = ids[: new[g]], ids[new[g] :]
+            self.group_of[mine] = g
+            t.set_blocks(row, np.concatenate([np.full(lo, NULL_BLOCK_ID, np.int64), hits[g], mine]))
+            t.num_tokens[row] = min(self._held_end(g, n, lookahead, k * bs, chunk), n)
+            t.num_computed[row] = k * bs
+            seq.released[g] = lo
+            seq.published[g] = k
+        self._admissions += 1
+        self._prompt_tokens += n
+        self._cached_tokens += k * bs
+        return Admission(row, k * bs)
+
+    def _new_row(self) -> int:
+        rows = {t.new_row() for t in self.tables}
+        if len(rows) != 1:
+            raise InvariantError("hybrid manager: the groups' tables handed out different rows")
+        return rows.pop()
+
+    # --- computed: publish, then release what the window passed ------------------------------------
+
+    def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
+        """KV is written for tokens [0, num_computed) of each sequence: publish the full blocks among them
+        in every group, then release the blocks each windowed group no longer reads."""
+        rows = self.tables[0].rows(seq_ids)
+        computed = np.array([self.seqs[r].num_computed for r in rows.tolist()], dtype=np.int64)
+        held = np.min([t.num_tokens[rows] for t in self.tables], axis=0)
+        given = held if num_computed_tokens is None else as_computed(num_computed_tokens, computed, held)
+        for r, c in zip(rows.tolist(), given.tolist()):
+            seq = self.seqs[r]
+            seq.num_computed = c
+            for t in self.tables:
+                t.num_computed[r] = c
+            if self.enable_prefix_caching and seq.keys is not None:
+                self._publish(r, seq)
+            self._release_passed(r, seq)
+
+    def _publish(self, row: int, seq: SeqState) -> None:
+        bs = self._block_size
+        full = min(seq.num_computed, seq.hashable) // bs
+        if full <= min(seq.published):
+            return
+        tokens = np.array(seq.tokens[: full * bs], dtype=np.int32)
+        assert seq.keys is not None, "hybrid manager: publishing without keys"
+        content = self._content_keys(tokens, seq.keys, full)
+        for g, t in enumerate(self.tables):
+            start = max(seq.published[g], seq.released[g])
+            if full > start:
+                ids = t.table[row, start:full].tolist()
+                self.index.insert([group_key(c, g) for c in content[start:full]], ids)  # type: ignore[arg-type]
+            seq.published[g] = max(seq.published[g], full)
+
+    def _release_passed(self, row: int, seq: SeqState) -> None:
+        """Release each windowed group's blocks no query at or after `num_computed` reads. Those that can
+        serve a hit near the prompt's end (`_keeps_for_hits`) keep the sequence's priority; the rest go
+        to the front of the eviction order (`OUT_OF_WINDOW_PRIORITY`), oldest first."""
+        bs = self._block_size
+        for g, spec in enumerate(self.groups):
+            if spec.is_full:
+                continue
+            t = self.tables[g]
+            upto = min(spec.releasable_blocks(seq.num_computed, bs), int(t.num_blocks[row]))
+            lo = seq.released[g]
+            if upto <= lo:
+                continue
+            blocks = t.table[row, lo:upto].astype(np.int64)
+            t.table[row, lo:upto] = NULL_BLOCK_ID
+            seq.released[g] = upto
+            seq.published[g] = max(seq.published[g], upto)
+            if not self.evict_out_of_window_first:
+                self.pool.release(blocks, seq.priority)
+                continue
+            keep = (np.arange(lo, upto) + 1) * bs > seq.prompt_len - self._keeps_for_hits(spec)
+            self.pool.release(blocks[~keep], OUT_OF_WINDOW_PRIORITY)
+            self.pool.release(blocks[keep], seq.priority)
+
+    @staticmethod
+    def _keeps_for_hits(spec: KVGroupSpec) -> int:
+        """Tokens before the prompt's end whose windowed blocks keep their priority when released: two
+        windows, so a prompt re-sent with a new suffix (diverging up to a window before the end) still
+        finds the window before its hit point."""
+        return 2 * (spec.window or 0)
+
+    # --- cache control, events, checks -------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix in every group; returns how many keys were dropped."""
+        return self.pool.clear_keys()
+
+    def take_events(self) -> list[GroupCacheEvent]:
+        """Stored/removed/cleared events since the last call, each with its group (`group_keys.py`)."""
+        return group_events(self.index.take_events())
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything observable, for atomicity tests."""
+        rows = tuple(
+            tuple(getattr(t, name).tobytes() for name in ("table", "num_blocks", "num_tokens", "num_computed", "cow_risk", "swapped"))
+            for t in self.tables
+        )
+        seqs = tuple(sorted((r, repr(s)) for r, s in self.seqs.items()))
+        host = self.host_pool.snapshot() if self.host_pool else ()
+        return (self.pool.snapshot(), host, rows, seqs, self.group_of.tobytes(), self.stats,
+                len(self._copies_src), tuple(self._pending.items()), self._held.tobytes())  # fmt: skip
+
+    def check_invariants(self) -> None:
+        check_hybrid(self)

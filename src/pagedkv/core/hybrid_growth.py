@@ -1,0 +1,173 @@
+"""The growth verbs of `HybridKVManager`: slots for tokens before they are computed, in every group.
+
+`reserve` gives slots to tokens a sequence already has (the next prefill chunk: windowed groups hold only
+what the window and the chunk need); `append` adds tokens and their slots (decode). Both are all or
+nothing, and both keep the rule of `manager.py`: a writer that shares its partial last block moves to a
+copy first (copies are handed out by `take_copies`, both ends held until then), and a block written in
+place loses its key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.manager import _writers_to_move
+from pagedkv.core.pool import BlockPool
+from pagedkv.core.protocol import BlockMoves
+from pagedkv.core.validate import as_count, as_index_array, as_token_matrix
+
+if TYPE_CHECKING:
+    from pagedkv.core.hybrid_state import SeqState
+    from pagedkv.core.table import BlockTables
+
+IntArray = npt.NDArray[np.int64]
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class HybridGrowth:
+    """`reserve`, `append`, copy-on-write and `take_copies` of `HybridKVManager`."""
+
+    pool: BlockPool
+    tables: list[BlockTables]
+    seqs: dict[int, SeqState]
+    group_of: IntArray
+    _block_size: int
+    _copies_src: list[IntArray]
+    _copies_dst: list[IntArray]
+    _pending: dict[int, int]
+    _held: npt.NDArray[np.bool_]
+    _cow_copies: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        raise NotImplementedError
+
+    def _growth(self, rows: IntArray, ends: IntArray) -> tuple[list[IntArray], list[tuple[IntArray, IntArray, IntArray]]]:
+        """Per group: new blocks per row to give tokens [held, ends) slots, and (rows that must copy their
+        shared partial last block first, those blocks, blocks written in place that lose their key)."""
+        bs = self._block_size
+        needs, cows = [], []
+        for t in self.tables:
+            held = t.num_tokens[rows]
+            needs.append(np.maximum(-(-ends // bs) - t.num_blocks[rows], 0))
+            cow: tuple[IntArray, IntArray, IntArray] = (_EMPTY, _EMPTY, _EMPTY)
+            if t.any_cow_risk and t.cow_risk.any():
+                risky = t.cow_risk[rows] & (held % bs != 0) & (ends > held)
+                if risky.any():
+                    cand = rows[risky]
+                    src = t.table[cand, (t.num_tokens[cand] - 1) // bs].astype(np.int64)
+                    move = self.pool.ref[src] > 1
+                    move[move] = _writers_to_move(cand[move], src[move], self.pool.ref)
+                    cow = (cand[move], src[move], src[~move])
+            cows.append(cow)
+        return needs, cows
+
+    def _blocks_for(self, rows: IntArray, ends: IntArray) -> int:
+        needs, cows = self._growth(rows, ends)
+        return sum(int(x.sum()) for x in needs) + sum(len(c[0]) for c in cows)
+
+    def num_blocks_to_append(self, seq_ids: npt.ArrayLike, num_tokens: int = 1) -> int:
+        rows = self.tables[0].rows(seq_ids)
+        k = as_count(num_tokens, "num_tokens")
+        return self._blocks_for(rows, self._lengths(rows) + k)
+
+    def num_blocks_to_reserve(self, seq_ids: npt.ArrayLike, ends: npt.ArrayLike) -> int:
+        rows = self.tables[0].rows(seq_ids)
+        return self._blocks_for(rows, self._checked_ends(rows, ends))
+
+    def _lengths(self, rows: IntArray) -> IntArray:
+        return np.array([len(self.seqs[r].tokens) for r in rows.tolist()], dtype=np.int64)
+
+    def _checked_ends(self, rows: IntArray, ends: npt.ArrayLike) -> IntArray:
+        ends_a = as_index_array(ends, "ends", rows.shape)
+        if (ends_a > self._lengths(rows)).any():
+            raise InvalidArgumentError("reserve: an end lies past the sequence's tokens; append tokens first")
+        return ends_a
+
+    def reserve(self, seq_ids: npt.ArrayLike, ends: npt.ArrayLike) -> bool:
+        """Give tokens up to `ends[i]` (at most the sequence's tokens) slots in every group before they are
+        computed. False (nothing changed) if the pool is short."""
+        rows = self.tables[0].rows(seq_ids)
+        return self._grow(rows, self._checked_ends(rows, ends))
+
+    def append(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike | None = None, num_tokens: int = 1) -> bool:
+        """Grow each sequence by `num_tokens` tokens with slots in every group. False (nothing changed) if
+        the pool is short. Without token ids the blocks they fill are never published."""
+        rows = self.tables[0].rows(seq_ids)
+        k = as_count(num_tokens, "num_tokens")
+        tok = as_token_matrix(token_ids, len(rows), k) if token_ids is not None else None
+        if k > self.capacity_tokens:
+            return False
+        if len(rows) == 0 or k == 0:
+            return True
+        if not self._grow(rows, self._lengths(rows) + k):
+            return False
+        for i, r in enumerate(rows.tolist()):
+            seq = self.seqs[r]
+            if tok is None:
+                seq.hashable = min(seq.hashable, len(seq.tokens))
+                seq.tokens.extend([0] * k)
+            else:
+                seq.tokens.extend(tok[i].tolist())
+        return True
+
+    def _grow(self, rows: IntArray, ends: IntArray) -> bool:
+        needs, cows = self._growth(rows, ends)
+        total = sum(int(x.sum()) for x in needs) + sum(len(c[0]) for c in cows)
+        if total > self.pool.num_available:
+            return False
+        # --- commit ---
+        ids = self.pool.allocate(total) if total else _EMPTY
+        bs = self._block_size
+        for g, t in enumerate(self.tables):
+            cow_rows, cow_src, in_place = cows[g]
+            if len(cow_rows):
+                dst, ids = ids[: len(cow_rows)], ids[len(cow_rows) :]
+                self.group_of[dst] = g
+                t.table[cow_rows, (t.num_tokens[cow_rows] - 1) // bs] = dst
+                self._copy_on_write(cow_src, dst)
+            for block_id in in_place.tolist():  # written in place: it loses its key
+                self.pool.prefix_index.remove(block_id)
+            grow = ends > t.num_tokens[rows]
+            t.cow_risk[rows[grow]] = False
+            t.any_cow_risk = bool(t.cow_risk.any())
+            for r, need, end in zip(rows.tolist(), needs[g].tolist(), ends.tolist()):
+                if need:
+                    mine, ids = ids[:need], ids[need:]
+                    self.group_of[mine] = g
+                    t.set_blocks(r, np.concatenate([t.blocks_of(r), mine]))
+                t.num_tokens[r] = max(int(t.num_tokens[r]), end)
+        return True
+
+    def _copy_on_write(self, src: IntArray, dst: IntArray) -> None:
+        """Record copies src -> dst (a writer moved off shared blocks); both ends held until `take_copies`."""
+        self.pool.unshare(src)
+        pending = self._pending
+        if pending:
+            src = np.array([pending.get(b, b) for b in src.tolist()], dtype=np.int64)
+        pending.update(zip(dst.tolist(), src.tolist()))
+        moved = np.unique(np.concatenate([src, dst]))
+        hold = moved[~self._held[moved]]
+        self._held[hold] = True
+        self.pool.share(hold)
+        self._copies_src.append(src)
+        self._copies_dst.append(dst)
+        self._cow_copies += len(dst)
+
+    def take_copies(self) -> BlockMoves:
+        """Copy-on-write copies since the last call (see `PagedKVManager.take_copies`)."""
+        if not self._copies_src:
+            return BlockMoves(_EMPTY, _EMPTY)
+        out = BlockMoves(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
+        self._copies_src.clear()
+        self._copies_dst.clear()
+        self._pending.clear()
+        held = np.flatnonzero(self._held)
+        self._held[held] = False
+        self.pool.release(held[::-1])
+        return out
+

@@ -1,0 +1,216 @@
+"""Per-sequence state of `HybridKVManager`, and its lifecycle verbs: fork, free, preempt, rollback, swap.
+
+The block tables (one `BlockTables` per group, rows in lockstep) hold each group's blocks and its `held`
+tokens (those with slots); `SeqState` holds what is the sequence's in every group: its token ids, computed
+count, priority, block keys, and per group how many leading entries were released (null) and published.
+Swapped out, a sequence's table entries are null and its host blocks are kept here, per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.group import KVGroupSpec
+from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
+from pagedkv.core.prefix import BlockKeys
+from pagedkv.core.protocol import BlockMoves
+from pagedkv.core.validate import as_count
+
+if TYPE_CHECKING:
+    from pagedkv.core.table import BlockTables
+
+IntArray = npt.NDArray[np.int64]
+ALL_KNOWN = 2**62
+
+
+@dataclass(slots=True)
+class SeqState:
+    """One sequence of a hybrid manager (see the module docstring)."""
+
+    tokens: list[int]
+    num_computed: int
+    priority: int
+    keys: BlockKeys | None
+    num_groups: int
+    hashable: int = ALL_KNOWN  # ids of tokens [0, hashable) are known
+    prompt_len: int = 0  # tokens at admission: the hit point a re-sent prompt reaches
+    released: list[int] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    host: list[IntArray] | None = None  # while swapped: host blocks of table columns [released, ...)
+
+    def __post_init__(self) -> None:
+        self.released = [0] * self.num_groups
+        self.published = [0] * self.num_groups
+
+    def copy(self) -> SeqState:
+        other = SeqState(list(self.tokens), self.num_computed, self.priority,
+                         None if self.keys is None else self.keys.copy(), self.num_groups, self.hashable,
+                         self.prompt_len)  # fmt: skip
+        other.released, other.published = list(self.released), list(self.published)
+        return other
+
+
+def as_groups(groups: object) -> tuple[KVGroupSpec, ...]:
+    if not isinstance(groups, Sequence) or not all(isinstance(g, KVGroupSpec) for g in groups):
+        raise InvalidArgumentError("groups must be a sequence of KVGroupSpec (one per KV cache group)")
+    return tuple(groups)
+
+
+class HybridLifecycle:
+    """Fork, free, preempt, rollback and swap of `HybridKVManager`."""
+
+    pool: BlockPool
+    host_pool: BlockPool | None
+    tables: list[BlockTables]
+    groups: tuple[KVGroupSpec, ...]
+    seqs: dict[int, SeqState]
+    group_of: IntArray
+    _pending: dict[int, int]
+    _block_size: int
+    _preemptions: int
+
+    def _new_row(self) -> int:
+        raise NotImplementedError
+
+    def _real(self, g: int, row: int) -> IntArray:
+        """The real (non-null) blocks of a row in group g, in table order."""
+        t = self.tables[g]
+        return t.table[row, self.seqs[row].released[g] : t.num_blocks[row]].astype(np.int64)
+
+    def free(self, seq_id: int) -> None:
+        """Release a finished sequence's blocks in every group (tail first); keyed ones stay cached."""
+        row = self.tables[0].row(seq_id)
+        seq = self.seqs[row]
+        if seq.host is not None:
+            assert self.host_pool is not None, "hybrid manager: a swapped sequence without a host pool"
+            for host in seq.host:
+                self.host_pool.release(host[::-1])
+        else:
+            for g in range(len(self.tables)):
+                self.pool.release(self._real(g, row)[::-1], seq.priority)
+        del self.seqs[row]
+        for t in self.tables:
+            t.drop_row(row)
+
+    def preempt(self, seq_id: int) -> int:
+        n = len(self.seqs[self.tables[0].row(seq_id)].tokens)
+        self.free(seq_id)
+        self._preemptions += 1
+        return n
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every block that holds `seq_id`'s tokens in every group."""
+        row = self.tables[0].device_row(seq_id)
+        bs = self._block_size
+        child = self._new_row()
+        self.seqs[child] = self.seqs[row].copy()
+        for t in self.tables:
+            held = int(t.num_tokens[row])
+            blocks = t.blocks_of(row)[: -(-held // bs)]
+            t.set_blocks(child, blocks)
+            t.num_tokens[child], t.num_computed[child] = held, t.num_computed[row]
+            self.pool.share(blocks[blocks != NULL_BLOCK_ID])
+            if held % bs:
+                t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
+        return child
+
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        """Drop the last `num_tokens` tokens. `InvalidArgumentError` if a windowed group already released
+        a block the tokens left would need again."""
+        row = self.tables[0].device_row(seq_id)
+        seq, bs = self.seqs[row], self._block_size
+        n = as_count(num_tokens, "num_tokens")
+        old = len(seq.tokens)
+        if n > old:
+            raise InvalidArgumentError(f"cannot roll back {n} tokens: sequence {seq_id} holds {old}")
+        new = old - n
+        for g, spec in enumerate(self.groups):
+            if seq.released[g] > spec.first_needed(min(new, seq.num_computed)) // bs:
+                raise InvalidArgumentError(f"cannot roll back to {new} tokens: group {g} ({spec.label()}) released blocks it would read again")
+        if n == 0:
+            return
+        for g in range(len(self.tables)):
+            self._truncate_group(g, row, new)
+        del seq.tokens[new:]
+        seq.num_computed = min(seq.num_computed, new)
+        seq.hashable = ALL_KNOWN if seq.hashable >= new else seq.hashable
+        if seq.keys is not None:
+            seq.keys.truncate(new // bs, new)
+
+    def _truncate_group(self, g: int, row: int, new: int) -> None:
+        t, seq, bs = self.tables[g], self.seqs[row], self._block_size
+        keep = max(-(-new // bs), seq.released[g])
+        blocks = t.blocks_of(row)
+        self.pool.release(blocks[keep:][::-1], seq.priority)
+        t.set_blocks(row, blocks[:keep])
+        t.num_tokens[row] = min(int(t.num_tokens[row]), new)
+        t.num_computed[row] = min(int(t.num_computed[row]), new)
+        seq.published[g] = max(min(seq.published[g], new // bs), seq.released[g])
+        if new % bs and seq.released[g] <= (new - 1) // bs < len(blocks):
+            last = int(blocks[(new - 1) // bs])
+            if self.pool.ref[last] > 1:
+                t.cow_risk[row] = t.any_cow_risk = True
+            else:
+                self.pool.prefix_index.remove(last)
+
+    # --- swap -----------------------------------------------------------------------------------
+
+    def _host(self) -> BlockPool:
+        if self.host_pool is None:
+            raise InvalidArgumentError("swap needs host blocks: construct the manager with num_host_blocks > 0")
+        return self.host_pool
+
+    def swap_out(self, seq_id: int) -> BlockMoves | None:
+        """Move a sequence's real blocks of every group to host blocks. `None` if the host pool is short."""
+        host, bs = self._host(), self._block_size
+        row = self.tables[0].device_row(seq_id)
+        seq = self.seqs[row]
+        spans = [(seq.released[g], max(-(-int(t.num_tokens[row]) // bs), seq.released[g])) for g, t in enumerate(self.tables)]
+        if sum(b - a for a, b in spans) > host.num_available:
+            return None
+        srcs, dsts = [], []
+        seq.host = []
+        for g, t in enumerate(self.tables):
+            a, b = spans[g]
+            src = t.table[row, a:b].astype(np.int64)
+            dst = host.allocate(len(src)) if len(src) else np.zeros(0, np.int64)
+            if self._pending:
+                src = np.array([self._pending.get(x, x) for x in src.tolist()], dtype=np.int64)
+            self.pool.release(self._real(g, row)[::-1], seq.priority)
+            t.set_blocks(row, np.full(b, NULL_BLOCK_ID, np.int64))
+            t.swapped[row], t.on_device[row], t.cow_risk[row] = True, False, False
+            seq.published[g] = seq.released[g]
+            seq.host.append(dst)
+            srcs.append(src)
+            dsts.append(dst)
+        return BlockMoves(np.concatenate(srcs), np.concatenate(dsts))
+
+    def swap_in(self, seq_id: int) -> BlockMoves | None:
+        """Bring a swapped-out sequence back into device blocks. `None` if the device pool is short."""
+        host = self._host()
+        row = self.tables[0].row(seq_id)
+        seq = self.seqs[row]
+        if seq.host is None:
+            raise InvalidArgumentError(f"sequence {seq_id} is not swapped out")
+        total = sum(len(h) for h in seq.host)
+        if total > self.pool.num_available:
+            return None
+        ids = self.pool.allocate(total) if total else np.zeros(0, np.int64)
+        srcs = []
+        for g, t in enumerate(self.tables):
+            h = seq.host[g]
+            mine, ids = ids[: len(h)], ids[len(h) :]
+            self.group_of[mine] = g
+            t.table[row, seq.released[g] : seq.released[g] + len(h)] = mine
+            t.swapped[row], t.on_device[row] = False, True
+            host.release(h[::-1])
+            srcs.append(h)
+        dst = np.concatenate([t.table[row, seq.released[g] : seq.released[g] + len(seq.host[g])] for g, t in enumerate(self.tables)])
+        seq.host = None
+        return BlockMoves(np.concatenate(srcs), dst.astype(np.int64))
