@@ -3,6 +3,8 @@ device to each tier (host, disk, Redis) and brought back; corrupt copies are rec
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,24 @@ def test_corrupt_disk_blocks_are_recomputed_not_served(baseline: list[list[int]]
     assert [o.output_token_ids for o in outputs] == baseline
     assert served(outputs, "DISK")[0] == 0
     assert engine.stats.tiers is not None and engine.stats.tiers.losses["header"] >= 1
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EIO])
+def test_a_full_disk_is_a_counted_loss_not_an_outage(
+    baseline: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    def refuse(*args: object) -> int:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr("pagedkv.tiers.disk.os.pwritev", refuse)
+    config = EngineConfig(num_blocks=12, block_size=BS, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    engine, outputs = run(config)  # the engine keeps serving from the device
+    assert [o.output_token_ids for o in outputs] == baseline
+    assert served(outputs, "DISK") == [0, 0]
+    stats = engine.stats.tiers
+    assert stats is not None and stats.local_failures[f"DISK {errno.errorcode[code]}"] >= 10
+    assert stats.losses["error"] == stats.local_failures[f"DISK {errno.errorcode[code]}"]
+    engine.close()
 
 
 def test_redis_tier_brings_an_evicted_prefix_back(baseline: list[list[int]], redis_url: str) -> None:

@@ -6,6 +6,8 @@ must be the bytes stored under that key) and checks the invariants after each st
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +171,39 @@ class TieredStoreMachine(RuleBasedStateMachine):
 
 TestTieredStoreMachine = TieredStoreMachine.TestCase
 TestTieredStoreMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EIO])
+def test_a_failing_disk_write_is_a_counted_loss_not_an_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    store = make_store(tmp_path, host=1, disk_blocks=4)
+    disk = store.local[1]
+
+    def full(*args: object) -> int:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr("pagedkv.tiers.disk.os.pwritev", full)
+    for i in range(3):  # each but the first evicts the host's block to the disk, whose write fails
+        write_back(store, [k(i)])
+    name = errno.errorcode[code]
+    assert store.stats.local_failures == {f"DISK {name}": 2} and store.stats.losses["error"] == 2
+    assert len(disk.index) == 0 and disk.index.num_free == disk.num_blocks  # reservations given back
+    store.check_invariants()
+    monkeypatch.undo()  # space is back: the disk tier stores again
+    write_back(store, [k(9)])
+    assert k(2) in disk.index
+
+
+def test_a_failing_disk_read_is_a_miss_and_drops_the_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store(tmp_path, host=0, disk_blocks=4)
+    write_back(store, [k(0), k(1)])
+
+    def broken(*args: object) -> int:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr("pagedkv.tiers.disk.os.preadv", broken)
+    out = np.zeros((2, LAYOUT.nbytes), np.uint8)
+    assert store.prepare_load([k(0), k(1)], out).keys == []
+    assert store.stats.losses["error"] == 2 and len(store.local[0].index) == 0  # both read, both dropped
+    store.check_invariants()

@@ -24,7 +24,8 @@ Both directions are two-phase, so a block is never served or dropped before its 
 
 Counters (`TierStats`): cached tokens per medium, blocks stored per medium, and losses by reason:
 "evicted" (dropped from the last local tier, or gone from the remote store between lookup and load),
-"checksum" (header or CRC mismatch: the entry is deleted), "timeout" / "error" (remote store failures).
+"checksum" (header or CRC mismatch: the entry is deleted), "timeout" / "error" (remote store failures, a
+local medium's failed read or write); a local medium's failed writes also by errno (`local_failures`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class TierStats:
     stored_blocks: Counter[str] = field(default_factory=Counter)
     losses: Counter[str] = field(default_factory=Counter)
     remote_failures: Counter[str] = field(default_factory=Counter)
+    local_failures: Counter[str] = field(default_factory=Counter)  # "DISK ENOSPC" -> failed writes
 
     def hit_rate(self, medium: str) -> float:
         return self.cached_tokens[medium] / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -67,6 +69,7 @@ class TierStats:
             "stored_blocks": dict(self.stored_blocks),
             "losses": dict(self.losses),
             "remote_failures": dict(self.remote_failures),
+            "local_failures": dict(self.local_failures),
         }
 
 
@@ -227,6 +230,9 @@ class TieredStore:
                     break
                 spill = tier.put(keys, values, stamps)
                 self.stats.stored_blocks[tier.medium] += spill.num_stored
+                for name, n in spill.failed.items():  # a full or failing medium: those blocks are lost
+                    self.stats.local_failures[f"{tier.medium} {name}"] += n
+                    self.stats.losses["error"] += n
                 keys, values, stamps = spill.evicted, spill.values, spill.stamps
             if keys:  # fell off the last local tier
                 self.stats.losses["evicted"] += len(keys)

@@ -12,11 +12,18 @@ Keys are raw block keys (bytes); values are `uint8` rows of `layout.nbytes` (a b
 layer). A `get` that fails for a key reports why ("evicted", "checksum", "timeout", "error") and leaves its
 row unspecified; the caller must then stop the chain there and recompute. A corrupt entry is deleted
 by the `get` that finds it. Torch-free.
+
+A local tier's medium may fail (a full disk: `ENOSPC`, a file past the size limit: `EFBIG`, an I/O error:
+`EIO`). A failed write is a block not stored (its reservation is given back, `Spill.failed` counts it by
+errno name); a failed read is a miss reported "error" and the entry is dropped. Neither raises: a tier's
+failure costs hits, never the engine's service.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import errno
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -31,13 +38,20 @@ Rows = npt.NDArray[np.uint8]
 
 
 class Spill(NamedTuple):
-    """A put's side effects: how many keys were stored, and the blocks evicted to make room (with their
-    LRU stamps and, from a tier that can hand them on, their bytes)."""
+    """A put's side effects: how many keys were stored, the blocks evicted to make room (with their LRU
+    stamps and, from a tier that can hand them on, their bytes), and the writes the medium refused, by
+    errno name (those blocks are not stored)."""
 
     num_stored: int
     evicted: list[bytes]
     stamps: list[int]
     values: Rows | None
+    failed: Mapping[str, int] = {}  # read only
+
+
+def errno_name(err: OSError) -> str:
+    """`ENOSPC`, `EFBIG`, `EIO`, ... (or `OSError` when the error carries no errno)."""
+    return errno.errorcode.get(err.errno, "OSError") if err.errno is not None else "OSError"
 
 
 class Tier(Protocol):
@@ -93,7 +107,10 @@ class LocalTier:
             if slot is None:
                 reasons.append("evicted")
                 continue
-            reason = self._read(slot, key, out[i])
+            try:
+                reason = self._read(slot, key, out[i])
+            except OSError:
+                reason = "error"  # the medium failed: a miss, and the entry cannot be trusted
             if reason is not None:
                 self.index.remove(key)  # a corrupt entry is deleted, never served
             reasons.append(reason)
@@ -104,6 +121,7 @@ class LocalTier:
         evicted: list[bytes] = []
         ev_stamps: list[int] = []
         ev_values: list[Rows] = []
+        failed: Counter[str] = Counter()
         stored = 0
         for i, key in enumerate(keys):
             if key in self.index.slot_of:
@@ -128,13 +146,14 @@ class LocalTier:
             assert slot is not None, f"{self.medium} tier: no slot after eviction"
             try:
                 self._write(slot, key, values[i])
-            except OSError:
+            except OSError as err:  # a full or failing medium: this block is not stored here
                 self.index.cancel(slot)
-                raise
+                failed[errno_name(err)] += 1
+                continue
             self.index.commit(slot)
             stored += 1
         spilled = np.stack(ev_values) if ev_values else None
-        return Spill(stored, evicted, ev_stamps, spilled)
+        return Spill(stored, evicted, ev_stamps, spilled, failed)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         return sum(self.index.remove(k) for k in keys)
