@@ -150,8 +150,7 @@ def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[str], lis
     if isinstance(prompt[0], str):
         return list(prompt), [ctx.encode(p, f"prompt.{i}") for i, p in enumerate(prompt)]
     lists = [prompt] if isinstance(prompt[0], int) else list(prompt)
-    texts = [str(ctx.tokenizer.decode(ids)) if ctx.tokenizer is not None else "" for ids in lists]
-    return texts, [list(ids) for ids in lists]
+    return [], [list(ids) for ids in lists]  # the texts, for echo only, once the engine accepted the ids
 
 
 async def create_completion(ctx: ServerContext, request: Request, body: bytes) -> Response:
@@ -169,6 +168,9 @@ async def create_completion(ctx: ServerContext, request: Request, body: bytes) -
     scoring = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=scoring)
     streams = submit(ctx.engine, ids, [params] * len(ids), req.cache_salt)
+    if not texts:
+        texts = [str(ctx.tokenizer.decode(p)) if ctx.tokenizer is not None else "" for p in ids]
+        job.texts = texts
     if req.stream:
         events = _completion_events(ctx, job, merged(streams), DeltaTracker.for_params(params))
         return StreamingResponse(events, media_type="text/event-stream")

@@ -11,6 +11,7 @@ the request's prefix-cache entries: see docs/engine.md, "Tenants").
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -115,20 +116,26 @@ def parse_body(model: type[BodyT], body: bytes) -> BodyT:
         return model.model_validate_json(body)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        loc = _field_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             raise bad_request(f"the body is not valid JSON: {first.get('msg')}", None, "invalid_json") from None
+        loc, union = _field_path(first.get("loc", ()))
+        msg = f"not one of the accepted forms ({first.get('msg')})" if union else first.get("msg")
         what = f"{loc}: " if loc else ""
-        raise bad_request(f"{what}{first.get('msg')} (got {_short(first.get('input'))})", loc or None) from None
+        raise bad_request(f"{what}{msg} (got {_short(first.get('input'))})", loc or None) from None
 
 
-def _field_path(loc: Any) -> str:
-    """`('prompt', 'list[int]', 0)` -> `prompt.0`: the union member names pydantic inserts are dropped."""
-    parts = []
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
+
+
+def _field_path(loc: Any) -> tuple[str, bool]:
+    """(`('prompt', 'list[int]', 0)` -> `prompt`, True): the path up to the first union member name pydantic
+    inserts (the member tells which form failed, not which field), and whether there was one."""
+    parts: list[str] = []
     for part in loc:
-        if isinstance(part, int) or (isinstance(part, str) and "[" not in part and not part.startswith("function")):
-            parts.append(str(part))
-    return ".".join(parts)
+        if isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part.startswith("function")):
+            return ".".join(parts), True
+        parts.append(str(part))
+    return ".".join(parts), False
 
 
 def _short(value: Any) -> str:
@@ -165,8 +172,9 @@ def _param_of(message: str) -> str | None:
 
 
 def engine_refusal(err: Exception) -> APIError:
-    """A 400 for a request the engine's door refused (its message names the limit or the field)."""
-    text = str(err)
+    """A 400 for a request the engine's door refused (its message names the limit or the field); the
+    engine's internal request id is left out."""
+    text = re.sub(r"^request '?[\w.-]+'?:? ", "this request ", str(err))
     if "can never" in text or "positions" in text:
         return bad_request(text, None, "context_length_exceeded")
     param = "prompt" if "prompt" in text else None
