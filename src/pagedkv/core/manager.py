@@ -132,6 +132,7 @@ class PagedKVManager(SwapMixin, TableViews):
             verify_hits=verify_hits, native=native,
         )  # fmt: skip
         self._hot = self.prefix.hot
+        self.misses = self.prefix.misses  # why admitted prompt tokens missed the cache, live (misses.py)
         # Token ids of every block's slots, mirroring the KV content: hashing, verification, copy-on-write.
         self.block_tokens = self.prefix.block_tokens
         self._copies_src: list[IntArray] = []
@@ -162,6 +163,7 @@ class PagedKVManager(SwapMixin, TableViews):
             self._admissions, self._preemptions, self._prompt_tokens, self._cached_tokens,
             self.pool.stats.evictions, self._cow_copies, self.prefix.verify_failures,
             self.pool.num_in_use, self.num_blocks,
+            miss_lookups=dict(self.prefix.misses.lookups), miss_tokens=dict(self.prefix.misses.tokens),
         )  # fmt: skip
 
     @property
@@ -264,6 +266,8 @@ class PagedKVManager(SwapMixin, TableViews):
         self._admissions += 1
         self._prompt_tokens += n
         self._cached_tokens += h * bs
+        if self.enable_prefix_caching:
+            self.prefix.count_miss(tokens, keys, h, h * bs)  # why the rest was not cached (misses.py)
         return Admission(row, h * bs)
 
     # --- growth ---------------------------------------------------------------------------------

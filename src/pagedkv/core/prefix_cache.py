@@ -16,6 +16,8 @@ With `verify_hits`, a hit must match everything its key stands for, not only the
 (the mirror) and its origin, (epoch, salt, request extra key, the block's extra key), recorded when it is
 published. A hit that differs (a hash collision, across tenants or epochs too) ends the match there and
 counts in `verify_failures`. Publishing then takes the per-row path, which records origins.
+
+Every admission's uncached tokens are counted under a reason (`count_miss`, the reasons in `misses.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core import hotpath
+from pagedkv.core.misses import EPOCHS_BACK, MissCounter
 from pagedkv.core.pool import BlockPool
 from pagedkv.core.prefix import BlockKeys, Key, KeyFunction, fast_key, sha256_key
 from pagedkv.core.table import BlockTables
@@ -57,6 +60,7 @@ class PrefixCache:
         # the key function as a hot-path kind; None: a custom function (plain Python path)
         self._kind = hotpath.SHA256 if key_fn is sha256_key else hotpath.FAST if key_fn is fast_key else None
         self._width = 4 * block_size  # bytes of one block's token ids
+        self.misses = MissCounter()
 
     def keys_of(self, row: int) -> BlockKeys | None:
         return self.by_row[row] if row < len(self.by_row) else None
@@ -115,6 +119,45 @@ class PrefixCache:
                 self.verify_failures += 1
                 del hits[int(np.argmin(same)) :]
         return hits
+
+    def count_miss(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int) -> None:
+        """Count an admission's missed tokens (all but the last, less the `num_cached` reused) under the
+        reason of its first missing block; `num_hits` full blocks hit, and `match` computed the next key."""
+        self.misses.seen(keys.salt, keys.extra)
+        missed = len(tokens) - 1 - num_cached
+        if missed > 0:
+            self.misses.count(self.miss_reason(tokens, keys, num_hits), missed)
+
+    def miss_reason(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int) -> str:
+        """Why block `num_hits` of `tokens` did not hit (a query; see `misses.py`)."""
+        max_blocks = (len(tokens) - 1) // self.block_size
+        if max_blocks == 0:
+            return "short_prompt"
+        if num_hits >= max_blocks:
+            return "partial_block"
+        if len(keys.keys) <= num_hits + 1:  # defensive: match stops after computing the missing key
+            return "no_key"
+        key = keys.keys[num_hits + 1]
+        if self.index.lookup(key) is not None:
+            return "verify"  # in the index, refused by verify_hits
+        if self.index.was_evicted(key):
+            return "evicted"
+        if num_hits == 0:
+            first = tokens[: self.block_size]
+            for salt, extra in self.misses.contexts:
+                if (salt, extra) != (keys.salt, keys.extra) and self._known(first, keys, salt, extra, self.epoch):
+                    return "salt"
+            for epoch in range(self.epoch - 1, max(self.epoch - 1 - EPOCHS_BACK, -1), -1):
+                if self._known(first, keys, keys.salt, keys.extra, epoch):
+                    return "epoch"
+        return "no_key"
+
+    def _known(self, first: npt.NDArray[np.int32], keys: BlockKeys, salt: bytes, extra: bytes, epoch: int) -> bool:
+        """Whether the first block `first` is cached, or was evicted lately, under this salt, extra and epoch."""
+        other = BlockKeys(salt, extra=extra, block_extra={0: keys.block_extra[0]} if 0 in keys.block_extra else None)
+        other.bind(self.key_fn, epoch)
+        key = other.key(0, first)
+        return self.index.lookup(key) is not None or self.index.was_evicted(key)
 
     def _match_generic(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         bs, lookup = self.block_size, self.index.lookup

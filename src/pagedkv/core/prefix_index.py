@@ -7,6 +7,9 @@ Three structures, kept in step:
     keyed    bool array by block id     key_of[b] is not None (the pool reads it: a released keyed block
                                         becomes cached-free, an unkeyed one free)
 
+It also remembers the keys it evicted lately (two generations of at least `num_blocks` keys each, so a
+lookup can tell "evicted earlier" from "never cached": `was_evicted`, for the miss reasons of `misses.py`).
+
 Invariant: `index[key] == b` if and only if `key_of[b] == key`; no entry is ever stale, because eviction
 (`forget`), unpublishing (`remove`) and `clear` drop a key the moment its block stops holding it. A block
 whose key another block already holds (a block computed twice concurrently) stays private: it is never
@@ -56,6 +59,9 @@ class PrefixIndex:
         self.events: list[CacheEvent] = []
         self._hot = hot
         self.arrays = hotpath.IndexArrays(self.index, self.key_of, self.keyed)  # never reassigned: one value
+        self._evicted: dict[Key, None] = {}  # keys evicted lately: the newer generation ...
+        self._evicted_before: dict[Key, None] = {}  # ... and the one before it
+        self._evicted_capacity = max(num_blocks, 1024)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -69,6 +75,10 @@ class PrefixIndex:
     def key_at(self, block_id: int) -> Key | None:
         """The key block `block_id` holds, or None (a query: for readers such as event feeds)."""
         return self.key_of[block_id]
+
+    def was_evicted(self, key: Key) -> bool:
+        """Whether `key` was among the last `num_blocks` (or more) keys evicted; it may be cached again since."""
+        return key in self._evicted or key in self._evicted_before
 
     def all_keys(self) -> list[Key]:
         """Every key in the index (a copy)."""
@@ -138,10 +148,15 @@ class PrefixIndex:
             self.events.append(CacheEvent("removed", key, block_id))
 
     def forget(self, block_ids: IntArray) -> None:
-        """Eviction: drop the keys of `block_ids` (each holds one) at once."""
+        """Eviction: drop the keys of `block_ids` (each holds one) at once, remembering them as evicted."""
+        key_of = self.key_of
+        ids = block_ids.tolist()
+        keys = [key_of[b] for b in ids]
         if self.record_events:
-            key_of = self.key_of
-            self.events.extend(CacheEvent("removed", key_of[b], b) for b in block_ids.tolist())
+            self.events.extend(CacheEvent("removed", k, b) for k, b in zip(keys, ids))
+        if len(self._evicted) >= self._evicted_capacity:  # a new generation; the oldest is dropped
+            self._evicted_before, self._evicted = self._evicted, {}
+        self._evicted.update(dict.fromkeys(keys))
         self._hot.forget_keys(self.arrays, block_ids)
         self.keyed[block_ids] = False
 

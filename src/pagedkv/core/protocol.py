@@ -44,7 +44,7 @@ fills.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -92,7 +92,9 @@ class BlockSource(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ManagerStats:
-    """Cumulative counters. `hit_rate` = cached prompt tokens / prompt tokens admitted."""
+    """Cumulative counters. `hit_rate` = cached prompt tokens / prompt tokens admitted. `miss_lookups` and
+    `miss_tokens` count admissions and their uncached tokens by reason (`pagedkv.core.misses`; empty where
+    the manager has no prefix cache)."""
 
     admissions: int
     preemptions: int
@@ -103,6 +105,8 @@ class ManagerStats:
     verify_failures: int
     blocks_in_use: int
     num_blocks: int
+    miss_lookups: dict[str, int] = field(default_factory=dict)
+    miss_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.eviction import EVICTION_POLICIES
 from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
 from pagedkv.engine.scheduler import SchedulerConfig
 
@@ -60,6 +61,9 @@ class EngineConfig:
     # KV events for every medium (GPU, CPU, DISK, REMOTE), vLLM-compatible: Engine.take_event_batch()
     # (pagedkv.engine.kv_events, docs/scale-out.md).
     kv_events: bool = False
+    # Which cached-free block an allocation evicts (pagedkv.core.eviction; docs/cache-policy.md):
+    # "lru" (default), "slru", "lfu", "priority" (a request's priority, decaying), "cost".
+    eviction: str = "lru"
 
     @property
     def tiers_enabled(self) -> bool:
@@ -89,10 +93,15 @@ class EngineConfig:
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         self._check_tiers()
+        self._check_cache_policy()
         if not isinstance(self.kv_events, bool):
             raise InvalidArgumentError(f"kv_events must be a bool, got {self.kv_events!r}")
         if self.kv_events and (self.allocator != "paged" or not self.enable_prefix_caching):
             raise InvalidArgumentError("kv_events need the paged allocator with prefix caching on")
+
+    def _check_cache_policy(self) -> None:
+        if self.eviction not in EVICTION_POLICIES:
+            raise InvalidArgumentError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
 
     def _check_tiers(self) -> None:
         if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:

@@ -110,6 +110,7 @@ class Engine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             num_host_blocks=num_host,
             record_events=cfg.tiers_enabled or cfg.kv_events,  # tiers and event logs follow the cache
+            eviction=cfg.eviction,
         )
         device = next(model.parameters()).device
         self.cache = PagedKVCache.for_model(
@@ -121,7 +122,7 @@ class Engine:
             attention_backend=cfg.attention_backend,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
-        self.stats = EngineStats()
+        self.stats = EngineStats(cache_misses=getattr(self.manager, "misses", None))
         self.tiering: EngineTiering | None = None
         if cfg.tiers_enabled:  # host RAM / disk / remote store below the device (pagedkv.engine.tiering)
             from pagedkv.engine.tiering import EngineTiering

@@ -35,6 +35,7 @@ def make_manager(
     record_events: bool = False,
     hash_fn: str = "sha256",
     native: bool | None = None,
+    eviction: str = "lru",
 ) -> PagedKVManager | ContiguousKVManager:
     """A fresh, empty manager of `kind` over `num_blocks` blocks (block 0 the null block) of `block_size`
     tokens. An unknown kind raises `InvalidArgumentError`; the managers check their own arguments."""
@@ -47,6 +48,7 @@ def make_manager(
             record_events=record_events,
             hash_fn=hash_fn,
             native=native,
+            eviction=eviction,
         )
     if kind == "contiguous":
         return ContiguousKVManager(num_blocks, block_size)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pagedkv.engine.request import Request
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.misses import MissCounter
 from pagedkv.tiers.store import TierStats
 
 
@@ -131,6 +132,9 @@ class EngineStats:
     live_tokens: list[int] = field(default_factory=list)
     used_blocks: list[int] = field(default_factory=list)
     tiers: TierStats | None = None  # hit rates by medium and losses by reason, when tiers are on
+    # why admitted prompt tokens missed the device cache, by reason (live; pagedkv.core.misses; paged only):
+    # cache_misses.lookups / .tokens, or cache_misses.as_dict() for flat miss_{lookups,tokens}_<reason> names
+    cache_misses: MissCounter | None = None
 
     def trim(self, max_samples: int) -> None:
         """Keep only the last `max_samples` per-step samples (a long-lived server's memory stays bounded;

@@ -1,0 +1,110 @@
+"""Miss reasons: every admission's uncached tokens are counted under why they missed, and the counts add up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.core import BlockKeys, PagedKVManager
+from pagedkv.core.misses import MISS_REASONS
+
+BS = 4
+
+
+def toks(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def run(m: PagedKVManager, prompt: list[int], salt: bytes = b"", keys: BlockKeys | None = None) -> int:
+    """Admit, compute, free; returns the cached tokens."""
+    a = m.admit(prompt, salt=salt, keys=keys)
+    assert a is not None
+    m.mark_computed([a.seq_id])
+    m.free(a.seq_id)
+    return a.num_cached_tokens
+
+
+def tokens_of(m: PagedKVManager) -> dict[str, int]:
+    return {r: n for r, n in m.stats.miss_tokens.items() if n}
+
+
+@pytest.fixture(params=["sha256", "fast"])
+def m(request: pytest.FixtureRequest) -> PagedKVManager:
+    return PagedKVManager(num_blocks=9, block_size=BS, hash_fn=request.param)
+
+
+def test_a_prompt_shorter_than_a_block(m: PagedKVManager) -> None:
+    run(m, toks(0, 3))
+    run(m, toks(0, 3))
+    assert tokens_of(m) == {"short_prompt": 4} and m.stats.miss_lookups["short_prompt"] == 2
+
+
+def test_cold_then_partial_block_then_hit(m: PagedKVManager) -> None:
+    run(m, toks(0, 10))  # cold: 9 of 10 tokens missed (the last is always computed)
+    assert tokens_of(m) == {"no_key": 9}
+    assert run(m, toks(0, 10)) == 8  # both full blocks hit; token 8 lies in a partial block
+    assert tokens_of(m) == {"no_key": 9, "partial_block": 1}
+    assert run(m, toks(0, 9)) == 8  # nothing missed but the last token
+    assert tokens_of(m) == {"no_key": 9, "partial_block": 1}
+
+
+def test_evicted_earlier(m: PagedKVManager) -> None:
+    run(m, toks(0, 9))
+    run(m, toks(100, 32))  # 8 blocks, the whole pool: evicts the first prompt's blocks
+    assert m.stats.evictions >= 2
+    run(m, toks(0, 9))
+    assert m.stats.miss_tokens["evicted"] == 8
+
+
+def test_a_different_salt(m: PagedKVManager) -> None:
+    run(m, toks(0, 9), salt=b"tenant-a")
+    run(m, toks(0, 9), salt=b"tenant-b")
+    assert m.stats.miss_tokens["salt"] == 8
+
+
+def test_invalidated_by_an_epoch(m: PagedKVManager) -> None:
+    run(m, toks(0, 9))
+    m.bump_epoch()
+    run(m, toks(0, 9))
+    assert m.stats.miss_tokens["epoch"] == 8 and m.stats.miss_tokens["no_key"] == 8
+
+
+def test_a_miss_after_some_hits_is_counted_from_the_first_missing_block(m: PagedKVManager) -> None:
+    run(m, toks(0, 9))
+    assert run(m, toks(0, 4) + toks(50, 9)) == 4
+    assert m.stats.miss_tokens["no_key"] == 8 + 8
+
+
+def test_verify_hits_refusing_a_collision_is_a_verify_miss() -> None:
+    m = PagedKVManager(num_blocks=9, block_size=BS, hash_fn=lambda parent, data, extra: b"same", verify_hits=True)
+    run(m, toks(0, 5))
+    run(m, toks(10, 5))  # every key collides; the content differs
+    assert m.stats.miss_tokens["verify"] == 4 and m.prefix.verify_failures == 1
+
+
+def test_the_counts_add_up_and_refused_admissions_count_nothing() -> None:
+    rng = np.random.default_rng(0)
+    m = PagedKVManager(num_blocks=12, block_size=BS)
+    for i in range(300):
+        prompt = rng.integers(0, 3, size=int(rng.integers(1, 30))).tolist()
+        before = m.stats
+        a = m.admit(prompt, salt=[b"", b"x"][i % 2])
+        if a is None:
+            assert m.stats == before
+            continue
+        if i % 3:
+            m.mark_computed([a.seq_id])
+        m.free(a.seq_id)
+        if i % 50 == 49:
+            m.bump_epoch()
+    s = m.stats
+    assert sum(s.miss_tokens.values()) + s.cached_tokens + s.admissions == s.prompt_tokens
+    assert sum(s.miss_lookups.values()) <= s.admissions and set(s.miss_tokens) == set(MISS_REASONS)
+    assert s.miss_tokens["evicted"] > 0 and s.miss_tokens["salt"] > 0 and s.miss_tokens["epoch"] > 0
+
+
+def test_the_evicted_memory_is_bounded() -> None:
+    m = PagedKVManager(num_blocks=9, block_size=BS)
+    for i in range(3000):
+        run(m, toks(1000 * i, 9))
+    assert len(m.index._evicted) + len(m.index._evicted_before) <= 2 * 1024
