@@ -110,3 +110,21 @@ def test_keys_redis_drops_by_itself_are_reported_once_found_gone(redis_url: str)
     assert a.audit() == 1 and a.take_events() == [TierEvent("removed", k(3), "REMOTE")]
     assert a.audit() == 0 and a.take_events() == []
     assert b.audit() == 1 and b.take_events() == [TierEvent("removed", k(4), "REMOTE")]
+
+
+BIG = BlockLayout("float32", (4, 2, 16, 4, 64))  # 128 KiB values
+
+
+def test_a_batch_written_in_part_reports_exactly_what_was_written(redis_url: str) -> None:
+    """Under maxmemory with noeviction, one pipelined SET NX batch gets OK for some keys and OOM for the
+    rest: every reply is read, and only the keys written are counted and announced."""
+    raw = redis.Redis.from_url(redis_url)
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 6 * BIG.nbytes)
+    tier = RedisTier(redis_url, BIG, FP)
+    values = np.stack([np.random.default_rng(i).integers(0, 256, BIG.nbytes, dtype=np.uint8) for i in range(20)])
+    spill = tier.put([k(i) for i in range(20)], values)
+    written = [k(i) for i in range(20) if raw.exists(store_key(FP, k(i)))]
+    assert 0 < len(written) < 20 and spill.num_stored == len(written)
+    assert tier.take_events() == [TierEvent("stored", key, "REMOTE") for key in written]
+    assert tier.failures["oom"] == 20 - len(written)

@@ -3,6 +3,9 @@
 One value per block under `pkv:v1:{fingerprint}:{key hex}` (see `keys.py`, `value.py`). Every batch verb is
 one round trip: `lookup`/`contains` pipeline `EXISTS` per key, `get` is one `MGET`, `put` one pipeline of
 `SET NX` (a block already stored by another replica is left alone), `touch` one `TOUCH`, `remove` one `DEL`.
+Every reply of a pipeline is read: under `maxmemory` with `noeviction` one batch of `SET NX` is written in
+part (OK for some keys, OOM for the rest), and only the keys written are counted and announced; each key
+refused counts in `failures` by its error code ("oom").
 The client keeps a connection pool. The store runs its own eviction (e.g. `allkeys-lru`), so a chain may
 have holes: `lookup` stops at the first missing key, and a key that `EXISTS` saw but `MGET` no longer finds
 is reported "evicted". A value whose header or checksum does not match is deleted and reported
@@ -64,6 +67,12 @@ class RedisTier:
         reason = "timeout" if isinstance(err, self._errors.TimeoutError) else "error"
         self.failures[reason] += 1
         return reason
+
+    def _refusal(self, err: Exception) -> str:
+        """A command the server refused: "oom" (maxmemory reached with noeviction), "readonly", else "error"."""
+        if isinstance(err, self._errors.OutOfMemoryError):
+            return "oom"
+        return "readonly" if isinstance(err, self._errors.ReadOnlyError) else "error"
 
     def _call(self, fn: Any) -> tuple[Any, str | None]:
         self.round_trips += 1
@@ -134,12 +143,15 @@ class RedisTier:
             pipe = self.client.pipeline(transaction=False)
             for i, k in enumerate(keys):
                 pipe.set(self._k(k), pack(self.layout, self._k(k), np.ascontiguousarray(values[i])), nx=True)
-            return list(pipe.execute())
+            return list(pipe.execute(raise_on_error=False))  # one reply per key: a batch may succeed in part
 
         done, reason = self._call(run)
         if reason is not None:
             return Spill(0, [], [], None)
-        stored = [k for k, ok in zip(keys, done) if ok]
+        stored = [k for k, ok in zip(keys, done) if ok is True]
+        for reply in done:  # a key refused (e.g. OOM under maxmemory with noeviction) is not stored
+            if isinstance(reply, Exception):
+                self.failures[self._refusal(reply)] += 1
         for k in stored:  # a reported key written again was evicted unseen in between: still held, no event
             if k not in self.reported:
                 self.reported.add(k)
