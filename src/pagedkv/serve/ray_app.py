@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import AsyncIterator, Sequence
+import socket
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -85,17 +87,28 @@ class ReplicaRequest:
         return "".join(chr(0x10000 + (t % 0xF0000)) for t in self.prompt_token_ids)
 
 
+@dataclass(frozen=True)
+class ReplicaTarget:
+    """Names one replica (Ray's replica unique id) for a directed call (`kv_contents`, `kill`, ...)."""
+
+    replica: str
+
+
+class WrongReplicaError(InvalidArgumentError):
+    """A directed call reached another replica (the named one is gone)."""
+
+
 class _PublishingEngine(AsyncEngine):
     """An AsyncEngine that publishes the engine's KV events on its own thread after every step."""
 
     publisher: ZmqEventPublisher | None = None
 
     def _publish(self, finished: list[RequestOutput]) -> None:
-        super()._publish(finished)
-        if self.publisher is not None:
+        if self.publisher is not None:  # the events first: a client that sees its answer finds them routed
             batch = self.engine.take_event_batch()
             if batch is not None:
                 self.publisher.publish(batch)
+        super()._publish(finished)
 
 
 class PagedKVReplica:
@@ -116,13 +129,19 @@ class PagedKVReplica:
         self.engine.start()
         fn = built.manager.prefix.key_fn
         self.hash_fn = next((name for name, f in KEY_FUNCTIONS.items() if f is fn), "custom")
+        self.replica_id = _replica_id()
 
-    async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """The request's outputs as they come, each tagged with this replica's id."""
         async for out in self.engine.generate(
             request.prompt_token_ids, request.params, request_id=request.request_id,
             cache_salt=request.cache_salt, priority=request.priority,
         ):  # fmt: skip
-            yield out
+            yield self.replica_id, out
+
+    def whoami(self) -> tuple[str, int]:
+        """(replica id, process id)."""
+        return self.replica_id, os.getpid()
 
     def record_routing_stats(self) -> dict[str, Any]:
         s = self.engine.stats()
@@ -133,6 +152,11 @@ class PagedKVReplica:
             "free_blocks": s.num_blocks - s.num_used_blocks, "num_blocks": s.num_blocks,
             "num_running": s.num_running, "num_waiting": s.num_waiting + self.engine.num_waiting(),
         }  # fmt: skip
+
+    def routing_stats(self, target: ReplicaTarget) -> dict[str, Any]:
+        """`record_routing_stats` of the named replica (for a router outside Ray's handles, and tests)."""
+        self._check(target)
+        return self.record_routing_stats()
 
     def check_health(self) -> None:
         if not self.engine.alive:
@@ -146,9 +170,10 @@ class PagedKVReplica:
             "capacity_tokens": e.capacity_tokens, "block_size": e.config.block_size, "pid": os.getpid(),
         }  # fmt: skip
 
-    def kv_contents(self) -> dict[str, list[int]]:
+    def kv_contents(self, target: ReplicaTarget) -> dict[str, list[int]]:
         """The hashes this replica can serve, per medium (the GPU from the manager itself, the others from the
         event log: what the tiers reported). For tests; read while the replica is idle."""
+        self._check(target)
         e = self.engine.engine
         out = {
             m: sorted(external_hash(k) for k in e.kv_events.log.holds(m)) for m in ("CPU", "DISK", "REMOTE")
@@ -157,12 +182,23 @@ class PagedKVReplica:
         out["GPU"] = sorted(external_hash(k) for k in e.manager.index.all_keys() if k not in stale)
         return {m: v for m, v in out.items() if v}
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def kill(self) -> None:
+    def kill(self, target: ReplicaTarget) -> None:
         """Die at once, as a crash would (tests: Ray must restart the replica)."""
+        self._check(target)
         os._exit(1)
+
+    def _check(self, target: ReplicaTarget) -> None:
+        if target.replica != self.replica_id:
+            raise WrongReplicaError(f"this is replica {self.replica_id}, not {target.replica}")
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not inside a Serve replica
+        return f"pid{os.getpid()}"
 
 
 def _node_ip() -> str:
@@ -182,6 +218,7 @@ class RemoteStream:
         self.request_id = request_id
         self._on_final = on_final
         self._finals: list[RequestOutput] = []
+        self.replica: str | None = None  # the replica serving it, once its first output came
         self.done = False
 
     def __aiter__(self) -> RemoteStream:
@@ -189,7 +226,7 @@ class RemoteStream:
 
     async def __anext__(self) -> RequestOutput:
         try:
-            out: RequestOutput = await self._gen.__anext__()
+            self.replica, out = await self._gen.__anext__()
         except StopAsyncIteration:
             self.done = True
             if self._finals:
@@ -315,3 +352,49 @@ class OpenAIIngress:
         from pagedkv.serve.app import build_app
 
         return build_app(self.remote, model_name=self.model_name, api_key=self.api_key, manage_engine=False)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """A running application: its OpenAI base URL and a handle to its replicas (routed like the ingress's)."""
+
+    url: str
+    replicas: Any
+    app_name: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def running(
+    spec: ReplicaSet, *, address: str | None = None, num_cpus: int | None = None, host: str = "127.0.0.1",
+    port: int = 0, app_name: str = "pagedkv",
+) -> Iterator[Deployed]:  # fmt: skip
+    """Deploy `spec` and yield it; undo on exit what this call started (the app; Serve and Ray if it started
+    them). Ray: the running cluster if this process is connected, else `ray.init(address)` (None: a new local
+    cluster with `num_cpus`; "auto" or "ray://HOST:PORT": an existing one)."""
+    import ray
+    from ray import serve
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        env = {"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
+        ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, runtime_env=env)
+    try:
+        port = port or free_port(host)
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_application(spec), name=app_name, route_prefix="/")
+        try:
+            yield Deployed(
+                f"http://{host}:{port}", serve.get_deployment_handle("PagedKVReplica", app_name), app_name
+            )
+        finally:
+            serve.delete(app_name)
+    finally:
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()

@@ -13,8 +13,8 @@ dead replicas: `pagedkv.router.streams`), with a load-imbalance fallback. The re
 their events are, which hashing they use and their load through `record_routing_stats` (see
 `pagedkv.serve.ray_app.PagedKVReplica`); Ray refreshes those every `request_routing_stats_period_s`.
 
-A request is recognised by its first argument having `prompt_token_ids` (a `ReplicaRequest`); anything else
-(health probes, other methods) is ranked in Ray's order. Ray's hooks keep the router's own count of work in
+A request is recognised by an argument having `prompt_token_ids` (a `ReplicaRequest`); a call with an argument
+naming a replica (`ReplicaTarget`) goes to that replica; any other call goes to a random replica. Ray's hooks keep the router's own count of work in
 flight per replica (`on_request_routed` / `on_request_completed`), and forget a replica Ray removed
 (`update_replicas`, `on_replica_actor_died`).
 
@@ -25,6 +25,7 @@ own index from the same event streams.
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 from ray.serve.request_router import (
@@ -39,6 +40,17 @@ from pagedkv.router.live import LiveRouter
 from pagedkv.router.policy import CostWeights
 
 logger = logging.getLogger(__name__)
+
+
+def target_of(pending: PendingRequest | None) -> str | None:
+    """The replica a directed call names (`ReplicaTarget.replica`: Ray's replica unique id), or None."""
+    if pending is None:
+        return None
+    for arg in pending.args:
+        target = getattr(arg, "replica", None)
+        if isinstance(target, str):
+            return target
+    return None
 
 
 def request_of(pending: PendingRequest | None) -> Any:
@@ -78,7 +90,11 @@ class PagedKVRequestRouter(FIFOMixin, RequestRouter):
             return []
         request = request_of(pending_request)
         if request is None or pending_request is None:
-            return [candidate_replicas]
+            target = target_of(pending_request)
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            if named:
+                return [named]
+            return [[random.choice(candidate_replicas)]]  # other calls: spread, not all on the first
         for r in candidate_replicas:
             self.live.observe(r.replica_id, r.routing_stats)
         by_id = {r.replica_id: r for r in candidate_replicas}

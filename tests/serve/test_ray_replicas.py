@@ -1,0 +1,180 @@
+"""Two pagedkv replicas on a local Ray cluster (one per module: Ray Serve's start-up stays out of other tests),
+sharing a test-started Redis, behind one OpenAI ingress and PagedKVRequestRouter. Tiny CPU model, 4-token
+blocks; 40-token documents are 10 blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
+
+from pagedkv.engine.params import SamplingParams  # noqa: E402
+from pagedkv.events import GPU  # noqa: E402
+from pagedkv.router.live import LiveRouter  # noqa: E402
+from pagedkv.serve.ray_app import Deployed, ReplicaRequest, ReplicaSet, ReplicaTarget, running  # noqa: E402
+from pagedkv.tiers.redis_server import RedisServer, RedisUnavailableError, redis_server_path  # noqa: E402
+
+DOC = 40  # tokens: 10 blocks of 4
+
+
+def document(seed: int) -> list[int]:
+    return [(seed * 37 + 11 * i) % 120 + 5 for i in range(DOC)]  # the tiny vocabulary is 128
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    required = os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1"
+    if redis_server_path() is None:
+        if required:
+            pytest.fail("PAGEDKV_REQUIRE_REDIS=1 but redis-server is not installed")
+        pytest.skip("redis-server is not installed (set PAGEDKV_REQUIRE_REDIS=1 to fail instead)")
+    server = RedisServer(folder=tmp_path_factory.mktemp("redis"))
+    try:
+        server.start()
+    except RedisUnavailableError as err:
+        if required:
+            pytest.fail(str(err))
+        pytest.skip(str(err))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str) -> Iterator[Deployed]:
+    spec = ReplicaSet(replicas=2, remote_url=redis_url, num_cpus=0.5, stats_period_s=0.5)
+    with running(spec, num_cpus=2, app_name="pagedkv-test") as deployed:
+        yield deployed
+
+
+def ask(app: Deployed, prompt: list[int], max_tokens: int = 4) -> tuple[str, Any]:
+    """One request through the replicas' handle (the same router as the ingress): (replica, final output)."""
+
+    async def go() -> tuple[str, Any]:
+        final = None
+        where = ""
+        gen = app.replicas.options(stream=True).generate.remote(
+            ReplicaRequest(prompt, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))
+        )
+        async for replica, out in gen:
+            where = replica
+            if out.finished:
+                final = out
+        return where, final
+
+    return asyncio.run(go())
+
+
+def replicas(app: Deployed, n: int = 2, timeout_s: float = 60) -> dict[str, int]:
+    """Replica id -> pid for `n` live replicas (other calls are spread at random over the replicas)."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < n:
+        assert time.monotonic() < deadline, f"only {len(seen)} replicas answered"
+        try:
+            rid, pid = app.replicas.whoami.remote().result(timeout_s=10)
+            seen[rid] = pid
+        except Exception:  # a replica on its way down
+            time.sleep(0.2)
+    return seen
+
+
+def wait_for_stats(app: Deployed) -> None:
+    """Ray hands the handles each replica's routing stats (its event endpoints) every 0.5 s."""
+    time.sleep(1.5)
+
+
+def test_shared_prefix_requests_land_on_the_replica_holding_it(app: Deployed) -> None:
+    replicas(app)
+    wait_for_stats(app)
+    doc = document(1)
+    first, out = ask(app, doc + [1, 2, 3])
+    assert out.num_cached_tokens == 0
+    for q in range(4):
+        time.sleep(0.2)
+        where, out = ask(app, doc + [10 + q, 20 + q, 30 + q])
+        assert where == first  # its GPU holds the document: no load elsewhere to outweigh that
+        assert out.num_cached_tokens_by_tier.get(GPU) == DOC
+
+
+def test_a_killed_replica_is_restarted_while_requests_elsewhere_finish_and_redis_serves_its_prefix(
+    app: Deployed,
+) -> None:
+    client = httpx.Client(base_url=app.url, timeout=120)
+    doc = document(2)
+    body = {"model": "pagedkv", "prompt": doc + [7, 8, 9], "max_tokens": 6, "ignore_eos": True}
+    on_x = client.post("/v1/completions", json=body).json()
+    assert on_x["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    time.sleep(0.3)
+    x, _ = ask(app, doc + [1, 2, 3], max_tokens=1)  # the router sends the document where it is: x
+    before = replicas(app)
+    (y,) = [r for r in before if r != x]
+
+    async def long_on_y() -> list[Any]:  # in flight on y while x dies
+        gen = app.replicas.options(stream=True).generate.remote(
+            ReplicaRequest(document(3) + [4], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        )
+        return [item async for item in gen]
+
+    async def scenario() -> tuple[list[Any], dict[str, Any]]:
+        task = asyncio.ensure_future(long_on_y())
+        await asyncio.sleep(0.3)
+        os.kill(before[x], signal.SIGKILL)
+        await asyncio.sleep(0.5)  # Ray has not replaced x yet: y is the only one, and must load from Redis
+        again = await asyncio.to_thread(client.post, "/v1/completions", json=body)
+        return await task, again.json()
+
+    items, on_y = asyncio.run(scenario())
+    assert items[-1][1].finished and len(items[-1][1].output_token_ids) == 60
+    assert on_y["choices"][0]["text"] == on_x["choices"][0]["text"]
+    assert on_y["usage"]["prompt_tokens_details"]["cached_tokens"] == DOC  # from the shared store
+    after = replicas(app, timeout_s=90)  # Ray restarted x: two replicas again, a new process
+    assert len(after) == 2 and before[x] not in after.values() and y in after
+
+
+def test_the_router_index_equals_the_replicas_after_a_dropped_subscriber_and_a_restart(app: Deployed) -> None:
+    import zmq
+
+    router = LiveRouter(replay_timeout_ms=1000, sync_interval_s=3600)
+
+    def follow(ids: dict[str, int]) -> None:
+        for rid in ids:
+            stats = app.replicas.routing_stats.remote(ReplicaTarget(rid)).result(timeout_s=10)
+            router.observe(rid, stats)
+
+    ids = replicas(app)
+    follow(ids)
+    try:
+        a, b = sorted(ids)
+        router.streams.subscriber(b)._sub.setsockopt(zmq.UNSUBSCRIBE, b"")  # b's batches are dropped for us
+        for k in range(6):
+            ask(app, document(10 + k) + [k], max_tokens=3)
+        router.streams.subscriber(b)._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        ask(app, document(20) + [1], max_tokens=3)
+        router.streams.check()
+        assert (
+            router.streams.subscriber(b).replayed > 0
+        )  # what the drop cost came back through b's replay socket
+        os.kill(ids[a], signal.SIGKILL)  # a restarts: the new replica is followed from its first event
+        new = replicas(app, timeout_s=90)
+        follow(new)
+        for k in range(4):
+            ask(app, document(30 + k) + [k], max_tokens=3)
+        time.sleep(0.5)
+        router.streams.poll()
+        router.streams.check()
+        for rid in new:
+            held = app.replicas.kv_contents.remote(ReplicaTarget(rid)).result(timeout_s=10)
+            view = {m: sorted(h) for m, h in router.index.state(rid).items()}
+            assert view == held, rid
+        assert a not in new and router.index.state(a) == {}  # the dead one's stream stopped answering
+        assert sum(len(router.index.state(rid).get(GPU, ())) for rid in new) > 0
+    finally:
+        router.streams.close()
