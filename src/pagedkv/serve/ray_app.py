@@ -60,7 +60,12 @@ def tiny_engine(remote_url: str | None) -> Any:
     return Engine(tiny_model("llama", 0), None, config)
 
 
-def load_factory(spec: str) -> Any:
+def load_factory(spec: Any) -> Any:
+    """The engine factory `spec` names ("module:function"), or `spec` itself if it is callable."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"an engine factory is 'module:function' or a callable, got {spec!r}")
     module, _, name = spec.partition(":")
     if not module or not name:
         raise InvalidArgumentError(f"an engine factory is 'module:function', got {spec!r}")
@@ -283,7 +288,7 @@ class ReplicaSet:
     """What `build_application` deploys (validated here, before Ray starts anything)."""
 
     replicas: int = 2
-    engine: str = TINY_ENGINE
+    engine: Any = TINY_ENGINE  # "module:function", or a picklable callable(remote_url) -> Engine
     remote_url: str | None = None
     router: str = "pagedkv"
     model_name: str = "pagedkv"

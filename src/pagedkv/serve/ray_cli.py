@@ -1,0 +1,98 @@
+"""`python -m pagedkv.serve.ray_cli`: `pagedkv serve` with `--replicas N` on Ray Serve (docs/scale-out.md).
+
+    python -m pagedkv.serve.ray_cli --model smollm2 --replicas 2 --remote-url redis://10.0.0.5:6379/0
+    python -m pagedkv.serve.ray_cli --model ./m --replicas 8 --ray-address auto      # an existing cluster
+
+Every `pagedkv serve` flag means what it means there (the engine flags are `pagedkv generate`'s); each replica
+loads the model itself and builds its engine from the same flags with KV events on. `--replicas 1` still runs
+on Ray (use `pagedkv serve` for one replica without Ray or Redis). Ctrl-C or SIGTERM removes the application
+and, if this process started the local Ray cluster, stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import Any
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.serve.ray_app import ROUTERS, ReplicaSet, running
+
+
+def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
+    """A replica's engine from `pagedkv serve`'s flags (run in the replica's process), with KV events on."""
+    import torch
+
+    from pagedkv.engine.commands import _engine_config
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.loading import check_source, load_tokenizer, load_weights, set_progress_bars
+
+    ns = argparse.Namespace(**{**args, "remote_url": remote_url})
+    config = dataclasses.replace(_engine_config(ns), kv_events=True)
+    source = check_source(ns.model)
+    set_progress_bars(False)
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(source)
+    return Engine(load_weights(source, dtype=ns.dtype, tokenizer=tokenizer), tokenizer, config)
+
+
+def add_replica_arguments(parser: Any) -> None:
+    g = parser.add_argument_group("replicas on Ray Serve (docs/scale-out.md)")
+    g.add_argument(
+        "--replicas", type=int, default=1, help="engine replicas behind one ingress (>1: Ray Serve)"
+    )
+    g.add_argument(
+        "--ray-address", default=None, help="join a Ray cluster (auto, ray://HOST:PORT); default: a local one"
+    )
+    g.add_argument("--router", choices=ROUTERS, default="pagedkv", help="the replicas' request router")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
+
+
+def run_replicas(args: Any) -> int:
+    """Deploy `args.replicas` replicas of the model `args` describe and serve until Ctrl-C or SIGTERM."""
+    from pagedkv.engine.commands import _engine_config
+    from pagedkv.hf.loading import check_source
+
+    _engine_config(args)  # bad engine flags: one line before Ray starts
+    check_source(args.model)
+    spec = ReplicaSet(
+        replicas=args.replicas, engine=functools.partial(engine_from_args, dict(vars(args))),
+        remote_url=args.remote_url, router=args.router, model_name=args.served_model_name or args.model,
+        api_key=args.api_key, num_cpus=args.replica_cpus,
+    )  # fmt: skip
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with running(spec, address=args.ray_address, host=args.host, port=args.port, app_name="pagedkv") as app:
+        print(f"pagedkv serve: {spec.replicas} replicas of {spec.model_name} on {app.url} (router {spec.router})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        with suppress(KeyboardInterrupt):
+            stop.wait()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pagedkv.engine.cli_args import OneLineParser
+    from pagedkv.serve import commands
+
+    parser = OneLineParser(
+        prog="python -m pagedkv.serve.ray_cli", description="pagedkv replicas on Ray Serve"
+    )
+    commands.add_arguments(parser)
+    add_replica_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        commands.check_server_arguments(args)
+        return run_replicas(args)
+    except InvalidArgumentError as err:
+        print(f"pagedkv serve: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
