@@ -69,3 +69,22 @@ def start_server(engine: Engine, *, max_waiting: int = 1024, api_key: str | None
     return Server(f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine, server, thread)
 
 
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of /metrics by (name, labels other than model_name), through prometheus_client's parser."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            assert s.labels.get("model_name") == MODEL_NAME, s
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples[(s.name, labels)] = s.value
+    return samples

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_support import MODEL_NAME, Server, make_engine, start_server
+from serve_support import MODEL_NAME, Server, make_engine, scrape, start_server
 
 from pagedkv.engine.params import SamplingParams
 
@@ -199,16 +199,3 @@ def wait_until(condition: Any, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.02)
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics by (name, labels without model_name), through prometheus_client's parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics").text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            samples[(s.name, labels)] = s.value
-    return samples

@@ -329,8 +329,8 @@ class AsyncEngine:
                 batches.setdefault(stream, []).append(_Ended(tuple(outputs)))
                 if self.metrics is not None:
                     self.metrics.observe_request(outputs)
+        self._snapshot = self._take_snapshot(alive=True)  # before the streams wake: they may read it
         self._dispatch(batches)
-        self._snapshot = self._take_snapshot(alive=True)
         if len(self.engine.stats.step_times) > 2 * STATS_WINDOW:
             self.engine.stats.trim(STATS_WINDOW)
 
