@@ -58,6 +58,9 @@ class EngineConfig:
     disk_path: str | None = None
     disk_bytes: int = 0
     remote_url: str | None = None
+    remote_timeout_s: float = 2.0  # per remote call (connect and reply)
+    remote_backoff_s: float = 30.0  # after 3 failed remote calls in a row, skip the store this long
+    remote_required: bool = False  # a remote store that does not answer at start-up: fatal, not off
     # KV events for every medium (GPU, CPU, DISK, REMOTE), vLLM-compatible: Engine.take_event_batch()
     # (pagedkv.engine.kv_events, docs/scale-out.md).
     kv_events: bool = False
@@ -110,7 +113,15 @@ class EngineConfig:
             raise InvalidArgumentError(f"disk_bytes must be an int >= 0, got {self.disk_bytes!r}")
         if (self.disk_path is None) != (self.disk_bytes == 0):
             raise InvalidArgumentError("the disk tier needs both disk_path and disk_bytes > 0 (or neither)")
-        if self.remote_url is not None and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidArgumentError(f"remote_url must be redis://..., rediss://... or unix://..., got {self.remote_url!r}")
+        if self.remote_url is not None:
+            from pagedkv.tiers.remote import check_remote_url
+
+            check_remote_url(self.remote_url)
+        for name in ("remote_timeout_s", "remote_backoff_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise InvalidArgumentError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not isinstance(self.remote_required, bool):
+            raise InvalidArgumentError(f"remote_required must be a bool, got {self.remote_required!r}")
         if self.tiers_enabled and (self.allocator != "paged" or not self.enable_prefix_caching):
             raise InvalidArgumentError("tiers need the paged allocator with prefix caching on")

@@ -50,7 +50,7 @@ from pagedkv.storage.block_rows import block_shape, read_rows
 from pagedkv.storage.kv import KVStorage
 from pagedkv.tiers.events import TierEvent
 from pagedkv.tiers.keys import key_bytes, model_fingerprint
-from pagedkv.tiers.store import TieredStore, TierStats
+from pagedkv.tiers.store import RemoteSettings, TieredStore, TierStats
 from pagedkv.tiers.value import BlockLayout
 
 if TYPE_CHECKING:
@@ -84,16 +84,22 @@ class EngineTiering:
         fingerprint = model_fingerprint(
             model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size
         )
+        remote = RemoteSettings(config.remote_timeout_s, config.remote_backoff_s, required=config.remote_required)
         store = TieredStore.build(
             BlockLayout(storage.spec.dtype, shape), fingerprint, host_blocks=config.host_blocks,
             disk_path=config.disk_path, disk_bytes=config.disk_bytes, remote_url=config.remote_url,
-            pin_memory=storage.device.type == "cuda",
+            pin_memory=storage.device.type == "cuda", remote=remote,
         )  # fmt: skip
         return cls(store, storage, manager, keep_device_events=keep_device_events)
 
     @property
     def stats(self) -> TierStats:
         return self.store.stats
+
+    def inactive(self) -> dict[str, str]:
+        """Configured tiers not in use now ("REMOTE", "DISK", ...) -> one line saying why (dead at start-up,
+        or skipped during a back-off); empty when all work. `pagedkv generate` prints it."""
+        return self.store.inactive()
 
     def cached_by_tier(self, request_id: str, device_tokens: int) -> dict[str, int]:
         """Tokens of a request's prompt served by each medium at its first admission."""

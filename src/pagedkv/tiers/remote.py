@@ -1,55 +1,97 @@
 """`RedisTier`: block values in a shared Redis (or Valkey) store, through redis-py with hiredis.
 
 One value per block under `pkv:v1:{fingerprint}:{key hex}` (see `keys.py`, `value.py`). Every batch verb is
-one round trip: `lookup`/`contains` pipeline `EXISTS` per key, `get` is one `MGET`, `put` one pipeline of
+one round trip: `lookup`/`contains` pipeline `TYPE` per key (a key of another Redis type under the prefix is
+deleted like a corrupt value, counted in `failures["wrong_type"]`), `get` is one `MGET`, `put` one pipeline of
 `SET NX` (a block already stored by another replica is left alone), `touch` one `TOUCH`, `remove` one `DEL`.
 Every reply of a pipeline is read: under `maxmemory` with `noeviction` one batch of `SET NX` is written in
 part (OK for some keys, OOM for the rest), and only the keys written are counted and announced; each key
 refused counts in `failures` by its error code ("oom").
 The client keeps a connection pool. The store runs its own eviction (e.g. `allkeys-lru`), so a chain may
-have holes: `lookup` stops at the first missing key, and a key that `EXISTS` saw but `MGET` no longer finds
+have holes: `lookup` stops at the first missing key, and a key that `TYPE` saw but `MGET` no longer finds
 is reported "evicted". A value whose header or checksum does not match is deleted and reported
 "checksum". A socket timeout is reported "timeout", any other connection failure "error"; either is a miss
-for every key of the call, never an exception to the engine.
+for every key of the call, never an exception to the engine. After `max_failures` failed calls in a row
+every call is skipped (a miss, counted "backoff") for `backoff_s` seconds, then tried again: a dead store
+costs the engine at most a few timeouts per back-off period, not seconds every step. `probe()` connects
+once at start-up and says in one line why the store cannot be used (wrong password, no socket, a
+database past the server's count); `status()` says why calls are skipped now.
 
 Events describe the keys this tier reported stored (`reported`), as a set: `stored` when its `SET NX`
 wrote a key (a key another replica wrote is that replica's to report), `removed` when a reported key is
 deleted here or found gone. Redis evicts on its own (`allkeys-lru`) without telling anyone, so a reported
-key found missing by any call (`contains`/`lookup`'s `EXISTS`, `get`'s `MGET`) is reported `removed`
+key found missing by any call (`contains`/`lookup`'s `TYPE`, `get`'s `MGET`) is reported `removed`
 then; `audit()` checks every reported key in one round trip, for a replica that wants its view exact now.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
-from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.tiers.events import Medium, TierEvent
 from pagedkv.tiers.keys import store_key
 from pagedkv.tiers.tier import Rows, Spill, check_rows
 from pagedkv.tiers.value import BlockLayout, CorruptValueError, pack, unpack
 
 
+class TierUnavailableError(PagedKVError):
+    """A required remote tier cannot be used (`EngineConfig(remote_required=True)`); the message says why."""
+
+
+def check_remote_url(url: object) -> str:
+    """`url` if redis-py can read it as a remote store's address; else `InvalidArgumentError` in one line.
+    Nothing connects."""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise InvalidArgumentError(f"remote_url must be redis://..., rediss://... or unix://..., got {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme == "unix" and not parts.path:
+        raise InvalidArgumentError(f"remote_url {url!r}: unix:// needs the socket's path (unix:///run/redis.sock)")
+    if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise InvalidArgumentError(f"remote_url {url!r}: the path must be a database number (redis://host:6379/0)")
+    try:
+        from redis.connection import parse_url
+    except ImportError as err:  # pragma: no cover - the tiers extra installs it
+        raise InvalidArgumentError("the remote tier needs redis-py: pip install 'pagedkv[tiers]'") from err
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as err:
+        raise InvalidArgumentError(f"remote_url {redact(url)!r} cannot be read: {err}") from None
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
 class RedisTier:
     medium: Medium = "REMOTE"
 
-    def __init__(self, url: str, layout: BlockLayout, fingerprint: str, *, timeout_s: float = 2.0,
-                 client: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self, url: str, layout: BlockLayout, fingerprint: str, *, timeout_s: float = 2.0, client: Any = None,
+        max_failures: int = 3, backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         try:
             import redis
         except ImportError as err:  # pragma: no cover - the tiers extra installs it
             raise InvalidArgumentError(
                 "the remote tier needs redis-py: pip install 'pagedkv[tiers]'"
             ) from err
-        if client is None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidArgumentError(
-                f"remote_url must start with redis://, rediss:// or unix://, got {url!r}"
-            )
+        if client is None:
+            check_remote_url(url)
         self._errors = redis.exceptions
+        self.url = redact(url)
         self.layout = layout
         self.fingerprint = fingerprint
         self.client = client or redis.Redis.from_url(
@@ -57,8 +99,36 @@ class RedisTier:
         )
         self.events: list[TierEvent] = []
         self.reported: set[bytes] = set()  # keys reported stored and not removed since
-        self.failures: Counter[str] = Counter()  # calls that failed, by reason
+        self.failures: Counter[str] = Counter()  # calls that failed (and calls skipped: "backoff"), by reason
         self.round_trips = 0
+        # back-off: after `max_failures` failed calls in a row, every call is skipped for `backoff_s`
+        self.max_failures, self.backoff_s, self._clock = max_failures, backoff_s, clock
+        self._failed_in_a_row = 0
+        self._skip_until = 0.0
+        self._last_error = ""
+
+    def probe(self) -> str | None:
+        """Connect once (`PING`): None when the store answers, else one line saying why it does not."""
+        errors = self._errors
+        try:
+            self.client.ping()
+        except errors.AuthenticationError as err:
+            return f"authentication failed (wrong or missing password): {err}"
+        except errors.ResponseError as err:
+            if "DB index" in str(err) or "invalid DB" in str(err):
+                return f"the database number is past the server's count: {err}"
+            return f"the server refused the connection: {err}"
+        except (errors.RedisError, OSError) as err:
+            return f"cannot connect: {err}"
+        return None
+
+    def status(self) -> str | None:
+        """None while the tier is in use; else why its calls are being skipped now (the back-off)."""
+        if self._clock() < self._skip_until:
+            left = self._skip_until - self._clock()
+            return (f"skipped for {left:.0f} s more after {self.max_failures} failed calls in a row "
+                    f"(last: {self._last_error})")  # fmt: skip
+        return None
 
     def _k(self, key: bytes) -> bytes:
         return store_key(self.fingerprint, key)
@@ -75,13 +145,22 @@ class RedisTier:
         return "readonly" if isinstance(err, self._errors.ReadOnlyError) else "error"
 
     def _call(self, fn: Any) -> tuple[Any, str | None]:
+        """One round trip, or a miss without one while backing off. A failure never raises; `max_failures`
+        in a row start a back-off of `backoff_s` seconds, so a dead store costs no time every step."""
+        if self._skip_until and self._clock() < self._skip_until:
+            self.failures["backoff"] += 1
+            return None, "backoff"
         self.round_trips += 1
         try:
-            return fn(), None
-        except self._errors.RedisError as err:
+            result = fn()
+        except (self._errors.RedisError, OSError) as err:
+            self._failed_in_a_row += 1
+            self._last_error = f"{type(err).__name__}: {err}"
+            if self._failed_in_a_row >= self.max_failures:
+                self._skip_until, self._failed_in_a_row = self._clock() + self.backoff_s, 0
             return None, self._failure(err)
-        except OSError as err:
-            return None, self._failure(err)
+        self._failed_in_a_row, self._skip_until = 0, 0.0
+        return result, None
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
@@ -90,13 +169,18 @@ class RedisTier:
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
-                pipe.exists(self._k(k))
+                pipe.type(self._k(k))
             return list(pipe.execute())
 
         found, reason = self._call(run)
         if reason is not None:
             return [False] * len(keys)  # a failed call proves nothing gone: no event
-        present = [bool(x) for x in found]
+        kinds = [t.decode() if isinstance(t, bytes) else str(t) for t in found]
+        wrong = [k for k, t in zip(keys, kinds) if t not in ("string", "none")]
+        if wrong:  # a hash, list, ... under our prefix: deleted like a corrupt value, not a permanent miss
+            self.failures["wrong_type"] += len(wrong)
+            self.remove(wrong)
+        present = [t == "string" for t in kinds]
         self._gone([k for k, p in zip(keys, present) if not p])
         return present
 

@@ -30,6 +30,7 @@ local medium's failed read or write); a local medium's failed writes also by err
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,11 +38,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagedkv.core.errors import InvariantError
+from pagedkv.core.errors import InvalidArgumentError, InvariantError
 from pagedkv.tiers.events import Medium, TierEvent
 from pagedkv.tiers.slots import LruClock
 from pagedkv.tiers.tier import LocalTier, Rows, Tier
 from pagedkv.tiers.value import BlockLayout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -73,6 +76,46 @@ class TierStats:
         }
 
 
+class RemoteSettings(NamedTuple):
+    """How the remote tier is reached: per-call timeout, back-off after repeated failures, and whether a
+    store that does not answer at start-up is fatal."""
+
+    timeout_s: float = 2.0
+    backoff_s: float = 30.0
+    max_failures: int = 3
+    required: bool = False
+
+
+def _disk_tier(folder: str, capacity_bytes: int, layout: BlockLayout, clock: LruClock, fingerprint: str) -> LocalTier:
+    import os
+
+    from pagedkv.tiers.disk import DiskTier
+    from pagedkv.tiers.keys import KEY_PREFIX
+
+    path = os.path.join(folder, f"pagedkv-{fingerprint}-{os.getpid()}.blocks")
+    try:
+        return DiskTier(path, capacity_bytes, layout, clock, key_prefix=f"{KEY_PREFIX}{fingerprint}:".encode())
+    except OSError as err:
+        raise InvalidArgumentError(f"the disk tier cannot create its file in {folder!r}: {err.strerror}") from None
+
+
+def _remote_tier(url: str, layout: BlockLayout, fingerprint: str, settings: RemoteSettings) -> tuple[Tier | None, str | None]:
+    """The remote tier, probed once; (None, why) when it does not answer and is not required."""
+    from pagedkv.tiers.remote import RedisTier, TierUnavailableError, redact
+
+    tier = RedisTier(url, layout, fingerprint, timeout_s=settings.timeout_s, backoff_s=settings.backoff_s,
+                     max_failures=settings.max_failures)  # fmt: skip
+    why = tier.probe()
+    if why is None:
+        return tier, None
+    tier.close()
+    line = f"remote tier {redact(url)} is off: {why}"
+    if settings.required:
+        raise TierUnavailableError(f"{line} (remote_required=True)")
+    logger.warning("%s", line)
+    return None, line
+
+
 class LoadPlan(NamedTuple):
     """The hit prefix copied into the caller's rows: `keys[i]` came from `media[i]` into `rows[i]`."""
 
@@ -96,41 +139,51 @@ class StorePlan(NamedTuple):
 
 class TieredStore:
     def __init__(
-        self, layout: BlockLayout, local: Sequence[LocalTier] = (), remote: Tier | None = None
-    ) -> None:
+        self, layout: BlockLayout, local: Sequence[LocalTier] = (), remote: Tier | None = None, *,
+        off: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.layout = layout
         self.local = list(local)  # fastest first: host, then disk
         self.remote = remote
         self.stats = TierStats()
+        self.off = dict(off or {})  # medium -> why a configured tier is not in use (found at start-up)
         failures = getattr(remote, "failures", None)
         if failures is not None:  # the remote tier counts its failed calls straight into the stats
             self.stats.remote_failures = failures
 
     @classmethod
     def build(cls, layout: BlockLayout, fingerprint: str, *, host_blocks: int = 0, disk_path: str | None = None,
-              disk_bytes: int = 0, remote_url: str | None = None, pin_memory: bool = False) -> TieredStore:  # fmt: skip
-        """The tiers a configuration asks for (any of them may be absent)."""
-        from pagedkv.tiers.disk import DiskTier
+              disk_bytes: int = 0, remote_url: str | None = None, pin_memory: bool = False,
+              remote: RemoteSettings | None = None) -> TieredStore:  # fmt: skip
+        """The tiers a configuration asks for (any of them may be absent). A remote store that does not
+        answer at start-up is off, with one line saying why in `inactive()` and the log (or, with
+        `remote.required`, a `TierUnavailableError`); a disk folder that cannot hold the tier's file is
+        an `InvalidArgumentError`."""
         from pagedkv.tiers.host import HostTier
-        from pagedkv.tiers.keys import KEY_PREFIX
 
         clock = LruClock()
         local: list[LocalTier] = []
         if host_blocks:
             local.append(HostTier(host_blocks, layout, clock, pin_memory=pin_memory))
         if disk_path is not None:
-            import os
-
-            path = os.path.join(disk_path, f"pagedkv-{fingerprint}-{os.getpid()}.blocks")
-            local.append(
-                DiskTier(path, disk_bytes, layout, clock, key_prefix=f"{KEY_PREFIX}{fingerprint}:".encode())
-            )
-        remote: Tier | None = None
+            local.append(_disk_tier(disk_path, disk_bytes, layout, clock, fingerprint))
+        off: dict[str, str] = {}
+        tier: Tier | None = None
         if remote_url:
-            from pagedkv.tiers.remote import RedisTier
+            tier, why = _remote_tier(remote_url, layout, fingerprint, remote or RemoteSettings())
+            if why is not None:
+                off["REMOTE"] = why
+        return cls(layout, local, tier, off=off)
 
-            remote = RedisTier(remote_url, layout, fingerprint)
-        return cls(layout, local, remote)
+    def inactive(self) -> dict[str, str]:
+        """Configured tiers not in use now, medium -> one line saying why: found dead at start-up, or the
+        remote store skipped during a back-off after repeated failures. Empty when every tier works."""
+        out = dict(self.off)
+        status = getattr(self.remote, "status", None)
+        why = status() if status is not None else None
+        if why is not None:
+            out["REMOTE"] = f"remote tier {getattr(self.remote, 'url', '')}: {why}"
+        return out
 
     @property
     def tiers(self) -> list[Tier]:
