@@ -1,0 +1,105 @@
+"""`pagedkv serve` as a process: bad arguments are one line and exit 2 before any weights load; a served
+folder answers the openai client; SIGTERM lets the stream in flight finish, then the process exits 0."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from serve_support import MODEL_NAME
+
+from pagedkv.cli import main
+from pagedkv.hf.tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """The tests' tiny Llama (SmolLM2's vocabulary) and SmolLM2's tokenizer, saved as a transformers folder."""
+    folder = tmp_path_factory.mktemp("tiny-smollm2-vocab")
+    model = tiny_model("llama", seed=0)
+    torch.manual_seed(0)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "/no/such/folder"], "neither"),
+        (["--max-waiting", "0"], "--max-waiting"),
+        (["--port", "70000"], "--port"),
+        (["--drain-timeout", "-1"], "--drain-timeout"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and err.startswith("pagedkv serve")
+
+
+def test_serve_answers_then_drains_on_sigterm_and_exits_0(model_folder: Path) -> None:
+    cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(model_folder), "--port", "0",
+           "--served-model-name", MODEL_NAME, "--num-blocks", "64", "--drain-timeout", "30"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = _wait_until_healthy(proc)
+        body = {"model": MODEL_NAME, "prompt": "Once", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        got: dict[str, Any] = {}
+        first = threading.Event()
+
+        def stream() -> None:
+            events = []
+            with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+            got["events"] = events
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)  # mid-stream
+        thread.join(60)
+        assert proc.wait(60) == 0
+        events = got["events"]
+        assert events[-1] == "[DONE]"
+        assert '"completion_tokens": 200' in events[-2]  # the in-flight request ran to its end
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_until_healthy(proc: subprocess.Popen[str]) -> str:
+    """The server's URL from its first stderr line, once /health answers 200."""
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+    assert match, line
+    url = match.group(1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return url
+        except httpx.ConnectError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("pagedkv serve did not become healthy")
