@@ -9,9 +9,11 @@ each of `--rates` (requests/s) and a burst (every request at t=0: the saturating
 so each request produces exactly its trace length: `pagedkv serve` gets `ignore_eos` in the body,
 `transformers serve` a `generation_config` with `eos_token_id: -1` (the only way it has).
 
-`transformers serve` keeps its fixed 15% admission headroom (`safety_margin`, which its command line cannot
-change); `--admission-headroom` (default 0.15) gives `pagedkv serve` the same. `config` in the JSON lists
-every setting of each system; the table prints the ones that differ.
+Everything else is each system's own default, and `systems[NAME]["config"]` in the JSON lists it (the table
+prints what differs). Notably `transformers serve` stops admitting while fewer than 15% of the blocks are free
+(its `safety_margin`, which its command line cannot change), `pagedkv serve` has no such headroom but keeps
+a growth reserve (16 tokens per running request); `--peer-safety-margin X` runs `transformers serve` with
+another headroom (set through `serve_procs.PEER_LAUNCHER`).
 
 The `pagedkv-offline` row serves the burst's requests with `Engine.generate`'s engine in this process (the
 same engine settings, token ids from the same tokenizer): the server's cost is 1 - served / offline tokens/s.
@@ -76,10 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=256, help="token budget per step (both)")
     parser.add_argument(
-        "--admission-headroom",
+        "--peer-safety-margin",
         type=float,
-        default=PEER_HEADROOM,
-        help="pagedkv's admission headroom (default 0.15: transformers serve's fixed safety_margin)",
+        default=None,
+        help="transformers serve's admission headroom (default: its own, 0.15; pagedkv serve has none, 0)",
     )
     parser.add_argument(
         "--rates", default="0.4,0.8,1.2", help="Poisson arrival rates, requests/s, comma-separated"
@@ -143,8 +145,9 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return "--repeat and --num-requests must be >= 1, --trace-offset >= 0"
     if args.num_blocks < 2 or not 1 <= args.block_size <= 256 or args.max_batched_tokens < 1:
         return "--num-blocks must be >= 2, --block-size in [1, 256], --max-batched-tokens >= 1"
-    if not 0.0 <= args.admission_headroom < 1.0 or args.timeout <= 0:
-        return "--admission-headroom must be in [0, 1), --timeout > 0"
+    margin = args.peer_safety_margin
+    if (margin is not None and not 0.0 <= margin <= 1.0) or not args.timeout > 0:
+        return "--peer-safety-margin must be in [0, 1], --timeout > 0"
     if min(args.prompt_scale, args.output_scale) < 1:
         return "--prompt-scale and --output-scale must be >= 1"
     return None
@@ -182,26 +185,42 @@ def prepare(args: argparse.Namespace, workdir: Path) -> Setup:
 
 
 def pagedkv_options(args: argparse.Namespace) -> list[str]:
-    """`pagedkv serve`'s engine options: the bench's budget, block size, step budget and headroom."""
+    """`pagedkv serve`'s engine options: the bench's KV budget, block size and step budget; everything else
+    is the engine's default (the same `EngineConfig` the offline row builds from them)."""
     return ["--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
-            "--max-num-batched-tokens", str(args.max_batched_tokens),
-            "--admission-headroom", str(args.admission_headroom)]  # fmt: skip
+            "--max-batched-tokens", str(args.max_batched_tokens)]  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The `EngineConfig` `pagedkv serve` builds from `pagedkv_options` (the engine's own flag parser and
+    config builder, which the server shares with `pagedkv generate`)."""
+    from pagedkv.engine.commands import _engine_config
+    from pagedkv.engine.commands import add_arguments as engine_arguments
+
+    parser = argparse.ArgumentParser()
+    engine_arguments(parser)
+    return _engine_config(parser.parse_args(pagedkv_options(args)))
 
 
 def system_configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every setting of each system, as the JSON reports it."""
     common = {"num_blocks": args.num_blocks, "block_size": args.block_size,
               "max_batch_tokens": args.max_batched_tokens, "torch_threads": 1, "dtype": "float32"}  # fmt: skip
-    engine = {**common, "admission_headroom": args.admission_headroom, "growth_reserve_tokens": _lookahead(),
-              "prefix_caching": True, "preemption": "recompute", "attention": "pagedkv (engine default)",
+    sched = engine_config(args).scheduler
+    engine = {**common, "admission_headroom": sched.admission_headroom,
+              "growth_reserve_tokens": sched.admission_lookahead, "max_running": sched.max_num_seqs,
+              "prefix_caching": True, "preemption": sched.preemption_mode, "attention": "pagedkv (engine default)",
               "ignore_eos": "ignore_eos: true in the body"}  # fmt: skip
+    margin = PEER_HEADROOM if args.peer_safety_margin is None else args.peer_safety_margin
     return {
         "pagedkv-serve": {**engine, "process": "pagedkv serve (uvicorn, one worker)"},
         "transformers-serve": {
             **common,
-            "admission_headroom": PEER_HEADROOM,
+            "admission_headroom": margin,
             "growth_reserve_tokens": "none",
+            "max_running": "its default",
             "prefix_caching": "allow_block_sharing (its default)",
+            "preemption": "recompute (its scheduler's)",
             "attention": "sdpa (paged)",
             "ignore_eos": "generation_config {eos_token_id: -1} in the body",
             "process": "transformers serve --continuous-batching (uvicorn)",
@@ -212,12 +231,6 @@ def system_configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "process": "Engine in the bench process, no HTTP",
         },  # fmt: skip
     }
-
-
-def _lookahead() -> int:
-    from pagedkv.engine.scheduler import SchedulerConfig
-
-    return SchedulerConfig().admission_lookahead
 
 
 # --- the runs ---------------------------------------------------------------------------------------------
@@ -262,7 +275,9 @@ def _start(system: str, args: argparse.Namespace, setup: Setup) -> procs.ServerP
     if system == "pagedkv-serve":
         argv = procs.pagedkv_argv(str(setup.folder), pagedkv_options(args))
     else:
-        argv = procs.peer_argv(setup.folder, args.block_size, args.num_blocks, args.max_batched_tokens)
+        argv = procs.peer_argv(
+            setup.folder, args.block_size, args.num_blocks, args.max_batched_tokens, args.peer_safety_margin
+        )
     return procs.start_server(system, argv, setup.workdir)
 
 
@@ -274,7 +289,9 @@ def warm(server: procs.ServerProcess, setup: Setup, system: str, args: argparse.
     """Untimed requests first (transformers builds its batching manager on the first request), in the
     shapes the runs will use, so neither system's first timed run pays one-time costs."""
     requests = _requests(args, setup, BURST, variant=0)[:4]
-    results = load.run_load(server.base_url, requests, extra_body(system), timeout_s=args.timeout)
+    results = load.run_load(
+        server.base_url, requests, extra_body(system), model=server.model_id, timeout_s=args.timeout
+    )
     bad = [r.error for r in results if r.error]
     if bad:
         raise RuntimeError(f"{system} failed its warm-up request: {bad[0]}\n{server.log_tail()}")
@@ -295,7 +312,9 @@ def _run_served(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     _progress(f"{system} {label}")
     cpu0, load0 = procs.cpu_seconds(server.pid), os.getloadavg()[0]
-    results = load.run_load(server.base_url, requests, extra_body(system), timeout_s=args.timeout)
+    results = load.run_load(
+        server.base_url, requests, extra_body(system), model=server.model_id, timeout_s=args.timeout
+    )
     figure = load.summarize(requests, results)
     figure["server_cpu_s"] = procs.cpu_seconds(server.pid) - cpu0
     figure["tokens_per_cpu_s"] = figure["output_tokens"] / max(figure["server_cpu_s"], 1e-9)
@@ -329,20 +348,12 @@ def run_offline(
     offline: Any, requests: Sequence[load.ServeRequest], words: load.PromptWords
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The burst's requests through a fresh engine with pagedkv serve's settings: figures and texts."""
-    from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
-    from pagedkv.engine.scheduler import SchedulerConfig
 
     model, args = offline
     _progress("pagedkv-offline")
-    config = EngineConfig(
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_batched_tokens, admission_headroom=args.admission_headroom
-        ),  # fmt: skip
-    )
+    config = engine_config(args)
     engine = Engine(model, None, config)
     results = {r.request_id: load.RequestResult(r.request_id) for r in requests}
     ids: dict[str, list[int]] = {}

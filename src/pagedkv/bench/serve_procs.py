@@ -1,8 +1,9 @@
 """The server processes of `pagedkv bench serve`: started on a free port, waited for, measured, stopped.
 
 Each server is a subprocess of the bench, bound to 127.0.0.1 port 0 (the kernel picks a free port; the bench
-reads it from uvicorn's "running on http://HOST:PORT" line in the server's log), with `HF_HUB_OFFLINE=1`
-(nothing downloads) and `OMP_NUM_THREADS=1`. It is ready when `GET /health` answers 200. It is stopped by
+reads it from the first "http://HOST:PORT" in the server's log: pagedkv serve's "on http://..." line,
+uvicorn's "running on http://..."), with `HF_HUB_OFFLINE=1`
+(nothing downloads) and `OMP_NUM_THREADS=1`. It is ready when `GET /health` answers 200; the model id requests send is the first of `/v1/models`. It is stopped by
 its pid: SIGTERM, then SIGKILL after `grace_s`. Its resident memory and CPU time are read from
 `/proc/PID/status` and `/proc/PID/stat` (Linux).
 
@@ -29,11 +30,27 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
 
-_LISTENING = re.compile(r"running on https?://[^:\s]+:(\d+)", re.IGNORECASE)
-PEER_LAUNCHER = (
-    "import sys, torch; torch.set_num_threads(1); "
-    "from transformers.cli.transformers import main; sys.argv = ['transformers'] + sys.argv[1:]; main()"
-)
+# the first URL with a port in the log: uvicorn's "running on http://HOST:PORT", pagedkv serve's "on http://..."
+_LISTENING = re.compile(r"https?://[^\s/:]+:(\d+)")
+# `python -c PEER_LAUNCHER MARGIN serve ...`: one torch thread, then transformers' own command line. MARGIN
+# "default" leaves transformers' admission headroom alone (safety_margin None = 0.15 in its scheduler);
+# a number sets it, as `ContinuousBatchingConfig(safety_margin=...)` would (its CLI has no flag for it).
+PEER_LAUNCHER = """
+import sys, torch
+torch.set_num_threads(1)
+margin = sys.argv.pop(1)
+if margin != "default":
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig as C
+    post = C.__post_init__
+    def _post(self, post=post, margin=float(margin)):
+        if self.safety_margin is None:
+            self.safety_margin = margin
+        post(self)
+    C.__post_init__ = _post
+from transformers.cli.transformers import main
+sys.argv = ["transformers"] + sys.argv[1:]
+main()
+"""
 
 
 @dataclass(slots=True)
@@ -44,6 +61,7 @@ class ServerProcess:
     proc: subprocess.Popen[bytes]
     log_path: Path
     base_url: str = ""
+    model_id: str = ""  # the `model` its /v1/models lists first: what requests name
     samples: list[tuple[float, int]] = field(default_factory=list)  # (time, RSS bytes)
 
     @property
@@ -99,8 +117,10 @@ def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
         if server.base_url:
             try:
                 if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+                    models = httpx.get(f"{server.base_url}/v1/models", timeout=5).json()["data"]
+                    server.model_id = str(models[0]["id"])
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, KeyError, IndexError, ValueError):
                 pass
         time.sleep(0.25)
     raise RuntimeError(f"{server.name} was not ready within {timeout_s:.0f} s:\n{server.log_tail()}")
@@ -142,9 +162,13 @@ def pagedkv_argv(model: str, options: list[str]) -> list[str]:
             *options]  # fmt: skip
 
 
-def peer_argv(folder: Path, block_size: int, num_blocks: int, max_batch_tokens: int) -> list[str]:
-    """`transformers serve --continuous-batching` on 127.0.0.1, a free port, the same KV budget, fp32, SDPA."""
-    return [sys.executable, "-c", PEER_LAUNCHER, "serve", str(folder), "--continuous-batching",
+def peer_argv(
+    folder: Path, block_size: int, num_blocks: int, max_batch_tokens: int, safety_margin: float | None = None
+) -> list[str]:
+    """`transformers serve --continuous-batching` on 127.0.0.1, a free port, the same KV budget, fp32, SDPA;
+    `safety_margin` None keeps its own admission headroom (0.15)."""
+    margin = "default" if safety_margin is None else str(safety_margin)
+    return [sys.executable, "-c", PEER_LAUNCHER, margin, "serve", str(folder), "--continuous-batching",
             "--cb-block-size", str(block_size), "--cb-num-blocks", str(num_blocks),
             "--cb-max-batch-tokens", str(max_batch_tokens), "--attn-implementation", "sdpa",
             "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",

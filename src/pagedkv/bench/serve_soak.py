@@ -146,7 +146,7 @@ async def _drive(
         while not queue.empty():
             i = queue.get_nowait()
             prompt = " ".join(words[j] for j in rng.integers(0, len(words), size=6 + i % 9))
-            error = await _soak_request(client, prompt, 2 + i % 7, stream=i % 2 == 0)
+            error = await _soak_request(client, server.model_id, prompt, 2 + i % 7, stream=i % 2 == 0)
             if error is not None:
                 tally.errors += 1
                 tally.first_error = tally.first_error or error
@@ -160,8 +160,9 @@ async def _drive(
     return samples, tally.errors, tally.first_error
 
 
-async def _soak_request(client: Any, prompt: str, max_tokens: int, *, stream: bool) -> str | None:
+async def _soak_request(client: Any, model: str, prompt: str, max_tokens: int, *, stream: bool) -> str | None:
     body = {
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,

@@ -1,0 +1,121 @@
+"""`pagedkv bench serve`: the load generator's arithmetic, and the whole bench on a tiny model against both
+servers (`pagedkv serve` and `transformers serve --continuous-batching`, each a subprocess on a free port)
+plus the offline engine, a handful of requests: the report's shape, and every system's greedy text equal."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedkv.bench import serve_load as load
+from pagedkv.bench.serve_report import paired, text_agreement
+from pagedkv.bench.serve_soak import soak_figures, tiny_folder
+from pagedkv.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_folder(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+# --- the load generator, no server ------------------------------------------------------------------------
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate() -> None:
+    a = load.poisson_arrivals(2000, 4.0, seed=3)
+    assert a == load.poisson_arrivals(2000, 4.0, seed=3) and a[0] == 0.0
+    assert all(x <= y for x, y in zip(a, a[1:]))
+    assert 1999 / a[-1] == pytest.approx(4.0, rel=0.1)
+    assert load.poisson_arrivals(5, None, seed=0) == [0.0] * 5
+
+
+def test_trace_shapes_fit_the_budget() -> None:
+    shapes = load.trace_shapes(64, 1, 1, max_total_tokens=120)
+    assert all(s.prompt_tokens + s.output_len <= 120 and s.output_len >= 1 for s in shapes)
+    assert any(s.prompt_tokens + s.output_len == 120 for s in shapes)  # the raw trace rows do not fit: capped
+
+
+def test_prompts_have_exactly_their_token_count(tiny: Path) -> None:
+    from transformers import AutoTokenizer
+
+    words = load.PromptWords(AutoTokenizer.from_pretrained(tiny))
+    rng = np.random.default_rng(0)
+    for n in (1, 8, 37):
+        assert len(words.encode(words.prompt(n, rng))) == n
+
+
+def test_summarize_measures_ttft_tpot_and_counts_errors() -> None:
+    requests = [load.ServeRequest("a", "x", 1, 3), load.ServeRequest("b", "y", 1, 2)]
+    ok = load.RequestResult("a", sent_s=1.0, chunk_times=[1.5, 1.7, 2.1], done_s=2.1, completion_tokens=3)
+    bad = load.RequestResult("b", sent_s=1.0, done_s=1.2, error="HTTP 500")
+    f = load.summarize(requests, [ok, bad])
+    assert f["ttft_p50_s"] == pytest.approx(0.5) and f["tpot_p50_s"] == pytest.approx(0.3)
+    assert f["errors"] == 1 and f["output_tokens"] == 3 and f["wall_s"] == pytest.approx(1.1)
+    assert f["first_error"] == "HTTP 500"
+
+
+def test_text_agreement_finds_a_differing_request() -> None:
+    texts = {
+        "pagedkv-serve": {"burst": [{"a": " x y", "b": " z"}]},
+        "transformers-serve": {"burst": [{"a": " x y", "b": " w"}]},
+    }
+    assert text_agreement(texts)["burst"]["mismatched"] == {"transformers-serve": 1}
+    assert paired([{"tokens_per_s": 3.0}], [{"tokens_per_s": 2.0}])["median"] == 1.5  # type: ignore[index]
+
+
+def test_soak_slope_tells_growth_from_noise() -> None:
+    noisy = [(n, 500_000_000 + (n % 500) * 10) for n in range(0, 20_001, 250)]
+    leaking = [(n, 500_000_000 + n * 200) for n in range(0, 20_001, 250)]  # 200 bytes a request
+    assert soak_figures(noisy, 0, None, 10.0, 2000, 1 << 20, "m")["flat"]
+    grown = soak_figures(leaking, 0, None, 10.0, 2000, 1 << 20, "m")
+    assert not grown["flat"] and grown["slope_bytes_per_1000_requests"] == pytest.approx(200_000)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--rates", "-1"], ["--systems", "vllm"], ["--repeat", "0"], ["--rates", "", "--no-burst"]],
+)
+def test_bad_arguments_are_one_line(argv: list[str]) -> None:
+    code, out, err = run_cli(["bench", "serve", *argv])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+
+
+# --- the whole bench on a tiny model -------------------------------------------------------------------------
+
+
+def test_bench_serve_both_servers_and_offline_on_a_tiny_model(tiny: Path, tmp_path: Path) -> None:
+    plot = tmp_path / "serve.png"
+    argv = ["bench", "serve", "--model", str(tiny), "--num-requests", "5", "--prompt-scale", "64",
+            "--output-scale", "16", "--num-blocks", "16", "--block-size", "8", "--max-batched-tokens", "64",
+            "--rates", "50", "--json", "--plot", str(plot)]  # fmt: skip
+    code, out, err = run_cli(argv)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["loads"] == ["50", "burst"]
+    assert set(result["figures"]) == {"pagedkv-serve", "transformers-serve", "pagedkv-offline"}
+    assert set(result["figures"]["pagedkv-offline"]) == {"burst"}
+    expected_tokens = sum(s.output_len for s in load.trace_shapes(5, 64, 16, 15 * 8))
+    for system, by_load in result["figures"].items():
+        for name, f in by_load.items():
+            assert f["errors"] == 0, (system, name, f["first_error"])
+            assert f["output_tokens"] == expected_tokens, (system, name)
+            assert f["tokens_per_s"] > 0 and f["ttft_p99_s"] > 0 and f["tpot_p50_s"] >= 0
+    # every request's greedy text, streamed by both servers and decoded from the offline engine, is the same
+    assert result["texts_identical"], result["texts"]
+    assert result["texts"]["burst"]["requests_compared"] == 2 * 5
+    assert set(result["goals"]) == {"saturation", "ttft_below_saturation", "server_cost"}
+    assert all(isinstance(g["met"], bool) for g in result["goals"].values())
+    assert "admission_headroom" in result["differing_settings"]  # written in the output, as it differs
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
