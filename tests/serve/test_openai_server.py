@@ -75,14 +75,25 @@ def test_n_seeds_and_stop_strings(server: Server, model: Any, tokenizer: Any) ->
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == expected
-    # a stop string: the text is cut before it, also when streamed
-    full = offline(model, tokenizer, [PROMPTS[0]], SamplingParams(max_new_tokens=16))[0].output_text
-    stop = full[len(full) // 2 : len(full) // 2 + 2]
-    assert stop.strip()
-    cut = full[: full.find(stop)]
+    # a stop string across a token boundary: the text is cut before it, also when streamed (the stream holds
+    # back the first character until it knows it does not start the stop string)
+    out = offline(model, tokenizer, [PROMPTS[0]], SamplingParams(max_new_tokens=16))[0]
+    full = out.output_text
+    stop, cut = boundary_stop(tokenizer, out.output_token_ids, full)
     got = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
     assert (got.choices[0].text, got.choices[0].finish_reason) == (cut, "stop")
     assert stream_text(client, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop)[:2] == (cut, "stop")
+
+
+def boundary_stop(tokenizer: Any, ids: list[int], full: str) -> tuple[str, str]:
+    """A two-character stop string whose first character ends token i's text and whose second starts token
+    i + 1's, first occurring there; and the text before it."""
+    for i in range(2, len(ids)):
+        end = len(tokenizer.decode(ids[:i], skip_special_tokens=True))
+        stop = full[end - 1 : end + 1]
+        if len(stop) == 2 and "\ufffd" not in stop and full.find(stop) == end - 1:
+            return stop, full[: end - 1]
+    raise AssertionError(f"no token boundary to stop at in {full!r}")
 
 
 def test_logprobs_and_echo_scoring(server: Server, model: Any, tokenizer: Any) -> None:
