@@ -7,12 +7,13 @@ Each command lives in the module that owns its logic and exposes `add_arguments(
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from collections.abc import Sequence
 
+from pagedkv import __version__
 from pagedkv.core.errors import PagedKVError
+from pagedkv.engine.cli_args import OneLineParser
 from pagedkv.progress import on_terminal
 
 # command path -> (module, one-line help)
@@ -47,7 +48,8 @@ def _chosen(argv: Sequence[str]) -> tuple[str, ...] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="pagedkv", description="Paged KV-cache management for LLM serving.")
+    parser = OneLineParser(prog="pagedkv", description="Paged KV-cache management for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", metavar="BENCH")
     chosen = _chosen(argv)
@@ -58,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             module = importlib.import_module(module_name)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a bad argument (already one line on stderr)
+        return int(done.code or 0) if not isinstance(done.code, str) else 2
     if hasattr(args, "no_progress") and not on_terminal():
         args.no_progress = True  # progress bars only where a person watches (piped: no 40 KB line of redraws)
     run = getattr(args, "_run", None)

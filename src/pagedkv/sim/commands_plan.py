@@ -1,5 +1,7 @@
-"""`pagedkv plan`: the instant capacity planner (no simulation): KV budget, bytes per token and per block,
-and how many concurrent requests fit with each allocator for a model, GPU, max_model_len and workload."""
+"""`pagedkv plan`: the capacity planner (no simulation): KV budget, bytes per token and per block, and how
+many concurrent requests fit with each allocator for a model, GPU, max_model_len and workload. It models
+no time: the default workload plans in about a second, a 12,000-request Mooncake trace in a few (most of it
+building the requests; docs/benchmarks.md has the figures). `--list` prints the known models and GPUs."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import sys
 from collections.abc import Sequence
 
 from pagedkv.core.errors import PagedKVError
+from pagedkv.engine.cli_args import OneLineParser
 from pagedkv.sim.options import (
     add_common_arguments,
+    catalog_from,
+    check_workload,
     dropped_warning,
     sim_config_from,
     workload_from,
@@ -19,6 +24,8 @@ from pagedkv.sim.options import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
+    parser.add_argument("--list", action="store_true", help="list the known models and GPUs and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,14 +33,19 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.sim.report import plan_text
     from pagedkv.sim.workload import build_workload
 
+    if args.list:
+        return _print_catalog(args)
     try:
         config = sim_config_from(args)
         model = config.model
         budget = config.budget()
-        workload = build_workload(workload_from(args), config.max_model_len)
+        spec = workload_from(args)
+        check_workload(spec, config.max_model_len)
+        workload = build_workload(spec, config.max_model_len)
         plan = plan_capacity(
-            budget, workload, config.max_model_len, max_num_seqs=args.max_num_seqs, allocators=args.allocators
-        )
+            budget, workload, config.max_model_len, max_num_seqs=args.max_num_seqs, allocators=args.allocators,
+            progress=False if args.no_progress else None,
+        )  # fmt: skip
     except PagedKVError as exc:
         print(f"pagedkv plan: error: {exc}", file=sys.stderr)
         return 2
@@ -53,9 +65,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_catalog(args: argparse.Namespace) -> int:
+    """`--list`: the models and GPUs `--model`/`--gpu` know (the built-in ones and any `--catalog`'s)."""
+    try:
+        catalog = catalog_from(args)
+    except PagedKVError as exc:
+        print(f"pagedkv plan: error: {exc}", file=sys.stderr)
+        return 2
+    models = {name: catalog.models[name].max_model_len for name in sorted(catalog.models)}
+    gpus = {name: catalog.gpus[name].memory_bytes / 2**30 for name in sorted(catalog.gpus)}
+    if args.json:
+        print(json.dumps({"models": models, "gpus": gpus}, indent=2))
+        return 0
+    print("models (--model; context in tokens):")
+    print("\n".join(f"  {name:<16} {ctx:>9,}" for name, ctx in models.items()))
+    print("gpus (--gpu; memory):")
+    print("\n".join(f"  {name:<16} {gib:>6.0f} GiB" for name, gib in gpus.items()))
+    print("add your own with --catalog FILE (`pagedkv plan --example-catalog` prints the format)")
+    return 0
+
+
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """`pagedkv plan` as a function."""
-    parser = argparse.ArgumentParser(prog="pagedkv plan")
+    parser = OneLineParser(prog="pagedkv plan")
     add_arguments(parser)
     return run(parser.parse_args(list(argv) if argv is not None else None))
 

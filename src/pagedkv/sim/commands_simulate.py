@@ -12,14 +12,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.core.errors import PagedKVError
+from pagedkv.core.errors import InvalidArgumentError, PagedKVError
+from pagedkv.engine.cli_args import (
+    OneLineParser,
+    int_at_least,
+    nonnegative_float,
+    output_file,
+    positive_float,
+    scheduler_from,
+)
 from pagedkv.sim.options import (
     _int_list,
     activation_bytes_from,
     add_common_arguments,
     catalog_from,
+    check_workload,
     dropped_warning,
-    scheduler_from,
+    sim_config_from,
     workload_from,
 )
 
@@ -27,8 +36,10 @@ from pagedkv.sim.options import (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     s = parser.add_argument_group("simulation")
-    s.add_argument("--plot", metavar="PATH", help="write the figure (PNG) here")
-    s.add_argument("--step-overhead-ms", type=float, default=2.0, help="fixed time per step (default: 2 ms)")
+    s.add_argument("--plot", metavar="PATH", type=output_file(".png"), help="write the figure (PNG) here")
+    s.add_argument(
+        "--step-overhead-ms", type=nonnegative_float, default=2.0, help="fixed time per step (default: 2 ms)"
+    )
     s.add_argument(
         "--sweep-block-sizes",
         type=_int_list,
@@ -41,16 +52,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument(  # pagedkv.sim.guidance
         "--sweep-guidance",
         metavar="PATH",
+        type=output_file(".png"),
         help="instead: sweep output-length spread x KV budget, write the decision chart (PNG) here",
     )
     from pagedkv.sim.replicas import add_replica_arguments
 
     add_replica_arguments(parser)
+    _tighten_replica_flags(parser)
+
+
+def _tighten_replica_flags(parser: argparse.ArgumentParser) -> None:
+    """`--replicas N` takes N >= 1 (absent: one GPU, no router), and the replica-only flags are told apart
+    from their defaults so that `run` can refuse them without `--replicas` (sim/replicas.py declares them)."""
+    for action in parser._actions:
+        if action.dest == "replicas":
+            action.default, action.type = None, int_at_least(1, 4096)
+        elif action.dest == "host_tier_gib":
+            action.default, action.type = None, nonnegative_float
+        elif action.dest in ("remote_tier_gib", "remote_bandwidth_gbs"):
+            action.type = positive_float
+
+
+def _check_replica_flags(args: argparse.Namespace) -> None:
+    if not args.replicas:
+        given = [f for f, v in (("--host-tier-gib", args.host_tier_gib), ("--remote-tier-gib", args.remote_tier_gib))
+                 if v is not None] + (["--remote-tier"] if args.remote_tier else [])  # fmt: skip
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} models replicas' tiers: add --replicas N")
+    if args.host_tier_gib is None:
+        args.host_tier_gib = 0.0
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedkv.sim.runner import run_simulation
 
+    try:
+        _check_replica_flags(args)
+        spec = workload_from(args)
+        check_workload(spec, sim_config_from(args).max_model_len)  # before anything is built
+    except PagedKVError as exc:
+        print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "sweep_guidance", None):
         from pagedkv.sim.guidance import run_guidance
 
@@ -68,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_simulation(
             args.model,
             args.gpu,
-            workload_from(args),
+            spec,
             allocators=args.allocators,
             block_size=args.block_size,
             max_model_len=args.max_model_len,
@@ -127,7 +169,7 @@ def _print_report(args: argparse.Namespace, report: Any) -> None:
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     """`pagedkv simulate` as a function: `simulate_main(["--plot", "out.png"])` (for the demo)."""
-    parser = argparse.ArgumentParser(prog="pagedkv simulate")
+    parser = OneLineParser(prog="pagedkv simulate")
     add_arguments(parser)
     return run(parser.parse_args(list(argv) if argv is not None else None))
 

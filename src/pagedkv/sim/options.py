@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.cli_args import (
+    MAX_TOKENS,
+    add_block_size,
+    add_scheduler_arguments,
+    check_fits_memory,
+    existing_file,
+    float_in,
+    fraction,
+    int_at_least,
+    positive_float,
+    scheduler_from,
+    seed_int,
+    token_count,
+)
 from pagedkv.sim.allocators import ALLOCATORS
 from pagedkv.sim.catalog import EXAMPLE_CATALOG, Catalog
 from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig
 from pagedkv.sim.workload import ARRIVALS, DEFAULT_WORKLOAD, GENERATORS, WorkloadSpec
+from pagedkv.workloads.generators import AZURE_CONV_OUTPUT_LOGNORMAL, AZURE_CONV_PROMPT_LOGNORMAL
+
+MAX_REQUESTS = 10_000_000  # requests one workload may hold (each is at least a few hundred bytes)
 
 
 def _int_list(text: str) -> list[int]:
@@ -27,8 +44,10 @@ def _lognormal(text: str) -> tuple[float, float]:
         mu, sigma = (float(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MU,SIGMA (two numbers), got {text!r}") from None
-    if sigma < 0:
-        raise argparse.ArgumentTypeError(f"SIGMA must be >= 0, got {sigma}")
+    if not (math.isfinite(mu) and math.isfinite(sigma)) or sigma < 0:
+        raise argparse.ArgumentTypeError(f"expected finite MU and SIGMA >= 0, got {text!r}")
+    if mu > math.log(MAX_TOKENS) or sigma > 10:  # e^MU tokens is the median length
+        raise argparse.ArgumentTypeError(f"MU,SIGMA {text!r} gives lengths beyond any model's context")
     return mu, sigma
 
 
@@ -67,35 +86,28 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("deployment")
     g.add_argument("--model", default="llama-2-7b", help="model name (default: llama-2-7b)")
     g.add_argument("--gpu", default="a100-40gb", help="GPU name (default: a100-40gb)")
-    g.add_argument("--tensor-parallel", type=int, default=1, help="GPUs sharing the model (default: 1)")
-    g.add_argument("--catalog", metavar="FILE", help="JSON/YAML file adding GPUs and models (format below)")
+    g.add_argument(
+        "--tensor-parallel", type=int_at_least(1, 1024), default=1, help="GPUs sharing the model (default: 1)"
+    )
+    g.add_argument(
+        "--catalog", metavar="FILE", type=existing_file, help="JSON/YAML file adding GPUs and models (format below)"
+    )
     g.add_argument("--example-catalog", action=_ExampleCatalog, help="print an example catalog file and exit")
-    g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--max-model-len", type=token_count, help="context limit (default: the model's)")
+    add_block_size(g)
     g.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of memory (default: 0.9)"
+        "--gpu-memory-utilization", type=fraction, default=0.9, help="fraction of memory (default: 0.9)"
     )
-    seqs, budget = SIM_SCHEDULER.max_num_seqs, SIM_SCHEDULER.max_num_batched_tokens
-    g.add_argument("--max-num-seqs", type=int, default=seqs, help=f"scheduler batch limit (default: {seqs})")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=budget, help=f"token budget/step (default: {budget})"
-    )
-    look = SIM_SCHEDULER.admission_lookahead
-    g.add_argument(
-        "--admission-lookahead",
-        type=int,
-        default=look,
-        help=f"growth reserve in tokens per running request, as the engine's scheduler keeps (default: {look}, "
-        "vLLM's greedy admission; the engine's default is 16)",
-    )
+    # the simulator models vLLM's scheduler: greedy admission (no growth reserve), an 8192-token budget
+    add_scheduler_arguments(g, SIM_SCHEDULER)
     reserve = g.add_mutually_exclusive_group()
     reserve.add_argument(
         "--activation-reserve-gib",
-        type=float,
+        type=float_in(0.0, 1 << 20),
         help="override the activation reserve estimate (GiB, 2^30 bytes)",
     )
     reserve.add_argument(
-        "--activation-reserve-gb", type=float, help="the same in decimal GB (10^9 bytes; older spelling)"
+        "--activation-reserve-gb", type=float_in(0.0, 1 << 20), help="the same in decimal GB (10^9 bytes; older spelling)"
     )
     g.add_argument(
         "--allocators",
@@ -108,14 +120,18 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
-    src.add_argument("--trace", metavar="PATH", help="Azure CSV or Mooncake JSONL trace to replay")
+    src.add_argument(
+        "--trace", metavar="PATH", type=existing_file, help="Azure CSV or Mooncake JSONL trace to replay"
+    )
     src.add_argument(
         "--workload",
         choices=(DEFAULT_WORKLOAD, *GENERATORS),
         default=DEFAULT_WORKLOAD,
         help=f"built-in workload (default: {DEFAULT_WORKLOAD}, the Azure conv trace shipped in the package)",
     )
-    w.add_argument("--num-requests", type=int, default=1000, help="requests to replay (default: 1000)")
+    w.add_argument(
+        "--num-requests", type=int_at_least(1, MAX_REQUESTS), default=1000, help="requests to replay (default: 1000)"
+    )
     w.add_argument(
         "--arrivals",
         choices=ARRIVALS,
@@ -123,14 +139,17 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="trace: honour timestamps (generators: all at t=0 unless --rate); burst: all at t=0; "
         "poisson: --rate req/s (default: trace)",
     )
-    w.add_argument("--rate", type=float, help="Poisson arrival rate, requests/s")
-    w.add_argument("--time-scale", type=float, default=1.0, help="replay trace timestamps this much faster")
-    w.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
-    w.add_argument("--prompt-len", type=int, default=512, help="fixed workload: prompt tokens (default: 512)")
-    w.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens (default: 128)")
+    w.add_argument("--rate", type=positive_float, help="Poisson arrival rate, requests/s")
     w.add_argument(
-        "--system-prompt-len", type=int, default=1024, help="shared-prefix/multi-turn system prompt"
+        "--time-scale", type=positive_float, default=1.0, help="replay trace timestamps this much faster"
     )
+    w.add_argument("--seed", type=seed_int, default=0, help="generator seed (default: 0)")
+    w.add_argument("--prompt-len", type=token_count, default=512, help="fixed workload: prompt tokens (default: 512)")
+    w.add_argument("--output-len", type=token_count, default=128, help="fixed workload: output tokens (default: 128)")
+    w.add_argument(
+        "--system-prompt-len", type=int_at_least(0, MAX_TOKENS), default=1024,
+        help="shared-prefix/multi-turn system prompt (default: 1024)",
+    )  # fmt: skip
     w.add_argument(
         "--prompt-lognormal",
         type=_lognormal,
@@ -143,7 +162,9 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MU,SIGMA",
         help="variable workload: ln(output length) ~ N(MU, SIGMA) (default: Azure conv fit 5.019,0.859)",
     )
-    w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: 4)")
+    w.add_argument(
+        "--turns", type=int_at_least(1, 10_000), default=4, help="multi-turn: turns per conversation (default: 4)"
+    )
 
 
 def catalog_from(args: argparse.Namespace) -> Catalog:
@@ -192,14 +213,6 @@ def activation_bytes_from(args: argparse.Namespace) -> int | None:
     return None
 
 
-def scheduler_from(args: argparse.Namespace) -> SchedulerConfig:
-    """The `SchedulerConfig` the scheduler flags describe (batch limit, token budget, growth reserve)."""
-    return SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        admission_lookahead=args.admission_lookahead,
-    )  # fmt: skip
-
-
 def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
     """The `SimConfig` the common flags describe (model, GPU, catalog, block size, context, memory, scheduler
     limits, tensor parallelism, activation reserve, and the step overhead where the command has it);
@@ -220,6 +233,36 @@ def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
         fields["step_overhead_s"] = args.step_overhead_ms / 1000.0
     fields.update(overrides)
     return SimConfig(**fields)  # type: ignore[arg-type]
+
+
+def _tokens_per_request(spec: WorkloadSpec, max_model_len: int) -> float:
+    """About how many token ids one request of `spec` holds once built (prompt and output)."""
+    if spec.is_trace or spec.source in ("multi-turn", "legal"):
+        return float(max_model_len)  # traces and chats never hold more than the context
+    if spec.source == "fixed":
+        return float(spec.prompt_len + spec.output_len)
+    prompt = spec.prompt_lognormal or AZURE_CONV_PROMPT_LOGNORMAL
+    output = spec.output_lognormal or AZURE_CONV_OUTPUT_LOGNORMAL
+    mean = [math.exp(min(mu + sigma * sigma / 2, 60.0)) for mu, sigma in (prompt, output)]
+    head = spec.system_prompt_len if spec.source == "shared-prefix" else 0
+    return head + min(mean[0], MAX_TOKENS) + min(mean[1], MAX_TOKENS)
+
+
+def check_workload(spec: WorkloadSpec, max_model_len: int) -> None:
+    """Refuse, before building it, a workload no request of which fits `max_model_len`, or one that would
+    not fit this machine's memory (token ids are 4 bytes; twice that for the copies made while building)."""
+    if spec.source == "fixed" and spec.prompt_len >= max_model_len:
+        raise InvalidArgumentError(f"--prompt-len {spec.prompt_len} leaves no room in max_model_len {max_model_len}")
+    if spec.source == "fixed" and spec.output_len > max_model_len:
+        raise InvalidArgumentError(f"--output-len {spec.output_len} exceeds max_model_len {max_model_len}")
+    if spec.source in ("shared-prefix", "multi-turn") and spec.system_prompt_len >= max_model_len:
+        raise InvalidArgumentError(
+            f"--system-prompt-len {spec.system_prompt_len} leaves no room in max_model_len {max_model_len}"
+        )
+    tokens = spec.num_requests * _tokens_per_request(spec, max_model_len)
+    check_fits_memory(
+        int(8 * tokens), f"a workload of {spec.num_requests:,} requests", "lower --num-requests or the lengths"
+    )
 
 
 def dropped_warning(num_dropped: int, num_total: int, max_model_len: int, model_max_len: int) -> str | None:

@@ -123,20 +123,24 @@ class Workload:
         )
 
 
-def _from_trace(spec: WorkloadSpec) -> list[GeneratedRequest]:
+def _from_trace(spec: WorkloadSpec, max_model_len: int) -> tuple[list[GeneratedRequest], int]:
+    """The trace's requests, and how many were dropped unread: a prompt of max_model_len tokens or more is
+    never synthesised (a row may claim billions), and an output only up to one token past the room left."""
     from pagedkv.workloads import traces
 
     path = traces.default_trace_path() if spec.source == DEFAULT_WORKLOAD else Path(spec.source)
     rows = traces.load_trace(path, limit=spec.num_requests)
-    return [
+    kept = [r for r in rows if r.prompt_len < max_model_len]
+    reqs = [
         GeneratedRequest(
             index=r.index,
             arrival_s=r.arrival_s / spec.time_scale,
             prompt_token_ids=traces.prompt_token_ids(r),
-            output_token_ids=traces.generated_token_ids(r, 0, r.output_len),
+            output_token_ids=traces.generated_token_ids(r, 0, min(r.output_len, max_model_len - r.prompt_len + 1)),
         )
-        for r in rows
+        for r in kept
     ]
+    return reqs, len(rows) - len(kept)
 
 
 def _from_generator(spec: WorkloadSpec, max_model_len: int) -> list[GeneratedRequest]:
@@ -174,12 +178,12 @@ def _from_generator(spec: WorkloadSpec, max_model_len: int) -> list[GeneratedReq
 
 def build_workload(spec: WorkloadSpec, max_model_len: int) -> Workload:
     """Materialise `spec` and fit it to `max_model_len` (see the module docstring)."""
-    reqs = _from_trace(spec) if spec.is_trace else _from_generator(spec, max_model_len)
+    reqs, unread = _from_trace(spec, max_model_len) if spec.is_trace else (_from_generator(spec, max_model_len), 0)
     if spec.arrivals == "burst":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
-    elif spec.arrivals == "poisson" and spec.is_trace:
-        times = gen.poisson_arrivals(len(reqs), spec.rate, np.random.default_rng(spec.seed))
-        reqs = [replace(r, arrival_s=float(t)) for r, t in zip(reqs, times)]
+    elif spec.arrivals == "poisson" and spec.is_trace:  # a trace row's index is its position: times as before
+        times = gen.poisson_arrivals(len(reqs) + unread, spec.rate, np.random.default_rng(spec.seed))
+        reqs = [replace(r, arrival_s=float(times[r.index])) for r in reqs]
     kept: list[GeneratedRequest] = []
     dropped: set[int] = set()
     clipped = 0
@@ -195,6 +199,6 @@ def build_workload(spec: WorkloadSpec, max_model_len: int) -> Workload:
     if not kept:
         raise InvalidArgumentError(
             f"no request of workload {spec.source!r} fits max_model_len={max_model_len} "
-            f"({len(dropped)} prompts are that long or longer)"
+            f"({len(dropped) + unread} prompts are that long or longer)"
         )
-    return Workload(spec, kept, len(dropped), clipped)
+    return Workload(spec, kept, len(dropped) + unread, clipped)

@@ -34,6 +34,8 @@ import numpy.typing as npt
 from pagedkv.core.errors import InvalidArgumentError
 
 MOONCAKE_BLOCK_TOKENS = 512
+# A row longer than this is a broken row, not a long prompt (the longest contexts are ~10M tokens).
+MAX_TRACE_TOKENS = 1 << 27
 VOCAB = 50_000
 STREAM_AZURE_PROMPT, STREAM_GENERATED, STREAM_MOONCAKE_BLOCK, STREAM_MOONCAKE_PAD = 0, 1, 2, 3
 
@@ -67,6 +69,10 @@ def _positive(value: object, what: str, where: str, *, allow_zero: bool = False)
         raise InvalidArgumentError(f"{where}: {what} must be an integer, got {value!r}") from None
     if number < 0 or (number == 0 and not allow_zero):
         raise InvalidArgumentError(f"{where}: {what} must be {'>= 0' if allow_zero else '> 0'}, got {number}")
+    if number > MAX_TRACE_TOKENS:  # checked before anything is sized from it
+        raise InvalidArgumentError(
+            f"{where}: {what} {number:,} is beyond any model's context (at most {MAX_TRACE_TOKENS:,} tokens)"
+        )
     return number
 
 
@@ -75,7 +81,9 @@ def _read_azure(path: Path, limit: int | None) -> Iterator[TraceRequest]:
         reader = csv.reader(f)
         header = next(reader, None)
         expected = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-        if header is None or [h.strip() for h in header[:3]] != expected:
+        if header is None:
+            raise InvalidArgumentError(f"{path}: empty file (expected the Azure header {','.join(expected)})")
+        if [h.strip() for h in header[:3]] != expected:
             raise InvalidArgumentError(f"{path}:1: expected the Azure header {','.join(expected)}, got {header}")
         t0: datetime | None = None
         for index, row in enumerate(reader):
@@ -98,6 +106,17 @@ def _read_azure(path: Path, limit: int | None) -> Iterator[TraceRequest]:
             )
 
 
+def _json_row(line: str, where: str) -> dict[str, object]:
+    """One JSONL row as an object; a malformed line is one readable line naming the file and line."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise InvalidArgumentError(f"{where}: not a Mooncake trace row (a JSON object per line)")
+    return obj
+
+
 def _read_mooncake(path: Path, limit: int | None) -> Iterator[TraceRequest]:
     with _open_text(path) as f:
         t0: float | None = None
@@ -108,12 +127,14 @@ def _read_mooncake(path: Path, limit: int | None) -> Iterator[TraceRequest]:
             if limit is not None and index >= limit:
                 return
             where = f"{path}:{line_no}"
+            obj = _json_row(line, where)
             try:
-                obj = json.loads(line)
                 stamp, hash_ids = float(obj["timestamp"]), obj["hash_ids"]
                 prompt_len, output_len = obj["input_length"], obj["output_length"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise InvalidArgumentError(f"{where}: not a Mooncake trace row ({e!r})") from None
+            except KeyError as e:
+                raise InvalidArgumentError(f"{where}: not a Mooncake trace row (no {e.args[0]!r} field)") from None
+            except (ValueError, TypeError, OverflowError):
+                raise InvalidArgumentError(f"{where}: not a Mooncake trace row (timestamp {obj['timestamp']!r})") from None
             if not isinstance(hash_ids, list) or not all(isinstance(h, int) and h >= 0 for h in hash_ids):
                 raise InvalidArgumentError(f"{where}: hash_ids must be a list of non-negative ints")
             t0 = stamp if t0 is None else t0
@@ -136,10 +157,14 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
         raise InvalidArgumentError(f"trace file not found: {path}")
     name = path.name.removesuffix(".gz")
     if name.endswith(".csv"):
-        return list(_read_azure(path, limit))
-    if name.endswith((".jsonl", ".json")):
-        return list(_read_mooncake(path, limit))
-    raise InvalidArgumentError(f"{path}: unknown trace format (expected .csv, .csv.gz or .jsonl)")
+        rows = list(_read_azure(path, limit))
+    elif name.endswith((".jsonl", ".json")):
+        rows = list(_read_mooncake(path, limit))
+    else:
+        raise InvalidArgumentError(f"{path}: unknown trace format (expected .csv, .csv.gz or .jsonl)")
+    if not rows and limit != 0:
+        raise InvalidArgumentError(f"{path}: the trace holds no requests")
+    return rows
 
 
 # --- token synthesis --------------------------------------------------------------------------------

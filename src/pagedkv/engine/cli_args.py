@@ -1,0 +1,203 @@
+"""The command line's shared vocabulary: argument types that refuse bad values in one line, the flags
+several commands share (declared once here), the one `SchedulerConfig` builder, and size checks against the
+machine before anything is allocated.
+
+Every `pagedkv` command builds its parser from these, so a flag means the same thing, takes the same values
+and fails the same way everywhere: `--block-size 0` is `pagedkv <command>: error: argument --block-size:
+expected an integer >= 1, got '0'` (one line, exit status 2) in `plan`, `simulate`, `generate` and every
+benchmark. Old spellings stay as hidden aliases (`--max-batched-tokens` for `--max-num-batched-tokens`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.workloads.traces import MAX_TRACE_TOKENS
+
+# Far beyond any model's context (the longest are ~10M tokens): a length past this is a typo, refused
+# before anything is sized from it (the trace reader's bound, one number for both).
+MAX_TOKENS = MAX_TRACE_TOKENS
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {maximum:,}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+token_count = int_at_least(1, MAX_TOKENS)  # a length in tokens
+seed_int = int_at_least(0, 2**63 - 1)
+
+
+def float_in(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] ((low, high] with `low_open`)."""
+    bracket = "(" if low_open else "["
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+        if not ok:
+            hi = "inf)" if math.isinf(high) else f"{high:g}]"
+            raise argparse.ArgumentTypeError(f"expected a number in {bracket}{low:g}, {hi}, got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+positive_float = float_in(0.0, low_open=True)
+nonnegative_float = float_in(0.0)
+fraction = float_in(0.0, 1.0, low_open=True)
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a byte size such as 64MiB, 2GB or 1TiB (more than zero)."""
+    from pagedkv.engine.config import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size above zero, got {text!r}")
+    return value
+
+
+def existing_file(text: str) -> Path:
+    """An argparse type: a file that exists and can be read."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text}: not readable")
+    return path
+
+
+def output_file(*suffixes: str) -> Callable[[str], Path]:
+    """An argparse type: a file to write, with one of `suffixes`, in a folder that exists and is writable."""
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if suffixes and path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text}: expected a {' or '.join(suffixes)} file name")
+        folder = path.parent if str(path.parent) else Path(".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist or is not writable")
+        return path
+
+    parse.__name__ = "output file"
+    return parse
+
+
+def writable_folder(text: str) -> str:
+    """An argparse type: a folder that exists (or can be created: its parent exists) and is writable."""
+    path = Path(text)
+    probe = path if path.exists() else path.parent
+    if (path.exists() and not path.is_dir()) or not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: not a writable folder")
+    return text
+
+
+def add_block_size(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: int = 16) -> None:
+    """`--block-size`, the one declaration every command shares."""
+    parser.add_argument(
+        "--block-size", type=int_at_least(1, 1 << 16), default=default,
+        help=f"tokens per KV block (default: {default})",
+    )  # fmt: skip
+
+
+def add_scheduler_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: SchedulerConfig | None = None,
+    *, preemption: bool = False,
+) -> None:  # fmt: skip
+    """The scheduler's flags (batch limit, token budget, growth reserve, optionally preemption), with the
+    defaults of `defaults` (the engine's `SchedulerConfig()` unless a command models another scheduler)."""
+    d = defaults or SchedulerConfig()
+    parser.add_argument(
+        "--max-num-seqs", type=positive_int, default=d.max_num_seqs,
+        help=f"most requests running at once (default: {d.max_num_seqs})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,
+        dest="max_num_batched_tokens", help=f"token budget per step (default: {d.max_num_batched_tokens})",
+    )  # fmt: skip
+    # the older spelling of `pagedkv generate` and `bench e2e`, kept working but not advertised
+    parser.add_argument(
+        "--max-batched-tokens", type=positive_int, dest="max_num_batched_tokens", help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--admission-lookahead", type=nonnegative_int, default=d.admission_lookahead,
+        help="growth reserve: admission keeps free the blocks each running request needs for this many more "
+        f"tokens (default: {d.admission_lookahead}; 0 = greedy)",
+    )  # fmt: skip
+    if preemption:
+        parser.add_argument("--preemption", choices=("recompute", "swap"), default=d.preemption_mode)
+
+
+def scheduler_from(args: argparse.Namespace, **overrides: object) -> SchedulerConfig:
+    """The `SchedulerConfig` the scheduler flags describe: the one builder every command uses."""
+    fields: dict[str, object] = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "admission_lookahead": args.admission_lookahead,
+    }
+    if getattr(args, "preemption", None) is not None:
+        fields["preemption_mode"] = args.preemption
+    fields.update(overrides)
+    return SchedulerConfig(**fields)  # type: ignore[arg-type]
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the machine can still give this process (MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_memory(num_bytes: int, what: str, fix: str) -> None:
+    """Refuse (one line) to allocate `num_bytes` for `what` where the machine has less memory available."""
+    free = available_memory_bytes()
+    if free is not None and num_bytes > free:
+        raise InvalidArgumentError(
+            f"{what} needs {num_bytes / 2**30:,.1f} GiB but this machine has {free / 2**30:,.1f} GiB available; {fix}"
+        )
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line (`pagedkv plan: error: ...`, exit status 2), like the
+    commands' own; `--help` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
