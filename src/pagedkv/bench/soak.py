@@ -76,6 +76,7 @@ class Config:
     hash_fn: str = "sha256"
     prefix_caching: bool = True
     eviction: str = "lru"  # the pool's eviction policy (`pagedkv.core.eviction`; --policy)
+    partial_reuse: bool = False  # copy a partially matching block at admission (--partial-reuse)
 
     def build(self) -> Any:
         if self.kind == "contiguous":
@@ -83,7 +84,7 @@ class Config:
         return PagedKVManager(
             self.num_blocks, self.block_size, num_host_blocks=self.num_host_blocks, verify_hits=self.verify_hits,
             hash_fn=self.hash_fn, record_events=True, native=False if self.kind == "paged-python" else None,
-            enable_prefix_caching=self.prefix_caching, eviction=self.eviction,
+            enable_prefix_caching=self.prefix_caching, eviction=self.eviction, partial_reuse=self.partial_reuse,
         )  # fmt: skip
 
     def source(self) -> str:
@@ -92,6 +93,7 @@ class Config:
         native = ", native=False" if self.kind == "paged-python" else ""
         native += "" if self.prefix_caching else ", enable_prefix_caching=False"
         native += "" if self.eviction == "lru" else f", eviction={self.eviction!r}"
+        native += ", partial_reuse=True" if self.partial_reuse else ""
         return (
             f"m = PagedKVManager({self.num_blocks}, {self.block_size}, num_host_blocks={self.num_host_blocks}, "
             f"verify_hits={self.verify_hits}, hash_fn={self.hash_fn!r}, record_events=True{native})"
@@ -266,10 +268,11 @@ class Episode:
         seq.keys_copied = copied
         cached = adm.num_cached_tokens
         if cached:
-            if not self.paged or cached % self.config.block_size or cached >= len(tokens):
+            if not self.paged or (cached % self.config.block_size and not self.config.partial_reuse) or cached >= len(tokens):
                 raise Violation(f"admit: {cached} cached tokens of a {len(tokens)}-token prompt")
-            got = self.dev[self.m.slot_mapping([adm.seq_id], [0], [cached])]
-            want = self.expected(seq, cached)
+            full = cached - cached % self.config.block_size  # a partial block's copy runs at the step: checked then
+            got = self.dev[self.m.slot_mapping([adm.seq_id], [0], [full])]
+            want = self.expected(seq, full)
             if not np.array_equal(got, want):
                 bad = int(np.argmax(got != want))
                 raise Violation(
@@ -395,7 +398,7 @@ class Episode:
             self.lines.append(f"pins.append(m.pin({tokens}, salt={salt!r}))")
         except PinError:
             self._failed = True
-            if cached:
+            if cached >= self.config.block_size:  # a pin holds full blocks (a partial reuse is no pin)
                 raise Violation("pin refused a prefix that is cached") from None
 
     def op_unpin(self) -> None:
@@ -426,7 +429,7 @@ class Episode:
         """A prefix query must agree with the admission that follows it (a hit served is re-checked there)."""
         if self.paged:
             n = self.m.match_prefix(tokens, salt=salt)
-            if n % self.config.block_size or n >= len(tokens):
+            if (n % self.config.block_size and not self.config.partial_reuse) or n >= len(tokens):
                 raise Violation(f"match_prefix answered {n} for {len(tokens)} tokens")
         fits = self.m.can_admit(tokens)
         if not isinstance(fits, bool):
@@ -656,12 +659,18 @@ class Generator:
         return (name,)
 
 
-def draw_config(rng: np.random.Generator, kinds: tuple[str, ...], policies: tuple[str, ...] = ("lru",)) -> Config:
+def draw_config(
+    rng: np.random.Generator, kinds: tuple[str, ...], policies: tuple[str, ...] = ("lru",), partial_reuse: bool = False
+) -> Config:
+    """A random episode configuration; `policies` and `partial_reuse` other than the defaults take more draws
+    (the default runs replay as before)."""
     kind = kinds[int(rng.integers(len(kinds)))]
-    if len(policies) > 1 or policies != ("lru",):  # one more draw only then: default runs replay as before
-        policy = policies[int(rng.integers(len(policies)))]
-        return replace(_draw_sizes(rng, kind), eviction=policy)
-    return _draw_sizes(rng, kind)
+    config = _draw_sizes(rng, kind)
+    if len(policies) > 1 or policies != ("lru",):
+        config = replace(config, eviction=policies[int(rng.integers(len(policies)))])
+    if partial_reuse:  # half the episodes
+        config = replace(config, partial_reuse=bool(rng.random() < 0.5))
+    return config
 
 
 def _draw_sizes(rng: np.random.Generator, kind: str) -> Config:
@@ -709,7 +718,7 @@ def shrink(config: Config, ops: list[Op], patch: Patch | None, budget_s: float =
 
 def run_soak(
     ops: int, seed: int = 0, *, patch: Patch | None = None, kinds: tuple[str, ...] | None = None,
-    progress: bool = False, shrink_s: float = 20.0, policies: tuple[str, ...] = ("lru",),
+    progress: bool = False, shrink_s: float = 20.0, policies: tuple[str, ...] = ("lru",), partial_reuse: bool = False,
 ) -> SoakResult:  # fmt: skip
     """Run `ops` random operations in episodes; stop at the first violation (then shrink it). Paged episodes
     draw their eviction policy from `policies`."""
@@ -721,7 +730,7 @@ def run_soak(
     start = time.perf_counter()
     shown = -1
     while done < ops:
-        config = draw_config(rng, kinds, policies)
+        config = draw_config(rng, kinds, policies, partial_reuse)
         gen = Generator(rng, config)
         ep = Episode(config, patch)
         log: list[Op] = []
@@ -768,6 +777,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policy", default="lru", metavar="NAME[,NAME]",
         help="eviction policies the paged episodes draw from: lru, slru, lfu, priority, cost, or all (default lru)",
     )  # fmt: skip
+    p.add_argument("--partial-reuse", action="store_true", help="half the paged episodes copy partially matching blocks")
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -785,7 +795,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ops < 1:
         raise InvalidArgumentError(f"--ops must be >= 1, got {args.ops}")
     result = run_soak(args.ops, args.seed, progress=not args.no_progress and args.ops >= 50_000,
-                      policies=_policies(args.policy))  # fmt: skip
+                      policies=_policies(args.policy), partial_reuse=args.partial_reuse)  # fmt: skip
     if args.json:
         print(json.dumps(asdict(result)))
     else:

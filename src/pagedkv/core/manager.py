@@ -9,6 +9,9 @@ prefix keys. The semantics it keeps:
   block holding the last prompt token is never served from cache (its logits must be computed). Full blocks
   are published when `mark_computed` says their KV is written, so a request admitted in the same step
   cannot hit them. A block computed twice concurrently stays private in its second copy (see `prefix_index.py`).
+- Partial reuse (`partial_reuse=True`): a prompt whose first missing block shares leading tokens with a
+  cached block after the same parent gets a fresh block recorded as a copy of it (a pending copy, handed out
+  by `take_copies`) and those tokens count as cached and computed; eviction order is the pool's policy.
 - Free and preempt release blocks tail first: the shared head of a prompt outlives its private tail.
 - Fork shares every block that holds tokens; the first write into a shared partial block moves the writer
   to a fresh block and records a copy, handed out by `take_copies`.
@@ -62,7 +65,20 @@ from pagedkv.core.validate import (
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
+PARTIAL_REUSE_MIN_TOKENS = 1  # a block copy costs less than recomputing one token (docs/cache-policy.md)
 ALL_TOKENS_KNOWN = 2**62  # `hashable_tokens` value while every appended token came with its id
+
+
+class _Lookup(NamedTuple):
+    """What the cache holds of a prompt: full-block hits, and a block to copy `reuse` tokens from (partial
+    reuse; `src` -1 and `reuse` 0 when none)."""
+
+    hits: IntArray
+    src: int
+    reuse: int
+
+
+_NO_LOOKUP = _Lookup(_EMPTY, -1, 0)
 
 
 class PinHandle(NamedTuple):
@@ -108,6 +124,7 @@ class PagedKVManager(SwapMixin, TableViews):
         record_events: bool = False,
         native: bool | None = None,
         eviction: str | EvictionPolicy = "lru",
+        partial_reuse: bool = False,
     ) -> None:
         num_blocks, block_size = as_pool_size(num_blocks, block_size, minimum=2 if null_block is True else 1)
         num_host_blocks = as_count(num_host_blocks, "num_host_blocks")
@@ -129,7 +146,7 @@ class PagedKVManager(SwapMixin, TableViews):
         self.verify_hits = verify_hits
         self.prefix = PrefixCache(
             self.pool, self.tables, block_size, key_function(hash_fn), enabled=enable_prefix_caching,
-            verify_hits=verify_hits, native=native,
+            verify_hits=verify_hits, native=native, partial_reuse=as_flag(partial_reuse, "partial_reuse"),
         )  # fmt: skip
         self._hot = self.prefix.hot
         self.misses = self.prefix.misses  # why admitted prompt tokens missed the cache, live (misses.py)
@@ -140,7 +157,7 @@ class PagedKVManager(SwapMixin, TableViews):
         self._pending: dict[int, int] = {}  # destination of a copy not handed out yet -> its source
         self._held = np.zeros(self.pool.num_blocks, dtype=bool)  # blocks a pending copy holds a reference on
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = 0
-        self._cow_copies = 0
+        self._cow_copies = self._partial_hits = 0
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -164,6 +181,7 @@ class PagedKVManager(SwapMixin, TableViews):
             self.pool.stats.evictions, self._cow_copies, self.prefix.verify_failures,
             self.pool.num_in_use, self.num_blocks,
             miss_lookups=dict(self.prefix.misses.lookups), miss_tokens=dict(self.prefix.misses.tokens),
+            partial_hits=self._partial_hits,
         )  # fmt: skip
 
     @property
@@ -183,9 +201,18 @@ class PagedKVManager(SwapMixin, TableViews):
         """How many leading tokens of `token_ids` an admission would take from the cache now."""
         tokens = as_tokens(token_ids)
         keys = self._keys(tokens, salt, keys)
+        found = self._lookup(tokens, keys)
+        return len(found.hits) * self._block_size + found.reuse
+
+    def _lookup(self, tokens: npt.NDArray[np.int32], keys: BlockKeys) -> _Lookup:
+        """The prompt's cached full blocks, then (with partial reuse) a block sharing the next tokens."""
         if not self.enable_prefix_caching:
-            return 0
-        return len(self.prefix.match(tokens, keys, (len(tokens) - 1) // self._block_size)) * self._block_size
+            return _NO_LOOKUP
+        hits = np.array(self.prefix.match(tokens, keys, (len(tokens) - 1) // self._block_size), dtype=np.int64)
+        if not self.prefix.partial_reuse:
+            return _Lookup(hits, -1, 0)
+        src, reuse = self.prefix.partial_match(tokens, keys, len(hits), PARTIAL_REUSE_MIN_TOKENS)
+        return _Lookup(hits, src, reuse)
 
     def _keys(self, tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
         """The request's keys (checked, and bound to these tokens), or fresh ones for `salt`."""
@@ -200,12 +227,14 @@ class PagedKVManager(SwapMixin, TableViews):
         tokens = as_tokens(token_ids)
         as_count(max_new_tokens, "max_new_tokens")
         keys = self._keys(tokens, salt, None)
-        hits = self.prefix.match(tokens, keys, (len(tokens) - 1) // self._block_size) if self.enable_prefix_caching else []
-        return self._blocks_short(len(tokens), 0, np.array(hits, dtype=np.int64)) <= 0
+        return self._blocks_short(len(tokens), 0, self._lookup(tokens, keys)) <= 0
 
-    def _blocks_short(self, n: int, lookahead: int, hits: IntArray) -> int:
+    def _blocks_short(self, n: int, lookahead: int, found: _Lookup) -> int:
+        hits = found.hits
         need = -(-(n + lookahead) // self._block_size) - len(hits)
         cached_hits = int(np.count_nonzero(self.pool.ref[hits] == 0)) if len(hits) else 0
+        if found.reuse and self.pool.ref[found.src] == 0:
+            cached_hits += 1  # holding the copy's source takes it out of the eviction order
         return need - (self.pool.num_available - cached_hits)
 
     # --- admission ------------------------------------------------------------------------------
@@ -237,21 +266,36 @@ class PagedKVManager(SwapMixin, TableViews):
         if -(-(n + num_lookahead) // bs) > self.num_blocks:
             raise CapacityError(f"a sequence of {n + num_lookahead} tokens needs more than the {self.num_blocks} blocks of the pool")
         keys = self._keys(tokens, salt, keys)  # validated last: it remembers the tokens
-        hits = _EMPTY
-        if self.enable_prefix_caching:
-            hits = np.array(self.prefix.match(tokens, keys, (n - 1) // bs), dtype=np.int64)
-        if self._blocks_short(n, num_lookahead, hits) + keep_free > 0:
+        found = self._lookup(tokens, keys)
+        if self._blocks_short(n, num_lookahead, found) + keep_free > 0:
             return None
         # --- commit (nothing below can fail) ---
-        pool, t = self.pool, self.tables
+        row = self._commit_admission(tokens, keys, found, n + num_lookahead, priority)
+        cached = len(found.hits) * bs + found.reuse
+        self._admissions += 1
+        self._prompt_tokens += n
+        self._cached_tokens += cached
+        if self.enable_prefix_caching:
+            self.prefix.count_miss(tokens, keys, len(found.hits), cached)  # why the rest was not cached (misses.py)
+        return Admission(row, cached)
+
+    def _commit_admission(
+        self, tokens: npt.NDArray[np.int32], keys: BlockKeys, found: _Lookup, num_slots: int, priority: int
+    ) -> int:
+        """`admit` once it fits: take the hits, hold a partial copy's source, allocate the rest; the new row."""
+        pool, t, bs = self.pool, self.tables, self._block_size
+        hits, n = found.hits, len(tokens)
         h = len(hits)
         if h:
             pool.touch_hits(hits)
-        new = pool.allocate(-(-(n + num_lookahead) // bs) - h)
+        if found.reuse and not self._held[found.src]:  # held before allocating: it must not be evicted
+            self._held[found.src] = True
+            pool.touch_hits(np.array([found.src], dtype=np.int64))
+        new = pool.allocate(-(-num_slots // bs) - h)
         row = t.new_row()
         t.set_blocks(row, np.concatenate([hits, new]) if h else new)
         t.num_tokens[row] = n
-        t.num_computed[row] = h * bs
+        t.num_computed[row] = h * bs + found.reuse
         t.num_published[row] = h
         t.priority[row] = priority
         # the keys follow the row in both settings, so rollback truncates the tokens they remember
@@ -263,12 +307,20 @@ class PagedKVManager(SwapMixin, TableViews):
             padded = np.zeros(m * bs, dtype=np.int32)
             padded[: len(rest)] = rest
             self.block_tokens[new[:m]] = padded.reshape(m, bs)
-        self._admissions += 1
-        self._prompt_tokens += n
-        self._cached_tokens += h * bs
-        if self.enable_prefix_caching:
-            self.prefix.count_miss(tokens, keys, h, h * bs)  # why the rest was not cached (misses.py)
-        return Admission(row, h * bs)
+        if found.reuse:
+            self._partial_copy(found.src, int(new[0]))
+        return row
+
+    def _partial_copy(self, src: int, dst: int) -> None:
+        """Partial reuse: the sequence's fresh block `dst` starts as a copy of cached block `src` (held since
+        `_commit_admission`); both stay held until `take_copies` hands the copy out."""
+        self._held[dst] = True
+        self.pool.share(np.array([dst], dtype=np.int64))
+        src = self._pending.get(src, src)  # a pending destination holds its source's KV until the copies run
+        self._pending[dst] = src
+        self._copies_src.append(np.array([src], dtype=np.int64))
+        self._copies_dst.append(np.array([dst], dtype=np.int64))
+        self._partial_hits += 1
 
     # --- growth ---------------------------------------------------------------------------------
 

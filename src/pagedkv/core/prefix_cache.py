@@ -17,6 +17,13 @@ With `verify_hits`, a hit must match everything its key stands for, not only the
 published. A hit that differs (a hash collision, across tenants or epochs too) ends the match there and
 counts in `verify_failures`. Publishing then takes the per-row path, which records origins.
 
+Partial reuse (`partial_reuse=True`): when a prompt's first missing block shares its first tokens with a
+cached block that follows the same parent (`PrefixIndex.children`), `partial_match` names that block and
+how many of its tokens match (never the prompt's last token, never a whole block: that would be a key
+hit); the manager copies it into the prompt's fresh block and computes only the rest. The token mirror is
+what makes the comparison exact. Rows with per-block extra keys never take part (equal tokens need not
+mean equal KV there).
+
 Every admission's uncached tokens are counted under a reason (`count_miss`, the reasons in `misses.py`).
 """
 
@@ -37,7 +44,7 @@ IntArray = npt.NDArray[np.int64]
 class PrefixCache:
     def __init__(
         self, pool: BlockPool, tables: BlockTables, block_size: int, key_fn: KeyFunction, *, enabled: bool,
-        verify_hits: bool, native: bool | None = None,
+        verify_hits: bool, native: bool | None = None, partial_reuse: bool = False,
     ) -> None:  # fmt: skip
         self.pool = pool
         self.index = pool.prefix_index
@@ -61,6 +68,9 @@ class PrefixCache:
         self._kind = hotpath.SHA256 if key_fn is sha256_key else hotpath.FAST if key_fn is fast_key else None
         self._width = 4 * block_size  # bytes of one block's token ids
         self.misses = MissCounter()
+        self.partial_reuse = partial_reuse and enabled
+        if self.partial_reuse:
+            self.index.track_children()
 
     def keys_of(self, row: int) -> BlockKeys | None:
         return self.by_row[row] if row < len(self.by_row) else None
@@ -92,9 +102,12 @@ class PrefixCache:
     def publish_computed(self, rows: IntArray, computed: IntArray | None) -> None:
         """`mark_computed`'s work in one backend call (callers check `publishes_in_one_call` first)."""
         assert self._kind is not None, "prefix: publish_computed needs a built-in key function"
+        before = self.tables.num_published[rows] if self.partial_reuse else None  # a copy (fancy indexing)
         self.index.publish_computed(
             self._kind, self.key_lists, self.key_epochs, self.epoch, rows, computed, self.tables, self.block_tokens
         )
+        if before is not None:
+            self._link(rows, before, self.tables.num_published[rows])
 
     def match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
@@ -198,6 +211,35 @@ class PrefixCache:
             stored = self._publish_generic(seq_keys, starts, upto, self.block_tokens[block_ids], block_ids)
         if stored and self.verify_hits:
             self._record_origins(seq_keys, starts, upto, block_ids, stored)
+        if stored and self.partial_reuse:
+            self._link(rows, starts, upto)
+
+    def _link(self, rows: IntArray, starts: IntArray, stops: IntArray) -> None:
+        """Link blocks [starts[i], stops[i]) of each row under their parents' keys (partial reuse)."""
+        table, epoch = self.tables.table, self.epoch
+        for row, start, stop in zip(rows.tolist(), starts.tolist(), stops.tolist()):
+            keys = self.by_row[row]
+            if stop <= start or keys is None or keys.block_extra or keys.epoch != epoch or len(keys.keys) <= stop:
+                continue
+            self.index.link(keys.keys[start:stop], keys.keys[start + 1 : stop + 1], table[row, start:stop].tolist())
+
+    def partial_match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, min_tokens: int) -> tuple[int, int]:
+        """(source block, tokens) for partial reuse of block `num_hits` of `tokens`: the cached block after the
+        same parent sharing the most leading tokens with it (at least `min_tokens`, never the last token
+        nor a whole block), or (-1, 0)."""
+        children = self.index.children
+        if children is None or keys.block_extra or len(keys.keys) <= num_hits:
+            return -1, 0
+        bs = self.block_size
+        start = num_hits * bs
+        limit = min(len(tokens) - 1 - start, bs - 1)
+        candidates = children.get(keys.keys[num_hits]) if limit >= max(min_tokens, 1) else None
+        if not candidates:
+            return -1, 0
+        same = self.block_tokens[candidates, :limit] == tokens[start : start + limit]
+        run = np.cumprod(same, axis=1).sum(axis=1)
+        best = int(np.argmax(run))
+        return (candidates[best], int(run[best])) if run[best] >= max(min_tokens, 1) else (-1, 0)
 
     def _record_origins(
         self, seq_keys: list[BlockKeys], starts: IntArray, upto: IntArray, block_ids: IntArray, stored: list[int]

@@ -7,6 +7,10 @@ Three structures, kept in step:
     keyed    bool array by block id     key_of[b] is not None (the pool reads it: a released keyed block
                                         becomes cached-free, an unkeyed one free)
 
+With partial reuse on (`track_children`), it also keeps each indexed block's parent key and, by parent
+key, the indexed blocks that follow it (`children`), so an admission whose prompt diverges inside a block
+can find a cached sibling sharing the block's first tokens; entries leave with their block's key.
+
 It also remembers the keys it evicted lately (two generations of at least `num_blocks` keys each, so a
 lookup can tell "evicted earlier" from "never cached": `was_evicted`, for the miss reasons of `misses.py`).
 
@@ -62,6 +66,8 @@ class PrefixIndex:
         self._evicted: dict[Key, None] = {}  # keys evicted lately: the newer generation ...
         self._evicted_before: dict[Key, None] = {}  # ... and the one before it
         self._evicted_capacity = max(num_blocks, 1024)
+        self.children: dict[Key, list[int]] | None = None  # parent key -> indexed blocks after it (partial reuse)
+        self._parent_of: list[Key | None] = []
 
     def __len__(self) -> int:
         return len(self.index)
@@ -88,6 +94,38 @@ class PrefixIndex:
         """Leading blocks of `data` held in the index (`hotpath.Backend.match`; `known` grows by the keys it
         computes)."""
         return self._hot.match(kind, self.index, known, data, width, max_blocks)
+
+    # --- children (partial reuse) ---------------------------------------------------------------
+
+    def track_children(self) -> None:
+        """Keep `children` from now on (for blocks linked after this call)."""
+        if self.children is None:
+            self.children = {}
+            self._parent_of = [None] * len(self.key_of)
+
+    def link(self, parents: Sequence[Key], keys: Sequence[Key], block_ids: Sequence[int]) -> None:
+        """Record block_ids[i] as a child of parents[i], if it is indexed under keys[i] (a private duplicate
+        is not) and not linked yet."""
+        children, parent_of, key_of = self.children, self._parent_of, self.key_of
+        if children is None:
+            return
+        for parent, key, b in zip(parents, keys, block_ids):
+            if parent_of[b] is None and key_of[b] is not None and key_of[b] == key:
+                children.setdefault(parent, []).append(b)
+                parent_of[b] = parent
+
+    def _unlink(self, block_ids: list[int]) -> None:
+        children, parent_of = self.children, self._parent_of
+        if children is None:
+            return
+        for b in block_ids:
+            parent = parent_of[b]
+            if parent is not None:
+                siblings = children[parent]
+                siblings.remove(b)
+                if not siblings:
+                    del children[parent]
+                parent_of[b] = None
 
     # --- insert ------------------------------------------------------------------------------------
 
@@ -142,6 +180,7 @@ class PrefixIndex:
             return
         if self.index.get(key) == block_id:
             del self.index[key]
+        self._unlink([block_id])
         self.key_of[block_id] = None
         self.keyed[block_id] = False
         if self.record_events:
@@ -157,6 +196,7 @@ class PrefixIndex:
         if len(self._evicted) >= self._evicted_capacity:  # a new generation; the oldest is dropped
             self._evicted_before, self._evicted = self._evicted, {}
         self._evicted.update(dict.fromkeys(keys))
+        self._unlink(ids)
         self._hot.forget_keys(self.arrays, block_ids)
         self.keyed[block_ids] = False
 
@@ -166,6 +206,9 @@ class PrefixIndex:
         self.index.clear()
         self.key_of[:] = [None] * len(self.key_of)
         self.keyed[:] = False
+        if self.children is not None:
+            self.children.clear()
+            self._parent_of[:] = [None] * len(self._parent_of)
         if self.record_events:
             self.events.append(CacheEvent("cleared", None, None))
         return n
@@ -189,6 +232,12 @@ class PrefixIndex:
             key = self.key_of[block_id]
             if key is None or self.index.get(key) != block_id:
                 raise InvariantError(f"prefix index: block {block_id} holds a key the index does not map back to it")
+        if self.children is not None:
+            linked = [(p, b) for p, blocks in self.children.items() for b in blocks]
+            if len(linked) != sum(p is not None for p in self._parent_of) or any(
+                self._parent_of[b] != p or self.key_of[b] is None for p, b in linked
+            ):
+                raise InvariantError("prefix index: a child link names an unindexed block or disagrees with its parent")
         if len(self.index) != int(self.keyed.sum()):
             raise InvariantError(
                 f"prefix index: {len(self.index)} keys for {int(self.keyed.sum())} keyed blocks (a stale entry)"

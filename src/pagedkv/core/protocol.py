@@ -107,6 +107,7 @@ class ManagerStats:
     num_blocks: int
     miss_lookups: dict[str, int] = field(default_factory=dict)
     miss_tokens: dict[str, int] = field(default_factory=dict)
+    partial_hits: int = 0  # admissions that copied a partially matching block (their tokens are in cached_tokens)
 
     @property
     def hit_rate(self) -> float:
