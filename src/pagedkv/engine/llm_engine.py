@@ -126,10 +126,12 @@ class Engine:
         self.tiering: EngineTiering | None = None
         if cfg.tiers_enabled:  # host RAM / disk / remote store below the device (pagedkv.engine.tiering)
             from pagedkv.engine.tiering import EngineTiering
+            from pagedkv.hf.loading import weights_digest
 
             model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
+            digest = getattr(model, "pagedkv_weights_digest", None) or weights_digest(model)  # loading caches it
             self.tiering = EngineTiering.build(
-                cfg, self.cache.storage, self.manager, model_id, keep_device_events=cfg.kv_events
+                cfg, self.cache.storage, self.manager, model_id, weights=digest, keep_device_events=cfg.kv_events
             )
             self.stats.tiers = self.tiering.stats
         self.scheduler = Scheduler(self.manager, cfg.scheduler, source=self.tiering)  # tier hits: fetch_blocks

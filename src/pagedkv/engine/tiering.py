@@ -76,13 +76,15 @@ class EngineTiering:
     @classmethod
     def build(
         cls, config: EngineConfig, storage: KVStorage, manager: KVManager, model_id: str, *,
-        keep_device_events: bool = False,
+        weights: str = "", keep_device_events: bool = False,
     ) -> EngineTiering:  # fmt: skip
+        """The tiers `config` asks for; their keys carry the model's fingerprint: `model_id`, the weights'
+        digest `weights` and the KV layout."""
         if not isinstance(manager, PagedKVManager):
             raise InvalidArgumentError("tiers need the paged allocator with prefix caching on")
         shape = block_shape(storage)
         fingerprint = model_fingerprint(
-            model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size
+            model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size, weights=weights
         )
         remote = RemoteSettings(config.remote_timeout_s, config.remote_backoff_s, required=config.remote_required)
         store = TieredStore.build(

@@ -11,7 +11,8 @@ need the `llm` CLI, which we do not install).
 De-quantising a GGUF file takes tens of seconds on a CPU, so the first load of a GGUF file saves the
 de-quantised weights and the tokenizer as a transformers folder under the cache folder (`$PAGEDKV_CACHE`,
 default `~/.cache/pagedkv`), named by the SHA-256 of the file; later loads of the same bytes read that folder
-instead. A cache that cannot be written is skipped with a warning. Sources are checked before anything heavy
+instead, and the weights' digest saved beside them (`pagedkv-weights.sha256`: tier store keys include it), so
+a restart does not hash the weights again. A cache that cannot be written is skipped with a warning. Sources are checked before anything heavy
 is imported (`check_source`): a folder without a tokenizer or weights, or a `.gguf` file without the GGUF magic
 bytes, is an `InvalidArgumentError` saying what is wrong and what to do.
 """
@@ -207,6 +208,9 @@ def load_weights(source: ModelSource, *, dtype: str | None = None, tokenizer: An
             f"cannot load the model weights from {folder}: {_first_line(err)}"
         ) from None
     model.eval()  # type: ignore[no-untyped-call]
+    digest = cached_digest(source, model)
+    if digest is not None:  # tier fingerprints name the weights (the engine hashes them when it needs to)
+        model.pagedkv_weights_digest = digest  # type: ignore[assignment]
     if source.gguf_file is not None and not source.cached and tokenizer is not None:
         _save_conversion(source, model, tokenizer)
     return model
@@ -222,6 +226,8 @@ def _save_conversion(source: ModelSource, model: Any, tokenizer: Any) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
+        digest = getattr(model, "pagedkv_weights_digest", None) or weights_digest(model)
+        (tmp / DIGEST_FILE).write_text(f"{_dtype_of(model)} {digest}\n")
         (tmp / _COMPLETE).write_text(f"{source.folder / (source.gguf_file or '')}\n")
         if target.exists():  # an incomplete earlier attempt, or another process won the race
             shutil.rmtree(target, ignore_errors=True)
@@ -248,6 +254,37 @@ def _save_plain(model: Any, folder: Path) -> None:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
     save_model(model, str(folder / "model.safetensors"))
+
+
+DIGEST_FILE = "pagedkv-weights.sha256"  # beside a cached conversion: "<dtype> <weights' SHA-256>"
+
+
+def weights_digest(model: Any) -> str:
+    """SHA-256 (hex) of the model's tensors (names, dtypes, shapes, bytes, in name order). The tiers' store
+    keys include it, so two checkpoints under one name never share KV."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}\n".encode())
+        h.update(flat.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def cached_digest(source: ModelSource, model: Any) -> str | None:
+    """The weights' digest saved beside a cached GGUF conversion, if it was taken in the dtype loaded now
+    (a restart then does not hash the weights again); else None."""
+    saved = source.cache_folder / DIGEST_FILE if source.cached and source.cache_folder is not None else None
+    if saved is not None and saved.is_file():
+        dtype, _, digest = saved.read_text().strip().partition(" ")
+        if dtype == _dtype_of(model) and len(digest) == 64:
+            return digest
+    return None
+
+
+def _dtype_of(model: Any) -> str:
+    return str(next(model.parameters()).dtype)
 
 
 def _first_line(err: BaseException) -> str:

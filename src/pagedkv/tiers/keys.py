@@ -1,8 +1,9 @@
 """Store keys: `pkv:v1:{model_fingerprint}:{block key hex}`.
 
-The fingerprint hashes everything that makes the same tokens mean different bytes: the model id, the KV
-dtype, the layer/head/dim shape, the block size and the tensor-parallel rank and size. Two engines share a
-block only when all of them agree, so two models (or two TP shards) never read each other's KV.
+The fingerprint hashes everything that makes the same tokens mean different bytes: the model id, a digest
+of its weights, the KV dtype, the layer/head/dim shape, the block size and the tensor-parallel rank and
+size. Two engines share a block only when all of them agree, so two models (or two TP shards, or two
+checkpoints saved under one name: fine-tunes, seeded random models) never read each other's KV.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def model_fingerprint(
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
+    weights: str = "",
 ) -> str:
-    """16 hex digits of SHA-256 over the canonical JSON of the fields above."""
+    """16 hex digits of SHA-256 over the canonical JSON of the fields above (`weights`: the weights' digest,
+    `pagedkv.hf.loading.weights_digest`)."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("block_size", block_size), ("tp_size", tp_size)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -36,6 +39,7 @@ def model_fingerprint(
     fields = {
         "model": str(model_id), "dtype": str(dtype), "layers": num_layers, "kv_heads": num_kv_heads,
         "head_dim": head_dim, "block_size": block_size, "tp_rank": tp_rank, "tp_size": tp_size,
+        "weights": str(weights),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
