@@ -52,7 +52,7 @@ from pagedkv.core.hybrid_growth import HybridGrowth
 from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, key_function
-from pagedkv.core.protocol import Admission, CSRPages, ManagerStats
+from pagedkv.core.protocol import Admission, BlockFill, BlockSource, CSRPages, ManagerStats
 from pagedkv.core.table import BlockTables
 from pagedkv.core.validate import (
     as_computed,
@@ -268,7 +268,7 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
     def _held_end(self, g: int, n: int, lookahead: int, h: int, chunk: int | None) -> int:
         """Tokens group g gives slots at admission: all of them, or (windowed, with a chunk size) the first
         chunk's."""
-        if self.groups[g].is_full or chunk is None or h + chunk >= n:
+        if self.groups[g].is_full or chunk is None or h + chunk >= n - 1:  # n - 1: see `reserve`
             return n + lookahead
         return h + chunk
 
@@ -421,6 +421,13 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
         return 2 * (spec.window or 0)
 
     # --- cache control, events, checks -------------------------------------------------------------
+
+    def fetch_blocks(
+        self, seq_id: int, start: int, end: int, source: BlockSource, tag: object = None
+    ) -> BlockFill | None:
+        """Tiers below the device are not wired to KV cache groups yet: nothing is fetched."""
+        self.tables[0].device_row(seq_id)
+        return None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix in every group; returns how many keys were dropped."""

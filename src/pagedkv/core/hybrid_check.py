@@ -78,7 +78,7 @@ def _check_row(m: HybridKVManager, row: int) -> None:
         if (blocks[:lo] != NULL_BLOCK_ID).any():
             _fail(f"row {row} group {g}: a released entry is not the null block")
         if seq.host is not None:
-            if (blocks != NULL_BLOCK_ID).any() or len(seq.host[g]) != max(-(-held // bs) - lo, 0):
+            if (blocks != NULL_BLOCK_ID).any() or len(seq.host[g]) != max(-(-seq.num_computed // bs) - lo, 0):
                 _fail(f"row {row} group {g}: swapped out but holds device blocks or the wrong host blocks")
             continue
         if (blocks[lo:] == NULL_BLOCK_ID).any():

@@ -84,9 +84,13 @@ class HybridGrowth:
 
     def _checked_ends(self, rows: IntArray, ends: npt.ArrayLike) -> IntArray:
         ends_a = as_index_array(ends, "ends", rows.shape)
-        if (ends_a > self._lengths(rows)).any():
+        lengths = self._lengths(rows)
+        if (ends_a > lengths).any():
             raise InvalidArgumentError("reserve: an end lies past the sequence's tokens; append tokens first")
-        return ends_a
+        # a chunk ending one short of the tokens leaves the last one to a decode step, which takes no
+        # reservation: give it its slot now
+        out: IntArray = np.where(ends_a == lengths - 1, lengths, ends_a)
+        return out
 
     def reserve(self, seq_ids: npt.ArrayLike, ends: npt.ArrayLike) -> bool:
         """Give tokens up to `ends[i]` (at most the sequence's tokens) slots in every group before they are

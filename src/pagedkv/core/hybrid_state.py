@@ -167,50 +167,52 @@ class HybridLifecycle:
         return self.host_pool
 
     def swap_out(self, seq_id: int) -> BlockMoves | None:
-        """Move a sequence's real blocks of every group to host blocks. `None` if the host pool is short."""
+        """Move a sequence's computed KV in every group to host blocks and release its device blocks (held
+        but uncomputed slots get fresh blocks at `swap_in`). `None` if the host pool is short."""
         host, bs = self._host(), self._block_size
         row = self.tables[0].device_row(seq_id)
         seq = self.seqs[row]
-        spans = [(seq.released[g], max(-(-int(t.num_tokens[row]) // bs), seq.released[g])) for g, t in enumerate(self.tables)]
-        if sum(b - a for a, b in spans) > host.num_available:
+        counts = [max(-(-seq.num_computed // bs) - lo, 0) for lo in seq.released]
+        if sum(counts) > host.num_available:
             return None
         srcs, dsts = [], []
         seq.host = []
         for g, t in enumerate(self.tables):
-            a, b = spans[g]
-            src = t.table[row, a:b].astype(np.int64)
-            dst = host.allocate(len(src)) if len(src) else np.zeros(0, np.int64)
-            if self._pending:
+            lo = seq.released[g]
+            src = t.table[row, lo : lo + counts[g]].astype(np.int64)
+            dst = host.allocate(counts[g]) if counts[g] else np.zeros(0, np.int64)
+            if self._pending:  # a pending copy's destination: read its source, which holds that KV
                 src = np.array([self._pending.get(x, x) for x in src.tolist()], dtype=np.int64)
             self.pool.release(self._real(g, row)[::-1], seq.priority)
-            t.set_blocks(row, np.full(b, NULL_BLOCK_ID, np.int64))
+            t.table[row, lo : t.num_blocks[row]] = NULL_BLOCK_ID
             t.swapped[row], t.on_device[row], t.cow_risk[row] = True, False, False
-            seq.published[g] = seq.released[g]
+            seq.published[g] = lo
             seq.host.append(dst)
             srcs.append(src)
             dsts.append(dst)
         return BlockMoves(np.concatenate(srcs), np.concatenate(dsts))
 
     def swap_in(self, seq_id: int) -> BlockMoves | None:
-        """Bring a swapped-out sequence back into device blocks. `None` if the device pool is short."""
+        """Bring a swapped-out sequence back into device blocks (its held slots in every group; moves for
+        the computed ones). `None` if the device pool is short."""
         host = self._host()
         row = self.tables[0].row(seq_id)
         seq = self.seqs[row]
         if seq.host is None:
             raise InvalidArgumentError(f"sequence {seq_id} is not swapped out")
-        total = sum(len(h) for h in seq.host)
+        spans = [(seq.released[g], int(t.num_blocks[row])) for g, t in enumerate(self.tables)]
+        total = sum(b - a for a, b in spans)
         if total > self.pool.num_available:
             return None
         ids = self.pool.allocate(total) if total else np.zeros(0, np.int64)
-        srcs = []
+        dsts = []
         for g, t in enumerate(self.tables):
-            h = seq.host[g]
-            mine, ids = ids[: len(h)], ids[len(h) :]
+            a, b = spans[g]
+            mine, ids = ids[: b - a], ids[b - a :]
             self.group_of[mine] = g
-            t.table[row, seq.released[g] : seq.released[g] + len(h)] = mine
+            t.table[row, a:b] = mine
             t.swapped[row], t.on_device[row] = False, True
-            host.release(h[::-1])
-            srcs.append(h)
-        dst = np.concatenate([t.table[row, seq.released[g] : seq.released[g] + len(seq.host[g])] for g, t in enumerate(self.tables)])
-        seq.host = None
-        return BlockMoves(np.concatenate(srcs), dst.astype(np.int64))
+            host.release(seq.host[g][::-1])
+            dsts.append(mine[: len(seq.host[g])])
+        srcs, seq.host = seq.host, None
+        return BlockMoves(np.concatenate(srcs), np.concatenate(dsts))

@@ -84,11 +84,11 @@ class EngineConfig:
         if not 1 <= self.block_size <= 256:
             raise InvalidArgumentError(f"block_size must be in [1, 256], got {self.block_size}")
         if self.allocator not in MANAGER_KINDS:
-            raise InvalidArgumentError(f"allocator must be 'paged' or 'contiguous', got {self.allocator!r}")
+            raise InvalidArgumentError(f"allocator must be one of {', '.join(MANAGER_KINDS)}, got {self.allocator!r}")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise InvalidArgumentError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
-        if self.scheduler.preemption_mode == "swap" and self.allocator != "paged":
-            raise InvalidArgumentError("preemption by swap needs the paged allocator (it owns the host pool)")
+        if self.scheduler.preemption_mode == "swap" and self.allocator not in ("paged", "hybrid"):
+            raise InvalidArgumentError("preemption by swap needs the paged or hybrid allocator (they own a host pool)")
         if self.attention_backend not in ("auto", "sdpa", "ops"):
             raise InvalidArgumentError(
                 f"attention_backend must be 'auto', 'sdpa' or 'ops', got {self.attention_backend!r}"

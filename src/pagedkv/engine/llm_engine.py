@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
+from pagedkv.core.group import group_layers
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.intake import RequestIntake, family_ids, salt_bytes
 from pagedkv.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -53,7 +54,7 @@ from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import bad_rows, make_generator, sample, token_logprobs
 from pagedkv.hf.attention import forward_step, prepare_model
-from pagedkv.hf.cache import PagedKVCache
+from pagedkv.hf.cache import PagedKVCache, cache_spec
 from pagedkv.storage.spec import blocks_in_budget
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ class Engine:
         self.spec = prepare_model(model)
         cfg = self.config
         # 1. the cache's size, then the allocator, the KV tensors and the scheduler over them
+        # (allocator "hybrid": the model's layers in KV cache groups, pagedkv.core.group; pages hold one group)
+        self.layer_groups = group_layers(self.spec.sliding_windows) if cfg.allocator == "hybrid" else None
         num_blocks, num_host, bytes_per_block = self._cache_size()
         self.manager = make_manager(
             cfg.allocator,
@@ -111,6 +114,7 @@ class Engine:
             num_host_blocks=num_host,
             record_events=cfg.tiers_enabled or cfg.kv_events,  # tiers and event logs follow the cache
             eviction=cfg.eviction,
+            groups=[g.spec for g in self.layer_groups] if self.layer_groups else None,
         )
         device = next(model.parameters()).device
         self.cache = PagedKVCache.for_model(
@@ -120,6 +124,7 @@ class Engine:
             num_host_blocks=num_host,
             device=device,
             attention_backend=cfg.attention_backend,
+            layer_groups=self.layer_groups,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
         self.stats = EngineStats(cache_misses=getattr(self.manager, "misses", None))
@@ -148,7 +153,7 @@ class Engine:
         """(device blocks, host blocks, bytes per device block) from the block count or the byte budget;
         host blocks default to as many as the device's when preemption swaps."""
         cfg = self.config
-        bytes_per_block = self.spec.kv_cache_spec().bytes_per_block(cfg.block_size)
+        bytes_per_block = cache_spec(self.spec, self.layer_groups).bytes_per_block(cfg.block_size)
         num_blocks = (
             cfg.num_blocks
             if cfg.num_blocks is not None
@@ -182,7 +187,7 @@ class Engine:
             vocab_size=self.vocab_size,
             eos_token_id=self.eos_token_id,
             block_size=cfg.block_size,
-            num_blocks=int(self.manager.num_blocks),
+            num_blocks=int(self.manager.capacity_tokens) // cfg.block_size,  # per sequence (hybrid: its groups' share)
             max_position_embeddings=self.spec.max_position_embeddings,
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,

@@ -5,6 +5,9 @@ The engine (`EngineConfig.allocator`), the simulator (`pagedkv.sim.allocators`) 
 
 - `"paged"`: `PagedKVManager`, fixed-size blocks on demand; prefix caching, a host pool for swapping and
   event recording are its options.
+- `"hybrid"`: `HybridKVManager`, KV cache groups (full, sliding window, chunked local) over one pool,
+  one block table per group, windowed groups releasing blocks as the window passes (`groups`: the
+  model's; one full group when not given).
 - `"contiguous"`: `ContiguousKVManager`, one contiguous run per request reserved at admission (the
   baseline). It has none of the paged options and ignores them: the engine's default configuration turns
   prefix caching on for either kind, and the benchmark passes its hash and hot-path flags to both.
@@ -16,13 +19,16 @@ Prefix caching is an option of the paged kind, not a kind of its own: the simula
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pagedkv.core import ContiguousKVManager, PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.group import KVGroupSpec
+from pagedkv.core.hybrid import HybridKVManager
 
-ManagerKind = Literal["paged", "contiguous"]
-MANAGER_KINDS: tuple[ManagerKind, ...] = ("paged", "contiguous")
+ManagerKind = Literal["paged", "contiguous", "hybrid"]
+MANAGER_KINDS: tuple[ManagerKind, ...] = ("paged", "contiguous", "hybrid")
 
 
 def make_manager(
@@ -36,7 +42,8 @@ def make_manager(
     hash_fn: str = "sha256",
     native: bool | None = None,
     eviction: str = "lru",
-) -> PagedKVManager | ContiguousKVManager:
+    groups: Sequence[KVGroupSpec] | None = None,
+) -> PagedKVManager | ContiguousKVManager | HybridKVManager:
     """A fresh, empty manager of `kind` over `num_blocks` blocks (block 0 the null block) of `block_size`
     tokens. An unknown kind raises `InvalidArgumentError`; the managers check their own arguments."""
     if kind == "paged":
@@ -53,3 +60,9 @@ def make_manager(
     if kind == "contiguous":
         return ContiguousKVManager(num_blocks, block_size)
     raise InvalidArgumentError(f"unknown allocator {kind!r}; choose from {', '.join(MANAGER_KINDS)}")
+    if kind == "hybrid":
+        return HybridKVManager(
+            num_blocks, block_size, tuple(groups) if groups is not None else (KVGroupSpec(),),
+            enable_prefix_caching=enable_prefix_caching, num_host_blocks=num_host_blocks,
+            record_events=record_events, hash_fn=hash_fn,
+        )  # fmt: skip

@@ -54,18 +54,25 @@ class ModelRunner:
 
     def build_batch(self, manager: KVManager, chunks: Sequence[ScheduledChunk]) -> StepBatch:
         """Pack the scheduled chunks: tokens `[start, start + num_new_tokens)` of each request."""
+        return self.build_batches(manager, chunks)[0]
+
+    def build_batches(self, manager: KVManager, chunks: Sequence[ScheduledChunk]) -> tuple[StepBatch, ...]:
+        """`build_batch` once per KV cache group of a hybrid model's cache (`PagedKVCache.layer_map`):
+        the same tokens with each group's block table and slot mapping; one batch otherwise."""
         seq_ids = np.fromiter((c.request.seq_id for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         ends = starts + np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         tokens = [np.asarray(_chunk_tokens(c), dtype=np.int64) for c in chunks]
-        return build_step_batch(
-            tokens,
-            starts,
-            manager.block_table(seq_ids, pad_id=0),
-            manager.slot_mapping(seq_ids, starts, ends),
-            [bool(c.produces_token) for c in chunks],
-            device=self.device,
-        )
+        produces = [bool(c.produces_token) for c in chunks]
+        if self.cache.layer_map is None:
+            tables = [(manager.block_table(seq_ids, pad_id=0), manager.slot_mapping(seq_ids, starts, ends))]
+        else:
+            groups = range(max(g for g, _ in self.cache.layer_map) + 1)
+            tables = [
+                (manager.block_table(seq_ids, pad_id=0, group=g), manager.slot_mapping(seq_ids, starts, ends, group=g))  # type: ignore[call-arg]
+                for g in groups
+            ]
+        return tuple(build_step_batch(tokens, starts, t, s, produces, device=self.device) for t, s in tables)
 
     def execute(self, manager: KVManager, output: SchedulerOutput) -> torch.Tensor:
         """Run `output`; return logits `[K, vocab]` for its chunks with `produces_token`, in order."""
@@ -73,7 +80,8 @@ class ModelRunner:
         chunks = list(output.scheduled)
         if not chunks:
             return torch.empty(0, 0)
-        return forward_step(self.model, self.cache, self.build_batch(manager, chunks))
+        batches = self.build_batches(manager, chunks)
+        return forward_step(self.model, self.cache, batches[0], batches if len(batches) > 1 else None)
 
 
 def _chunk_tokens(chunk: ScheduledChunk) -> Sequence[int] | npt.NDArray[np.int64]:

@@ -181,6 +181,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._inflight: dict[str, int] = {}  # request id -> end of its chunk in the step being run
         self._forked: list[Request] = []  # children forked during the step being run
+        self._stalled = False  # a prefill chunk found no slots this step (hybrid managers, `_reserved`)
 
     # --- queue ----------------------------------------------------------------------------------
 
@@ -232,6 +233,9 @@ class Scheduler:
         budget = self._prefill_phase(out, budget)
         # 4. admit waiting requests (not in a step that had to preempt: that would only thrash)
         self._admit_phase(out, budget, now, roomy)
+        if self._stalled and not out.scheduled and len(self.running) > 1:
+            self._preempt(self._victim(), out, swap_out)  # every prefill waits for slots: make room
+        self._stalled = False
         out.num_batched_tokens = sum(c.num_new_tokens for c in out.scheduled)
         self._inflight = {c.request.request_id: c.end for c in out.scheduled}
         out.copies = self.manager.take_copies()
@@ -299,10 +303,22 @@ class Scheduler:
             if remaining <= 1 and r.num_computed_tokens == r.num_tokens - 1:
                 continue  # decode, handled above
             chunk = self._chunk(remaining, budget, r)
+            if chunk and not self._reserved(r, chunk):
+                self._stalled = True  # a windowed group had no room for the chunk's slots: next step
+                continue
             if chunk:
                 out.scheduled.append(self._planned(r, chunk, chunk == remaining, out))
                 budget -= chunk
         return budget
+
+    def _reserved(self, request: Request, chunk: int) -> bool:
+        """Slots for the request's next chunk, where the manager gives them per chunk (a hybrid manager's
+        windowed groups hold only the window and the chunk, `HybridKVManager.reserve`); True otherwise."""
+        if not getattr(self.manager, "reserves_chunks", False):
+            return True
+        assert request.seq_id is not None, "scheduler: a running request without KV"
+        end = np.array([request.num_computed_tokens + chunk], dtype=np.int64)
+        return bool(self.manager.reserve(np.array([request.seq_id], dtype=np.int64), end))  # type: ignore[attr-defined]
 
     def _admit_phase(self, out: SchedulerOutput, budget: int, now: float | None, roomy: bool) -> None:
         """Admit waiting requests in priority order while the budget, a seat and blocks allow (below the
@@ -324,10 +340,11 @@ class Scheduler:
                 out.rejected.append(request)
                 continue
             try:
+                per_chunk = {"chunk_tokens": budget} if getattr(self.manager, "reserves_chunks", False) else {}
                 admission = self.manager.admit(
                     request.all_token_ids, max_new_tokens=request.max_new_tokens - len(request.output_token_ids),
                     priority=request.priority, salt=request.salt, keys=request.keys,
-                    keep_free=reserve,
+                    keep_free=reserve, **per_chunk,
                 )
             except (CapacityError, InvalidArgumentError) as e:
                 # the allocator checks before it changes anything: this request goes, the step goes on
@@ -388,6 +405,8 @@ class Scheduler:
     def _computed_only(self, plan: BlockMoves, request: Request) -> BlockMoves:
         """A swap plan cut to the blocks holding computed KV: the rest hold nothing yet, and the step may
         fill them from a tier (a second writer of the block, see `SchedulerOutput.check_writes`)."""
+        if getattr(self.manager, "reserves_chunks", False):
+            return plan  # a hybrid manager's plans move only computed blocks, group after group
         keep = -(-request.num_computed_tokens // self.manager.block_size)
         return plan if keep >= len(plan.src) else BlockMoves(plan.src[:keep], plan.dst[:keep])
 

@@ -61,13 +61,14 @@ def paged_attention_forward(
             "run the model through pagedkv.hf.attention.forward_step"
         )
     _refuse_unsupported(module, query, kwargs, dropout)
-    batch = step.batch
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+    kv_group, slot = step.cache.locate(layer_idx)  # hybrid models: the layer's KV cache group and page slot
+    batch = step.batches[kv_group]
     # [1, H, T, D] -> [T, H, D]
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     step.write(layer_idx, k, v)
     parts = [
-        _attend_group(step, i, q, k, v, layer_idx, scaling, sliding_window, softcap)
+        _attend_group(step, i, q, k, v, slot, scaling, sliding_window, softcap, kv_group)
         for i in range(len(batch.groups))
     ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -84,12 +85,14 @@ def _attend_group(
     scaling: float | None,
     sliding_window: int | None,
     softcap: float | None,
+    kv_group: int = 0,
 ) -> torch.Tensor:
-    """Attention of the step's attention group `i` (a run of decodes, or one prefill chunk): SDPA over the
-    paged KV where the backend and the group allow it, else `pagedkv.ops.paged_attention`."""
+    """Attention of the step's attention group `i` (a run of decodes, or one prefill chunk) over KV cache
+    group `kv_group`'s pages (`layer_idx` is the storage slot): SDPA over the paged KV where the backend and
+    the group allow it, else `pagedkv.ops.paged_attention`."""
     from pagedkv import ops  # torch-land; imported on first call so `import pagedkv.hf` stays light
 
-    g = step.batch.groups[i]
+    g = step.batches[kv_group].groups[i]
     cache = step.cache
     q_g = q[g.token_start : g.token_end]
     if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], softcap):
@@ -104,7 +107,7 @@ def _attend_group(
             sliding_window=sliding_window,
             new_key=k[g.token_start : g.token_end],
             new_value=v[g.token_start : g.token_end],
-            plan=step.sdpa_plan(i),
+            plan=step.sdpa_plan(i, kv_group),
         )
     key_cache, value_cache = cache.layer(layer_idx)
     return ops.paged_attention(
@@ -118,7 +121,7 @@ def _attend_group(
         sliding_window=sliding_window,
         soft_cap=softcap,
         max_seqlen_q=g.max_seqlen_q,
-        plan=step.ops_plan(i, q_g, key_cache, value_cache),
+        plan=step.ops_plan(i, q_g, key_cache, value_cache, kv_group),
     )
 
 
@@ -159,8 +162,12 @@ def prepare_model(model: Any) -> ModelSpec:
 
 
 @torch.inference_mode()
-def forward_step(model: Any, cache: PagedKVCache, batch: StepBatch) -> torch.Tensor:
-    """Run one packed step; return the logits `[K, vocab]` of the rows `batch.logits_indices` selects."""
+def forward_step(
+    model: Any, cache: PagedKVCache, batch: StepBatch, batches: tuple[StepBatch, ...] | None = None
+) -> torch.Tensor:
+    """Run one packed step; return the logits `[K, vocab]` of the rows `batch.logits_indices` selects.
+    A hybrid model's cache (`PagedKVCache.layer_map`) takes one batch per KV cache group in `batches` (the
+    same tokens, each group's block table and slot mapping); `batch` is the first."""
     if model.config._attn_implementation != ATTENTION_NAME:
         raise InvalidArgumentError(
             f"model uses attention {model.config._attn_implementation!r}; call pagedkv.hf.prepare_model first"
@@ -170,7 +177,7 @@ def forward_step(model: Any, cache: PagedKVCache, batch: StepBatch) -> torch.Ten
         position_ids=batch.position_ids,
         use_cache=False,
         logits_to_keep=batch.logits_indices,
-        **{STEP_KWARG: PagedStep(cache, batch)},
+        **{STEP_KWARG: PagedStep(cache, batch, batches)},
     )
     logits: torch.Tensor = out.logits[0]
     return logits

@@ -13,23 +13,31 @@ place that writes (through the slot mapping) and reads (through the block tables
 
 Order within a step (the engine's runner keeps it): swap-ins, then swap-outs (`swap`: the order in which
 the scheduler decides them), then copy-on-write copies, then the forward.
+
+KV cache groups (hybrid models, `pagedkv.core.group`): with a `layer_map`, the storage holds one page of
+`layers_per_block` layer slots per block id, and layer l's K/V live in slot `layer_map[l][1]` of the pages
+its group `layer_map[l][0]` hands out (vLLM's layout: a block id belongs to one group at a time, so the
+groups share the slots). Each step then carries one `StepBatch` per group (its own block table and slot
+mapping); every layer writes and reads through its group's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.group import LayerGroup, layers_per_block
 from pagedkv.hf.metadata import StepBatch
 from pagedkv.hf.model_spec import ModelSpec
 from pagedkv.hf.sdpa import SdpaPlan
 from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.storage.kv import HostBlocks, KVStorage
 from pagedkv.storage.slots import check_write_args, scatter_kv
+from pagedkv.storage.spec import KVCacheSpec
 
 BlockIds = npt.ArrayLike
 ATTENTION_BACKENDS = ("auto", "sdpa", "ops")
@@ -39,8 +47,9 @@ class PagedKVCache:
     """Device pages (`storage`) and an optional host swap pool of `num_host_blocks` blocks."""
 
     def __init__(
-        self, storage: KVStorage, *, num_host_blocks: int = 0, attention_backend: str = "auto"
-    ) -> None:
+        self, storage: KVStorage, *, num_host_blocks: int = 0, attention_backend: str = "auto",
+        layer_map: Sequence[tuple[int, int]] | None = None,
+    ) -> None:  # fmt: skip
         if num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if attention_backend not in ATTENTION_BACKENDS:
@@ -48,6 +57,8 @@ class PagedKVCache:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
             )
         self.storage = storage
+        # layer -> (KV cache group, storage slot); None: one group, layer l in slot l
+        self.layer_map = tuple(layer_map) if layer_map is not None else None
         # "sdpa": block gather + torch SDPA where it applies (pagedkv.hf.sdpa), else pagedkv.ops;
         # "ops": always pagedkv.ops (reference on CPU, Triton on CUDA); "auto": sdpa on CPU, ops elsewhere.
         if attention_backend == "auto":
@@ -66,14 +77,21 @@ class PagedKVCache:
         num_host_blocks: int = 0,
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
+        layer_groups: Sequence[LayerGroup] | None = None,
     ) -> PagedKVCache:
-        """Zeroed pages for `spec`'s layers. Range checks are off: the allocator is the source of truth."""
+        """Zeroed pages for `spec`'s layers (with `layer_groups`: one slot per layer of the largest group,
+        see the module docstring). Range checks are off: the allocator is the source of truth."""
         if num_blocks < 2:
             raise InvalidArgumentError(
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
             )
-        storage = KVStorage(spec.kv_cache_spec(), num_blocks, block_size, device, validate=False)
-        return cls(storage, num_host_blocks=num_host_blocks, attention_backend=attention_backend)
+        layer_map = group_layer_map(layer_groups, spec.num_layers) if layer_groups is not None else None
+        storage = KVStorage(cache_spec(spec, layer_groups), num_blocks, block_size, device, validate=False)
+        return cls(storage, num_host_blocks=num_host_blocks, attention_backend=attention_backend, layer_map=layer_map)
+
+    def locate(self, layer_idx: int) -> tuple[int, int]:
+        """(KV cache group, storage slot) of a model layer."""
+        return (0, layer_idx) if self.layer_map is None else self.layer_map[layer_idx]
 
     @property
     def num_blocks(self) -> int:
@@ -163,27 +181,32 @@ class PagedStep:
     launch their kernels. A step object serves one forward pass: build a new one for the next step.
     """
 
-    __slots__ = ("_ops_plans", "_sdpa_plans", "_write", "batch", "cache")
+    __slots__ = ("_ops_plans", "_sdpa_plans", "_writes", "batch", "batches", "cache")
 
-    def __init__(self, cache: PagedKVCache, batch: StepBatch) -> None:
+    def __init__(self, cache: PagedKVCache, batch: StepBatch, batches: Sequence[StepBatch] | None = None) -> None:
         self.cache = cache
         self.batch = batch
-        self._write: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        self._ops_plans: dict[int, AttentionPlan] = {}
-        self._sdpa_plans: dict[int, SdpaPlan] = {}
+        self.batches = tuple(batches) if batches is not None else (batch,)  # one per KV cache group
+        self._writes: dict[int, Callable[[int, torch.Tensor, torch.Tensor], None]] = {}
+        self._ops_plans: dict[tuple[int, int], AttentionPlan] = {}
+        self._sdpa_plans: dict[tuple[int, int], SdpaPlan] = {}
 
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store this step's new K/V (`[T, num_kv_heads, head_dim]`) of one layer at the batch's slots."""
-        if self._write is None:
-            self._write = self._make_write(key, value)
-        self._write(layer_idx, key, value)
+        """Store this step's new K/V (`[T, num_kv_heads, head_dim]`) of one layer at its group's slots."""
+        group, slot = self.cache.locate(layer_idx)
+        write = self._writes.get(group)
+        if write is None:
+            write = self._writes[group] = self._make_write(key, value, group)
+        write(slot, key, value)
 
-    def _make_write(self, key: torch.Tensor, value: torch.Tensor) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    def _make_write(
+        self, key: torch.Tensor, value: torch.Tensor, group: int = 0
+    ) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
         from pagedkv.ops.dispatch import choose_backend
 
         storage = self.cache.storage
         k0, v0 = storage.layer(0)
-        slots = self.batch.slot_mapping
+        slots = self.batches[group].slot_mapping
         check_write_args(k0, v0, key, value, slots, check_range=storage.validate)
         data = storage.data
         if choose_backend(k0.device, cache_dtype=k0.dtype, op="write") == "triton":
@@ -194,12 +217,14 @@ class PagedStep:
         return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots, k_scale=k_scales[i], v_scale=v_scales[i])
 
     def ops_plan(
-        self, group_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-    ) -> AttentionPlan:
-        """The `pagedkv.ops` plan of attention group `group_idx` (made at its first call in this step)."""
-        plan = self._ops_plans.get(group_idx)
+        self, group_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        kv_group: int = 0,
+    ) -> AttentionPlan:  # fmt: skip
+        """The `pagedkv.ops` plan of attention group `group_idx` of KV cache group `kv_group` (made at its
+        first call in this step)."""
+        plan = self._ops_plans.get((kv_group, group_idx))
         if plan is None:
-            g = self.batch.groups[group_idx]
+            g = self.batches[kv_group].groups[group_idx]
             plan = plan_attention(
                 query,
                 key_cache,
@@ -210,14 +235,31 @@ class PagedStep:
                 max_seqlen_q=g.max_seqlen_q,
                 max_seqlen_k=g.max_seqlen_k,
             )
-            self._ops_plans[group_idx] = plan
+            self._ops_plans[(kv_group, group_idx)] = plan
         return plan
 
-    def sdpa_plan(self, group_idx: int) -> SdpaPlan:
-        """The `pagedkv.hf.sdpa` plan of attention group `group_idx` (made at its first call in this step)."""
-        plan = self._sdpa_plans.get(group_idx)
+    def sdpa_plan(self, group_idx: int, kv_group: int = 0) -> SdpaPlan:
+        """The `pagedkv.hf.sdpa` plan of attention group `group_idx` of KV cache group `kv_group` (made at
+        its first call in this step)."""
+        plan = self._sdpa_plans.get((kv_group, group_idx))
         if plan is None:
-            g = self.batch.groups[group_idx]
+            g = self.batches[kv_group].groups[group_idx]
             plan = SdpaPlan.build(g.block_table, g.seq_lens, g.max_seqlen_q, g.max_seqlen_k, self.cache.block_size)
-            self._sdpa_plans[group_idx] = plan
+            self._sdpa_plans[(kv_group, group_idx)] = plan
         return plan
+
+
+def group_layer_map(groups: Sequence[LayerGroup], num_layers: int) -> tuple[tuple[int, int], ...]:
+    """layer -> (group, slot): a group's i-th layer uses storage slot i."""
+    where = {layer: (g, slot) for g, group in enumerate(groups) for slot, layer in enumerate(group.layers)}
+    if sorted(where) != list(range(num_layers)):
+        raise InvalidArgumentError(f"layer groups must cover layers 0..{num_layers - 1} once each")
+    return tuple(where[layer] for layer in range(num_layers))
+
+
+def cache_spec(spec: ModelSpec, layer_groups: Sequence[LayerGroup] | None) -> KVCacheSpec:
+    """The storage shape: every layer, or (with groups) the layer slots of one page."""
+    base = spec.kv_cache_spec()
+    if layer_groups is None:
+        return base
+    return KVCacheSpec(layers_per_block(layer_groups), base.num_kv_heads, base.head_dim, base.dtype)
