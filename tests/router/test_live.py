@@ -65,6 +65,9 @@ def test_prefix_then_load_then_the_imbalance_fallback(tmp_path) -> None:
             router.routed(f"q{i}", "b")
         busy = router.rank(["a", "b"], prompt)
         assert busy.loads["b"] == 10.0 and busy.order[0] == "a"
+        b.serve(list(range(500, 517)))  # q0's prefill is done: its events show its last block on b's GPU
+        wait_for(router, "b", 10)
+        assert router.rank(["a", "b"], prompt).loads["b"] == 1.0 + 5.0  # q0 running, q1 still to prefill
         for i in range(2):
             router.completed(f"q{i}")
         assert router.rank(["a", "b"], prompt).order[0] == "b"

@@ -12,8 +12,9 @@ restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy
     cost = blocks to compute + 0.1 * blocks from its CPU/DISK + 0.3 * blocks from the shared store
          + queue_weight * queued work
 
-Queued work is what this router sent the replica and has not seen complete, in blocks: the blocks each
-request had to compute when it was routed, plus one per request (its decode). Replica stats (refreshed by
+Queued work is what this router sent the replica and has not seen complete, in blocks, as the simulator
+counts it: the blocks a request had to compute there, plus one, until the replica's events show its last
+cacheable block on the GPU (its prefill is done), then one (a running sequence). Replica stats (refreshed by
 Ray every `request_routing_stats_period_s`) add the requests other routers sent: `num_running +
 num_waiting` beyond what this router counts. Load-imbalance fallback: when the most and least loaded
 candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come first
@@ -36,16 +37,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.events.wire import GPU
 from pagedkv.router.index import PrefixIndex, PrefixMatch
 from pagedkv.router.policy import CostPolicy, CostWeights, request_hashes
 from pagedkv.router.streams import EventStreams
 
 
 @dataclass
+class _InFlight:
+    """A request this router sent: where, the prefill blocks it had to compute there, and the hash of its last
+    cacheable block (the prefill is done once the replica's events show that block on its GPU)."""
+
+    replica: Hashable
+    blocks: int
+    last_hash: int | None
+    prefilling: bool = True
+
+    @property
+    def work(self) -> float:
+        return self.blocks + 1.0 if self.prefilling else 1.0
+
+
+@dataclass
 class _Replica:
     stats: dict[str, Any] = field(default_factory=dict)
-    inflight_blocks: float = 0.0
-    inflight_requests: int = 0
+    inflight: dict[Hashable, _InFlight] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class Ranking:
     loads: dict[Hashable, float]
     fallback: bool  # the load-imbalance fallback decided
     num_blocks: int  # the request's cacheable blocks
+    last_hash: dict[Hashable, int | None]  # per candidate, the hash of the request's last cacheable block
 
 
 class LiveRouter:
@@ -76,8 +93,10 @@ class LiveRouter:
             PrefixIndex(), replay_timeout_ms=replay_timeout_ms, sync_interval_s=sync_interval_s
         )
         self._replicas: dict[Hashable, _Replica] = {}
-        self._inflight: dict[Hashable, tuple[Hashable, float]] = {}  # request id -> (replica, blocks)
-        self._predicted: dict[Hashable, dict[Hashable, float]] = {}  # request id -> replica -> blocks
+        self._inflight: dict[Hashable, _InFlight] = {}  # request id -> where and how much
+        self._predicted: dict[
+            Hashable, dict[Hashable, _InFlight]
+        ] = {}  # request id -> replica -> if sent there
 
     @property
     def index(self) -> PrefixIndex:
@@ -104,8 +123,8 @@ class LiveRouter:
         """The replica is gone: drop its stream, its index entries and its load."""
         self._replicas.pop(replica, None)
         self.streams.remove(replica)
-        for rid, (r, _) in list(self._inflight.items()):
-            if r == replica:
+        for rid, entry in list(self._inflight.items()):
+            if entry.replica == replica:
                 del self._inflight[rid]
 
     def rank(
@@ -122,6 +141,7 @@ class LiveRouter:
         salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
         by_keys: dict[tuple[Any, ...], list[int]] = {}  # replicas agree on these normally: one hashing
         matches: dict[Hashable, PrefixMatch] = {}
+        last: dict[Hashable, int | None] = {}
         num_blocks = 0
         for r in candidates:
             keys = self._keying(r)
@@ -131,7 +151,9 @@ class LiveRouter:
                 )
             hashes = by_keys[keys]
             num_blocks = max(num_blocks, len(hashes))
+            last[r] = hashes[-1] if hashes else None
             matches[r] = self.index.match(hashes, [r])[r] if r in live else PrefixMatch()
+        self._prefills_done()
         loads = {r: self._load(r) for r in candidates}
         requests = {r: self._requests(r) for r in candidates}
         fallback = max(requests.values()) - min(requests.values()) > self.imbalance_threshold
@@ -146,29 +168,26 @@ class LiveRouter:
             order = [first] + sorted(
                 (r for r in candidates if r != first), key=lambda r: (costs[r], loads[r])
             )
-        return Ranking(order, matches, loads, fallback, num_blocks)
+        return Ranking(order, matches, loads, fallback, num_blocks, last)
 
     def predict(self, request_id: Hashable, ranking: Ranking) -> None:
         """Remember, per candidate, the work a request would queue there (committed by `routed`)."""
         n = ranking.num_blocks
-        self._predicted[request_id] = {r: max(n - m.total, 0) + 1.0 for r, m in ranking.matches.items()}
+        self._predicted[request_id] = {
+            r: _InFlight(r, max(n - m.total, 0), ranking.last_hash.get(r)) for r, m in ranking.matches.items()
+        }
 
     def routed(self, request_id: Hashable, replica: Hashable) -> None:
-        work = self._predicted.pop(request_id, {}).get(replica, 1.0)
-        rec = self._replicas.setdefault(replica, _Replica())
-        rec.inflight_blocks += work
-        rec.inflight_requests += 1
-        self._inflight[request_id] = (replica, work)
+        entry = self._predicted.pop(request_id, {}).get(replica) or _InFlight(replica, 0, None)
+        entry.prefilling = entry.blocks > 0
+        self._replicas.setdefault(replica, _Replica()).inflight[request_id] = entry
+        self._inflight[request_id] = entry
 
     def completed(self, request_id: Hashable) -> None:
-        entry = self._inflight.pop(request_id, None)
         self._predicted.pop(request_id, None)
-        if entry is None:
-            return
-        rec = self._replicas.get(entry[0])
-        if rec is not None:
-            rec.inflight_blocks = max(0.0, rec.inflight_blocks - entry[1])
-            rec.inflight_requests = max(0, rec.inflight_requests - 1)
+        entry = self._inflight.pop(request_id, None)
+        if entry is not None and entry.replica in self._replicas:
+            self._replicas[entry.replica].inflight.pop(request_id, None)
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -182,12 +201,24 @@ class LiveRouter:
             epoch if isinstance(epoch, int) and epoch >= 0 else 0,
         )
 
+    def _prefills_done(self) -> None:
+        """In-flight requests whose last cacheable block the replica's events now show on its GPU have been
+        prefilled: from then on they weigh as one running sequence (as in `pagedkv.sim.replicas`)."""
+        media = self.index.media
+        for entry in self._inflight.values():
+            if (
+                entry.prefilling
+                and entry.last_hash is not None
+                and GPU in media(entry.last_hash, entry.replica)
+            ):
+                entry.prefilling = False
+
     def _requests(self, replica: Hashable) -> int:
         rec = self._replicas.get(replica, _Replica())
         reported = int(rec.stats.get("num_running", 0)) + int(rec.stats.get("num_waiting", 0))
-        return max(rec.inflight_requests, reported)
+        return max(len(rec.inflight), reported)
 
     def _load(self, replica: Hashable) -> float:
         rec = self._replicas.get(replica, _Replica())
         reported = int(rec.stats.get("num_running", 0)) + int(rec.stats.get("num_waiting", 0))
-        return rec.inflight_blocks + max(0, reported - rec.inflight_requests)
+        return sum(e.work for e in rec.inflight.values()) + max(0, reported - len(rec.inflight))
