@@ -40,6 +40,9 @@ def test_counters_and_histograms_move_as_the_requests_say(model: Any, tokenizer:
                      "time_per_output_token_seconds"):  # fmt: skip
             assert delta(after, before, f"pagedkv:{name}_count") == 4, name
             assert delta(after, before, f"pagedkv:{name}_sum") > 0, name
+        # queue time ends when the step that first schedules a request starts: before its first token
+        ttft_sum = delta(after, before, "pagedkv:time_to_first_token_seconds_sum")
+        assert delta(after, before, "pagedkv:request_queue_time_seconds_sum") < ttft_sum
         for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"):
             assert after[(f"pagedkv:{gauge}", ())] == 0, gauge
     finally:

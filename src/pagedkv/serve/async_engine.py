@@ -160,6 +160,8 @@ class AsyncEngine:
         # owned by the engine thread
         self._streams: dict[str, RequestStream] = {}
         self._notes: list[RequestOutput] = []
+        self._arrivals: dict[str, float] = {}  # root id -> arrival, until its first chunk is scheduled
+        self._queue_s: dict[str, float] = {}  # root id -> arrival to first scheduled step, until released
         self._snapshot = self._take_snapshot(alive=False)
 
     # --- the caller's side ----------------------------------------------------------------------
@@ -273,7 +275,9 @@ class AsyncEngine:
                     self._snapshot = self._take_snapshot(alive=True)
                     self._wake.wait()
                     continue
+                started = self.engine.clock()
                 finished = self.engine.step()
+                self._note_scheduled(started, finished)
                 self._publish(finished)
         except BaseException as e:  # the engine itself failed: every stream learns it, /health turns red
             logger.exception("pagedkv engine loop failed")
@@ -305,10 +309,28 @@ class AsyncEngine:
             self._dispatch({stream: [_Failed(e)]})
             return
         self._streams[stream.request_id] = stream
+        self._arrivals[stream.request_id] = arrival
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._streams:
             self.engine.finish(request_id, "abort")
+
+    def _note_scheduled(self, started: float, finished: list[RequestOutput]) -> None:
+        """Requests whose first chunk ran in the step that began at `started` waited until then (the
+        scheduler stamps its own time after the step)."""
+        ended = {o.request_id: o for o in finished}
+        for rid, arrival in list(self._arrivals.items()):
+            if rid in ended:
+                scheduled = ended[rid].queue_s is not None
+            else:
+                try:
+                    scheduled = self.engine.get_request(rid).first_scheduled_time is not None
+                except InvalidArgumentError:  # it ended before any step scheduled it (an abort)
+                    del self._arrivals[rid]
+                    continue
+            if scheduled:
+                self._queue_s[rid] = max(0.0, started - arrival)
+                del self._arrivals[rid]
 
     def _publish(self, finished: list[RequestOutput]) -> None:
         """Route this turn's snapshots and ends to their streams; release families that have ended."""
@@ -325,6 +347,10 @@ class AsyncEngine:
         for root in roots:
             outputs = self.engine.release(root)
             if outputs is not None:
+                self._arrivals.pop(root, None)
+                queue_s = self._queue_s.pop(root, None)
+                for out in outputs:  # queue time as vLLM's: until the step that first schedules it starts
+                    out.queue_s = queue_s if queue_s is not None else out.queue_s
                 stream = self._streams.pop(root)
                 batches.setdefault(stream, []).append(_Ended(tuple(outputs)))
                 if self.metrics is not None:
