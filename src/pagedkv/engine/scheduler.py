@@ -169,6 +169,7 @@ class Scheduler:
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.source = source  # the tiers below the device: a chunk's leading full blocks may be fetched
+        self._swapped_in: dict[str, BlockMoves] = {}  # swap-in moves of the step being planned, by request
         if self.config.preemption_mode == "swap" and not manager.supports_swap:
             raise InvalidArgumentError(f"{type(manager).__name__} cannot swap; use preemption_mode='recompute'")
         # heap of (-priority, arrival, order of adding, unique tie-break, request)
@@ -226,7 +227,7 @@ class Scheduler:
         # blocks free at the start of the step, for the admission headroom (0: always roomy)
         roomy = self.manager.num_free_blocks >= self.config.admission_headroom * self.manager.num_blocks
         # 1. swapped requests come back first
-        swap_in = self._swap_in_phase()
+        self._swap_in_phase()
         # 2. decode: one slot for each running request's newest token, in one batched call
         budget = self._decode_phase(out, budget, swap_out, now)
         # 3. running requests still in prefill
@@ -241,14 +242,16 @@ class Scheduler:
         out.copies = self.manager.take_copies()
         if swap_out:
             out.swap_out = BlockMoves(np.concatenate([s.src for s in swap_out]), np.concatenate([s.dst for s in swap_out]))
+        swap_in, self._swapped_in = list(self._swapped_in.values()), {}
         if swap_in:
             out.swap_in = BlockMoves(np.concatenate([s.src for s in swap_in]), np.concatenate([s.dst for s in swap_in]))
         out.check_writes()
         return out
 
-    def _swap_in_phase(self) -> list[BlockMoves]:
-        """Bring swapped requests back, oldest first, while a seat and device blocks are free."""
-        swap_in: list[BlockMoves] = []
+    def _swap_in_phase(self) -> None:
+        """Bring swapped requests back, oldest first, while a seat and device blocks are free. Their moves
+        wait in `_swapped_in` until the plan is complete: a request whose KV the same step drops again
+        (preempted by recompute, rejected) takes its moves with it, so its blocks have no dead writer."""
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             assert request.seq_id is not None, "scheduler: a swapped request without KV"
@@ -258,8 +261,7 @@ class Scheduler:
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            swap_in.append(self._computed_only(plan, request))
-        return swap_in
+            self._swapped_in[request.request_id] = self._computed_only(plan, request)
 
     def _decode_phase(
         self, out: SchedulerOutput, budget: int, swap_out: list[BlockMoves], now: float | None
@@ -440,6 +442,7 @@ class Scheduler:
                 swap_out.append(self._computed_only(plan, request))
                 return
         self.manager.preempt(request.seq_id)
+        self._swapped_in.pop(request.request_id, None)
         request.seq_id = None
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -504,6 +507,7 @@ class Scheduler:
         if request.seq_id is not None:
             self.manager.free(request.seq_id)
             request.seq_id = None
+            self._swapped_in.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
