@@ -61,3 +61,28 @@ def test_the_engine_counts_why_prompts_missed(lru: tuple[Engine, list[list[int]]
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="eviction must be one of"):
         EngineConfig(num_blocks=8, eviction="fifo")
+
+
+# --- partial-block reuse ----------------------------------------------------------------------------------
+
+
+def branching_prompts() -> list[list[int]]:
+    """Prompts that share prefixes ending inside blocks of 4: 10 tokens, then branches at 6, 9 and 2."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(3, VOCAB, size=10).tolist()
+    tails = [rng.integers(3, VOCAB, size=5).tolist() for _ in range(4)]
+    return [base, base[:6] + tails[0], base[:9] + tails[1], base[:2] + tails[2], base[:7], base + tails[3]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_partial_reuse_gives_the_same_tokens_and_serves_more(family: str) -> None:
+    runs = {}
+    for on in (False, True):
+        engine = Engine(tiny_model(family), None, EngineConfig(num_blocks=32, block_size=4, partial_block_reuse=on))
+        outs = [engine.generate([p], SamplingParams(max_new_tokens=MAX_NEW))[0] for p in branching_prompts()]
+        engine.manager.check_invariants()
+        runs[on] = (engine.manager.stats, [o.output_token_ids for o in outs])
+    (off, off_tokens), (on_stats, on_tokens) = runs[False], runs[True]
+    assert on_tokens == off_tokens
+    assert on_stats.partial_hits >= 4 and on_stats.cached_tokens > off.cached_tokens
+    assert EngineConfig(num_blocks=8).partial_block_reuse  # on by default

@@ -42,6 +42,7 @@ def make_manager(
     hash_fn: str = "sha256",
     native: bool | None = None,
     eviction: str = "lru",
+    partial_reuse: bool = False,
     groups: Sequence[KVGroupSpec] | None = None,
 ) -> PagedKVManager | ContiguousKVManager | HybridKVManager:
     """A fresh, empty manager of `kind` over `num_blocks` blocks (block 0 the null block) of `block_size`
@@ -56,6 +57,7 @@ def make_manager(
             hash_fn=hash_fn,
             native=native,
             eviction=eviction,
+            partial_reuse=partial_reuse,
         )
     if kind == "contiguous":
         return ContiguousKVManager(num_blocks, block_size)
