@@ -36,6 +36,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("bench", "soak"): ("pagedkv.bench.soak", "random operations on both managers, checked against a shadow KV store"),
     ("bench", "serve"): ("pagedkv.bench.serve", "pagedkv serve vs transformers serve under one load generator"),
+    ("bench", "replicas"): ("pagedkv.bench.replicas", "replicas on Ray Serve: pagedkv's router vs Ray's, same requests"),
 }
 
 
