@@ -126,7 +126,7 @@ def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
     code, _, err = generate(["w1 w2", "--model", str(tiny_model), "--max-new-tokens", "64"], capsys)
     assert code == 2 and "64 positions" in err and len(err.strip().splitlines()) == 1
     code, _, err = generate(["w1 w2", "--model", str(tiny_model), "--max-new-tokens", "0"], capsys)
-    assert code == 2 and "max_new_tokens" in err
+    assert code == 2 and "--max-new-tokens" in err
 
 
 def test_over_long_prompts_are_rejected_alone_and_counted_apart(
@@ -210,4 +210,4 @@ def test_cache_salt_and_tier_flags_reach_the_engine(
     assert config.disk_path == str(tmp_path / "disk")  # type: ignore[attr-defined]
     assert config.scheduler.admission_lookahead == 0  # type: ignore[attr-defined]
     code, out, err = generate(["w3", "--model", str(tiny_model), "--admission-lookahead", "-1"], capsys)
-    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "admission_lookahead" in err
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--admission-lookahead" in err

@@ -31,6 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.core import BlockKeys, KVManager, PagedKVManager
+from pagedkv.engine.cli_args import (
+    add_block_size,
+    check_fits_memory,
+    existing_file,
+    int_at_least,
+    output_file,
+    positive_int,
+)
 from pagedkv.engine.managers import MANAGER_KINDS, make_manager
 from pagedkv.workloads.traces import (
     STREAM_GENERATED,
@@ -281,14 +289,18 @@ class _Loop:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace",
-        type=Path,
+        type=existing_file,
         default=None,
         help="Azure CSV(.gz) or Mooncake JSONL (default: shipped Azure conv)",
     )
-    p.add_argument("--limit", type=int, default=3000, help="first N requests of the trace (default 3000)")
-    p.add_argument("--num-blocks", type=int, default=16384)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument(
+        "--limit", type=int_at_least(1, 10_000_000), default=3000, help="first N requests of the trace (default 3000)"
+    )
+    p.add_argument("--num-blocks", type=int_at_least(2, 1 << 28), default=16384, help="KV blocks (default 16384)")
+    add_block_size(p)
+    p.add_argument(
+        "--max-running", type=positive_int, default=256, help="most requests running at once (default 256)"
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--allocator",
@@ -298,7 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hash", dest="hash_fn", choices=["sha256", "fast"], default="sha256")
     p.add_argument(
-        "--repeat", type=int, default=1, help="runs per allocator; the median us/token is reported"
+        "--repeat", type=int_at_least(1, 1000), default=1, help="runs per allocator; the median us/token is reported"
     )
     p.add_argument(
         "--clock",
@@ -306,7 +318,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="time the phases in this thread's CPU time (default: robust on a shared machine) or wall time",
     )
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG: concurrency and KV use per step")
+    p.add_argument(
+        "--plot", type=output_file(".png"), default=None, help="write a PNG: concurrency and KV use per step"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(
         "--json",
@@ -316,10 +330,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the pool's own arrays: a block's token ids (4 bytes a token) and some 64 bytes of bookkeeping
+    check_fits_memory(args.num_blocks * (4 * args.block_size + 64), f"--num-blocks {args.num_blocks:,}",
+                      "lower --num-blocks or --block-size")  # fmt: skip
     path = args.trace or default_trace_path()
     requests = load_trace(path, limit=args.limit)
     names = ["paged", "contiguous"] if args.allocator == "both" else [args.allocator]
-    repeats = max(1, args.repeat)
+    repeats = args.repeat
     from pagedkv.sim.runner import _Progress  # the simulator's bar: tqdm when installed, else a counter
 
     bar = _Progress(len(requests) * len(names) * repeats, enabled=not args.no_progress)

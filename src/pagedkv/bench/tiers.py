@@ -26,33 +26,37 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.cli_args import add_block_size, check_fits_memory, int_at_least, writable_folder
 from pagedkv.tiers.disk import DiskTier
 from pagedkv.tiers.host import HostTier
 from pagedkv.tiers.keys import model_fingerprint
 from pagedkv.tiers.slots import LruClock
 from pagedkv.tiers.tier import Tier
-from pagedkv.tiers.value import MAX_KEY_BYTES, BlockLayout
+from pagedkv.tiers.value import DTYPE_BYTES, MAX_KEY_BYTES, BlockLayout
 
 TIERS = ("host", "disk", "redis")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
-    parser.add_argument("--blocks", type=int, default=32, help="distinct blocks put and read back per tier")
-    parser.add_argument("--batch", type=int, default=8, help="blocks per put/get call")
-    parser.add_argument("--chain", type=int, default=8, help="blocks per request (lookup + get)")
-    parser.add_argument("--lookups", type=int, default=200, help="chain lookups timed per tier")
+    count = int_at_least(1, 1 << 20)
+    parser.add_argument("--blocks", type=count, default=32, help="distinct blocks put and read back per tier")
+    parser.add_argument("--batch", type=count, default=8, help="blocks per put/get call")
+    parser.add_argument("--chain", type=count, default=8, help="blocks per request (lookup + get)")
+    parser.add_argument("--lookups", type=count, default=200, help="chain lookups timed per tier")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="put+get rounds per tier; the best is reported"
+        "--repeats", type=int_at_least(1, 1000), default=3, help="put+get rounds per tier; the best is reported"
     )
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--layers", type=int_at_least(1, 1024), default=32)
+    parser.add_argument("--kv-heads", type=int_at_least(1, 1024), default=32)
+    parser.add_argument("--head-dim", type=int_at_least(1, 4096), default=128)
+    add_block_size(parser)
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float16")
     parser.add_argument(
-        "--disk-path", default=None, help="folder for the disk tier's file (default: a temp folder)"
-    )
+        "--disk-path", type=writable_folder, default=None,
+        help="folder for the disk tier's file (default: a temp folder)",
+    )  # fmt: skip
     parser.add_argument("--redis-url", default=None, help="use this store instead of starting a redis-server")
     parser.add_argument("--quick", action="store_true", help="small blocks and counts, for smoke tests")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -123,6 +127,10 @@ def _bench_remote(
         url = server.url
     try:
         remote = RedisTier(url, layout, fingerprint, timeout_s=30.0)
+        why = remote.probe() if args.redis_url is not None else None
+        if why is not None:  # a store that does not answer is the user's URL, not a benchmark failure
+            remote.close()
+            raise InvalidArgumentError(f"--redis-url {remote.url}: {why}")
         result = bench_tier(name, remote, args, values)
         remote.remove([_key(i) for i in range(args.blocks)])
         remote.close()
@@ -143,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             1,
         )
     layout = BlockLayout(args.dtype, (args.layers, 2, args.block_size, args.kv_heads, args.head_dim))
+    tiers_bytes = len(args.tiers) * args.blocks * layout.value_bytes(MAX_KEY_BYTES)
+    check_fits_memory(2 * tiers_bytes, "these tiers' blocks", "lower --blocks or the block's shape")
     fingerprint = model_fingerprint(
         "bench", args.dtype, args.layers, args.kv_heads, args.head_dim, args.block_size
     )

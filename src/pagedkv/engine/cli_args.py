@@ -114,11 +114,15 @@ def output_file(*suffixes: str) -> Callable[[str], Path]:
 
 
 def writable_folder(text: str) -> str:
-    """An argparse type: a folder that exists (or can be created: its parent exists) and is writable."""
-    path = Path(text)
-    probe = path if path.exists() else path.parent
-    if (path.exists() and not path.is_dir()) or not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: not a writable folder")
+    """An argparse type: a folder a file can be written in (created if missing, as the tier would)."""
+    import tempfile
+
+    try:
+        Path(text).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=text):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: not a writable folder ({e.strerror})") from None
     return text
 
 

@@ -23,14 +23,28 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
+from pagedkv.engine.cli_args import (
+    add_block_size,
+    add_scheduler_arguments,
+    byte_size,
+    check_fits_memory,
+    existing_file,
+    fraction,
+    int_at_least,
+    nonnegative_float,
+    nonnegative_int,
+    scheduler_from,
+    seed_int,
+    token_count,
+    writable_folder,
+)
 from pagedkv.engine.managers import MANAGER_KINDS
-from pagedkv.engine.scheduler import SchedulerConfig
 
 DEFAULT_KV_BUDGET = "64MiB"
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,37 +52,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2", help="smollm2 (bundled), a local transformers folder or a .gguf file"
     )
-    parser.add_argument("--prompts-file", type=Path, help="one prompt a line, or JSONL with a 'prompt' field")
-    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
-        "--n", type=int, default=1, help="completions per prompt (share the prompt's KV blocks)"
+        "--prompts-file", type=existing_file, help="one prompt a line, or JSONL with a 'prompt' field"
+    )
+    parser.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        help="wrap each prompt in the model's chat template (default: on for instruct models with a template)",
+    )  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=token_count, default=64)
+    parser.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=fraction, default=1.0)
+    parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
+    parser.add_argument("--seed", type=seed_int, default=None)
+    parser.add_argument(
+        "--n", type=int_at_least(1, 1024), default=1, help="completions per prompt (share the prompt's KV blocks)"
     )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     capacity = parser.add_mutually_exclusive_group()
-    capacity.add_argument("--kv-budget", help=f"KV cache bytes, e.g. 64MiB (default {DEFAULT_KV_BUDGET})")
-    capacity.add_argument("--num-blocks", type=int, help="KV cache size in blocks instead of bytes")
-    parser.add_argument("--block-size", type=int, default=16)
+    capacity.add_argument(
+        "--kv-budget", type=byte_size, help=f"KV cache bytes, e.g. 64MiB or 2GB (default {DEFAULT_KV_BUDGET})"
+    )
+    capacity.add_argument(
+        "--num-blocks", type=int_at_least(2, 1 << 28), help="KV cache size in blocks instead of bytes"
+    )
+    add_block_size(parser)
     parser.add_argument("--allocator", choices=MANAGER_KINDS, default="paged")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    defaults = SchedulerConfig()  # the one set of scheduler defaults
-    parser.add_argument("--preemption", choices=("recompute", "swap"), default=defaults.preemption_mode)
-    parser.add_argument(
-        "--max-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="token budget per step"
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument(
-        "--admission-lookahead",
-        type=int,
-        default=defaults.admission_lookahead,
-        help="growth reserve: admission keeps free the blocks each running request needs for this many more "
-        f"tokens (default {defaults.admission_lookahead}; 0 = greedy)",
-    )
+    add_scheduler_arguments(parser, preemption=True)  # the engine's own defaults
     tenancy = parser.add_argument_group("tenants (docs/engine.md)")
     tenancy.add_argument(
         "--cache-salt",
@@ -76,13 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="isolate this run's prefix cache: requests share cached KV only with requests of the same salt",
     )
     tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
-    tiers.add_argument("--host-blocks", type=int, default=0, help="host-RAM tier size in blocks (0 = off)")
-    tiers.add_argument("--disk-path", default=None, help="folder of the local disk tier")
-    tiers.add_argument("--disk-bytes", default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)")
+    tiers.add_argument(
+        "--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)"
+    )
+    tiers.add_argument("--disk-path", type=writable_folder, default=None, help="folder of the local disk tier")
+    tiers.add_argument(
+        "--disk-bytes", type=byte_size, default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)"
+    )
     tiers.add_argument(
         "--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH"
     )
-    parser.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the checkpoint's)")
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -101,14 +116,18 @@ def read_prompts(args: argparse.Namespace) -> list[tuple[str | None, str, int | 
                     obj = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise InvalidArgumentError(
-                        f"{args.prompts_file}:{lineno}: invalid JSON ({err})"
+                        f"{args.prompts_file}:{lineno}: invalid JSON ({err.msg} at column {err.colno})"
                     ) from None
                 if not isinstance(obj.get("prompt"), str):
                     raise InvalidArgumentError(
                         f"{args.prompts_file}:{lineno}: a JSONL line needs a string 'prompt'"
                     )
                 limit = obj.get("max_new_tokens")
-                items.append((obj.get("id"), obj["prompt"], int(limit) if limit is not None else None))
+                if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+                    raise InvalidArgumentError(
+                        f"{args.prompts_file}:{lineno}: max_new_tokens must be an integer >= 1, got {limit!r}"
+                    )
+                items.append((obj.get("id"), obj["prompt"], limit))
             else:
                 items.append((None, line, None))
     if not items:
@@ -136,14 +155,17 @@ def _run(args: argparse.Namespace) -> int:
     # 2. the model source, its context length and tokenizer (no weights yet)
     source = check_source(args.model)
     set_progress_bars(not args.no_progress)
-    max_pos = getattr(load_config(source), "max_position_embeddings", None)
+    model_config = load_config(source)
+    max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and args.max_new_tokens >= max_pos:
         raise InvalidArgumentError(
             f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {max_pos} "
             f"positions; use at most {max_pos - 1}"
         )
+    _check_block_memory(args, model_config)
     tokenizer = load_tokenizer(source)
-    encoded = [encode_prompt(tokenizer, prompt, chat=args.chat) for _, prompt, _ in items]
+    chat = args.chat if args.chat is not None else is_instruct(args.model, tokenizer)
+    encoded = [encode_prompt(tokenizer, prompt, chat=chat) for _, prompt, _ in items]
     reasons = [prompt_problem(ids, p.max_new_tokens, max_pos) for ids, p in zip(encoded, params)]
     served = [i for i, why in enumerate(reasons) if why is None]
     # 3. the weights, then serve the prompts that can be served
@@ -157,10 +179,46 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"pagedkv generate: {len(items) - len(rejected)} requests served ({len(done)} completions, {num_tokens} "
         f"tokens in {wall:.1f}s, {num_tokens / wall if wall > 0 else 0.0:.1f} tok/s), {len(rejected)} rejected; "
-        f"{engine.manager.num_blocks} KV blocks ({config.allocator}), {engine.stats.num_preemptions} preemptions",
+        f"{engine.manager.num_blocks} KV blocks ({config.allocator}), {engine.stats.num_preemptions} preemptions; "
+        f"{cached_summary(done)}",
         file=sys.stderr,
     )
     return 0 if not rejected else 1
+
+
+def cached_summary(done: list[Any]) -> str:
+    """"cached prompt tokens: 48 (GPU 32, CPU 16, DISK 0)": the prompt tokens not computed, by the medium
+    that served them (the device's prefix cache, then the tiers below it, when they are on)."""
+    total = sum(o.num_cached_tokens for o in done if o.parent_id is None)
+    by_tier: dict[str, int] = {}
+    for o in done:
+        if o.parent_id is None:
+            for medium, n in o.num_cached_tokens_by_tier.items():
+                by_tier[medium] = by_tier.get(medium, 0) + n
+    detail = ", ".join(f"{m} {n}" for m, n in by_tier.items())
+    return f"cached prompt tokens: {total}" + (f" ({detail})" if detail else "")
+
+
+def is_instruct(model: str, tokenizer: Any) -> bool:
+    """Whether to use the chat template by default: the tokenizer has one and the model is an instruct or
+    chat model (by its name, or the bundled SmolLM2-135M-Instruct)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    name = (model + " " + str(getattr(tokenizer, "name_or_path", ""))).lower()
+    return model == "smollm2" or any(word in name for word in ("instruct", "chat", "-it"))
+
+
+def _check_block_memory(args: argparse.Namespace, model_config: Any) -> None:
+    """With `--num-blocks`/`--host-blocks`, the KV bytes they ask for against the machine, before any weight
+    loads (a block holds K and V of every layer; 4 bytes an element, the float32 default)."""
+    heads = getattr(model_config, "num_attention_heads", 1) or 1
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or getattr(model_config, "hidden_size", heads) // heads
+    layers = getattr(model_config, "num_hidden_layers", 1) or 1
+    per_block = 2 * layers * kv_heads * head_dim * 4 * args.block_size
+    blocks = (args.num_blocks or 0) + args.host_blocks
+    if blocks:
+        check_fits_memory(blocks * per_block, f"{blocks:,} KV blocks", "lower --num-blocks or --host-blocks")
 
 
 def _sampling_params(args: argparse.Namespace, items: list[tuple[str | None, str, int | None]]) -> list[Any]:
@@ -184,23 +242,19 @@ def _engine_config(args: argparse.Namespace) -> Any:
     """The `EngineConfig` the flags describe (validated by its constructor)."""
     from pagedkv.engine.config import EngineConfig, parse_bytes
 
+    budget = None if args.num_blocks is not None else args.kv_budget or parse_bytes(DEFAULT_KV_BUDGET)
+    if budget is not None:
+        check_fits_memory(budget, f"--kv-budget {budget / 2**30:.1f} GiB", "lower --kv-budget")
     return EngineConfig(
         num_blocks=args.num_blocks,
-        kv_budget_bytes=None
-        if args.num_blocks is not None
-        else parse_bytes(args.kv_budget or DEFAULT_KV_BUDGET),
+        kv_budget_bytes=budget,
         block_size=args.block_size,
         allocator=args.allocator,
         enable_prefix_caching=not args.no_prefix_caching,
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_batched_tokens,
-            preemption_mode=args.preemption,
-            admission_lookahead=args.admission_lookahead,
-        ),
+        scheduler=scheduler_from(args),
         host_blocks=args.host_blocks,
         disk_path=args.disk_path,
-        disk_bytes=0 if args.disk_bytes is None else parse_bytes(args.disk_bytes),
+        disk_bytes=0 if args.disk_bytes is None else args.disk_bytes,
         remote_url=args.remote_url,
     )
 
@@ -227,6 +281,8 @@ def _load_and_serve(
     progress = _progress(total, disabled=args.no_progress or len(served) < 8)
     start = time.perf_counter()
     try:
+        for medium, why in engine.tiering.inactive().items() if engine.tiering is not None else ():
+            print(f"pagedkv generate: warning: the {medium} tier is inactive: {why}", file=sys.stderr)
         engine_outputs = _serve(engine, encoded, params, served, progress, args.cache_salt)
     finally:
         engine.close()  # the disk tier's file and the remote store's connections

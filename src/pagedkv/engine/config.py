@@ -25,14 +25,16 @@ _UNITS = {
     "kib": 1 << 10,
     "mib": 1 << 20,
     "gib": 1 << 30,
+    "tib": 1 << 40,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
+    "tb": 10**12,
 }
 
 
 def parse_bytes(text: str) -> int:
-    """`"64MiB"` -> 67108864; accepts B, KiB/MiB/GiB and KB/MB/GB (case-insensitive)."""
+    """`"64MiB"` -> 67108864; accepts B, KiB/MiB/GiB/TiB and KB/MB/GB/TB (case-insensitive)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
