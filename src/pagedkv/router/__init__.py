@@ -8,7 +8,8 @@
   exact through gaps, restarts and dead replicas.
 
 Real replicas publish with `EngineConfig(kv_events=True)` and `Engine.take_event_batch()`;
-`pagedkv.router.fleet` runs N engine processes sharing one Redis behind a `Router`.
+`LiveRouter` (`live.py`) ranks live replicas for `pagedkv.serve.ray_router.PagedKVRequestRouter` (Ray Serve),
+with the same `CostPolicy` the simulator (`pagedkv simulate --replicas`) runs.
 """
 
 from pagedkv.router.index import PrefixIndex, PrefixMatch
