@@ -116,3 +116,16 @@ def test_bad_input_is_a_typed_error() -> None:
         Router(["a", "b"]).route([1], [0])
     with pytest.raises(InvalidArgumentError):
         CostWeights(remote_discount=-1)
+
+
+def test_cost_rank_is_choose_then_cost_order_and_the_imbalance_fallback_overrides_it() -> None:
+    policy = CostPolicy()
+    matches = [PrefixMatch(gpu=6), PrefixMatch(), PrefixMatch(gpu=2)]
+    order, fallback = policy.rank(8, matches, [0.0, 0.0, 0.0])
+    assert order == [0, 2, 1] and not fallback
+    # replica 0 holds the prefix but has 10 requests in flight against 0 and 1: past a threshold of 8, the
+    # least loaded lead whatever they hold
+    order, fallback = policy.rank(8, matches, [3.0, 0.0, 1.0], requests=[10, 0, 1], imbalance_threshold=8)
+    assert order == [1, 2, 0] and fallback
+    order, fallback = policy.rank(8, matches, [3.0, 0.0, 1.0], requests=[8, 0, 1], imbalance_threshold=8)
+    assert order[0] == 0 and not fallback

@@ -6,8 +6,8 @@
     router.routed(request_id, ranked[0]); ...; router.completed(request_id)
 
 It owns one `EventStreams` (the replicas' ZMQ KV events folded into a `PrefixIndex`, exact through gaps,
-restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy.CostPolicy`, the same code
-`pagedkv simulate --replicas` runs:
+restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy.CostPolicy.rank`, the cost the simulator
+(`pagedkv simulate --replicas`) routes with:
 
     cost = blocks to compute + 0.1 * blocks from its CPU/DISK + 0.3 * blocks from the shared store
          + queue_weight * queued work
@@ -16,9 +16,9 @@ Queued work is what this router sent the replica and has not seen complete, in b
 counts it: the blocks a request had to compute there, plus one, until the replica's events show its last
 cacheable block on the GPU (its prefill is done), then one (a running sequence). Replica stats (refreshed by
 Ray every `request_routing_stats_period_s`) add the requests other routers sent: `num_running +
-num_waiting` beyond what this router counts. Load-imbalance fallback: when the most and least loaded
-candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come first
-whatever they hold (a hot prefix must not pile every request onto one replica).
+num_waiting` beyond what this router counts. Load-imbalance fallback (`CostPolicy.rank`): when the most and
+least loaded candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come
+first whatever they hold.
 
 Replica stats (`record_routing_stats` on the replica; plain JSON types):
 
@@ -155,19 +155,11 @@ class LiveRouter:
             matches[r] = self.index.match(hashes, [r])[r] if r in live else PrefixMatch()
         self._prefills_done()
         loads = {r: self._load(r) for r in candidates}
-        requests = {r: self._requests(r) for r in candidates}
-        fallback = max(requests.values()) - min(requests.values()) > self.imbalance_threshold
-        if fallback:
-            order = sorted(candidates, key=lambda r: (requests[r], loads[r]))
-        else:
-            costs = {r: self.policy.cost(num_blocks, matches[r], loads[r]) for r in candidates}
-            i = self.policy.choose(
-                num_blocks, [matches[r] for r in candidates], [loads[r] for r in candidates]
-            )
-            first = candidates[i]
-            order = [first] + sorted(
-                (r for r in candidates if r != first), key=lambda r: (costs[r], loads[r])
-            )
+        positions, fallback = self.policy.rank(
+            num_blocks, [matches[r] for r in candidates], [loads[r] for r in candidates],
+            [self._requests(r) for r in candidates], self.imbalance_threshold,
+        )  # fmt: skip
+        order = [candidates[i] for i in positions]
         return Ranking(order, matches, loads, fallback, num_blocks, last)
 
     def predict(self, request_id: Hashable, ranking: Ranking) -> None:

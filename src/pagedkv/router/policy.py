@@ -133,6 +133,31 @@ class CostPolicy:
         least = min(loads[i] for i in tied)
         return self._turns.pick([i for i in tied if loads[i] == least], len(matches))
 
+    def rank(
+        self,
+        num_blocks: int,
+        matches: Sequence[PrefixMatch],
+        loads: Sequence[float],
+        requests: Sequence[int] | None = None,
+        imbalance_threshold: int | None = None,
+    ) -> tuple[list[int], bool]:
+        """Every position, best first, and whether the load-imbalance fallback decided: when the replicas'
+        requests in flight differ by more than `imbalance_threshold`, the least loaded come first whatever
+        they hold (a hot prefix must not pile everything onto one replica); otherwise `choose`, then the rest
+        by cost. Without `requests` or a threshold this is `choose` followed by the rest."""
+        n = len(matches)
+        if (
+            requests is not None
+            and imbalance_threshold is not None
+            and max(requests) - min(requests) > imbalance_threshold
+        ):
+            return sorted(range(n), key=lambda i: (requests[i], loads[i])), True
+        first = self.choose(num_blocks, matches, loads)
+        costs = [self.cost(num_blocks, m, load) for m, load in zip(matches, loads)]
+        return [first] + sorted(
+            (i for i in range(n) if i != first), key=lambda i: (costs[i], loads[i])
+        ), False
+
 
 def make_policy(name: str, weights: CostWeights | None = None) -> Policy:
     if name == "round-robin":
