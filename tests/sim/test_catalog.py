@@ -33,13 +33,29 @@ def test_builtin_names_are_the_issue_list() -> None:
         "mistral-7b",
         "qwen2.5-7b",
         "smollm2-135m",
+        "mistral-7b-v0.1",
+        "gemma-2-9b",
+        "gemma-2-27b",
+        "gemma-3-12b",
+        "gemma-3-27b",
+        "gpt-oss-20b",
+        "gpt-oss-120b",
+        "ministral-8b",
     }, "model list drifted"
 
 
-@pytest.mark.parametrize("model", list(BUILTIN_MODELS.values()), ids=lambda m: m.name)
+# Not Llama-shaped: mixtures of experts (gpt-oss) and checkpoints with a vision tower (Gemma 3).
+_NOT_LLAMA_SHAPED = {"gpt-oss-20b", "gpt-oss-120b", "gemma-3-12b", "gemma-3-27b"}
+
+
+@pytest.mark.parametrize(
+    "model", [m for m in BUILTIN_MODELS.values() if m.name not in _NOT_LLAMA_SHAPED], ids=lambda m: m.name
+)
 def test_published_param_counts_match_the_shapes(model: ModelShape) -> None:
-    # Qwen2.5 has q/k/v biases (28 layers x (3584 + 2 x 512)), which the Llama-style count leaves out.
+    # Qwen2.5 has q/k/v biases (28 layers x (3584 + 2 x 512)), which the Llama-style count leaves out;
+    # Gemma 2 normalises after attention and after the MLP too (two more norms per layer).
     biases = 28 * (3584 + 2 * 512) if model.name == "qwen2.5-7b" else 0
+    biases += 2 * model.hidden_size * model.num_layers if model.name.startswith("gemma-2") else 0
     assert params_from_shape(model) + biases == model.num_params, f"{model.name}: shape and count disagree"
 
 

@@ -93,7 +93,7 @@ class Engine:
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        from pagedkv.engine.managers import make_manager
+        from pagedkv.engine.managers import is_hybrid, make_manager
         from pagedkv.engine.scheduler import Scheduler
 
         self.config = config or EngineConfig(num_blocks=256)
@@ -104,7 +104,7 @@ class Engine:
         cfg = self.config
         # 1. the cache's size, then the allocator, the KV tensors and the scheduler over them
         # (allocator "hybrid": the model's layers in KV cache groups, pagedkv.core.group; pages hold one group)
-        self.layer_groups = group_layers(self.spec.sliding_windows) if cfg.allocator == "hybrid" else None
+        self.layer_groups = group_layers(self.spec.sliding_windows) if is_hybrid(cfg.allocator) else None
         num_blocks, num_host, bytes_per_block = self._cache_size()
         self.manager = make_manager(
             cfg.allocator,

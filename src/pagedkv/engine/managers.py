@@ -20,15 +20,56 @@ Prefix caching is an option of the paged kind, not a kind of its own: the simula
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, overload
 
 from pagedkv.core import ContiguousKVManager, PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.hybrid import HybridKVManager
 
-ManagerKind = Literal["paged", "contiguous", "hybrid"]
-MANAGER_KINDS: tuple[ManagerKind, ...] = ("paged", "contiguous", "hybrid")
+# The kinds every entry point names in its types; "hybrid" is accepted too (MANAGER_KINDS), built with the
+# model's KV cache groups (`groups`), and typed apart so that callers of the other two keep their types.
+ManagerKind = Literal["paged", "contiguous"]
+MANAGER_KINDS: tuple[str, ...] = ("paged", "contiguous", "hybrid")
+
+
+def is_hybrid(kind: str) -> bool:
+    """Whether allocator `kind` is the hybrid one (KV cache groups from the model)."""
+    return kind == "hybrid"
+
+
+@overload
+def make_manager(
+    kind: ManagerKind,
+    num_blocks: int,
+    block_size: int,
+    *,
+    enable_prefix_caching: bool = ...,
+    num_host_blocks: int = ...,
+    record_events: bool = ...,
+    hash_fn: str = ...,
+    native: bool | None = ...,
+    eviction: str = ...,
+    partial_reuse: bool = ...,
+    groups: Sequence[KVGroupSpec] | None = ...,
+) -> PagedKVManager | ContiguousKVManager: ...
+
+
+@overload
+def make_manager(
+    kind: str,
+    num_blocks: int,
+    block_size: int,
+    *,
+    enable_prefix_caching: bool = ...,
+    num_host_blocks: int = ...,
+    record_events: bool = ...,
+    hash_fn: str = ...,
+    native: bool | None = ...,
+    eviction: str = ...,
+    partial_reuse: bool = ...,
+    groups: Sequence[KVGroupSpec] | None = ...,
+) -> PagedKVManager | ContiguousKVManager | HybridKVManager: ...
 
 
 def make_manager(
@@ -61,10 +102,10 @@ def make_manager(
         )
     if kind == "contiguous":
         return ContiguousKVManager(num_blocks, block_size)
-    raise InvalidArgumentError(f"unknown allocator {kind!r}; choose from {', '.join(MANAGER_KINDS)}")
     if kind == "hybrid":
         return HybridKVManager(
             num_blocks, block_size, tuple(groups) if groups is not None else (KVGroupSpec(),),
             enable_prefix_caching=enable_prefix_caching, num_host_blocks=num_host_blocks,
             record_events=record_events, hash_fn=hash_fn,
         )  # fmt: skip
+    raise InvalidArgumentError(f"unknown allocator {kind!r}; choose from {', '.join(MANAGER_KINDS)}")

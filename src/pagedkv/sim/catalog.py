@@ -14,6 +14,25 @@ Models (Hugging Face `config.json` of each checkpoint; parameter counts from the
 `sum(p.numel())`, which a test cross-checks against the shapes):
 - meta-llama/Llama-2-{7b,13b,70b}-hf, meta-llama/Meta-Llama-3-{8B,70B}, mistralai/Mistral-7B-v0.1,
   Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M.
+
+Hybrid models (layers of different attention, `layer_pattern` repeated over the layers: F full, S sliding
+window of `sliding_window` tokens), each from its public config:
+- mistral-7b-v0.1: every layer slides over 4,096 tokens (https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json).
+- gemma-2-9b / gemma-2-27b: sliding (4,096) and full layers alternate, sliding first, 8,192 positions
+  (https://huggingface.co/google/gemma-2-9b/blob/main/config.json,
+  https://huggingface.co/google/gemma-2-27b/blob/main/config.json).
+- gemma-3-12b / gemma-3-27b: five sliding (1,024) layers per full one (`sliding_window_pattern` 6),
+  131,072 positions; the vision tower's parameters count in the weights
+  (https://huggingface.co/google/gemma-3-12b-pt/blob/main/config.json,
+  https://huggingface.co/google/gemma-3-27b-pt/blob/main/config.json).
+- gpt-oss-20b / gpt-oss-120b: sliding (128) and full layers alternate, sliding first, 131,072 positions;
+  mixture-of-experts weights stored in MXFP4, so `weight_bytes_override` is the checkpoint's size, not
+  2 bytes per parameter (https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json,
+  https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json). The step-time model counts all
+  parameters as active, which overstates a mixture of experts' compute.
+- ministral-8b: one full (131,072) layer per three sliding (32,768) ones, as vLLM reads the
+  checkpoint's `params.json` (https://huggingface.co/mistralai/Ministral-8B-Instruct-2410/blob/main/params.json);
+  vLLM's hybrid allocator RFC (https://github.com/vllm-project/vllm/issues/11382) measured its waste.
 """
 
 from __future__ import annotations
@@ -74,6 +93,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2  # bf16 weights and KV
     source: str = ""
+    sliding_window: int = 0  # tokens a sliding layer attends to (0: none)
+    layer_pattern: str = "F"  # repeated over the layers: F full attention, S sliding window
+    weight_bytes_override: int = 0  # the checkpoint's bytes where they are not num_params x dtype_bytes
 
     def __post_init__(self) -> None:
         _check_name(self.name, "model")
@@ -92,11 +114,42 @@ class ModelShape:
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgumentError(f"model {self.name!r}: {f} must be a positive int, got {value!r}")
+        self._check_layers()
         if self.num_attention_heads % self.num_kv_heads:
             raise InvalidArgumentError(
                 f"model {self.name!r}: num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+
+    def _check_layers(self) -> None:
+        if not self.layer_pattern or set(self.layer_pattern) - {"F", "S"}:
+            raise InvalidArgumentError(
+                f"model {self.name!r}: layer_pattern must be letters F (full) and S (sliding), got {self.layer_pattern!r}"
+            )
+        window = self.sliding_window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0 or (("S" in self.layer_pattern) != (window > 0)):
+            raise InvalidArgumentError(
+                f"model {self.name!r}: sliding layers (S in layer_pattern) need sliding_window > 0 tokens and "
+                f"full-only models 0, got sliding_window={window!r}, layer_pattern={self.layer_pattern!r}"
+            )
+        if not isinstance(self.weight_bytes_override, int) or self.weight_bytes_override < 0:
+            raise InvalidArgumentError(f"model {self.name!r}: weight_bytes_override must be an int >= 0")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full attention), the pattern repeated over the layers."""
+        p = self.layer_pattern
+        return tuple(self.sliding_window if p[i % len(p)] == "S" else None for i in range(self.num_layers))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer slides (its KV can be bounded by the window)."""
+        return "S" in self.layer_pattern
+
+    @property
+    def kv_bytes_per_layer_token(self) -> int:
+        """K and V of one token in one layer."""
+        return kv_bytes_per_token(1, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -105,7 +158,7 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
+        return self.weight_bytes_override or self.num_params * self.dtype_bytes
 
 
 _NVIDIA = "NVIDIA datasheet"
@@ -142,6 +195,30 @@ BUILTIN_MODELS: dict[str, ModelShape] = {
                   source=f"{_HF}, Qwen/Qwen2.5-7B (q/k/v biases included in num_params)"),
         ModelShape("smollm2-135m", 134_515_008, 30, 576, 9, 3, 64, 1536, 49152, 8192,
                   tie_word_embeddings=True, source=f"{_HF}, HuggingFaceTB/SmolLM2-135M"),
+        # hybrid models: see the module docstring for each config's address
+        ModelShape("mistral-7b-v0.1", 7_241_732_096, 32, 4096, 32, 8, 128, 14336, 32000, 32768,
+                  sliding_window=4096, layer_pattern="S", source=f"{_HF}, mistralai/Mistral-7B-v0.1"),
+        ModelShape("gemma-2-9b", 9_241_705_984, 42, 3584, 16, 8, 256, 14336, 256000, 8192,
+                  tie_word_embeddings=True, sliding_window=4096, layer_pattern="SF",
+                  source=f"{_HF}, google/gemma-2-9b"),
+        ModelShape("gemma-2-27b", 27_227_128_320, 46, 4608, 32, 16, 128, 36864, 256000, 8192,
+                  tie_word_embeddings=True, sliding_window=4096, layer_pattern="SF",
+                  source=f"{_HF}, google/gemma-2-27b"),
+        ModelShape("gemma-3-12b", 12_187_325_040, 48, 3840, 16, 8, 256, 15360, 262208, 131072,
+                  tie_word_embeddings=True, sliding_window=1024, layer_pattern="SSSSSF",
+                  source=f"{_HF}, google/gemma-3-12b-pt (text_config; vision tower included in num_params)"),
+        ModelShape("gemma-3-27b", 27_432_406_640, 62, 5376, 32, 16, 128, 21504, 262208, 131072,
+                  tie_word_embeddings=True, sliding_window=1024, layer_pattern="SSSSSF",
+                  source=f"{_HF}, google/gemma-3-27b-pt (text_config; vision tower included in num_params)"),
+        ModelShape("gpt-oss-20b", 20_914_757_184, 24, 2880, 64, 8, 64, 2880, 201088, 131072,
+                  sliding_window=128, layer_pattern="SF", weight_bytes_override=13_761_300_000,
+                  source=f"{_HF}, openai/gpt-oss-20b (MXFP4 experts: weights are the checkpoint's size)"),
+        ModelShape("gpt-oss-120b", 116_829_156_672, 36, 2880, 64, 8, 64, 2880, 201088, 131072,
+                  sliding_window=128, layer_pattern="SF", weight_bytes_override=65_248_000_000,
+                  source=f"{_HF}, openai/gpt-oss-120b (MXFP4 experts: weights are the checkpoint's size)"),
+        ModelShape("ministral-8b", 8_019_808_256, 36, 4096, 32, 8, 128, 12288, 131072, 131072,
+                  sliding_window=32768, layer_pattern="FSSS",
+                  source="params.json, mistralai/Ministral-8B-Instruct-2410 (vLLM's reading: 1 full per 3 sliding)"),
     )
 }  # fmt: skip
 
@@ -222,6 +299,7 @@ models:
     tie_word_embeddings: true # optional (default false)
     dtype_bytes: 2            # optional: bytes per weight and KV element (default 2, bf16)
     source: facebook/opt-13b config.json   # optional
+    # optional, hybrid models: sliding_window: 4096 and layer_pattern: SF (F full, S sliding, repeated)
 """
 
 # the keys a user may write for each base field (first: the one the example and messages use)

@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=2))
     else:
         print(plan_text(plan, budget.lines()))
+        if "kv_groups" in plan and "paged" in plan["allocators"]:  # a hybrid model: uniform vs hybrid
+            from pagedkv.sim.hybrid import hybrid_text
+
+            print(hybrid_text(plan["kv_groups"], plan["allocators"]["paged"]))
     return 0
 
 
