@@ -1,6 +1,7 @@
 """`pagedkv bench replicas`: the same multi-turn requests through three request routers on Ray Serve.
 
-    pagedkv bench replicas [--replicas 2] [--conversations 16] [--turns 4] [--routers pagedkv,prefix-affinity,pow2]
+    pagedkv bench replicas [--replicas 2] [--conversations 32] [--turns 6] [--repeat 3] [--json OUT]
+                           [--routers pagedkv,prefix-affinity,pow2]
 
 One local Ray cluster; for each router in turn a fresh application of N replicas (the tiny CPU model with
 `--num-blocks` blocks of 4 tokens, so CPU time goes to routing and caching, not to matmuls) and the same
@@ -52,18 +53,20 @@ def bench_engine(num_blocks: int, remote_url: str | None) -> Any:
 
 @dataclass(frozen=True)
 class TraceSpec:
-    conversations: int = 16
-    turns: int = 4
+    conversations: int = 32
+    turns: int = 6
     systems: int = 4
-    system_len: int = 32
+    system_len: int = 64
     user_len: tuple[int, int] = (6, 14)
-    output_len: int = 8
+    output_len: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "systems", "system_len", "output_len"):
             if getattr(self, name) < 1:
-                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise InvalidArgumentError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
 
     def build(self) -> list[list[list[int]]]:
         """Per conversation: its system prompt + first user message, then each later turn's user message."""
@@ -132,7 +135,9 @@ async def _conversation(handle: Any, c: int, turns: list[list[int]], output_len:
                 final = out
         if final is None or first is None:
             raise InvalidArgumentError(f"conversation {c} turn {k}: the replica ended without an answer")
-        run.turns.append(Turn(c, k, where, prompt, list(final.output_token_ids), final.num_cached_tokens, first))
+        run.turns.append(
+            Turn(c, k, where, prompt, list(final.output_token_ids), final.num_cached_tokens, first)
+        )
         history = prompt + list(final.output_token_ids)
 
 
@@ -194,7 +199,9 @@ def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
                                          np.asarray(t.output, dtype=np.int32), parent, 0.0))  # fmt: skip
         previous[t.conversation] = index
     catalog = Catalog.builtin()
-    config = SimConfig(catalog.model("smollm2-135m"), catalog.gpu("h100"), block_size=BLOCK_SIZE, max_model_len=2048)
+    config = SimConfig(
+        catalog.model("smollm2-135m"), catalog.gpu("h100"), block_size=BLOCK_SIZE, max_model_len=2048
+    )
     workload = Workload(WorkloadSpec(source="multi-turn", num_requests=len(requests)), requests, 0, 0)
     tiers = TierConfig(remote_tier=args.remote_url is not None)
     sim = ReplicaSimulation(config, workload, num_replicas=args.replicas, router="cost", tiers=tiers)
@@ -204,10 +211,14 @@ def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = TraceSpec()
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--routers", default="pagedkv,prefix-affinity,pow2", help="comma-separated, run in this order")
+    p.add_argument(
+        "--routers", default="pagedkv,prefix-affinity,pow2", help="comma-separated, run in this order"
+    )
     p.add_argument("--conversations", type=int, default=t.conversations)
     p.add_argument("--turns", type=int, default=t.turns)
-    p.add_argument("--systems", type=int, default=t.systems, help="system prompts shared by the conversations")
+    p.add_argument(
+        "--systems", type=int, default=t.systems, help="system prompts shared by the conversations"
+    )
     p.add_argument("--system-len", type=int, default=t.system_len)
     p.add_argument("--output-len", type=int, default=t.output_len)
     p.add_argument("--seed", type=int, default=t.seed)
@@ -215,6 +226,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-url", default=None, help="a shared Redis tier for the replicas")
     p.add_argument("--replica-cpus", type=float, default=0.5)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster (default: all)")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="rounds, each starting with the next router (medians)"
+    )
     p.add_argument("--json", default=None, help="write the figures as JSON to this file")
 
 
@@ -225,30 +239,29 @@ def run(args: argparse.Namespace) -> int:
     bad = [r for r in routers if r not in ROUTERS]
     if bad or not routers:
         raise InvalidArgumentError(f"unknown router(s) {bad or routers}; choose from {', '.join(ROUTERS)}")
-    if args.replicas < 1 or args.num_blocks < 16:
-        raise InvalidArgumentError("--replicas must be >= 1 and --num-blocks >= 16")
-    spec = TraceSpec(args.conversations, args.turns, args.systems, args.system_len, (6, 14), args.output_len, args.seed)
+    if args.replicas < 1 or args.num_blocks < 16 or args.repeat < 1:
+        raise InvalidArgumentError("--replicas and --repeat must be >= 1, --num-blocks >= 16")
+    spec = TraceSpec(
+        args.conversations, args.turns, args.systems, args.system_len, (6, 14), args.output_len, args.seed
+    )
     trace = spec.build()
     import ray
 
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=args.num_cpus, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
+    )
+    runs: dict[str, list[RouterRun]] = {r: [] for r in routers}
     try:
         port = free_port()
-        runs = [measure(r, args, trace, port) for r in routers]
+        for k in range(args.repeat):  # interleaved: each round starts with the next router
+            for router in routers[k % len(routers) :] + routers[: k % len(routers)]:
+                runs[router].append(measure(router, args, trace, port))
     finally:
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
-    rows = [r.summary() for r in runs]
-    result: dict[str, Any] = {"trace": asdict(spec), "replicas": args.replicas, "routers": rows}
-    ours = next((r for r in runs if r.router == "pagedkv"), None)
-    if ours is not None:
-        sim = predict(ours, args)
-        measured = rows[routers.index("pagedkv")]["prefix_hit_rate"]
-        result["simulator"] = {"router": "cost", "prefix_hit_rate": sim["prefix_hit_rate"],
-                               "requests_per_replica": sim["requests_per_replica"],
-                               "relative_error": abs(sim["prefix_hit_rate"] - measured) / measured if measured else None}  # fmt: skip
+    result = summarize(spec, args, runs)
     print(_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -256,23 +269,57 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def summarize(spec: TraceSpec, args: argparse.Namespace, runs: dict[str, list[RouterRun]]) -> dict[str, Any]:
+    """Per router the median of each figure over the rounds (and every round); the simulator's prediction
+    for each pagedkv round."""
+    rows = []
+    for router, rounds in runs.items():
+        each = [r.summary() for r in rounds]
+        row = {k: float(np.median([e[k] for e in each])) for k in ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s",
+                                                                 "tokens_per_s", "imbalance")}  # fmt: skip
+        row.update(
+            router=router, rounds=each, requests_per_replica=each[len(each) // 2]["requests_per_replica"]
+        )
+        row["hit_rate_range"] = [
+            min(e["prefix_hit_rate"] for e in each),
+            max(e["prefix_hit_rate"] for e in each),
+        ]
+        rows.append(row)
+    result: dict[str, Any] = {"trace": asdict(spec), "replicas": args.replicas, "repeat": args.repeat,
+                              "routers": rows}  # fmt: skip
+    if runs.get("pagedkv"):
+        errors, predicted = [], []
+        for ours in runs["pagedkv"]:
+            sim = predict(ours, args)["prefix_hit_rate"]
+            measured = ours.summary()["prefix_hit_rate"]
+            predicted.append(sim)
+            errors.append(abs(sim - measured) / measured if measured else float("nan"))
+        result["simulator"] = {"router": "cost", "prefix_hit_rate": float(np.median(predicted)),
+                               "per_round": predicted, "relative_error": float(np.median(errors)),
+                               "relative_errors": errors}  # fmt: skip
+    return result
+
+
 def _table(result: dict[str, Any]) -> str:
     t = result["trace"]
     lines = [
         f"{result['replicas']} replicas, {t['conversations']} conversations x {t['turns']} turns, "
-        f"{t['systems']} shared system prompts of {t['system_len']} tokens, {t['output_len']} output tokens/turn",
-        f"{'router':<16}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'tok/s':>8}{'imbalance':>10}  per replica",
+        f"{t['systems']} shared system prompts of {t['system_len']} tokens, {t['output_len']} output tokens/turn; "
+        f"median of {result['repeat']} interleaved round(s)",
+        f"{'router':<16}{'hit rate':>9}{'(range)':>16}{'TTFT p50':>10}{'TTFT p99':>10}{'tok/s':>8}{'imbalance':>10}"
+        "  per replica",
     ]
     for r in result["routers"]:
+        lo, hi = r["hit_rate_range"]
         lines.append(
-            f"{r['router']:<16}{r['prefix_hit_rate']:>9.1%}{r['ttft_p50_s'] * 1e3:>8.1f}ms{r['ttft_p99_s'] * 1e3:>8.1f}ms"
-            f"{r['tokens_per_s']:>8.0f}{r['imbalance']:>10.2f}  {'/'.join(map(str, r['requests_per_replica']))}"
+            f"{r['router']:<16}{r['prefix_hit_rate']:>9.1%}{f'({lo:.1%}-{hi:.1%})':>16}"
+            f"{r['ttft_p50_s'] * 1e3:>8.1f}ms{r['ttft_p99_s'] * 1e3:>8.1f}ms{r['tokens_per_s']:>8.0f}"
+            f"{r['imbalance']:>10.2f}  {'/'.join(map(str, r['requests_per_replica']))}"
         )
     sim = result.get("simulator")
     if sim is not None:
-        err = sim["relative_error"]
-        lines.append(f"simulator (cost policy, same requests): hit rate {sim['prefix_hit_rate']:.1%}"
-                     + (f", {err:.1%} from the measured pagedkv run" if err is not None else ""))  # fmt: skip
+        lines.append(f"simulator (cost policy, the pagedkv rounds' requests): hit rate {sim['prefix_hit_rate']:.1%}, "
+                     f"median {sim['relative_error']:.1%} from the measured pagedkv round")  # fmt: skip
     return "\n".join(lines)
 
 
