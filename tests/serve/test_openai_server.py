@@ -113,6 +113,10 @@ def test_logprobs_and_echo_scoring(server: Server, model: Any, tokenizer: Any) -
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(ids)
     tail = choice.logprobs.token_logprobs[len(expected.prompt_token_ids) :]
     assert tail == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    # echo with generation: the prompt as sent, then the completion; streamed the same
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=5, temperature=0, echo=True)
+    assert both.choices[0].text == PROMPTS[2] + expected.output_text
+    assert stream_text(client, prompt=PROMPTS[2], max_tokens=5, temperature=0, echo=True)[0] == both.choices[0].text
 
 
 def test_chat_through_smollm2_template_with_usage_in_the_stream(server: Server, model: Any, tokenizer: Any) -> None:
@@ -198,6 +202,21 @@ def test_clients_leaving_mid_stream_leave_no_block_in_use(model: Any, tokenizer:
         metrics = scrape(running.url)
         assert metrics[("pagedkv:kv_cache_usage_perc", ())] == 0.0
         assert metrics[("pagedkv:request_success_total", (("finished_reason", "abort"),))] == 8
+    finally:
+        running.stop()
+
+
+def test_a_client_that_times_out_has_its_request_aborted(model: Any, tokenizer: Any) -> None:
+    running = start_server(make_engine(model, tokenizer, num_blocks=256))
+    try:
+        body = {"model": MODEL_NAME, "prompt": "Tell", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{running.url}/v1/completions", json=body, timeout=0.3)
+        wait_until(lambda: running.async_engine.stats().num_in_flight == 0)
+        metrics = scrape(running.url)
+        assert metrics[("pagedkv:request_success_total", (("finished_reason", "abort"),))] == 1
+        assert running.async_engine.stats().num_used_blocks == 0
+        running.engine.manager.check_invariants()
     finally:
         running.stop()
 
