@@ -20,8 +20,16 @@ import sys
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
+from pagedkv.engine.cli_args import (
+    add_block_size,
+    add_scheduler_arguments,
+    byte_size,
+    int_at_least,
+    nonnegative_float,
+    positive_int,
+    writable_folder,
+)
 from pagedkv.engine.managers import MANAGER_KINDS
-from pagedkv.engine.scheduler import SchedulerConfig
 
 DEFAULT_PORT = 8000
 
@@ -29,54 +37,39 @@ DEFAULT_PORT = 8000
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 (bundled), a local transformers folder or a .gguf file")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port (printed on stderr)")
+    parser.add_argument("--port", type=int_at_least(0, 65535), default=DEFAULT_PORT, help="0 picks a free port (printed on stderr)")
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
-    parser.add_argument("--max-waiting", type=int, default=1024, help="requests waiting for a first token before 429")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--max-waiting", type=positive_int, default=1024, help="requests waiting for a first token before 429")
+    parser.add_argument("--max-body-bytes", type=int_at_least(1024), default=4 * 1024 * 1024, help="larger bodies get 413")
+    parser.add_argument("--drain-timeout", type=nonnegative_float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     _add_engine_arguments(parser)
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags as `pagedkv generate` spells them (its `_engine_config` reads them)."""
-    from pagedkv.engine.commands import DEFAULT_KV_BUDGET
+    """The engine's flags as `pagedkv generate` declares them (`pagedkv.engine.cli_args`); its
+    `_engine_config` reads them."""
+    from pagedkv.engine.commands import DEFAULT_KV_BUDGET, DTYPES
 
     engine = parser.add_argument_group("engine (as pagedkv generate)")
     capacity = engine.add_mutually_exclusive_group()
-    capacity.add_argument("--kv-budget", help=f"KV cache bytes, e.g. 64MiB (default {DEFAULT_KV_BUDGET})")
-    capacity.add_argument("--num-blocks", type=int, help="KV cache size in blocks instead of bytes")
-    engine.add_argument("--block-size", type=int, default=16)
+    capacity.add_argument("--kv-budget", type=byte_size, help=f"KV cache bytes, e.g. 64MiB (default {DEFAULT_KV_BUDGET})")
+    capacity.add_argument("--num-blocks", type=int_at_least(2, 1 << 28), help="KV cache size in blocks instead of bytes")
+    add_block_size(engine)
     engine.add_argument("--allocator", choices=MANAGER_KINDS, default="paged")
     engine.add_argument("--no-prefix-caching", action="store_true")
-    defaults = SchedulerConfig()
-    engine.add_argument("--preemption", choices=("recompute", "swap"), default=defaults.preemption_mode)
-    engine.add_argument("--max-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    engine.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    engine.add_argument("--admission-lookahead", type=int, default=defaults.admission_lookahead)
-    engine.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    add_scheduler_arguments(engine, preemption=True)
+    engine.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the checkpoint's)")
     tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
-    tiers.add_argument("--host-blocks", type=int, default=0, help="host-RAM tier size in blocks (0 = off)")
-    tiers.add_argument("--disk-path", default=None, help="folder of the local disk tier")
-    tiers.add_argument("--disk-bytes", default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)")
+    tiers.add_argument("--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)")
+    tiers.add_argument("--disk-path", type=writable_folder, default=None, help="folder of the local disk tier")
+    tiers.add_argument("--disk-bytes", type=byte_size, default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)")
     tiers.add_argument("--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH")
-
-
-def check_server_arguments(args: argparse.Namespace) -> None:
-    if not 0 <= args.port <= 65535:
-        raise InvalidArgumentError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_waiting < 1:
-        raise InvalidArgumentError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    if args.max_body_bytes < 1024:
-        raise InvalidArgumentError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
-    if not args.drain_timeout >= 0:
-        raise InvalidArgumentError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        check_server_arguments(args)
         server, sock = _build_server(args)
     except PagedKVError as err:
         print(f"pagedkv serve: {err}", file=sys.stderr)
