@@ -28,7 +28,7 @@ replica does not:
   still holds: the consumer's view becomes a subset of the replica's (a missed hit, never a false one),
   `partial` is set until the replica's own next `AllBlocksCleared`, and `lost` counts the missing batches.
 
-Endpoints are ZeroMQ addresses (`ipc:///tmp/x.sock`, `tcp://127.0.0.1:5557`, `tcp://*:0` for a free port:
+Endpoints are ZeroMQ addresses (`ipc:///tmp/x.sock`, `tcp://127.0.0.1:5557`, `tcp://HOST:*` for a free port:
 `endpoint` and `replay_endpoint` then say which).
 """
 
