@@ -806,4 +806,18 @@ def run(args: argparse.Namespace) -> int:
         if result.reproduction:
             print(f"violation: {result.message}\nreproduction:")
             print("\n".join(result.reproduction))
-    return 0 if result.violations == 0 else 1
+    return 0 if result.violations == 0 and _run_hybrid(args) else 1
+
+
+def _run_hybrid(args: argparse.Namespace) -> bool:
+    """`--hybrid OPS`: the hybrid managers' soak after the main one; True when it found nothing."""
+    if not getattr(args, "hybrid", 0):
+        return True
+    from pagedkv.bench.soak_hybrid import run_hybrid_soak
+
+    r = run_hybrid_soak(args.hybrid, args.seed)
+    print(json.dumps(asdict(r)) if args.json else f"soak (hybrid): {r.ops:,} ops in {r.episodes} episodes, "
+          f"{r.seconds:.1f} s; violations: {r.violations}{' (' + r.message + ')' if r.message else ''}")  # fmt: skip
+    return r.violations == 0
+    p.add_argument("--hybrid", type=int, default=0, metavar="OPS",
+                   help="then OPS operations on hybrid managers (KV cache groups; pagedkv.bench.soak_hybrid)")  # fmt: skip
