@@ -45,8 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedkv.core import ContiguousKVManager, PagedKVManager
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.group import group_layers
+from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.intake import RequestIntake, family_ids, salt_bytes
 from pagedkv.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -93,7 +95,7 @@ class Engine:
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        from pagedkv.engine.managers import is_hybrid, make_manager
+        from pagedkv.engine.managers import is_hybrid
         from pagedkv.engine.scheduler import Scheduler
 
         self.config = config or EngineConfig(num_blocks=256)
@@ -106,17 +108,7 @@ class Engine:
         # (allocator "hybrid": the model's layers in KV cache groups, pagedkv.core.group; pages hold one group)
         self.layer_groups = group_layers(self.spec.sliding_windows) if is_hybrid(cfg.allocator) else None
         num_blocks, num_host, bytes_per_block = self._cache_size()
-        self.manager = make_manager(
-            cfg.allocator,
-            num_blocks,
-            cfg.block_size,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            num_host_blocks=num_host,
-            record_events=cfg.tiers_enabled or cfg.kv_events,  # tiers and event logs follow the cache
-            eviction=cfg.eviction,
-            partial_reuse=cfg.partial_block_reuse and cfg.enable_prefix_caching,
-            groups=[g.spec for g in self.layer_groups] if self.layer_groups else None,
-        )
+        self.manager = self._make_manager(num_blocks, num_host)
         device = next(model.parameters()).device
         self.cache = PagedKVCache.for_model(
             self.spec,
@@ -149,6 +141,23 @@ class Engine:
             self.kv_events = EngineEvents(self.manager, cfg.block_size, self.tiering)
         # 2. the requests' bookkeeping and the intake that checks them
         self._init_requests(model, tokenizer)
+
+    def _make_manager(self, num_blocks: int, num_host: int) -> PagedKVManager | ContiguousKVManager | HybridKVManager:
+        """The allocator `EngineConfig.allocator` names, over the cache's blocks."""
+        from pagedkv.engine.managers import make_manager
+
+        cfg = self.config
+        return make_manager(
+            cfg.allocator,
+            num_blocks,
+            cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            num_host_blocks=num_host,
+            record_events=cfg.tiers_enabled or cfg.kv_events,  # tiers and event logs follow the cache
+            eviction=cfg.eviction,
+            partial_reuse=cfg.partial_block_reuse and cfg.enable_prefix_caching,
+            groups=[g.spec for g in self.layer_groups] if self.layer_groups else None,
+        )
 
     def _cache_size(self) -> tuple[int, int, int]:
         """(device blocks, host blocks, bytes per device block) from the block count or the byte budget;
