@@ -11,6 +11,10 @@ so the pool is often full. The caller keeps its own copy of the KV, one int per 
 - a swap plan is applied as soon as its call returns it; a step (the caller's forward) takes the copies,
   applies them, writes each sequence's uncomputed tokens at the slots `slot_mapping` gives, and marks them
   computed (the order `protocol.py` states);
+- with a host tier below the device (`--tiers`, some paged episodes), blocks the device evicts are written
+  back to it before anything writes the device again, and a sequence's next full blocks are fetched from
+  it (`fetch_blocks`, the engine's tier hit, between swaps, copies and steps); what they bring must read
+  back as the sequence's own tokens like any computed KV;
 - after every step, every live sequence (swapped ones through their host blocks) must read back exactly
   its computed tokens, context and epoch; every admission's cached prefix must read back the prompt's
   tokens under the request's context and the current epoch;
@@ -46,6 +50,12 @@ from pagedkv.core import (
     PinHandle,
     hotpath,
 )
+from pagedkv.core.prefix import Key
+from pagedkv.tiers.host import HostTier
+from pagedkv.tiers.keys import key_bytes
+from pagedkv.tiers.slots import LruClock
+from pagedkv.tiers.store import TieredStore
+from pagedkv.tiers.value import BlockLayout
 
 Op = tuple[Any, ...]
 Patch = Callable[[Any], Any]  # manager -> manager (may patch it in place or return a wrapper)
@@ -77,6 +87,7 @@ class Config:
     prefix_caching: bool = True
     eviction: str = "lru"  # the pool's eviction policy (`pagedkv.core.eviction`; --policy)
     partial_reuse: bool = False  # copy a partially matching block at admission (--partial-reuse)
+    tier_blocks: int = 0  # a host tier below the device, in blocks (--tiers)
 
     def build(self) -> Any:
         if self.kind == "contiguous":
@@ -94,9 +105,10 @@ class Config:
         native += "" if self.prefix_caching else ", enable_prefix_caching=False"
         native += "" if self.eviction == "lru" else f", eviction={self.eviction!r}"
         native += ", partial_reuse=True" if self.partial_reuse else ""
+        tier = f"  # + a host tier of {self.tier_blocks} blocks (fetch_blocks)" if self.tier_blocks else ""
         return (
             f"m = PagedKVManager({self.num_blocks}, {self.block_size}, num_host_blocks={self.num_host_blocks}, "
-            f"verify_hits={self.verify_hits}, hash_fn={self.hash_fn!r}, record_events=True{native})"
+            f"verify_hits={self.verify_hits}, hash_fn={self.hash_fn!r}, record_events=True{native}){tier}"
         )
 
 
@@ -127,6 +139,7 @@ class SoakResult:
     failed_calls: int = 0
     message: str | None = None
     reproduction: list[str] | None = None
+    tier_blocks_loaded: int = 0  # blocks fetch_blocks brought from a host tier (--tiers)
 
 
 class Episode:
@@ -148,6 +161,11 @@ class Episode:
         self.lines: list[str] = [config.source()]
         self.ops_done = 0
         self.failed_calls = 0
+        self.tier: TieredStore | None = None  # a host tier below the device (Config.tier_blocks)
+        self.tier_blocks_loaded = 0
+        if config.tier_blocks and self.paged:  # a block's cells as bytes: bs int64 = 2 * bs float32
+            layout = BlockLayout("float32", (1, 2, bs, 1, 1))
+            self.tier = TieredStore(layout, [HostTier(config.tier_blocks, layout, LruClock())])
 
     # --- the caller's model ---------------------------------------------------------------------
 
@@ -215,7 +233,7 @@ class Episode:
         name = op[0]
         if any(label not in self.seqs for label in _labels(op)):
             return  # a shrunk list: this op's sequence was never created
-        if name in ("append", "fork", "rollback", "views") and any(self.seqs[x].swapped for x in _labels(op)):
+        if name in ("append", "fork", "rollback", "views", "fetch") and any(self.seqs[x].swapped for x in _labels(op)):
             return  # ... or is swapped out now
         before = self.fingerprint() if name in _MAY_FAIL else None
         try:
@@ -281,6 +299,8 @@ class Episode:
                 )
         seq.computed = cached
         self.seqs[label] = seq
+        if self.tier is not None:  # the engine's scheduler asks the tiers for the first chunk at once
+            self.op_fetch(label)
 
     def op_append(self, labels: list[int], new: list[list[int]]) -> None:
         sids = [self.seqs[x].sid for x in labels]
@@ -302,6 +322,7 @@ class Episode:
     def op_step(self, labels: list[int], partial: list[int]) -> None:
         """The caller's forward: copies, then write the uncomputed tokens, then mark them computed."""
         bs = self.config.block_size
+        self._sync_tier()
         copies = self.m.take_copies()
         self.lines.append("m.take_copies()")
         if len(copies.src):
@@ -380,6 +401,7 @@ class Episode:
         s = self.seqs[label]
         if not s.swapped:
             return
+        self._sync_tier()
         plan = self.m.swap_in(s.sid)
         self.lines.append(f"m.swap_in(s{label})" + ("  # None" if plan is None else ""))
         if plan is None:
@@ -388,6 +410,61 @@ class Episode:
         s.swapped = False
         bs = self.config.block_size
         self.dev.reshape(-1, bs)[plan.dst] = self.host.reshape(-1, bs)[plan.src]
+
+    # --- the host tier (Config.tier_blocks) -----------------------------------------------------
+
+    def _sync_tier(self) -> None:
+        """Copy the blocks the device evicted or published since the last sync into the tier, before anything
+        writes the device (their cells are still the published ones), as the engine's tiering does."""
+        if self.tier is None:
+            return
+        events = self.m.take_events()
+        if any(e.kind not in ("stored", "removed", "cleared") for e in events):
+            raise Violation("take_events returned an event of an unknown kind")
+        # evicted blocks (written back) and published ones (written through, as to a remote store): either
+        # way the block still holds the KV its key names, since the last sync came before any write
+        blocks = {key_bytes(e.key): int(e.block_id) for e in events
+                  if e.kind in ("removed", "stored") and e.key is not None and e.block_id is not None}  # fmt: skip
+        plan = self.tier.prepare_store(blocks, [])
+        if plan.keys:
+            bs = self.config.block_size
+            cells = self.dev.reshape(-1, bs)[[blocks[k] for k in plan.keys]]
+            plan.rows[:] = np.ascontiguousarray(cells).view(np.uint8).reshape(len(plan.keys), -1)
+            self.tier.complete_store(plan)
+
+    def fetch(self, keys: Sequence[Key], first_block: int, tag: object) -> tuple[int, np.ndarray]:
+        """`BlockSource.fetch`: the leading blocks of `keys` the host tier holds."""
+        assert self.tier is not None, "soak: fetch without a tier"
+        rows = np.empty((len(keys), self.tier.layout.nbytes), dtype=np.uint8)
+        plan = self.tier.prepare_load([key_bytes(k) for k in keys], rows)
+        self.tier.complete_load(plan, self.config.block_size)
+        return plan.num_blocks, rows
+
+    def op_fetch(self, label: int) -> None:
+        """A tier hit, as the engine's scheduler plans one for a chunk that starts on a block boundary: the
+        manager keys the sequence's next full blocks and the tier fills the leading ones it holds; the
+        caller writes them and marks them computed. `read_back` checks the KV they brought."""
+        s, bs = self.seqs[label], self.config.block_size
+        if self.tier is None or s.computed % bs or s.computed >= len(s.tokens):
+            return
+        self._sync_tier()
+        copies = self.m.take_copies()  # the step's order: copies, then fills (then the forward)
+        self.lines.append("m.take_copies()")
+        if len(copies.src):
+            self.dev.reshape(-1, bs)[copies.dst] = self.dev.reshape(-1, bs)[copies.src]
+        fill = self.m.fetch_blocks(s.sid, s.computed, len(s.tokens), self, label)
+        self.lines.append(f"m.fetch_blocks(s{label}, {s.computed}, {len(s.tokens)}, tier)" + ("" if fill else "  # None"))
+        if fill is None:
+            return
+        n, first = len(fill.dst), s.computed // bs
+        if fill.dst.tolist() != self.m.block_ids(s.sid)[first : first + n] or s.computed + n * bs > (len(s.tokens) - 1) // bs * bs:
+            raise Violation(f"fetch_blocks filled blocks {fill.dst.tolist()}, not s{label}'s next full blocks")
+        self.dev.reshape(-1, bs)[fill.dst] = np.ascontiguousarray(fill.rows).view(np.int64).reshape(n, bs)
+        self.m.mark_computed([s.sid], [s.computed + n * bs])
+        self.lines.append(f"m.mark_computed([s{label}], [{s.computed + n * bs}])")
+        s.computed += n * bs
+        self.tier_blocks_loaded += n
+        self.read_back()
 
     def op_pin(self, tokens: list[int], salt: bytes) -> None:
         if not self.paged:
@@ -420,7 +497,9 @@ class Episode:
                 raise Violation(f"bump_epoch: epoch {got} (property {self.m.epoch}) after {self.epoch} bumps")
 
     def op_events(self) -> None:
-        if self.paged:
+        if self.tier is not None:
+            self._sync_tier()
+        elif self.paged:
             events = self.m.take_events()
             if any(e.kind not in ("stored", "removed", "cleared") for e in events):
                 raise Violation("take_events returned an event of an unknown kind")
@@ -495,7 +574,7 @@ def _labels(op: Op) -> list[int]:
     name = op[0]
     if name in ("append", "views"):
         return list(op[1])
-    if name in ("fork", "rollback", "free", "preempt", "swap_out", "swap_in"):
+    if name in ("fork", "rollback", "free", "preempt", "swap_out", "swap_in", "fetch"):
         return [op[1]]
     if name == "misuse":
         return [op[2]]
@@ -620,6 +699,11 @@ class Generator:
             name = "admit"
         if name in ("free", "preempt", "swap_out", "swap_in") and not labels:
             name = "admit"
+        if self.config.tier_blocks:  # tier episodes only: the others draw as before
+            if name == "step" and on_dev and rng.random() < 0.5:
+                name = "fetch"
+            elif name in ("pin", "match") and rng.random() < 0.3:
+                name = "reset"  # the device forgets its prefixes, the tier keeps them: admissions then fetch
         return name
 
     def _draw_admit(self) -> Op:
@@ -647,6 +731,8 @@ class Generator:
             return ("fork", pick(on_dev), self.next_label)
         if name in ("free", "swap_out", "swap_in"):
             return (name, pick(labels))
+        if name == "fetch":  # often the newest sequence: fresh from admission, its prompt not computed yet
+            return ("fetch", self.next_label if self.next_label in on_dev and rng.random() < 0.7 else pick(on_dev))
         if name == "preempt":
             return ("preempt", pick(labels), bool(rng.random() < 0.7))
         if name in ("pin", "match"):
@@ -660,7 +746,8 @@ class Generator:
 
 
 def draw_config(
-    rng: np.random.Generator, kinds: tuple[str, ...], policies: tuple[str, ...] = ("lru",), partial_reuse: bool = False
+    rng: np.random.Generator, kinds: tuple[str, ...], policies: tuple[str, ...] = ("lru",), partial_reuse: bool = False,
+    tiers: bool = False,
 ) -> Config:
     """A random episode configuration; `policies` and `partial_reuse` other than the defaults take more draws
     (the default runs replay as before)."""
@@ -670,6 +757,8 @@ def draw_config(
         config = replace(config, eviction=policies[int(rng.integers(len(policies)))])
     if partial_reuse:  # half the episodes
         config = replace(config, partial_reuse=bool(rng.random() < 0.5))
+    if tiers and config.kind != "contiguous" and config.prefix_caching and rng.random() < 0.5:
+        config = replace(config, tier_blocks=(16, 1024)[int(rng.integers(2))])
     return config
 
 
@@ -719,18 +808,19 @@ def shrink(config: Config, ops: list[Op], patch: Patch | None, budget_s: float =
 def run_soak(
     ops: int, seed: int = 0, *, patch: Patch | None = None, kinds: tuple[str, ...] | None = None,
     progress: bool = False, shrink_s: float = 20.0, policies: tuple[str, ...] = ("lru",), partial_reuse: bool = False,
+    tiers: bool = False,
 ) -> SoakResult:  # fmt: skip
     """Run `ops` random operations in episodes; stop at the first violation (then shrink it). Paged episodes
     draw their eviction policy from `policies`."""
     rng = np.random.default_rng(seed)
     if kinds is None:
         kinds = ("paged", "paged-python", "contiguous") if hotpath.NATIVE is not None else ("paged-python", "contiguous")
-    done = episodes = failed = 0
+    done = episodes = failed = loaded = 0
     by_kind: dict[str, int] = {}
     start = time.perf_counter()
     shown = -1
     while done < ops:
-        config = draw_config(rng, kinds, policies, partial_reuse)
+        config = draw_config(rng, kinds, policies, partial_reuse, tiers)
         gen = Generator(rng, config)
         ep = Episode(config, patch)
         log: list[Op] = []
@@ -757,10 +847,12 @@ def run_soak(
             return SoakResult(done, seed, seconds, done / seconds, 1, episodes, by_kind, failed + ep.failed_calls,
                               message, repro)  # fmt: skip
         failed += ep.failed_calls
+        loaded += ep.tier_blocks_loaded
     if progress:
         print(file=sys.stderr)
     seconds = time.perf_counter() - start
-    return SoakResult(done, seed, seconds, done / seconds if seconds else 0.0, 0, episodes, by_kind, failed)
+    return SoakResult(done, seed, seconds, done / seconds if seconds else 0.0, 0, episodes, by_kind, failed,
+                      tier_blocks_loaded=loaded)  # fmt: skip
 
 
 def _bar(frac: float, width: int = 30) -> str:
@@ -778,6 +870,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="eviction policies the paged episodes draw from: lru, slru, lfu, priority, cost, or all (default lru)",
     )  # fmt: skip
     p.add_argument("--partial-reuse", action="store_true", help="half the paged episodes copy partially matching blocks")
+    p.add_argument("--tiers", action="store_true",
+                   help="half the paged episodes keep a host tier below the device and fetch blocks from it")  # fmt: skip
+    p.add_argument("--hybrid", type=int, default=0, metavar="OPS",
+                   help="then OPS operations on hybrid managers (KV cache groups; pagedkv.bench.soak_hybrid)")  # fmt: skip
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -795,7 +891,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ops < 1:
         raise InvalidArgumentError(f"--ops must be >= 1, got {args.ops}")
     result = run_soak(args.ops, args.seed, progress=not args.no_progress and args.ops >= 50_000,
-                      policies=_policies(args.policy), partial_reuse=args.partial_reuse)  # fmt: skip
+                      policies=_policies(args.policy), partial_reuse=args.partial_reuse, tiers=args.tiers)  # fmt: skip
     if args.json:
         print(json.dumps(asdict(result)))
     else:
@@ -819,5 +915,3 @@ def _run_hybrid(args: argparse.Namespace) -> bool:
     print(json.dumps(asdict(r)) if args.json else f"soak (hybrid): {r.ops:,} ops in {r.episodes} episodes, "
           f"{r.seconds:.1f} s; violations: {r.violations}{' (' + r.message + ')' if r.message else ''}")  # fmt: skip
     return r.violations == 0
-    p.add_argument("--hybrid", type=int, default=0, metavar="OPS",
-                   help="then OPS operations on hybrid managers (KV cache groups; pagedkv.bench.soak_hybrid)")  # fmt: skip

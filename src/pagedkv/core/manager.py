@@ -444,9 +444,10 @@ class PagedKVManager(SwapMixin, TableViews):
         self, seq_id: int, start: int, end: int, source: BlockSource, tag: object = None
     ) -> BlockFill | None:
         """A tier hit (`protocol.py`): the sequence's `BlockKeys` key its full blocks inside `[start, end)`
-        but the block of token `end - 1`; `source` fills the longest leading run it holds. Those blocks are
-        private and unwritten (past the computed tokens), so the fill is their one writer this step; they
-        are published by the `mark_computed` that follows the forward, like computed blocks."""
+        but the block of token `end - 1`; `source` fills the longest leading run it holds. Only blocks this
+        sequence alone holds and nobody published are asked for (past the computed tokens they are unwritten),
+        so the fill is their one writer this step; they are published by the `mark_computed` that follows
+        the forward, like computed blocks."""
         t, bs = self.tables, self._block_size
         row = t.device_row(seq_id)
         start, end = as_count(start, "start"), as_count(end, "end")
@@ -460,18 +461,16 @@ class PagedKVManager(SwapMixin, TableViews):
         if not self.enable_prefix_caching or keys is None or keys.epoch != self.prefix.epoch:
             return None  # keys of an earlier epoch name KV of other weights
         last = min(last, int(min(t.num_tokens[row], t.hashable_tokens[row])) // bs)
+        blocks = t.blocks_of(row)
+        if last > first:  # only the leading run of private, unpublished blocks (a fork shares its tail)
+            own = (self.pool.ref[blocks[first:last]] == 1) & ~self.pool.keyed[blocks[first:last]]
+            last = last if own.all() else first + int(np.argmin(own))
         if last <= first:
             return None
-        blocks = t.blocks_of(row)
         for j in range(keys.num_keys(), last):
             keys.key(j, self.block_tokens[blocks[j]])
         n, rows = source.fetch(keys.keys[first + 1 : last + 1], first, tag)
-        if n == 0:
-            return None
-        dst = blocks[first : first + n].astype(np.int64)
-        if (self.pool.ref[dst] != 1).any() or self.pool.keyed[dst].any():
-            raise InvariantError("manager: fetch_blocks would fill a shared or published block")
-        return BlockFill(dst, rows[:n])
+        return BlockFill(blocks[first : first + n].astype(np.int64), rows[:n]) if n else None
 
     def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
         """KV is written for tokens [0, num_computed) of each sequence; publish the full blocks among them."""
