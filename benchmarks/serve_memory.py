@@ -4,8 +4,9 @@
 
 `pagedkv bench serve --soak N` measures the server's resident memory from outside; this script says which
 lines of Python allocated what stayed. It starts `pagedkv serve` (a tiny random llama by default, the soak's
-model) under a launcher that turns on `tracemalloc` (10 frames) and, on SIGUSR1, writes a snapshot; it sends
-`--warmup` short requests, takes the baseline snapshot, sends `--requests` more, takes the second one, and
+model) under a launcher that turns on `tracemalloc` (10 frames) on a first SIGUSR1 and writes a snapshot on
+each later one; it sends `--warmup` short requests, turns tracing on, sends 200 more (so the steady churn is
+traced), takes the baseline snapshot, sends `--requests` more, takes the second one, and
 prints the `--top` allocation sites by bytes still held in the second and not the first (grouped by
 traceback), with their block counts: a structure that keeps something per finished request shows as a site
 whose count grows with the requests (about `--requests` or a multiple of it). tracemalloc makes the server
@@ -28,12 +29,18 @@ from pathlib import Path
 from pagedkv.bench import serve_procs as procs
 from pagedkv.bench import serve_soak
 
+# SIGUSR1: the first turns tracemalloc on (tracing the imports and the model load would take many minutes and
+# says nothing about growth), each later one writes snapshot N.
 LAUNCHER = """
 import os, pickle, signal, sys, tracemalloc
-tracemalloc.start(10)
 out = os.environ["PAGEDKV_SNAPSHOT_DIR"]
 count = [0]
 def _dump(*_):
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(10)
+        path = os.path.join(out, "snap0.pickle")
+        open(path, "wb").close()
+        return
     count[0] += 1
     snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
     path = os.path.join(out, f"snap{count[0]}.pickle")
@@ -46,7 +53,7 @@ sys.exit(main(["serve"] + sys.argv[1:]))
 """
 
 
-def snapshot(server: procs.ServerProcess, folder: Path, index: int) -> tracemalloc.Snapshot:
+def signal_and_wait(server: procs.ServerProcess, folder: Path, index: int) -> Path:
     os.kill(server.pid, signal.SIGUSR1)
     path = folder / f"snap{index}.pickle"
     deadline = time.monotonic() + 300
@@ -54,7 +61,11 @@ def snapshot(server: procs.ServerProcess, folder: Path, index: int) -> tracemall
         if time.monotonic() > deadline:
             raise RuntimeError(f"no snapshot from the server after 300 s:\n{server.log_tail()}")
         time.sleep(0.5)
-    with path.open("rb") as f:
+    return path
+
+
+def snapshot(server: procs.ServerProcess, folder: Path, index: int) -> tracemalloc.Snapshot:
+    with signal_and_wait(server, folder, index).open("rb") as f:
         snap: tracemalloc.Snapshot = pickle.load(f)
     return snap
 
@@ -77,6 +88,8 @@ def main() -> int:
         words = serve_soak._vocab_words(folder)
         try:
             asyncio.run(serve_soak._drive(server, args.warmup, args.concurrency, args.warmup, words))
+            signal_and_wait(server, work, 0)  # tracing on
+            asyncio.run(serve_soak._drive(server, 200, args.concurrency, 200, words))
             first = snapshot(server, work, 1)
             rss0 = procs.rss_bytes(server.pid)
             asyncio.run(serve_soak._drive(server, args.requests, args.concurrency, args.requests, words))

@@ -1,6 +1,6 @@
 """`pagedkv bench serve --soak N`: does a long-lived `pagedkv serve` keep its resident memory flat?
 
-N short requests (prompts of 6-14 tokens, each its own words, 2-8 output tokens, greedy, EOS ignored;
+N short requests (prompts of `--soak-prompt-words` to 8 more tokens, default 6-14, each its own words, 2-8 output tokens, greedy, EOS ignored;
 streamed and not streamed in turn) go through one `pagedkv serve` process, `--soak-concurrency` in flight
 at a time, on a tiny random model by default (`tiny_folder`: `pagedkv.hf.tiny.tiny_model("llama")` saved
 with a 128-word tokenizer, so the server does thousands of requests a minute and memory, not compute, is
@@ -37,6 +37,8 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("memory soak (--soak N)")
     group.add_argument("--soak-model", default=None, help="model folder for the soak (default: a tiny llama)")
     group.add_argument("--soak-concurrency", type=int, default=16, help="requests in flight at once")
+    group.add_argument("--soak-prompt-words", type=int, default=6,
+                       help="shortest prompt in words (prompts take 0-8 more; a word is 5 characters)")  # fmt: skip
     group.add_argument("--soak-sample-every", type=int, default=250, help="requests between RSS samples")
     group.add_argument("--soak-warmup", type=int, default=2000, help="requests before the slope is fitted")
     group.add_argument("--soak-tolerance-bytes", type=int, default=1 << 20,
@@ -76,7 +78,8 @@ def run_soak_command(args: argparse.Namespace) -> int:
         folder = Path(args.soak_model) if args.soak_model else tiny_folder(Path(tmp) / "tiny")
         result = soak(folder, args.soak, Path(tmp), concurrency=args.soak_concurrency,
                       sample_every=args.soak_sample_every, warmup=args.soak_warmup,
-                      tolerance_bytes=args.soak_tolerance_bytes, options=_soak_options(args))  # fmt: skip
+                      tolerance_bytes=args.soak_tolerance_bytes, options=_soak_options(args),
+                      prompt_words=args.soak_prompt_words)  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:
@@ -85,8 +88,10 @@ def run_soak_command(args: argparse.Namespace) -> int:
 
 
 def _soak_problem(args: argparse.Namespace) -> str | None:
-    if args.soak < 1 or args.soak_concurrency < 1 or args.soak_sample_every < 1 or args.soak_warmup < 0:
-        return "--soak, --soak-concurrency and --soak-sample-every must be >= 1, --soak-warmup >= 0"
+    if min(args.soak, args.soak_concurrency, args.soak_sample_every, args.soak_prompt_words) < 1:
+        return "--soak, --soak-concurrency, --soak-sample-every and --soak-prompt-words must be >= 1"
+    if args.soak_warmup < 0:
+        return "--soak-warmup must be >= 0"
     if args.soak <= args.soak_warmup + 2 * args.soak_sample_every:
         return "--soak must exceed --soak-warmup by at least two samples (--soak-sample-every)"
     return None
@@ -98,14 +103,14 @@ def _soak_options(args: argparse.Namespace) -> list[str]:
 
 def soak(
     folder: Path, num_requests: int, workdir: Path, *, concurrency: int, sample_every: int, warmup: int,
-    tolerance_bytes: int, options: list[str],
+    tolerance_bytes: int, options: list[str], prompt_words: int = 6,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the soak against a fresh `pagedkv serve` of `folder`; the samples, the slope and the verdict."""
     server = procs.start_server("pagedkv-serve-soak", procs.pagedkv_argv(str(folder), options), workdir)
     try:
         start = time.perf_counter()
         samples, errors, first_error = asyncio.run(
-            _drive(server, num_requests, concurrency, sample_every, _vocab_words(folder))
+            _drive(server, num_requests, concurrency, sample_every, _vocab_words(folder), prompt_words)
         )
         wall = time.perf_counter() - start
     finally:
@@ -130,7 +135,12 @@ class _Tally:
 
 
 async def _drive(
-    server: procs.ServerProcess, num_requests: int, concurrency: int, sample_every: int, words: list[str]
+    server: procs.ServerProcess,
+    num_requests: int,
+    concurrency: int,
+    sample_every: int,
+    words: list[str],
+    prompt_words: int = 6,
 ) -> tuple[list[tuple[int, int]], int, str | None]:
     """Send the requests, `concurrency` at a time; RSS samples as (requests done, bytes)."""
     import httpx
@@ -145,7 +155,7 @@ async def _drive(
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            prompt = " ".join(words[j] for j in rng.integers(0, len(words), size=6 + i % 9))
+            prompt = " ".join(words[j] for j in rng.integers(0, len(words), size=prompt_words + i % 9))
             error = await _soak_request(client, server.model_id, prompt, 2 + i % 7, stream=i % 2 == 0)
             if error is not None:
                 tally.errors += 1
