@@ -3,9 +3,9 @@
 Every group of a hybrid model computes its own KV for the same tokens, so one content key (the chain of
 `prefix.py`) names a different block in each group. The one prefix index of the shared pool holds them as
 group-qualified keys: the content key with the group appended (one byte after a SHA-256 digest, or
-`key * 256 + group` for the process-local integer keys). `split_key` recovers both, so the cache's events
-carry the plain content key (the one a uniform manager and an external router compute) and the group,
-as vLLM's KV events carry their group.
+`key * 256 + group` for the process-local integer keys), as vLLM's hybrid allocator keys its cache by
+(block hash, group id). `split_key` recovers both, so the cache's events carry the plain content key (the
+one a uniform manager and an external router compute) and the group.
 """
 
 from __future__ import annotations
