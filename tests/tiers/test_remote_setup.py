@@ -118,3 +118,10 @@ def test_a_key_of_another_redis_type_is_deleted_like_a_corrupt_value(redis_url: 
     assert tier.lookup([k(0)]) == 0 and tier.failures["wrong_type"] == 1
     assert raw.exists(store_key(FP, k(0))) == 0
     assert tier.put([k(0)], rows(1)).num_stored == 1 and tier.lookup([k(0)]) == 1
+
+
+def test_a_disk_folder_that_cannot_hold_the_tier_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(InvalidArgumentError, match="the disk tier cannot create its file in"):
+        Engine(tiny_model("llama"), None, EngineConfig(num_blocks=8, disk_path=str(blocker / "sub"), disk_bytes=1 << 20))
