@@ -103,3 +103,37 @@ def test_a_replica_restarted_elsewhere_is_refollowed_and_a_gone_one_forgotten(tm
         a2.pub.close()
     finally:
         router.streams.close()
+
+
+def test_blocks_on_their_way_draw_the_next_request_sharing_them(tmp_path) -> None:
+    a, b = Replica(tmp_path, "a"), Replica(tmp_path, "b")
+    router = LiveRouter(sync_interval_s=3600)
+    try:
+        for name, r in (("a", a), ("b", b)):
+            router.observe(name, r.stats())
+        system = list(range(60, 92))  # 8 blocks nobody holds yet
+        first = router.rank(["a", "b"], system + [1, 2, 3])
+        router.predict("r1", first)
+        router.routed("r1", "b")  # sent to b, still prefilling: no event yet
+        second = router.rank(["a", "b"], system + [4, 5, 6])
+        assert second.matches["b"].gpu == 8 and second.matches["a"].gpu == 0
+        assert second.loads["b"] == 9.0  # and r1's prefill is b's queued work: here the two weigh the same
+        assert len(router.index) == 0  # the index itself holds only what events said
+        b.serve(system + [1, 2, 3])  # r1's prefill done: the events take over from the credit
+        wait_for(router, "b", 8)
+        router.completed("r1")
+        assert router.rank(["a", "b"], system + [4, 5, 6]).matches["b"].gpu == 8  # from the index now
+        router.predict("r3", router.rank(["a", "b"], list(range(300, 332)) + [1]))
+        router.routed("r3", "a")  # the router's pick, counted at once
+        router.routed("r3", "b")  # Ray placed it on b: it moves, work and blocks on their way
+        moved = router.rank(["a", "b"], list(range(300, 332)) + [2])
+        assert (moved.matches["a"].gpu, moved.matches["b"].gpu) == (0, 8) and moved.loads["a"] == 0.0
+        router.completed("r3")
+        router.predict("r2", router.rank(["a", "b"], list(range(200, 232)) + [1]))
+        router.routed("r2", "a")
+        router.completed("r2")  # ended (an abort) without ever computing: no credit left behind
+        assert router.rank(["a", "b"], list(range(200, 232)) + [9]).matches["a"].gpu == 0
+    finally:
+        router.streams.close()
+        a.pub.close()
+        b.pub.close()

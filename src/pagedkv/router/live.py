@@ -12,6 +12,9 @@ restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy
     cost = blocks to compute + 0.1 * blocks from its CPU/DISK + 0.3 * blocks from the shared store
          + queue_weight * queued work
 
+Blocks on their way: a request this router sent a replica credits that replica with its blocks while its
+prefill runs, so the next request sharing them (a system prompt) goes there before the events say so.
+
 Queued work is what this router sent the replica and has not seen complete, in blocks, as the simulator
 counts it: the blocks a request had to compute there, plus one, until the replica's events show its last
 cacheable block on the GPU (its prefill is done), then one (a running sequence). Replica stats (refreshed by
@@ -32,6 +35,7 @@ that leaves the candidate set for good is forgotten (`forget`). Not thread-safe:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +45,8 @@ from pagedkv.events.wire import GPU
 from pagedkv.router.index import PrefixIndex, PrefixMatch
 from pagedkv.router.policy import CostPolicy, CostWeights, request_hashes
 from pagedkv.router.streams import EventStreams
+
+MAX_PREDICTED = 100_000
 
 
 @dataclass
@@ -52,6 +58,7 @@ class _InFlight:
     blocks: int
     last_hash: int | None
     prefilling: bool = True
+    arriving: tuple[int, ...] = ()  # its block hashes, credited to the replica until its prefill is done
 
     @property
     def work(self) -> float:
@@ -73,7 +80,7 @@ class Ranking:
     loads: dict[Hashable, float]
     fallback: bool  # the load-imbalance fallback decided
     num_blocks: int  # the request's cacheable blocks
-    last_hash: dict[Hashable, int | None]  # per candidate, the hash of the request's last cacheable block
+    hashes: dict[Hashable, list[int]]  # per candidate, the request's cacheable blocks as it names them
 
 
 class LiveRouter:
@@ -94,9 +101,9 @@ class LiveRouter:
         )
         self._replicas: dict[Hashable, _Replica] = {}
         self._inflight: dict[Hashable, _InFlight] = {}  # request id -> where and how much
-        self._predicted: dict[
-            Hashable, dict[Hashable, _InFlight]
-        ] = {}  # request id -> replica -> if sent there
+        # request id -> replica -> the entry if it is sent there
+        self._predicted: dict[Hashable, dict[Hashable, _InFlight]] = {}
+        self._arriving: dict[Hashable, dict[int, int]] = {}  # replica -> hash -> requests prefilling it there
 
     @property
     def index(self) -> PrefixIndex:
@@ -123,6 +130,7 @@ class LiveRouter:
         """The replica is gone: drop its stream, its index entries and its load."""
         self._replicas.pop(replica, None)
         self.streams.remove(replica)
+        self._arriving.pop(replica, None)
         for rid, entry in list(self._inflight.items()):
             if entry.replica == replica:
                 del self._inflight[rid]
@@ -141,7 +149,7 @@ class LiveRouter:
         salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
         by_keys: dict[tuple[Any, ...], list[int]] = {}  # replicas agree on these normally: one hashing
         matches: dict[Hashable, PrefixMatch] = {}
-        last: dict[Hashable, int | None] = {}
+        per: dict[Hashable, list[int]] = {}
         num_blocks = 0
         for r in candidates:
             keys = self._keying(r)
@@ -151,35 +159,55 @@ class LiveRouter:
                 )
             hashes = by_keys[keys]
             num_blocks = max(num_blocks, len(hashes))
-            last[r] = hashes[-1] if hashes else None
-            matches[r] = self.index.match(hashes, [r])[r] if r in live else PrefixMatch()
+            per[r] = hashes
         self._prefills_done()
+        for r in candidates:
+            matches[r] = self._match(r, per[r]) if r in live else PrefixMatch()
         loads = {r: self._load(r) for r in candidates}
         positions, fallback = self.policy.rank(
             num_blocks, [matches[r] for r in candidates], [loads[r] for r in candidates],
             [self._requests(r) for r in candidates], self.imbalance_threshold,
         )  # fmt: skip
         order = [candidates[i] for i in positions]
-        return Ranking(order, matches, loads, fallback, num_blocks, last)
+        return Ranking(order, matches, loads, fallback, num_blocks, per)
 
     def predict(self, request_id: Hashable, ranking: Ranking) -> None:
-        """Remember, per candidate, the work a request would queue there (committed by `routed`)."""
+        """Remember, per candidate, the work a request would queue there (committed by `routed`; kept until
+        `completed`, the oldest dropped past `MAX_PREDICTED` requests never completed)."""
         n = ranking.num_blocks
-        self._predicted[request_id] = {
-            r: _InFlight(r, max(n - m.total, 0), ranking.last_hash.get(r)) for r, m in ranking.matches.items()
-        }
+        out = {}
+        for r, m in ranking.matches.items():
+            hashes = ranking.hashes.get(r, [])
+            out[r] = _InFlight(r, max(n - m.total, 0), hashes[-1] if hashes else None, arriving=tuple(hashes))
+        self._predicted[request_id] = out
+        while len(self._predicted) > MAX_PREDICTED:
+            del self._predicted[next(iter(self._predicted))]
 
     def routed(self, request_id: Hashable, replica: Hashable) -> None:
-        entry = self._predicted.pop(request_id, {}).get(replica) or _InFlight(replica, 0, None)
+        """The request goes to `replica`: its work and its blocks on their way count there. Called when the
+        router decides (the first of its ranking) and again when Ray has placed it: a request placed elsewhere
+        moves, one placed where predicted is left as it is."""
+        current = self._inflight.get(request_id)
+        if current is not None:
+            if current.replica == replica:
+                return
+            self._drop(request_id, current)
+        predicted = self._predicted.get(request_id, {}).get(replica)
+        entry = dataclasses.replace(predicted) if predicted is not None else _InFlight(replica, 0, None)
         entry.prefilling = entry.blocks > 0
+        if not entry.prefilling:
+            entry.arriving = ()
+        arriving = self._arriving.setdefault(replica, {})
+        for h in entry.arriving:
+            arriving[h] = arriving.get(h, 0) + 1
         self._replicas.setdefault(replica, _Replica()).inflight[request_id] = entry
         self._inflight[request_id] = entry
 
     def completed(self, request_id: Hashable) -> None:
         self._predicted.pop(request_id, None)
-        entry = self._inflight.pop(request_id, None)
-        if entry is not None and entry.replica in self._replicas:
-            self._replicas[entry.replica].inflight.pop(request_id, None)
+        entry = self._inflight.get(request_id)
+        if entry is not None:
+            self._drop(request_id, entry)
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -204,6 +232,39 @@ class LiveRouter:
                 and GPU in media(entry.last_hash, entry.replica)
             ):
                 entry.prefilling = False
+                self._arrived(entry)
+
+    def _drop(self, request_id: Hashable, entry: _InFlight) -> None:
+        self._inflight.pop(request_id, None)
+        self._arrived(entry)
+        if entry.replica in self._replicas:
+            self._replicas[entry.replica].inflight.pop(request_id, None)
+
+    def _arrived(self, entry: _InFlight) -> None:
+        """The request's blocks are no longer on their way to its replica (computed, or it ended)."""
+        arriving = self._arriving.get(entry.replica, {})
+        for h in entry.arriving:
+            left = arriving.get(h, 0) - 1
+            if left > 0:
+                arriving[h] = left
+            else:
+                arriving.pop(h, None)
+        entry.arriving = ()
+
+    def _match(self, replica: Hashable, hashes: list[int]) -> PrefixMatch:
+        """The index's match, extended by the blocks a request this router sent there is computing now: a
+        request sharing them is credited as if they were on the replica's GPU (the next one after a system
+        prompt goes where the first went, before the first has finished)."""
+        m = self.index.match(hashes, [replica])[replica]
+        arriving = self._arriving.get(replica)
+        if not arriving:
+            return m
+        more = 0
+        for h in hashes[m.total :]:
+            if h not in arriving:
+                break
+            more += 1
+        return PrefixMatch(m.gpu + more, m.local, m.remote)
 
     def _requests(self, replica: Hashable) -> int:
         rec = self._replicas.get(replica, _Replica())

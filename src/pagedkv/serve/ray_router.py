@@ -99,7 +99,9 @@ class PagedKVRequestRouter(FIFOMixin, RequestRouter):
             self.live.observe(r.replica_id, r.routing_stats)
         by_id = {r.replica_id: r for r in candidate_replicas}
         ranking = self.live.rank(list(by_id), list(request.prompt_token_ids), cache_salt=request.cache_salt)
-        self.live.predict(pending_request.metadata.internal_request_id, ranking)
+        rid = pending_request.metadata.internal_request_id
+        self.live.predict(rid, ranking)
+        self.live.routed(rid, ranking.order[0])  # count it at once: Ray decides several requests concurrently
         self.decisions += 1
         self.fallbacks += ranking.fallback
         return [[by_id[rid]] for rid in ranking.order]
