@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -129,23 +130,36 @@ def test_api_key(model: Any, tokenizer: Any) -> None:
 
 
 def test_overload_is_429_with_retry_after_and_admitted_requests_are_unaffected(model: Any, tokenizer: Any) -> None:
-    """With max_waiting 4 and requests that each wait their turn (one runs at a time), 12 sent at once:
-    the first 4 (and those that arrive once a slot frees) succeed with the offline outputs; the rest
-    get 429 with Retry-After."""
+    """max_waiting 4, and the engine thread held inside a step so that no request gets an output: of 12
+    requests sent at once exactly 4 are admitted and 8 get 429 with Retry-After at once; released, the 4
+    finish with the offline outputs."""
     prompts = [f"Overload {i} is a test of" for i in range(12)]
     expected = make_engine(model, tokenizer, num_blocks=64).generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
-    running = start_server(make_engine(model, tokenizer, num_blocks=64, max_num_seqs=1), max_waiting=4)
+    inner = make_engine(model, tokenizer, num_blocks=64)
+    release = threading.Event()
+    real_step = inner.step
+
+    def held_step() -> list[Any]:
+        release.wait(60)
+        return real_step()
+
+    inner.step = held_step  # type: ignore[method-assign]
+    running = start_server(inner, max_waiting=4)
 
     async def send_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as http:
             bodies = [{**GOOD, "prompt": p, "max_tokens": 6, "ignore_eos": True} for p in prompts]
-            return list(await asyncio.gather(*(http.post(f"{running.url}/v1/completions", json=b) for b in bodies)))
+            tasks = [asyncio.ensure_future(http.post(f"{running.url}/v1/completions", json=b)) for b in bodies]
+            while sum(t.done() for t in tasks) < 8:  # the refusals come back while the step is held
+                await asyncio.sleep(0.01)
+            release.set()
+            return list(await asyncio.gather(*tasks))
 
     try:
         responses = asyncio.run(send_all())
         ok = [(i, r) for i, r in enumerate(responses) if r.status_code == 200]
         refused = [r for r in responses if r.status_code != 200]
-        assert len(ok) >= 4 and refused, [r.status_code for r in responses]
+        assert (len(ok), len(refused)) == (4, 8), [r.status_code for r in responses]
         for r in refused:
             check_error(r, 429, None, "max-waiting")
             assert r.headers["retry-after"] == "1"
@@ -153,6 +167,7 @@ def test_overload_is_429_with_retry_after_and_admitted_requests_are_unaffected(m
             assert r.json()["choices"][0]["text"] == expected[i].output_text
         serves(running)
     finally:
+        release.set()
         running.stop()
 
 
