@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=positive_int, default=1024, help="requests waiting for a first token before 429")
     parser.add_argument("--max-body-bytes", type=int_at_least(1024), default=4 * 1024 * 1024, help="larger bodies get 413")
     parser.add_argument("--drain-timeout", type=nonnegative_float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument(
+        "--timeout-keep-alive", type=positive_int, default=30,
+        help="seconds an idle keep-alive connection stays open (default 30: longer than clients' pools keep "
+        "theirs, so a client never sends on a connection the server is closing)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     _add_engine_arguments(parser)
 
@@ -109,6 +114,7 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
         access_log=args.log_level in ("info", "debug"),
     )  # fmt: skip
     server = uvicorn.Server(uv_config)
