@@ -124,3 +124,14 @@ def test_logprob_counts_are_checked(bad: object) -> None:
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(InvalidArgumentError, match=field):
             SamplingParams(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_a_vanishing_temperature_samples_the_argmax_instead_of_failing_the_step() -> None:
+    """1e-300 rounds to 0 in float32: the scaled maxima were 0 / 0 = NaN and the step raised for everyone."""
+    engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=64, block_size=4))
+    prompt = prompt_of(8, seed=4)
+    tiny, greedy = engine.generate(
+        [prompt, prompt],
+        [SamplingParams(max_new_tokens=5, temperature=1e-300, seed=1), SamplingParams(max_new_tokens=5)],
+    )
+    assert tiny.finish_reason == greedy.finish_reason and tiny.output_token_ids == greedy.output_token_ids

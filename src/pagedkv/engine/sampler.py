@@ -23,6 +23,8 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.params import SamplingParams
 
+TINY_TEMPERATURE = 1e-30  # far above float32's smallest subnormal (1.4e-45), below any temperature meant as one
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator for one sequence, or None (the global RNG) when it has no seed."""
@@ -39,6 +41,8 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     The row's maximum is subtracted first, so a tiny temperature scales finite gaps, never inf / inf."""
     row = logits.float()
     scaled = (row - row.max()) / temperature
+    if temperature < TINY_TEMPERATURE:  # the divisor rounds to 0 in float32: the maxima are 0 / 0
+        scaled = torch.nan_to_num(scaled, nan=0.0)  # the limit: the maxima at 0, everything else -inf
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
