@@ -90,15 +90,20 @@ def test_both_backends_replay_identically(trace: str, limit: int, num_blocks: in
     assert runs[0].series == runs[1].series
 
 
-def test_progress_counts_every_finished_request_of_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_counts_every_finished_request_of_every_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     reqs = load_trace(default_trace_path(), limit=120)
     seen: list[int] = []
     result = replay(reqs, "paged", num_blocks=1024, progress=seen.append)
     assert sum(seen) == result.requests == 120 and all(n > 0 for n in seen)
-    from pagedkv.cli import main
+    import pagedkv.cli as cli
 
-    assert main(["bench", "allocator", "--limit", "60", "--repeat", "2", "--num-blocks", "1024"]) == 0
-    err = capsys.readouterr().err
-    assert "paged run 2/2" in err, "the bar names the run on stderr"
-    assert main(["bench", "allocator", "--limit", "60", "--num-blocks", "1024", "--no-progress"]) == 0
+    # piped (pytest's capture is not a terminal): no bar at all
+    assert cli.main(["bench", "allocator", "--limit", "60", "--repeat", "2", "--num-blocks", "1024"]) == 0
+    assert "paged run" not in capsys.readouterr().err
+    monkeypatch.setattr(cli, "on_terminal", lambda: True)  # as on a terminal
+    assert cli.main(["bench", "allocator", "--limit", "60", "--repeat", "2", "--num-blocks", "1024"]) == 0
+    assert "paged run 2/2" in capsys.readouterr().err, "the bar names the run on stderr"
+    assert cli.main(["bench", "allocator", "--limit", "60", "--num-blocks", "1024", "--no-progress"]) == 0
     assert "paged run" not in capsys.readouterr().err

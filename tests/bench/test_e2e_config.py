@@ -90,16 +90,16 @@ def test_bad_arguments_are_one_line_before_any_model_loads(
 ) -> None:
     pytest.importorskip("torch")
     import pagedkv.hf.loading as loading
-    from pagedkv.bench.e2e import run
 
     def refuse(*_: object) -> None:
         raise AssertionError("the model was loaded before the arguments were checked")
 
     monkeypatch.setattr(loading, "load_model", refuse)
-    args = parse(argv)
-    assert run(args) == 2
+    from pagedkv.cli import main
+
+    assert main(["bench", "e2e", *argv]) == 2  # the parser's checks and run's, one line either way
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1
+    assert len(err) == 1 and err[0].startswith("pagedkv bench e2e: error:")
 
 
 def test_another_slice_of_the_trace() -> None:

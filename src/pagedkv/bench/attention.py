@@ -28,6 +28,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedkv.engine.cli_args import (
+    add_block_size,
+    available_memory_bytes,
+    int_at_least,
+    positive_float,
+    positive_int,
+    token_count,
+)
 from pagedkv.ops import cpu_decode, paged_attention
 from pagedkv.ops.contiguous import gather_kv
 from pagedkv.storage.kv import torch_dtype
@@ -35,19 +43,28 @@ from pagedkv.storage.spec import normalize_dtype_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="batch sizes")
-    parser.add_argument("--context", type=int, nargs="+", default=[128, 512, 2048, 8192], help="context lengths")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
-    parser.add_argument("--num-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument(
+        "--batch", type=int_at_least(1, 1 << 16), nargs="+", default=[1, 8, 32, 64], help="batch sizes"
+    )
+    parser.add_argument(
+        "--context", type=token_count, nargs="+", default=[128, 512, 2048, 8192], help="context lengths"
+    )
+    add_block_size(parser)
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--num-heads", type=int_at_least(1, 1024), default=32)
+    parser.add_argument("--num-kv-heads", type=int_at_least(1, 1024), default=8, help="must divide --num-heads")
+    parser.add_argument("--head-dim", type=int_at_least(1, 4096), default=64)
     parser.add_argument("--mode", choices=["decode", "prefill", "both"], default="both")
-    parser.add_argument("--prefill-max-tokens", type=int, default=8192, help="skip prefills of more tokens")
-    parser.add_argument("--max-gb", type=float, default=3.0, help="skip shapes whose KV (paged + copy) exceeds")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--prefill-max-tokens", type=positive_int, default=8192, help="skip prefills of more tokens"
+    )
+    parser.add_argument(
+        "--max-gb", type=positive_float, default=3.0,
+        help="skip shapes whose KV (paged + copy) exceeds this many GiB (or the memory available)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int_at_least(1, 10_000), default=5)
+    parser.add_argument("--threads", type=int_at_least(1, 1024), default=1, help="torch CPU threads")
+    parser.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
         "--backend",
         choices=["reference", "triton", "cpu-decode"],
@@ -57,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small subset for smoke tests")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu or cuda:0, got {text!r}") from None
+    return text
 
 
 def time_interleaved(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
@@ -132,7 +157,9 @@ def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -
 
 
 def _backend_problem(args: argparse.Namespace) -> str | None:
-    """One line saying why `--backend cpu-decode` cannot run these arguments, or None."""
+    """One line saying why these arguments cannot run (heads, or `--backend cpu-decode`'s limits), or None."""
+    if args.num_heads % args.num_kv_heads:
+        return f"--num-kv-heads {args.num_kv_heads} must divide --num-heads {args.num_heads}"
     if args.backend != "cpu-decode":
         return None
     if cpu_decode.isa() is None:
@@ -158,13 +185,15 @@ def run(args: argparse.Namespace) -> int:
         args.batch, args.context, args.repeats = [1, 4], [128, 256], min(args.repeats, 2)
     modes = ["decode", "prefill"] if args.mode == "both" else [args.mode]
     elem = torch_dtype(normalize_dtype_name(args.dtype)).itemsize
+    free = available_memory_bytes()
+    max_gb = args.max_gb if free is None else min(args.max_gb, free / 2**30 / 2)  # inputs and outputs too
     rows: list[dict[str, object]] = []
     skipped: list[str] = []
     for mode in modes:
         for batch in args.batch:
             for context in args.context:
                 kv_gb = 2 * 2 * batch * context * args.num_kv_heads * args.head_dim * elem / 2**30
-                if kv_gb > args.max_gb:
+                if kv_gb > max_gb:
                     skipped.append(f"{mode} batch={batch} context={context}: KV {kv_gb:.1f} GiB > --max-gb")
                     continue
                 if mode == "prefill" and batch * context > args.prefill_max_tokens:

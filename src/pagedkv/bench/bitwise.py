@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from pagedkv.engine.cli_args import int_at_least
+from pagedkv.progress import Progress
 
 FAMILIES_DEFAULT = ("llama", "qwen2", "qwen2-sw", "qwen3", "mistral", "gemma2", "phi3", "gpt2")
 
@@ -238,11 +240,24 @@ def check_triton() -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--families", default=",".join(FAMILIES_DEFAULT), help="tiny families to test")
+    parser.add_argument(
+        "--families", type=_families, default=list(FAMILIES_DEFAULT), help="tiny families to test (comma-separated)"
+    )
     parser.add_argument("--no-smollm2", action="store_true", help="skip SmolLM2-135M")
-    parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per request")
+    parser.add_argument(
+        "--new-tokens", type=int_at_least(1, 4096), default=24, help="greedy tokens per request"
+    )
     parser.add_argument("--quick", action="store_true", help="no SmolLM2, 6 new tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _families(text: str) -> list[str]:
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    bad = sorted(set(names) - set(FAMILIES_DEFAULT))
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown families {bad or text!r}; choose from {','.join(FAMILIES_DEFAULT)}")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     new_tokens = 6 if args.quick else args.new_tokens
-    models: list[tuple[str, Any]] = [(f, tiny_model(f)) for f in args.families.split(",") if f.strip()]
+    models: list[tuple[str, Any]] = [(f, tiny_model(f)) for f in args.families]
     if not (args.quick or args.no_smollm2):
         from pagedkv.hf.loading import load_model
 
@@ -265,16 +280,22 @@ def run(args: argparse.Namespace) -> int:
         "allocator_tight": {},
         "vs_transformers": {},
     }
-    for name, model in models:
-        print(f"[bench bitwise] {name} ...", file=sys.stderr, flush=True)
-        vocab = int(model.config.vocab_size)
-        prompts = _prompts(vocab, (5, 23, 40), seed=0)
-        result["allocator"][name] = check_allocators(model, prompts, new_tokens)
-        tight = tight_blocks(prompts, new_tokens)
-        result["allocator_tight"][name] = check_allocators(model, prompts, new_tokens, tight)
-        result["vs_transformers"][name] = check_vs_transformers(model, prompts, new_tokens)
-    print("[bench bitwise] triton vs reference ...", file=sys.stderr, flush=True)
-    result["triton"] = check_triton()
+    enabled = False if args.no_progress else None  # on a terminal only
+    with Progress("bench bitwise", total=3 * len(models) + 1, unit="checks", enabled=enabled) as bar:
+        for name, model in models:
+            vocab = int(model.config.vocab_size)
+            prompts = _prompts(vocab, (5, 23, 40), seed=0)
+            bar.update(0, note=f"{name}: allocators")
+            result["allocator"][name] = check_allocators(model, prompts, new_tokens)
+            tight = tight_blocks(prompts, new_tokens)
+            bar.update(1, note=f"{name}: tight pool")
+            result["allocator_tight"][name] = check_allocators(model, prompts, new_tokens, tight)
+            bar.update(1, note=f"{name}: vs transformers")
+            result["vs_transformers"][name] = check_vs_transformers(model, prompts, new_tokens)
+            bar.update(1)
+        bar.update(0, note="triton vs reference")
+        result["triton"] = check_triton()
+        bar.update(1)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

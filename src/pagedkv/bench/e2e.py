@@ -57,11 +57,24 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pagedkv.engine.cli_args import (
+    add_block_size,
+    add_scheduler_arguments,
+    check_fits_memory,
+    float_in,
+    int_at_least,
+    nonnegative_int,
+    output_file,
+    positive_int,
+    scheduler_from,
+    seed_int,
+    token_count,
+)
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.workloads.traces import default_trace_path, load_trace
 
 SYSTEMS = (
@@ -122,7 +135,7 @@ def pagedkv_config(system: str, args: argparse.Namespace) -> dict[str, Any]:
         "admission_headroom": args.admission_headroom,
         "growth_reserve_tokens": args.admission_lookahead if allocator == "paged" else "none (reserved at admission)",
         "block_size": args.block_size,
-        "max_batch_tokens": args.max_batched_tokens,
+        "max_batch_tokens": args.max_num_batched_tokens,
         "declared_max_new_tokens": "true length" if system.endswith("-oracle") else args.max_new_tokens,
         "attention": "pagedkv (engine default)",
     }
@@ -144,7 +157,7 @@ def hf_continuous_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         page_key: args.block_size,
         "num_blocks": args.num_blocks,
-        "max_batch_tokens": args.max_batched_tokens,
+        "max_batch_tokens": args.max_num_batched_tokens,
         "safety_margin": args.admission_headroom,
         "attn_implementation": "sdpa",
         "declared_max_new_tokens": "true length",
@@ -159,18 +172,13 @@ def run_pagedkv(
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
-    from pagedkv.engine.scheduler import SchedulerConfig
-
     cfg = pagedkv_config(system, args)
     config = EngineConfig(
         num_blocks=cfg["num_blocks"],
         block_size=args.block_size,
         allocator=cfg["allocator"],
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_batched_tokens,
-            preemption_mode=cfg["preemption_mode"],
-            admission_headroom=args.admission_headroom,
-            admission_lookahead=args.admission_lookahead,
+        scheduler=scheduler_from(
+            args, preemption_mode=cfg["preemption_mode"], admission_headroom=args.admission_headroom
         ),
         num_host_blocks=cfg["host_blocks"],
     )
@@ -341,30 +349,34 @@ def summarize(
     }
 
 
-def _engine_lookahead() -> int:
-    from pagedkv.engine.scheduler import SchedulerConfig
-
-    return SchedulerConfig().admission_lookahead
+def _bench_scheduler() -> SchedulerConfig:
+    """The engine's scheduler defaults with a 256-token step budget (a CPU-sized step, every system alike)."""
+    return SchedulerConfig(max_num_batched_tokens=256)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file"
     )
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-requests", type=int_at_least(1, 10_000), default=32)
     parser.add_argument(
-        "--trace-offset", type=int, default=0, help="skip this many trace rows first (another slice of the trace)"
-    )
-    parser.add_argument("--prompt-scale", type=int, default=16, help="prompt length = ContextTokens // this")
-    parser.add_argument("--output-scale", type=int, default=2, help="output length = GeneratedTokens // this")
+        "--trace-offset", type=int_at_least(0, 10_000), default=0,
+        help="skip this many trace rows first (another slice of the trace)",
+    )  # fmt: skip
     parser.add_argument(
-        "--max-new-tokens", type=int, default=None, help="declared cap (default: 1000 // output scale)"
+        "--prompt-scale", type=positive_int, default=16, help="prompt length = ContextTokens // this"
     )
     parser.add_argument(
-        "--num-blocks", type=int, default=96, help="KV budget in blocks (same for every paged system)"
+        "--output-scale", type=positive_int, default=2, help="output length = GeneratedTokens // this"
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-batched-tokens", type=int, default=256, help="token budget per step")
+    parser.add_argument(
+        "--max-new-tokens", type=token_count, default=None, help="declared cap (default: 1000 // output scale)"
+    )
+    parser.add_argument(
+        "--num-blocks", type=int_at_least(2, 1 << 24), default=96,
+        help="KV budget in blocks (same for every paged system)",
+    )  # fmt: skip
+    add_block_size(parser)
     parser.add_argument(
         "--preemption",
         choices=("swap", "recompute"),
@@ -373,38 +385,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-blocks",
-        type=int,
+        type=nonnegative_int,
         default=None,
         help="with --preemption swap: host blocks, counted inside --num-blocks (default: a quarter of it)",
     )
     parser.add_argument(
         "--admission-headroom",
-        type=float,
+        type=float_in(0.0, 1.0),
         default=0.0,
         help="fraction of blocks that must be free for a step to admit more than one new request, the same for "
         "every paged system (transformers' safety_margin; its own default is 0.15)",
     )
-    parser.add_argument(
-        "--admission-lookahead",
-        type=int,
-        default=_engine_lookahead(),
-        help="pagedkv's growth reserve: admission keeps free the blocks each running request needs for this "
-        "many more tokens (default: the engine's, 16; 0 = greedy, the engine before 2026-12)",
-    )
+    # --max-num-batched-tokens (256 here: a CPU-sized step), --max-num-seqs, --admission-lookahead (the
+    # engine's growth reserve, 16; 0 = greedy, the engine before 2026-12)
+    add_scheduler_arguments(parser, _bench_scheduler())
     parser.add_argument(
         "--repeat",
-        type=int,
+        type=int_at_least(1, 1000),
         default=1,
         help="runs per system, interleaved (A B A B ...); figures are the median run's, ratios the median and "
         "range of the per-run ratios",
     )
-    parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf-static")
+    parser.add_argument("--static-batch", type=int_at_least(1, 4096), default=8, help="batch size of hf-static")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS)
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--outputs-file", type=Path, help="write every system's output token ids here (JSON)")
+    parser.add_argument(
+        "--outputs-file", type=output_file(), help="write every system's output token ids here (JSON)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -420,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     problem = _argument_problem(args, systems)
     if problem:
-        print(problem, file=sys.stderr)
+        print(f"pagedkv bench e2e: error: {problem}", file=sys.stderr)
         return 2
     model, _ = load_model(args.model)
     spec = model_spec(model)
@@ -429,15 +439,18 @@ def run(args: argparse.Namespace) -> int:
         args.trace_offset,
     )
     if any(r.output_len > args.max_new_tokens for r in workload):
-        print(f"--max-new-tokens {args.max_new_tokens} is below a request's output length", file=sys.stderr)
+        print(f"pagedkv bench e2e: error: --max-new-tokens {args.max_new_tokens} is below a request's output "
+              "length", file=sys.stderr)  # fmt: skip
         return 2
     if args.host_blocks is None:
         args.host_blocks = args.num_blocks // 4 if args.preemption == "swap" else 0
     if args.preemption == "swap" and not 0 < args.host_blocks <= args.num_blocks - 2:
-        print(f"--host-blocks must be in [1, {args.num_blocks - 2}] (inside --num-blocks)", file=sys.stderr)
+        print(f"pagedkv bench e2e: error: --host-blocks must be in [1, {args.num_blocks - 2}] (inside "
+              "--num-blocks)", file=sys.stderr)  # fmt: skip
         return 2
-    warm_up(model, args.max_batched_tokens)
+    warm_up(model, args.max_num_batched_tokens)
     budget_bytes = args.num_blocks * spec.kv_cache_spec().bytes_per_block(args.block_size)
+    check_fits_memory(budget_bytes, f"--num-blocks {args.num_blocks:,}", "lower --num-blocks")
     capacity = (args.num_blocks - 1) * args.block_size
     # 2. every system on the same workload, the repeats interleaved so that a slow spell of a shared machine
     # falls on every system alike
@@ -477,6 +490,8 @@ def _argument_problem(args: argparse.Namespace, systems: list[str]) -> str | Non
         return "--repeat and --num-requests must be >= 1, --trace-offset >= 0"
     if args.admission_lookahead < 0:
         return "--admission-lookahead must be >= 0 (tokens; 0 = greedy admission)"
+    if args.max_new_tokens < 1:
+        return f"--output-scale {args.output_scale} leaves no output token (1000 // it must be >= 1)"
     return None
 
 

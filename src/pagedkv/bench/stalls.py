@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,8 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.cli_args import int_at_least, output_file, seed_int
+from pagedkv.progress import Progress
 
 SYSTEMS = ("hf-dynamic", "doubling", "pagedkv-paged")
 SLOW_FACTOR = 2.0
@@ -435,37 +436,54 @@ def run_stalls(
     from transformers import DynamicCache
 
     logs: dict[str, StepLog] = {}
-    for system in systems:
-        if progress:
-            print(f"[bench stalls] {system} ...", file=sys.stderr, flush=True)
-        if system == "hf-dynamic":
-            logs[system] = run_hf(model, requests, DynamicCache)
-        elif system == "doubling":
-            logs[system] = run_hf(model, requests, doubling_cache)
-        elif system == "pagedkv-paged":
-            logs[system] = run_paged(model, requests)
-        else:
-            raise InvalidArgumentError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    with Progress("bench stalls", total=len(systems), unit="systems", enabled=None if progress else False) as bar:
+        for system in systems:
+            bar.update(0, note=system)
+            if system == "hf-dynamic":
+                logs[system] = run_hf(model, requests, DynamicCache)
+            elif system == "doubling":
+                logs[system] = run_hf(model, requests, doubling_cache)
+            elif system == "pagedkv-paged":
+                logs[system] = run_paged(model, requests)
+            else:
+                raise InvalidArgumentError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+            bar.update(1)
     return logs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2, a folder, a .gguf, or tiny:FAMILY")
     parser.add_argument(
-        "--prompt-lens", default=",".join(map(str, DEFAULT_PROMPTS)), help="comma-separated prompt lengths"
+        "--prompt-lens", type=_lengths, default=list(DEFAULT_PROMPTS), help="comma-separated prompt lengths"
     )
-    parser.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT, help="tokens generated per request")
+    parser.add_argument(
+        "--output-len", type=int_at_least(2, 1 << 20), default=DEFAULT_OUTPUT, help="tokens generated per request"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
     parser.add_argument("--quick", action="store_true", help="tiny lengths (for tests and smoke runs)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", metavar="PATH", help="write the step-latency figure (PNG) here")
+    parser.add_argument("--seed", type=seed_int, default=0)
+    parser.add_argument(
+        "--plot", metavar="PATH", type=output_file(".png"), help="write the step-latency figure (PNG) here"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--sim", action="store_true", help="model the same effect at GPU scale in the simulator instead"
     )
     parser.add_argument("--gpu", default="a100-80gb", help="--sim: GPU (default a100-80gb)")
     parser.add_argument("--sim-model", default="llama-2-7b", help="--sim: model (default llama-2-7b)")
-    parser.add_argument("--num-requests", type=int, default=200, help="--sim: Azure conv requests (burst)")
+    parser.add_argument(
+        "--num-requests", type=int_at_least(1, 100_000), default=200, help="--sim: Azure conv requests (burst)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _lengths(text: str) -> list[int]:
+    """`--prompt-lens`: comma-separated token counts, each in [1, 2^20]."""
+    parse = int_at_least(1, 1 << 20)
+    values = [parse(v.strip()) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated prompt lengths, got {text!r}")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:
@@ -480,16 +498,13 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"unknown systems {bad or args.systems!r}; choose from {', '.join(SYSTEMS)}"
         )
-    try:
-        prompts = [int(v) for v in args.prompt_lens.split(",") if v.strip()]
-    except ValueError:
-        raise InvalidArgumentError(f"--prompt-lens: expected integers, got {args.prompt_lens!r}") from None
+    prompts = list(args.prompt_lens)
     output_len = args.output_len
     if args.quick:
         prompts, output_len = list(QUICK_PROMPTS), QUICK_OUTPUT
     model = _load(args.model)
     requests = build_requests(prompts, output_len, int(model.config.vocab_size), args.seed)
-    logs = run_stalls(model, requests, systems, progress=True)  # on stderr
+    logs = run_stalls(model, requests, systems, progress=not args.no_progress)  # on stderr, on a terminal
     figures = {name: summarize(log) for name, log in logs.items()}
     first = next(iter(logs.values())).outputs
     result: dict[str, Any] = {
