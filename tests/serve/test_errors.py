@@ -184,3 +184,22 @@ def test_a_prompt_that_can_never_fit_the_kv_pool_is_400_naming_the_limit(model: 
         assert running.engine.manager.num_used_blocks == 0
     finally:
         running.stop()
+
+
+ODD_BUT_VALID: list[dict[str, Any]] = [
+    {"temperature": 1e-300},  # rounds to 0 in float32: it once killed the engine loop
+    {"temperature": 2.0, "top_k": 10**30, "top_p": 1e-9},
+    {"temperature": 1.0, "seed": 2**63 - 1, "n": 5},
+    {"stop": ["x" * 100_000]},
+    {"prompt": ["a"] * 300},
+    {"max_tokens": None},
+    {"logprobs": 20, "echo": True, "n": 3, "temperature": 1.0},
+]
+
+
+@pytest.mark.parametrize("extra", ODD_BUT_VALID)
+def test_odd_but_valid_requests_are_served(server: Server, extra: dict[str, Any]) -> None:
+    response = post(server, "/v1/completions", {**GOOD, **extra})
+    assert response.status_code == 200, response.text
+    assert all(c["finish_reason"] in ("stop", "length") for c in response.json()["choices"])
+    serves(server)
