@@ -202,10 +202,15 @@ def test_priority_follows_a_given_clock() -> None:
 
 def test_cost_weighs_depth_and_evicts_a_chain_from_its_tail() -> None:
     p = CostPolicy(64, 16, balance_tokens=16)  # work(d) = 1 + d
-    p.release(ids(3, 2, 1), 0)  # one chain, tail first: scores would be 3, 2, 1 -> capped at the root's 1
+    p.hit(ids(3, 2, 1))
+    p.release(ids(3, 2, 1), 0)  # one chain hit once, tail first: scores would be 3, 2, 1 -> capped at 1
     p.hit(ids(9))
-    p.release(ids(9), 0)  # alone, depth 0, hit once: (1 + 1) x 1 = 2
-    assert p.evict(4).tolist() == [3, 2, 1, 9]
+    p.hit(ids(9))
+    p.release(ids(9), 0)  # alone, depth 0, hit twice: 2 x 1 = 2
+    p.hit(ids(5, 4))
+    p.release(ids(5, 4), 0)  # a chain hit once: 2, 1 -> 1, 1; released later than 3, 2, 1
+    p.release(ids(7), 0)  # never hit: 0, evicted first
+    assert p.evict(7).tolist() == [7, 3, 2, 1, 5, 4, 9]
     p.check_invariants()
 
 

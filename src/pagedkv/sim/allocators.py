@@ -38,10 +38,17 @@ def check_allocator(name: str) -> str:
     return name
 
 
-def manager_for(name: str, num_blocks: int, block_size: int) -> PagedKVManager | ContiguousKVManager:
-    """A fresh, empty manager for simulator allocator `name` over `num_blocks` blocks of `block_size` tokens."""
+def manager_for(
+    name: str, num_blocks: int, block_size: int, *, eviction: str = "lru", partial_reuse: bool = False
+) -> PagedKVManager | ContiguousKVManager:
+    """A fresh, empty manager for simulator allocator `name` over `num_blocks` blocks of `block_size` tokens;
+    `eviction` and `partial_reuse` apply where the allocator caches prefixes."""
     kind, prefix_caching = _MANAGERS[check_allocator(name)]
-    return make_manager(kind, num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    if not prefix_caching:
+        return make_manager(kind, num_blocks, block_size, enable_prefix_caching=False)
+    return make_manager(
+        kind, num_blocks, block_size, enable_prefix_caching=True, eviction=eviction, partial_reuse=partial_reuse
+    )
 
 
 def max_new_tokens_for(name: str, prompt_len: int, output_len: int, max_model_len: int) -> int:

@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             sweep_block_sizes=args.sweep_block_sizes,
             catalog=catalog_from(args),
             progress=not args.no_progress and not args.json,
+            evictions=args.eviction,
+            partial_reuse=args.partial_reuse,
         )
     except PagedKVError as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)

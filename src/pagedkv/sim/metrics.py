@@ -11,6 +11,10 @@ Definitions (all times simulated seconds; the span runs from the first arrival t
 - `ttft`: first token time minus arrival; `tpot`: (finish - first token) / (output tokens - 1), for
   requests with at least two output tokens.
 - `prefix_hit_rate`: prompt tokens served from the prefix cache at first admission / prompt tokens.
+- `prefill_tokens_saved`: prompt tokens served from the prefix cache over every admission (re-admissions
+  after preemption included); `prefill_tokens_computed`: admitted prompt tokens minus those (the prefill the
+  model ran); `miss_tokens_<reason>`: the computed ones, but each admission's last token, by why they missed
+  (`pagedkv.core.misses`); `evictions`, `partial_hits` and `block_copies` as the allocator counted them.
 - `kv_traffic_fraction`: the share of the bytes the step model charged that is KV (read and written), the
   rest being weights: how much of a memory-bound step the attention kernels' memory traffic is.
 - `page_table_bytes_fraction`: block-table bytes the attention kernels read (one int32 per context block
@@ -70,4 +74,22 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
         "num_steps": len(dt),
         "span_s": span,
         "num_blocks": trace.budget.num_blocks,
+        **_cache_metrics(trace),
     }
+
+
+def _cache_metrics(trace: SimTrace) -> dict[str, Any]:
+    """The prefix cache's side of a run: policy, prefill saved and computed, evictions, misses by reason."""
+    stats = trace.manager_stats
+    out: dict[str, Any] = {"eviction": trace.config.eviction, "partial_reuse": trace.config.partial_reuse}
+    if stats is None:
+        return out
+    out |= {
+        "prefill_tokens_saved": stats.cached_tokens,
+        "prefill_tokens_computed": stats.prompt_tokens - stats.cached_tokens,
+        "evictions": stats.evictions,
+        "partial_hits": stats.partial_hits,
+        "block_copies": trace.block_copies,
+    }
+    out |= {f"miss_tokens_{reason}": n for reason, n in stats.miss_tokens.items()}
+    return out

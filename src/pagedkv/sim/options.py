@@ -61,6 +61,19 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _eviction_list(text: str) -> list[str]:
+    """`--eviction`: comma-separated eviction policies (pagedkv.core.eviction), or `all`."""
+    from pagedkv.core.eviction import EVICTION_POLICIES
+
+    names = list(EVICTION_POLICIES) if text.strip() == "all" else [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in EVICTION_POLICIES]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"unknown or repeated eviction policy in {text!r}; choose from {', '.join(EVICTION_POLICIES)} or all"
+        )
+    return names
+
+
 class _ExampleCatalog(argparse.Action):
     """`--example-catalog`: print a complete catalog file and exit."""
 
@@ -114,6 +127,19 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
         type=_name_list,
         default=list(ALLOCATORS),
         help=f"comma-separated subset of {','.join(ALLOCATORS)} (default: all)",
+    )
+    g.add_argument(
+        "--eviction",
+        type=_eviction_list,
+        default=[],
+        metavar="LIST",
+        help="prefix-cache eviction policies to run paged-prefix under, side by side: lru,slru,lfu,priority,cost "
+        "or all (default: lru, one row)",
+    )
+    g.add_argument(
+        "--partial-reuse",
+        action="store_true",
+        help="paged-prefix copies a cached block a prompt diverges inside, computing only the rest",
     )
 
 

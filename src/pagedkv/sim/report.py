@@ -46,6 +46,39 @@ def table(rows: dict[str, dict[str, Any]], first: str = "allocator") -> list[str
     return lines
 
 
+# the prefix cache's table: (header, key, format); miss reasons follow as the largest two
+_CACHE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("prefix hit", "prefix_hit_rate", "pct"),
+    ("prefill saved", "prefill_tokens_saved", "d"),
+    ("prefill run", "prefill_tokens_computed", "d"),
+    ("evictions", "evictions", "d"),
+    ("partial", "partial_hits", "d"),
+    ("tok/s", "tokens_per_s", ".0f"),
+    ("TTFT p99", "ttft_p99_s", "s"),
+)
+
+
+def cache_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The prefix-cache rows (runs that cache prefixes): hits, prefill saved and run, evictions, the two
+    largest miss reasons, throughput, TTFT p99; `vs lru` is prefill saved against the `lru` row."""
+    rows = {n: r for n, r in rows.items() if "prefill_tokens_saved" in r and n.startswith("paged-prefix")}
+    if not rows:
+        return []
+    base = next((r["prefill_tokens_saved"] for r in rows.values() if r.get("eviction") == "lru"), None)
+    header = ["run", *(h for h, _, _ in _CACHE_COLUMNS), "vs lru", "misses (tokens)"]
+    body = []
+    for name, r in rows.items():
+        misses = sorted(((v, k[len("miss_tokens_") :]) for k, v in r.items() if k.startswith("miss_tokens_") and v), reverse=True)
+        gain = f"{100 * (r['prefill_tokens_saved'] / base - 1):+.1f}%" if base else "-"
+        body.append([name, *(_cell(r[k], f) for _, k, f in _CACHE_COLUMNS), gain,
+                     ", ".join(f"{k} {v}" for v, k in misses[:2]) or "-"])  # fmt: skip
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1])), row[-1]])
+             for row in [header, *body]]  # fmt: skip
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
 def simulate_text(report: SimulationReport) -> str:
     c = report.config
     tp = f"{c.tensor_parallel} x " if c.tensor_parallel > 1 else ""
@@ -61,6 +94,9 @@ def simulate_text(report: SimulationReport) -> str:
         "",
         *table(report.results),
     ]
+    cache = cache_table(report.results)
+    if cache:
+        out += ["", "prefix cache (prefill tokens over every admission; misses by reason, pagedkv.core.misses):", *cache]
     if report.sweep:
         for name in report.results:
             rows = {

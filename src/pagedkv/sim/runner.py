@@ -87,6 +87,17 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _variants(allocators: Sequence[str], evictions: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(row name, allocator, eviction policy) of each run: `paged-prefix` once per policy when given."""
+    out: list[tuple[str, str, str]] = []
+    for a in allocators:
+        if a == "paged-prefix" and evictions:
+            out += [(f"paged-prefix:{e}", a, e) for e in evictions]
+        else:
+            out.append((a, a, "lru"))
+    return out
+
+
 def run_simulation(
     model: str = "llama-2-7b",
     gpu: str = "a100-40gb",
@@ -104,8 +115,12 @@ def run_simulation(
     catalog: Catalog | None = None,
     progress: bool = False,
     check_every: int = 0,
+    evictions: Sequence[str] = (),
+    partial_reuse: bool = False,
 ) -> SimulationReport:
-    """Replay `workload` (default: the shipped Azure conv trace) under each allocator; see `SimConfig`."""
+    """Replay `workload` (default: the shipped Azure conv trace) under each allocator; see `SimConfig`.
+    `evictions`: run `paged-prefix` once per eviction policy (rows `paged-prefix:<policy>`); `partial_reuse`
+    turns partial-block reuse on for it."""
     catalog = catalog or Catalog.builtin()
     model_spec, gpu_spec = catalog.model(model), catalog.gpu(gpu)
     for name in allocators:
@@ -126,14 +141,17 @@ def run_simulation(
     )
     budget = base.budget()
     wl = build_workload(workload or WorkloadSpec(), base.max_model_len)
-    runs = [(block_size, a) for a in allocators]
-    runs += [(bs, a) for bs in sweep_block_sizes if bs != block_size for a in allocators]
+    variants = _variants(allocators, evictions)
+    runs = [(block_size, v) for v in variants]
+    runs += [(bs, v) for bs in sweep_block_sizes if bs != block_size for v in variants]
     bar = _Progress(len(wl.requests) * len(runs), progress)
     report = SimulationReport(base, wl, budget)
     try:
-        for bs, name in runs:
+        for bs, (name, allocator_name, eviction) in runs:
             bar.describe(f"{name} bs={bs}")
-            config = replace(base, allocator=name, block_size=bs)
+            config = replace(
+                base, allocator=allocator_name, block_size=bs, eviction=eviction, partial_reuse=partial_reuse
+            )
             trace = simulate(config, wl, progress=bar, check_every=check_every)
             summary = summarize(trace)
             if bs == block_size:

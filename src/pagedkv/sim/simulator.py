@@ -8,7 +8,8 @@ The loop, per step (simulated time `now`, in seconds):
        preempting through the allocator exactly as the engine does;
     3. the step takes `StepTimeModel.step_seconds(starts, num_new_tokens)`, plus, with `SimConfig.realloc`,
        the time to copy (read and write at HBM bandwidth) the KV of each sequence whose contiguous buffer
-       must grow (`realloc_copy_tokens`); `now` advances by it;
+       must grow (`realloc_copy_tokens`), plus the block copies the allocator asked for (partial-block
+       reuse, copy-on-write: one block of KV read and written each); `now` advances by it;
     4. each chunk that completes its request's tokens samples the request's next output token, or the
        end-of-sequence id once the request has produced its true output length; `update(..., now)` appends
        them, finishes requests and frees their blocks.
@@ -30,7 +31,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
-from pagedkv.core.protocol import KVManager
+from pagedkv.core.eviction import EVICTION_POLICIES
+from pagedkv.core.protocol import KVManager, ManagerStats
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sim.allocators import CONTIGUOUS, check_allocator, manager_for, max_new_tokens_for
@@ -69,9 +71,14 @@ class SimConfig:
     # one twice as large when full; "concat": the whole sequence copied every step (transformers'
     # DynamicCache). The copy is charged at HBM bandwidth (read + write) on top of the step.
     realloc: str = "none"
+    # The prefix cache's eviction policy (pagedkv.core.eviction) and partial-block reuse (paged-prefix only).
+    eviction: str = "lru"
+    partial_reuse: bool = False
 
     def __post_init__(self) -> None:
         check_allocator(self.allocator)
+        if self.eviction not in EVICTION_POLICIES:
+            raise InvalidArgumentError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.realloc not in REALLOC_MODES:
             raise InvalidArgumentError(f"realloc must be one of {REALLOC_MODES}, got {self.realloc!r}")
         if self.realloc != "none" and self.allocator not in CONTIGUOUS:
@@ -128,6 +135,8 @@ class SimTrace:
     realloc_bytes: float = 0.0  # KV bytes copied by buffer reallocation (SimConfig.realloc), summed
     realloc_s: list[float] = field(default_factory=list)  # per step: seconds of it spent copying
     final_used_blocks: int = -1  # blocks still in use after the last request finished (0: nothing leaked)
+    block_copies: int = 0  # device block copies the allocator asked for (partial reuse, copy-on-write)
+    manager_stats: ManagerStats | None = None  # the allocator's counters at the end (hits, misses, evictions)
     arrival_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     first_token_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     finish_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
@@ -197,7 +206,10 @@ class _Replay:
         self.config = config
         self.workload = workload
         self.budget = budget
-        self.manager = manager_for(config.allocator, budget.num_blocks, config.block_size)
+        self.manager = manager_for(
+            config.allocator, budget.num_blocks, config.block_size, eviction=config.eviction,
+            partial_reuse=config.partial_reuse,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.manager, config.scheduler)
         self.step_model = config.step_model()
         self.reqs = {r.index: r for r in workload.requests}
@@ -268,7 +280,7 @@ class _Replay:
         chunks = output.scheduled
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         news = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-        dt = self._charge_time(chunks, starts, news)
+        dt = self._charge_time(chunks, starts, news) + self._charge_copies(len(output.copies.src))
         self.out.preemptions += len(output.preempted)
         sampled = self._sample(chunks)
         num_running = len(self.scheduler.running)
@@ -311,6 +323,18 @@ class _Replay:
         if self.paged:  # the attention kernel reads one int32 block id per context block, per layer
             bs = config.block_size
             out.page_table_bytes += float((-(-(starts + news) // bs)).sum()) * 4 * config.model.num_layers
+        return dt
+
+    def _charge_copies(self, num_copies: int) -> float:
+        """The step's block copies (run before its forward): one block of KV read and written each."""
+        if not num_copies:
+            return 0.0
+        config = self.config
+        copy_bytes = float(num_copies) * config.block_size * config.model.kv_bytes_per_token
+        self.out.block_copies += num_copies
+        self.out.bytes_moved += 2 * copy_bytes
+        dt = 2 * copy_bytes / (config.tensor_parallel * config.gpu.hbm_bandwidth_bytes_per_s)
+        self.now += dt
         return dt
 
     def _sample(self, chunks: Any) -> dict[str, int]:
@@ -368,6 +392,7 @@ class _Replay:
         out.prompt_len = np.array([r.prompt_len for r in workload.requests], dtype=np.int64)
         out.output_len = np.array([r.output_len for r in workload.requests], dtype=np.int64)
         out.cached_tokens = self.cached
+        out.manager_stats = manager.stats
         return out
 
 

@@ -20,7 +20,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.workloads import generators as gen
 from pagedkv.workloads.generators import GeneratedRequest
 
-GENERATORS = ("variable", "fixed", "shared-prefix", "multi-turn", "legal")
+GENERATORS = ("variable", "fixed", "shared-prefix", "multi-turn", "legal", "multi-tenant")
 LEGAL_ANSWER_ROOM = 512  # legal: contracts are cut to max_model_len minus this, leaving room for the answer
 ARRIVALS = ("trace", "burst", "poisson")
 DEFAULT_WORKLOAD = "azure-conv"  # the Azure conv trace shipped inside the package
@@ -82,6 +82,8 @@ class WorkloadSpec:
             name = f"shared-prefix (system prompt {self.system_prompt_len})"
         elif self.source == "multi-turn":
             name = f"multi-turn ({self.turns} turns)"
+        elif self.source == "multi-tenant":
+            name = f"multi-tenant (16 system prompts of {self.system_prompt_len}, 40% one-off documents)"
         elif self.source == "legal":
             name = "legal (CUAD-derived contract lengths, Azure conv answer lengths)"
         elif self.prompt_lognormal or self.output_lognormal:
@@ -162,6 +164,9 @@ def _from_generator(spec: WorkloadSpec, max_model_len: int) -> list[GeneratedReq
             max_prompt_len=max_model_len - 1,
         )
         return reqs[:n]
+    if spec.source == "multi-tenant":
+        return gen.multi_tenant(n, system_prompt_len=spec.system_prompt_len, seed=seed, rate=rate,
+                                max_prompt_len=max_model_len - 1)  # fmt: skip
     if spec.source == "legal":
         from pagedkv.workloads.legal import legal_contract
 

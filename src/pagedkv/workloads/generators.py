@@ -11,6 +11,9 @@ sees exactly the sharing the workload intends:
 - `multi_turn`: conversations whose turn k+1 prompt is turn k's prompt, turn k's answer and a new user
   message; turn k+1 arrives `think_s` after turn k finishes (`parent` links the turns), so a prefix cache
   can serve the whole history.
+- `multi_tenant`: a few long system prompts (tenants, Zipf-popular) shared by many users' short messages,
+  and one-off long documents among them; under LRU the documents flush the less popular tenants' prompts
+  between their users, which is what frequency- and cost-aware eviction keeps (docs/cache-policy.md).
 
 Arrivals: `poisson_arrivals(n, rate)` (exponential gaps), or everything at t=0 when `rate` is None.
 Token ids are drawn from [1, VOCAB); 0 and VOCAB and above are never produced (free for end-of-sequence
@@ -203,4 +206,44 @@ def multi_turn(
             )
             history = np.concatenate([prompt, output])
             parent = index
+    return requests
+
+
+def multi_tenant(
+    num_requests: int,
+    *,
+    num_tenants: int = 16,
+    system_prompt_len: int = 1024,
+    doc_fraction: float = 0.4,
+    seed: int = 0,
+    rate: float | None = None,
+    zipf: float = 1.0,
+    user_lognormal: tuple[float, float] = (5.0, 0.8),
+    doc_lognormal: tuple[float, float] = (8.0, 0.3),
+    output_lognormal: tuple[float, float] = AZURE_CONV_OUTPUT_LOGNORMAL,
+    max_prompt_len: int | None = None,
+) -> list[GeneratedRequest]:
+    """`num_tenants` system prompts of `system_prompt_len` tokens, tenant i chosen with weight 1/(i+1)^zipf,
+    each followed by a private log-normal user message; a `doc_fraction` of the requests are instead one-off
+    documents (log-normal, ~3,000 tokens by default, read once). Prompts are cut to `max_prompt_len`."""
+    _check_count(num_requests)
+    _check_len(num_tenants, "num_tenants")
+    _check_len(system_prompt_len, "system_prompt_len", minimum=0)
+    if not 0.0 <= doc_fraction <= 1.0:
+        raise InvalidArgumentError(f"doc_fraction must be in [0, 1], got {doc_fraction!r}")
+    rng = np.random.default_rng(seed)
+    arrivals = poisson_arrivals(num_requests, rate, rng)
+    systems = [_tokens(rng, system_prompt_len) for _ in range(num_tenants)]
+    weights = 1.0 / np.arange(1, num_tenants + 1) ** zipf
+    tenants = rng.choice(num_tenants, size=num_requests, p=weights / weights.sum())
+    is_doc = rng.random(num_requests) < doc_fraction
+    users = lognormal_lengths(rng, num_requests, *user_lognormal)
+    docs = lognormal_lengths(rng, num_requests, *doc_lognormal)
+    outputs = lognormal_lengths(rng, num_requests, *output_lognormal)
+    requests = []
+    for i in range(num_requests):
+        prompt = _tokens(rng, int(docs[i])) if is_doc[i] else np.concatenate([systems[tenants[i]], _tokens(rng, int(users[i]))])
+        if max_prompt_len is not None:
+            prompt = prompt[:max_prompt_len]
+        requests.append(GeneratedRequest(i, float(arrivals[i]), prompt, _tokens(rng, int(outputs[i]))))
     return requests
