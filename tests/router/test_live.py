@@ -128,6 +128,10 @@ def test_blocks_on_their_way_draw_the_next_request_sharing_them(tmp_path) -> Non
         router.routed("r3", "b")  # Ray placed it on b: it moves, work and blocks on their way
         moved = router.rank(["a", "b"], list(range(300, 332)) + [2])
         assert (moved.matches["a"].gpu, moved.matches["b"].gpu) == (0, 8) and moved.loads["a"] == 0.0
+        router.withdraw("r3")  # ranked again: its own placement no longer counts
+        again = router.rank(["a", "b"], list(range(300, 332)) + [2])
+        assert again.matches["b"].gpu == 0 and again.loads["b"] == 0.0
+        router.routed("r3", "b")
         router.completed("r3")
         router.predict("r2", router.rank(["a", "b"], list(range(200, 232)) + [1]))
         router.routed("r2", "a")

@@ -203,6 +203,13 @@ class LiveRouter:
         self._replicas.setdefault(replica, _Replica()).inflight[request_id] = entry
         self._inflight[request_id] = entry
 
+    def withdraw(self, request_id: Hashable) -> None:
+        """Take back a request's placement (it is being ranked again: its own work must not count against the
+        replica it was meant for)."""
+        entry = self._inflight.get(request_id)
+        if entry is not None:
+            self._drop(request_id, entry)
+
     def completed(self, request_id: Hashable) -> None:
         self._predicted.pop(request_id, None)
         entry = self._inflight.get(request_id)

@@ -98,8 +98,9 @@ class PagedKVRequestRouter(FIFOMixin, RequestRouter):
         for r in candidate_replicas:
             self.live.observe(r.replica_id, r.routing_stats)
         by_id = {r.replica_id: r for r in candidate_replicas}
-        ranking = self.live.rank(list(by_id), list(request.prompt_token_ids), cache_salt=request.cache_salt)
         rid = pending_request.metadata.internal_request_id
+        self.live.withdraw(rid)  # Ray may ask again for the same request: rank it without its own placement
+        ranking = self.live.rank(list(by_id), list(request.prompt_token_ids), cache_salt=request.cache_salt)
         self.live.predict(rid, ranking)
         self.live.routed(rid, ranking.order[0])  # count it at once: Ray decides several requests concurrently
         self.decisions += 1
