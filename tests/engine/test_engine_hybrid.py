@@ -5,17 +5,29 @@ windowed groups hold fewer blocks than the uniform allocator does on the same re
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any
+
 import numpy as np
 import pytest
 
 from pagedkv.core.hybrid import HybridKVManager
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.reference import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
-from tests.engine.test_engine_equivalence import engine_config
 
 MAX_NEW = 14
+
+
+def engine_config(**kw: Any) -> EngineConfig:
+    """`EngineConfig` from flat keywords: the scheduler's own go into its `SchedulerConfig`."""
+    names = {f.name for f in fields(SchedulerConfig)}
+    scheduler = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in names})
+    return EngineConfig(**kw, scheduler=scheduler)
+
 LENGTHS = (31, 5, 44, 17, 26)  # up to ~7 windows of the tiny models
 WINDOWED = ["mistral", "qwen2-sw", "gemma2"]
 _REF: dict[str, list[list[int]]] = {}
