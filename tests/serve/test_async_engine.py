@@ -136,3 +136,41 @@ def test_a_failing_engine_ends_every_stream_and_health_turns_red(model: Any, tok
             asyncio.run(final_outputs(running.async_engine, [5, 6], GREEDY))
     finally:
         running.stop()
+
+
+def test_a_request_still_queued_when_the_engine_fails_is_not_stranded(model: Any, tokenizer: Any) -> None:
+    """The engine thread is held in a step that then raises; a request added meanwhile sits in the command
+    queue: both streams end with EngineDeadError, and the door refuses from then on."""
+    inner = make_engine(model, tokenizer)
+    engine = AsyncEngine(inner)
+    in_step, release = threading.Event(), threading.Event()
+
+    def failing_step() -> list[Any]:
+        in_step.set()
+        release.wait(30)
+        raise RuntimeError("the device fell over")
+
+    inner.step = failing_step  # type: ignore[method-assign]
+    engine.start()
+
+    async def scenario() -> list[str]:
+        first = engine.add_request(prompts(tokenizer, 1)[0], GREEDY)
+        in_step.wait(30)
+        queued = engine.add_request(prompts(tokenizer, 2)[1], GREEDY)  # stays in the command queue
+        release.set()
+        ends = []
+        for stream in (first, queued):
+            with pytest.raises(EngineDeadError, match="device fell over") as caught:
+                async for _ in stream:
+                    pass
+            ends.append(str(caught.value))
+        with pytest.raises(EngineDeadError):
+            engine.add_request(prompts(tokenizer, 1)[0], GREEDY)
+        return ends
+
+    try:
+        assert len(asyncio.run(asyncio.wait_for(scenario(), 60))) == 2
+        assert not engine.alive
+    finally:
+        release.set()
+        engine.shutdown()

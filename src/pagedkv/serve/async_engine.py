@@ -200,22 +200,22 @@ class AsyncEngine:
     ) -> RequestStream:
         """Check the request and queue it; its stream. Must be called from a running event loop."""
         loop = asyncio.get_running_loop()
-        if not self.alive:
-            raise EngineDeadError(self._dead_reason())
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
         arrival = self.engine.clock()
         self.engine.intake.build(
             rid, prompt_token_ids, params, priority=priority, arrival_time=arrival, cache_salt=cache_salt, ids_in_use=()
         )  # the door's checks, on this thread: raises without queueing anything
-        with self._lock:
+        stream = RequestStream(rid, loop, self)
+        with self._lock:  # the engine thread takes this lock to fail what is queued: nothing is stranded
+            if not self.alive:
+                raise EngineDeadError(self._dead_reason())
             if self._num_waiting >= self.max_waiting:
                 raise ServerOverloadedError(
                     f"{self._num_waiting} requests are waiting for their first token (--max-waiting "
                     f"{self.max_waiting}); retry later"
                 )
             self._num_waiting += 1
-        stream = RequestStream(rid, loop, self)
-        self._send("add", (stream, list(prompt_token_ids), params, cache_salt, priority, arrival))
+            self._send("add", (stream, list(prompt_token_ids), params, cache_salt, priority, arrival))
         return stream
 
     async def generate(
@@ -281,8 +281,9 @@ class AsyncEngine:
                 self._publish(finished)
         except BaseException as e:  # the engine itself failed: every stream learns it, /health turns red
             logger.exception("pagedkv engine loop failed")
-            self._failure = e
-            self._fail_all(EngineDeadError(self._dead_reason()))
+            self._fail_all(EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}"), e)
+        else:
+            self._fail_all(EngineDeadError("the engine loop was shut down"), None)
         finally:
             self._snapshot = self._take_snapshot(alive=False)
 
@@ -372,8 +373,18 @@ class AsyncEngine:
                 for stream, _ in pairs:
                     self._abort(stream.request_id)
 
-    def _fail_all(self, error: BaseException) -> None:
-        self._dispatch({stream: [_Failed(error)] for stream in self._streams.values()})
+    def _fail_all(self, error: BaseException, failure: BaseException | None) -> None:
+        """The loop ends: every stream in flight and every request still in the command queue ends with
+        `error`. Under the door's lock, so no request is queued after this drain."""
+        with self._lock:
+            self._failure = failure
+            self._stopping = True
+            queued = []
+            while self._commands:  # popleft, not iteration: an abort may be appended meanwhile
+                kind, payload = self._commands.popleft()
+                if kind == "add":
+                    queued.append(payload[0])
+        self._dispatch({stream: [_Failed(error)] for stream in [*self._streams.values(), *queued]})
         self._streams.clear()
 
     def _take_snapshot(self, *, alive: bool) -> EngineSnapshot:
