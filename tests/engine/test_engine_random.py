@@ -2,8 +2,10 @@
 
 Each round draws a tiny model family and an engine configuration (paged or contiguous, block size 1/4/16,
 preemption by swap or recompute, chunked prefill on or off, a pool and budget small enough to preempt; the
-tier rounds: paged with a small host RAM tier, sometimes a disk tier, swap preemption and chunked prefill,
-so that requests swapped out mid-prefill come back in the step that loads a tier hit), then
+tier rounds: paged with a small host RAM tier, sometimes a disk tier, swap preemption, chunked prefill and
+no growth reserve, so that swaps and tier hits run in one engine; the exact collision of issue #20, a
+request swapped out mid-prefill coming back in the step that loads a tier hit, is pinned by
+tests/tiers/test_swap_tiers.py), then
 interleaves adding requests (greedy or seeded sampling, n > 1, stop tokens, ignore_eos, priorities),
 steps, aborts from outside, callbacks that abort other requests, finish themselves or raise, and malformed
 requests that must be refused with nothing queued. It checks:
