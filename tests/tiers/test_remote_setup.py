@@ -22,6 +22,7 @@ from pagedkv.hf.tiny import tiny_model
 from pagedkv.tiers.keys import store_key
 from pagedkv.tiers.redis_server import RedisServer
 from pagedkv.tiers.remote import RedisTier, TierUnavailableError
+from pagedkv.tiers.store import TieredStore
 from pagedkv.tiers.value import BlockLayout
 
 LAYOUT = BlockLayout("bfloat16", (2, 2, 4, 2, 8))
@@ -107,6 +108,7 @@ def test_repeated_failures_start_a_back_off(redis_server: RedisServer) -> None:
         assert tier.lookup([k(0)]) == 0 and tier.put([k(1)], rows(1)).num_stored == 0
     assert tier.round_trips == 4 and tier.failures["backoff"] == 20
     assert "3 failed calls in a row" in str(tier.status())
+    assert "3 failed calls in a row" in TieredStore(LAYOUT, [], tier).inactive()["REMOTE"]  # what generate prints
     now[0] = 31.0  # the back-off is over: the next call tries again
     assert tier.lookup([k(0)]) == 0 and tier.round_trips == 5 and tier.status() is None
 
