@@ -229,17 +229,23 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
         given.remember(tokens)
         return given
 
-    def _content_keys(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_blocks: int) -> list[object]:
+    def _content_keys(
+        self, tokens: npt.NDArray[np.int32] | list[int], keys: BlockKeys, start: int, stop: int
+    ) -> list[object]:
+        """The content keys of blocks [start, stop): only blocks never keyed before are hashed (a decode
+        step hashes one block, whatever the sequence's length)."""
         keys.bind(self.key_fn, 0)
         bs = self._block_size
-        return [keys.key(i, tokens[i * bs : (i + 1) * bs]) for i in range(num_blocks)]
+        for i in range(keys.num_keys(), stop):
+            keys.key(i, np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int32))
+        return list(keys.keys[start + 1 : stop + 1])
 
     def _match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> tuple[int, list[IntArray]]:
         """(k, hits): the longest prefix of k blocks every group serves, and each group's hit blocks (those
         covering [first_needed(k * bs), k * bs))."""
         if not self.enable_prefix_caching or max_blocks == 0:
             return 0, [_EMPTY for _ in self.groups]
-        content = self._content_keys(tokens, keys, max_blocks)
+        content = self._content_keys(tokens, keys, 0, max_blocks)
         lookup, bs, k = self.index.lookup, self._block_size, max_blocks
         found: list[list[int | None]] = []
         for g, spec in enumerate(self.groups):
@@ -379,14 +385,14 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
         full = min(seq.num_computed, seq.hashable) // bs
         if full <= min(seq.published):
             return
-        tokens = np.array(seq.tokens[: full * bs], dtype=np.int32)
         assert seq.keys is not None, "hybrid manager: publishing without keys"
-        content = self._content_keys(tokens, seq.keys, full)
+        first = min(max(p, r) for p, r in zip(seq.published, seq.released))
+        content = self._content_keys(seq.tokens, seq.keys, first, full)
         for g, t in enumerate(self.tables):
             start = max(seq.published[g], seq.released[g])
             if full > start:
                 ids = t.table[row, start:full].tolist()
-                self.index.insert([group_key(c, g) for c in content[start:full]], ids)  # type: ignore[arg-type]
+                self.index.insert([group_key(c, g) for c in content[start - first :]], ids)  # type: ignore[arg-type]
             seq.published[g] = max(seq.published[g], full)
 
     def _release_passed(self, row: int, seq: SeqState) -> None:
