@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.progress import Progress, on_terminal
 
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,7 +201,10 @@ def load_weights(source: ModelSource, *, dtype: str | None = None, tokenizer: An
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype)
     if "gguf_file" in kwargs:
-        _gguf_bar(True)
+        _gguf_bar(on_terminal())  # tensor by tensor, on a terminal only
+        if not source.cached:  # one line even when piped: the first load is the slow one
+            print(f"pagedkv: de-quantising {source.gguf_file} once (about a minute on one core); later loads read "
+                  f"{source.cache_folder}", file=sys.stderr, flush=True)  # fmt: skip
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, KeyError) as err:
@@ -224,9 +228,12 @@ def _save_conversion(source: ModelSource, model: Any, tokenizer: Any) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-        _save_plain(model, tmp)
-        tokenizer.save_pretrained(tmp)
-        digest = getattr(model, "pagedkv_weights_digest", None) or weights_digest(model)
+        with Progress("pagedkv: caching the conversion", total=2, unit="steps") as bar:
+            _save_plain(model, tmp)
+            tokenizer.save_pretrained(tmp)
+            bar.update(1, note="weights digest")
+            digest = getattr(model, "pagedkv_weights_digest", None) or weights_digest(model)
+            bar.update(1)
         (tmp / DIGEST_FILE).write_text(f"{_dtype_of(model)} {digest}\n")
         (tmp / _COMPLETE).write_text(f"{source.folder / (source.gguf_file or '')}\n")
         if target.exists():  # an incomplete earlier attempt, or another process won the race
