@@ -4,22 +4,18 @@ it), the Python reference it is compared with, and the key contract written out 
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 from typing import Any
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
+from native_policy import require_native
 
 from pagedkv.core.hotpath import SHA256, PythonBackend
 
 try:
     from pagedkv.core import _native as native
-except ImportError as exc:  # a machine with a C compiler must have built it: fail rather than skip
-    if os.environ.get("PAGEDKV_NATIVE", "1") != "0" and (shutil.which("cc") or shutil.which("gcc")):
-        pytest.fail(f"pagedkv.core._native is not built although a C compiler is present: {exc}", pytrace=False)
-    pytest.skip("pagedkv.core._native is not built (no C compiler, or PAGEDKV_NATIVE=0)", allow_module_level=True)
+except ImportError as exc:
+    require_native("pagedkv.core._native", False, exc)
 
 REF = PythonBackend()
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -39,10 +39,11 @@ def test_table_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_cpu_decode_kernel_is_timed_against_contiguous_sdpa(capsys: pytest.CaptureFixture[str]) -> None:
+    from native_policy import require_native
+
     from pagedkv.ops import cpu_decode
 
-    if cpu_decode.isa() is None:
-        pytest.skip("pagedkv.ops._cpu_decode is not built")
+    require_native("pagedkv.ops._cpu_decode", cpu_decode.isa() is not None)
     args = _args("--batch", "3", "--context", "70", "--num-heads", "6", "--num-kv-heads", "2", "--head-dim", "16",
                  "--repeats", "1", "--json", "--backend", "cpu-decode")  # fmt: skip
     assert attention.run(args) == 0

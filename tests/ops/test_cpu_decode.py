@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+from native_policy import require_native
 
 from pagedkv import ops
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import cpu_decode
 
-if cpu_decode.isa() is None:  # a machine with a C compiler must have built it: fail rather than skip
-    if os.environ.get("PAGEDKV_NATIVE", "1") != "0" and (shutil.which("cc") or shutil.which("gcc")):
-        pytest.fail("pagedkv.ops._cpu_decode is not built although a C compiler is present", pytrace=False)
-    pytest.skip("pagedkv.ops._cpu_decode is not built (no C compiler, or PAGEDKV_NATIVE=0)", allow_module_level=True)
+require_native("pagedkv.ops._cpu_decode", cpu_decode.isa() is not None)
 
 
 ISAS = ["generic"] + (["avx2+fma"] if cpu_decode.isa() == "avx2+fma" else [])
