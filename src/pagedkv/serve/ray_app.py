@@ -158,6 +158,15 @@ class PagedKVReplica:
             "num_running": s.num_running, "num_waiting": s.num_waiting + self.engine.num_waiting(),
         }  # fmt: skip
 
+    def __del__(self) -> None:
+        """Ray Serve's graceful stop: abort what is in flight, stop the engine loop, close its tiers and the
+        event sockets."""
+        engine, publisher = getattr(self, "engine", None), getattr(self, "publisher", None)
+        if engine is not None:
+            engine.shutdown(timeout_s=5.0)
+        if publisher is not None:
+            publisher.close()
+
     def routing_stats(self, target: ReplicaTarget) -> dict[str, Any]:
         """`record_routing_stats` of the named replica (for a router outside Ray's handles, and tests)."""
         self._check(target)
