@@ -260,6 +260,25 @@ def _families(text: str) -> list[str]:
     return names
 
 
+def _check_all(models: list[tuple[str, Any]], new_tokens: int, result: dict[str, Any], *, enabled: bool | None) -> None:
+    """Every check on every model, then Triton vs the reference, into `result`; a bar on a terminal."""
+    with Progress("bench bitwise", total=3 * len(models) + 1, unit="checks", enabled=enabled) as bar:
+        for name, model in models:
+            vocab = int(model.config.vocab_size)
+            prompts = _prompts(vocab, (5, 23, 40), seed=0)
+            bar.update(0, note=f"{name}: allocators")
+            result["allocator"][name] = check_allocators(model, prompts, new_tokens)
+            tight = tight_blocks(prompts, new_tokens)
+            bar.update(1, note=f"{name}: tight pool")
+            result["allocator_tight"][name] = check_allocators(model, prompts, new_tokens, tight)
+            bar.update(1, note=f"{name}: vs transformers")
+            result["vs_transformers"][name] = check_vs_transformers(model, prompts, new_tokens)
+            bar.update(1)
+        bar.update(0, note="triton vs reference")
+        result["triton"] = check_triton()
+        bar.update(1)
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (CPU only)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -280,22 +299,7 @@ def run(args: argparse.Namespace) -> int:
         "allocator_tight": {},
         "vs_transformers": {},
     }
-    enabled = False if args.no_progress else None  # on a terminal only
-    with Progress("bench bitwise", total=3 * len(models) + 1, unit="checks", enabled=enabled) as bar:
-        for name, model in models:
-            vocab = int(model.config.vocab_size)
-            prompts = _prompts(vocab, (5, 23, 40), seed=0)
-            bar.update(0, note=f"{name}: allocators")
-            result["allocator"][name] = check_allocators(model, prompts, new_tokens)
-            tight = tight_blocks(prompts, new_tokens)
-            bar.update(1, note=f"{name}: tight pool")
-            result["allocator_tight"][name] = check_allocators(model, prompts, new_tokens, tight)
-            bar.update(1, note=f"{name}: vs transformers")
-            result["vs_transformers"][name] = check_vs_transformers(model, prompts, new_tokens)
-            bar.update(1)
-        bar.update(0, note="triton vs reference")
-        result["triton"] = check_triton()
-        bar.update(1)
+    _check_all(models, new_tokens, result, enabled=False if args.no_progress else None)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

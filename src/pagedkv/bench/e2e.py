@@ -363,9 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-offset", type=int_at_least(0, 10_000), default=0,
         help="skip this many trace rows first (another slice of the trace)",
     )  # fmt: skip
-    parser.add_argument(
-        "--prompt-scale", type=positive_int, default=16, help="prompt length = ContextTokens // this"
-    )
+    parser.add_argument("--prompt-scale", type=positive_int, default=16, help="prompt len = ContextTokens // this")
     parser.add_argument(
         "--output-scale", type=positive_int, default=2, help="output length = GeneratedTokens // this"
     )
@@ -412,9 +410,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument(
-        "--outputs-file", type=output_file(), help="write every system's output token ids here (JSON)"
-    )
+    parser.add_argument("--outputs-file", type=output_file(), help="write every system's output token ids (JSON)")
 
 
 def run(args: argparse.Namespace) -> int:
