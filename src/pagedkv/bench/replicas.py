@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import json
 import sys
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.router.policy import CostPolicy, CostWeights
 
 BLOCK_SIZE = 4
 VOCAB_LOW, VOCAB_HIGH = 3, 128  # the tiny model's vocabulary, without pad/bos/eos
@@ -175,6 +177,7 @@ def measure(router: str, args: argparse.Namespace, trace: list[list[list[int]]],
     spec = ReplicaSet(
         replicas=args.replicas, engine=functools.partial(bench_engine, args.num_blocks), remote_url=args.remote_url,
         router=router, num_cpus=args.replica_cpus, stats_period_s=0.5,
+        router_kwargs=dataclasses.asdict(weights(args)) if router == "pagedkv" else {},
     )  # fmt: skip
     with running(spec, port=port, app_name=f"bench-{router}") as app:
         asyncio.run(_warm_up(app.replicas, args.replicas))
@@ -205,7 +208,21 @@ def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
     workload = Workload(WorkloadSpec(source="multi-turn", num_requests=len(requests)), requests, 0, 0)
     tiers = TierConfig(remote_tier=args.remote_url is not None)
     sim = ReplicaSimulation(config, workload, num_replicas=args.replicas, router="cost", tiers=tiers)
+    sim.router.policy = CostPolicy(weights(args))  # the live router's weights
     return sim.run()
+
+
+def weights(args: argparse.Namespace) -> CostWeights:
+    """`--cost-weights COMPUTE,LOCAL,REMOTE,QUEUE` (default: the policy's own)."""
+    if not getattr(args, "cost_weights", None):
+        return CostWeights()
+    try:
+        values = [float(x) for x in args.cost_weights.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(f"--cost-weights takes four numbers, got {args.cost_weights!r}") from None
+    if len(values) != 4:
+        raise InvalidArgumentError(f"--cost-weights takes four numbers, got {args.cost_weights!r}")
+    return CostWeights(*values)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -286,7 +303,7 @@ def summarize(spec: TraceSpec, args: argparse.Namespace, runs: dict[str, list[Ro
         ]
         rows.append(row)
     result: dict[str, Any] = {"trace": asdict(spec), "replicas": args.replicas, "repeat": args.repeat,
-                              "routers": rows}  # fmt: skip
+                              "cost_weights": asdict(weights(args)), "routers": rows}  # fmt: skip
     if runs.get("pagedkv"):
         errors, predicted = [], []
         for ours in runs["pagedkv"]:
