@@ -451,8 +451,13 @@ def test_case13_rejected_outputs_have_sane_timings() -> None:
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=4))
     assert [o.finish_reason == "rejected" for o in outputs] == [False, True, False]
     for o in outputs:
-        for value in (o.ttft_s, o.tpot_s, o.e2e_s):
-            assert value is None or (math.isfinite(value) and value >= 0)
+        timings = (o.ttft_s, o.tpot_s, o.e2e_s)
+        if o.finish_reason == "rejected":  # never ran: no time to first token, per token or end to end
+            assert timings == (None, None, None) and o.output_token_ids == []
+            continue
+        assert o.ttft_s is not None and o.tpot_s is not None and o.e2e_s is not None, timings  # all measured
+        assert all(math.isfinite(v) and v > 0 for v in (o.ttft_s, o.tpot_s, o.e2e_s)), timings
+        assert o.ttft_s <= o.e2e_s, timings  # the first token comes before the last
 
 
 # --- 14: tenants ------------------------------------------------------------------------------------
