@@ -279,6 +279,18 @@ def test_swap_round_trip_keeps_tokens_and_frees_device_blocks() -> None:
     m.check_invariants()
 
 
+def test_invariants_hold_with_more_host_blocks_than_device_blocks() -> None:
+    # A swapped row's table holds host block ids, which may be past the device pool's last block.
+    m = PagedKVManager(num_blocks=8, block_size=BS, num_host_blocks=32)
+    for i in range(6):
+        a = m.admit(toks(10 * i, 6))
+        assert a is not None
+        m.mark_computed([a.seq_id])
+        assert m.swap_out(a.seq_id) is not None
+        m.check_invariants()
+    assert m.host_pool is not None and m.host_pool.num_free == 32 - 12
+
+
 def test_lookahead_slots() -> None:
     m = PagedKVManager(num_blocks=9, block_size=BS)
     a = m.admit(toks(0, 4), num_lookahead=3)

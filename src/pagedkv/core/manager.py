@@ -636,7 +636,8 @@ class PagedKVManager(SwapMixin, TableViews):
         # A keyed block is full; a holder may see it partial only after rolling back into it, and then
         # it must copy (or unpublish) before writing.
         partial = held & ((cols + 1) * bs > t.num_tokens[:, None])
-        if (partial & pool.keyed[t.table] & ~t.cow_risk[:, None]).any():
+        on_device = np.where(held, t.table, 0)  # a swapped row holds host block ids: not this pool's
+        if (partial & pool.keyed[on_device] & ~t.cow_risk[:, None]).any():
             raise InvariantError("manager: a keyed block is partial in a sequence that may write into it")
         # ... and a sequence not marked copy-before-write writes its partial blocks in place: they are its own.
         in_place = partial & ~t.cow_risk[:, None]
