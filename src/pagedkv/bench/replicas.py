@@ -246,6 +246,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeat", type=int, default=1, help="rounds, each starting with the next router (medians)"
     )
+    p.add_argument(
+        "--cost-weights", default=None, metavar="C,L,R,Q",
+        help="pagedkv's weights: compute, local discount, remote discount, queue (default 1,0.1,0.3,1)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write the figures as JSON to this file")
 
 
@@ -262,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         args.conversations, args.turns, args.systems, args.system_len, (6, 14), args.output_len, args.seed
     )
     trace = spec.build()
+    weights(args)  # bad weights: one line before Ray starts
     import ray
 
     ray.init(
