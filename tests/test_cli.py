@@ -16,13 +16,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_bad_input_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     out = run_cli("bench", "allocator", "--trace", str(tmp_path / "missing.csv"))
     assert out.returncode == 2
-    assert "trace file not found" in out.stderr and "Traceback" not in out.stderr
+    assert "missing.csv: no such file" in out.stderr and "Traceback" not in out.stderr  # as in plan/simulate
     broken = tmp_path / "broken.csv"
     broken.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,-4,44\n")
     out = run_cli("bench", "allocator", "--trace", str(broken))
     assert out.returncode == 2 and "broken.csv:2" in out.stderr
     out = run_cli("bench", "allocator", "--num-blocks", "1")
-    assert out.returncode == 2 and "num_blocks" in out.stderr
+    assert out.returncode == 2 and "--num-blocks" in out.stderr
 
 
 def test_no_command_prints_help() -> None:
