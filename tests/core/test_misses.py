@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+from hypothesis import given
+from native_support import REF, SETTINGS, native
+from test_native_batch import copy_forget, forget_cases, outcome
 
 from pagedkv.core import BlockKeys, PagedKVManager
 from pagedkv.core.misses import MISS_REASONS
@@ -108,3 +113,23 @@ def test_the_evicted_memory_is_bounded() -> None:
     for i in range(3000):
         run(m, toks(1000 * i, 9))
     assert len(m.index._evicted) + len(m.index._evicted_before) <= 2 * 1024
+
+
+# --- the memory of evicted keys lives in forget_keys, in both backends ---------------------------------------
+
+
+@SETTINGS
+@given(case=forget_cases())
+def test_forget_keys_remembers_dropped_keys_alike_in_both_backends(case: dict[str, Any]) -> None:
+    got = []
+    for backend in (native, REF):
+        c, dropped = copy_forget(case), {b"earlier": None}
+        result = outcome(backend.forget_keys, (c["index"], c["key_of"], None), c["ids"], dropped)
+        got.append((result, [id(k) for k in dropped], [id(k) for k in c["key_of"]]))
+        if result is None:  # every key the ids held is remembered
+            held = [case["key_of"][b] for b in np.asarray(case["ids"], dtype=np.int64).tolist()]
+            assert all(k in dropped for k in held if k is not None)
+    assert got[0] == got[1]
+    for backend in (native, REF):
+        with pytest.raises(TypeError, match="dropped"):
+            backend.forget_keys(({}, [None], None), [0], [])

@@ -13,7 +13,8 @@ median of 3 interleaved runs on a shared 2-core machine, so +-3% noise; measured
 - `publish_rows`: give the newly written full blocks of a batch of sequences their keys and index them
   (the publishing path when `mark_computed` cannot use `publish_computed`: with `verify_hits`, or while a
   live sequence has per-block extras; 1.71x with `verify_hits` on Azure, unused otherwise);
-- `forget_keys`: drop the keys of evicted blocks (1.10x / 1.15x);
+- `forget_keys`: drop the keys of evicted blocks, remembering them for miss reasons (1.10x / 1.15x before
+  the memory; keeping that memory in Python cost 9% of the loop at 2,048 blocks);
 - `check_rows`: validate a batch of sequence handles (live, on the device, distinct) in one pass
   (1.18x / 1.13x);
 - `growth` / `grow`: a decode step's append: count the new blocks, then write them and the new tokens
@@ -101,7 +102,7 @@ class Backend(Protocol):
         blocks: I32, width: int, ids: I64,
     ) -> list[int]: ...  # fmt: skip
 
-    def forget_keys(self, prefix: IndexArrays, ids: I64) -> None: ...
+    def forget_keys(self, prefix: IndexArrays, ids: I64, dropped: dict[Any, None] | None = None) -> None: ...
 
     def check_rows(self, on_device: Flags, mark: I64, rows: I64) -> int: ...
 
@@ -248,12 +249,16 @@ class PythonBackend:
         return stored
 
     @staticmethod
-    def forget_keys(prefix: IndexArrays, ids: Any) -> None:
+    def forget_keys(prefix: IndexArrays, ids: Any, dropped: dict[Any, None] | None = None) -> None:
         """Eviction: drop the keys of blocks `ids` from `key_of`, and from the index where it maps to them;
         `prefix` is the tuple (index, key_of, keyed) (`IndexArrays`). `keyed` is left to the owner, who
-        clears it for all `ids` in one numpy call. TypeError if `prefix` is not a 3-tuple."""
+        clears it for all `ids` in one numpy call. With a dict `dropped`, each dropped key is set in it
+        (`dropped[key] = None`: the prefix index's memory of evicted keys). TypeError if `prefix` is not a
+        3-tuple or `dropped` neither a dict nor None."""
         if not (isinstance(prefix, tuple) and len(prefix) == 3):
             raise TypeError("forget_keys: prefix must be a tuple (index, key_of, keyed)")
+        if dropped is not None and type(dropped) is not dict:
+            raise TypeError("forget_keys: dropped must be a dict")
         index, key_of, _ = prefix
         block_ids = _as_list(ids)
         if block_ids and not (min(block_ids) >= 0 and max(block_ids) < len(key_of)):
@@ -263,6 +268,8 @@ class PythonBackend:
             if key is not None:
                 if index.get(key) == block_id:
                     del index[key]
+                if dropped is not None:
+                    dropped[key] = None
                 key_of[block_id] = None
 
     @staticmethod

@@ -188,16 +188,14 @@ class PrefixIndex:
 
     def forget(self, block_ids: IntArray) -> None:
         """Eviction: drop the keys of `block_ids` (each holds one) at once, remembering them as evicted."""
-        key_of = self.key_of
-        ids = block_ids.tolist()
-        keys = [key_of[b] for b in ids]
         if self.record_events:
-            self.events.extend(CacheEvent("removed", k, b) for k, b in zip(keys, ids))
+            key_of = self.key_of
+            self.events.extend(CacheEvent("removed", key_of[b], b) for b in block_ids.tolist())
+        if self.children is not None:
+            self._unlink(block_ids.tolist())
         if len(self._evicted) >= self._evicted_capacity:  # a new generation; the oldest is dropped
             self._evicted_before, self._evicted = self._evicted, {}
-        self._evicted.update(dict.fromkeys(keys))
-        self._unlink(ids)
-        self._hot.forget_keys(self.arrays, block_ids)
+        self._hot.forget_keys(self.arrays, block_ids, self._evicted)  # also remembers the keys in _evicted
         self.keyed[block_ids] = False
 
     def clear(self) -> int:
