@@ -20,6 +20,11 @@ which at the model's longest context is 0.5 x (1 - 4096/8192) = 25% for Gemma 2 
 0.75 x (1 - 32768/131072) = 56.25% for Ministral, the RFC's figures. The planner rows use the same
 Little's-law average as `planner.py`'s paged rows: bytes held at each decode step of each request,
 weighted by its life.
+
+The simulator (`pagedkv simulate`) runs the hybrid allocator for real: `HybridKVBudget` sizes its pool in
+hybrid pages (the same KV bytes, `bytes_per_block` of G layers), `manager_groups` gives `HybridKVManager`
+one group per `LayerGroup`, and every paged run of a hybrid model gets its hybrid twin (`hybrid` beside
+`paged`, `hybrid-prefix` beside `paged-prefix`), printed side by side by `hybrid_sim_lines`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.group import LayerGroup, group_layers, layers_per_block, padded_layers
+from pagedkv.core.group import KVGroupSpec, LayerGroup, group_layers, layers_per_block, padded_layers
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.catalog import ModelShape
 
@@ -98,6 +103,25 @@ class GroupedKV:
         windows = self.model.layer_windows
         beyond = sum(tokens - min(tokens, w) for w in windows if w is not None)
         return beyond / (len(windows) * tokens)
+
+
+class HybridKVBudget(KVBudget):
+    """`KVBudget` with hybrid pages: the same KV bytes cut into blocks of G layers (`GroupedKV`), so
+    `num_blocks` and `num_tokens` count pages of one group's layers."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        return GroupedKV(self.model, self.block_size).bytes_per_block
+
+    def fits(self, tokens: int) -> bool:
+        """Whether one request of `tokens` tokens fits the pool, each group holding what it keeps."""
+        need = GroupedKV(self.model, self.block_size).blocks(np.array([tokens], dtype=np.int64))
+        return int(need[0]) <= self.num_usable_blocks
+
+
+def manager_groups(model: ModelShape) -> tuple[KVGroupSpec, ...]:
+    """`HybridKVManager`'s groups for `model`: one per `LayerGroup` (vLLM's layout, as the engine builds)."""
+    return tuple(g.spec for g in group_layers(model.layer_windows))
 
 
 def context_rows(budget: KVBudget, contexts: tuple[int, ...] = CONTEXTS) -> list[dict[str, Any]]:
@@ -178,3 +202,27 @@ def hybrid_text(plan: dict[str, Any], uniform: dict[str, Any]) -> str:
     lines.append(f"uniform KV wasted on sliding layers at the model's {plan['contexts'][-1]['context']:,}-token "
                  f"context: {plan['waste_at_max_context']:.2%} (vLLM RFC #11382's measure)")  # fmt: skip
     return "\n".join(lines)
+
+
+_SIM_COLUMNS = (("num blocks", "num_blocks", ","), ("KV held GiB", "kv_held_gib", ".2f"),
+                ("KV unread", "kv_unread", "%"), ("mean conc", "mean_concurrency", ".1f"),
+                ("peak conc", "peak_concurrency", ","), ("tok/s", "tokens_per_s", ".0f"),
+                ("preempt", "preemptions", ","), ("TTFT p99", "ttft_p99_s", ".2f"))  # fmt: skip
+
+
+def hybrid_sim_lines(model: ModelShape, results: dict[str, dict[str, Any]]) -> list[str]:
+    """`pagedkv simulate`'s uniform vs hybrid table (rows of paged and hybrid runs); [] without hybrid rows.
+    KV unread: the time-weighted share of the KV held that no query will read (empty slots, tokens out of
+    every window, padding layer slots)."""
+    rows = {n: r for n, r in results.items() if n.split(":")[0] in ("paged", "paged-prefix", "hybrid", "hybrid-prefix")}
+    if not any(n.startswith("hybrid") for n in rows):
+        return []
+    header = ["run", *(h for h, _, _ in _SIM_COLUMNS)]
+    body = [[n, *(f"{100 * r[k]:.1f}%" if f == "%" else format(r[k], f) for _, k, f in _SIM_COLUMNS)]
+            for n, r in rows.items()]  # fmt: skip
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))])
+             for row in [header, *body]]  # fmt: skip
+    groups = ", ".join(_group_labels(group_layers(model.layer_windows)))
+    return [f"uniform vs hybrid (KV cache groups: {groups}; same KV bytes, hybrid pages hold one group's layers):",
+            lines[0], "-" * len(lines[0]), *lines[1:]]  # fmt: skip

@@ -17,6 +17,10 @@ Definitions (all times simulated seconds; the span runs from the first arrival t
   (`pagedkv.core.misses`); `evictions`, `partial_hits` and `block_copies` as the allocator counted them.
 - `kv_traffic_fraction`: the share of the bytes the step model charged that is KV (read and written), the
   rest being weights: how much of a memory-bound step the attention kernels' memory traffic is.
+- `kv_held_gib`: KV bytes the pool holds (blocks in use x bytes per block), time-weighted over steps, in GiB;
+  `kv_unread`: the share of them no query will read, time-weighted: empty slots, tokens a sliding layer's
+  window has passed, padding layer slots of hybrid pages (`SimTrace.live_bytes`). On a hybrid model this is
+  the measure that tells a uniform allocation (it keeps sliding layers' passed tokens) from a hybrid one.
 - `page_table_bytes_fraction`: block-table bytes the attention kernels read (one int32 per context block
   per layer) over all bytes the step model charged; 0 for contiguous allocators. Traffic only: the latency
   cost of indirection inside a kernel is not modelled.
@@ -75,6 +79,18 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
         "span_s": span,
         "num_blocks": trace.budget.num_blocks,
         **_cache_metrics(trace),
+        **_held_metrics(trace, dt),
+    }
+
+
+def _held_metrics(trace: SimTrace, dt: np.ndarray) -> dict[str, float]:
+    """KV held and the share of it no query reads, time-weighted (see the module docstring)."""
+    held = np.asarray(trace.held_bytes, dtype=np.float64)
+    live = np.minimum(np.asarray(trace.live_bytes, dtype=np.float64), held)  # shared prefixes count once
+    held_time = float((held * dt).sum())
+    return {
+        "kv_held_gib": held_time / max(float(dt.sum()), 1e-12) / 2**30,
+        "kv_unread": 1.0 - float((live * dt).sum()) / held_time if held_time else 0.0,
     }
 
 

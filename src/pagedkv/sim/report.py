@@ -94,6 +94,10 @@ def simulate_text(report: SimulationReport) -> str:
         "",
         *table(report.results),
     ]
+    from pagedkv.sim.hybrid import hybrid_sim_lines  # a hybrid model: uniform vs hybrid, in bytes
+
+    hybrid = hybrid_sim_lines(c.model, report.results)
+    out += ["", *hybrid] if hybrid else []
     cache = cache_table(report.results)
     if cache:
         out += ["", "prefix cache (prefill tokens over every admission; misses by reason, pagedkv.core.misses):", *cache]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.engine.scheduler import SchedulerConfig
-from pagedkv.sim.allocators import ALLOCATORS, check_allocator
+from pagedkv.sim.allocators import ALLOCATORS, check_allocator, hybrid_twin
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.catalog import Catalog
 from pagedkv.sim.metrics import summarize
@@ -87,14 +87,29 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _variants(allocators: Sequence[str], evictions: Sequence[str]) -> list[tuple[str, str, str]]:
-    """(row name, allocator, eviction policy) of each run: `paged-prefix` once per policy when given."""
+def _variants(allocators: Sequence[str], evictions: Sequence[str], *, hybrid: bool = False) -> list[tuple[str, str, str]]:
+    """(row name, allocator, eviction policy) of each run: `paged-prefix` once per policy when given; a
+    hybrid model (`hybrid`) adds each paged allocator's hybrid twin (uniform vs hybrid, sim/hybrid.py)."""
     out: list[tuple[str, str, str]] = []
     for a in allocators:
         if a == "paged-prefix" and evictions:
             out += [(f"paged-prefix:{e}", a, e) for e in evictions]
         else:
             out.append((a, a, "lru"))
+    return _with_hybrid_twins(out) if hybrid else out
+
+
+def _with_hybrid_twins(variants: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """A hybrid model's runs: each paged allocator followed by its hybrid twin (`hybrid` after `paged`,
+    `hybrid-prefix` after the last `paged-prefix` row), unless already asked for."""
+    out: list[tuple[str, str, str]] = []
+    names = {name for name, _, _ in variants}
+    for i, (name, allocator, eviction) in enumerate(variants):
+        out.append((name, allocator, eviction))
+        twin = hybrid_twin(allocator)
+        last = i + 1 == len(variants) or variants[i + 1][1] != allocator
+        if twin is not None and last and twin not in names:
+            out.append((twin, twin, "lru"))
     return out
 
 
@@ -120,7 +135,7 @@ def run_simulation(
 ) -> SimulationReport:
     """Replay `workload` (default: the shipped Azure conv trace) under each allocator; see `SimConfig`.
     `evictions`: run `paged-prefix` once per eviction policy (rows `paged-prefix:<policy>`); `partial_reuse`
-    turns partial-block reuse on for it."""
+    turns partial-block reuse on for it. A hybrid model runs each paged allocator's hybrid twin beside it."""
     catalog = catalog or Catalog.builtin()
     model_spec, gpu_spec = catalog.model(model), catalog.gpu(gpu)
     for name in allocators:
@@ -128,20 +143,14 @@ def run_simulation(
     if not allocators:
         raise ValueError("run_simulation: give at least one allocator")
     base = SimConfig(
-        model=model_spec,
-        gpu=gpu_spec,
-        allocator=allocators[0],
-        block_size=block_size,
-        max_model_len=max_model_len or model_spec.max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        scheduler=scheduler,
-        step_overhead_s=step_overhead_s,
-        tensor_parallel=tensor_parallel,
+        model=model_spec, gpu=gpu_spec, allocator=allocators[0], block_size=block_size,
+        max_model_len=max_model_len or model_spec.max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+        scheduler=scheduler, step_overhead_s=step_overhead_s, tensor_parallel=tensor_parallel,
         activation_bytes=activation_bytes,
-    )
+    )  # fmt: skip
     budget = base.budget()
     wl = build_workload(workload or WorkloadSpec(), base.max_model_len)
-    variants = _variants(allocators, evictions)
+    variants = _variants(allocators, evictions, hybrid=model_spec.is_hybrid)
     runs = [(block_size, v) for v in variants]
     runs += [(bs, v) for bs in sweep_block_sizes if bs != block_size for v in variants]
     bar = _Progress(len(wl.requests) * len(runs), progress)

@@ -35,9 +35,16 @@ from pagedkv.core.eviction import EVICTION_POLICIES
 from pagedkv.core.protocol import KVManager, ManagerStats
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.sim.allocators import CONTIGUOUS, check_allocator, manager_for, max_new_tokens_for
+from pagedkv.sim.allocators import (
+    CONTIGUOUS,
+    check_allocator,
+    is_hybrid_allocator,
+    manager_for,
+    max_new_tokens_for,
+)
 from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.catalog import GPUSpec, ModelShape
+from pagedkv.sim.hybrid import HybridKVBudget, manager_groups
 from pagedkv.sim.step_time import StepTimeModel
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
@@ -104,9 +111,9 @@ class SimConfig:
         if act is None:
             sched = self.scheduler
             act = activation_reserve_bytes(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
-        return KVBudget(
-            self.model, self.gpu, self.gpu_memory_utilization, self.block_size, act, self.tensor_parallel
-        )
+        # hybrid allocators: the same KV bytes in pages of one KV cache group's layers (sim/hybrid.py)
+        cls = HybridKVBudget if is_hybrid_allocator(self.allocator) else KVBudget
+        return cls(self.model, self.gpu, self.gpu_memory_utilization, self.block_size, act, self.tensor_parallel)
 
     def step_model(self) -> StepTimeModel:
         return StepTimeModel(self.model, self.gpu, self.step_overhead_s, self.tensor_parallel)
@@ -136,6 +143,10 @@ class SimTrace:
     realloc_s: list[float] = field(default_factory=list)  # per step: seconds of it spent copying
     final_used_blocks: int = -1  # blocks still in use after the last request finished (0: nothing leaked)
     block_copies: int = 0  # device block copies the allocator asked for (partial reuse, copy-on-write)
+    # per step: KV bytes the pool holds, and those some query will still read (the running requests' tokens
+    # from each layer's first needed one: every token for full attention, the window for sliding layers)
+    held_bytes: list[float] = field(default_factory=list)
+    live_bytes: list[float] = field(default_factory=list)
     manager_stats: ManagerStats | None = None  # the allocator's counters at the end (hits, misses, evictions)
     arrival_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     first_token_s: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
@@ -175,7 +186,7 @@ def simulate(
     `check_every > 0` runs the allocator's `check_invariants()` every that many steps (tests).
     """
     budget = config.budget()
-    if budget.num_tokens < config.max_model_len:
+    if not _fits(budget, config.max_model_len):
         raise CapacityError(
             f"the KV budget of {budget.kv_budget_bytes / 2**30:.3f} GiB holds {budget.num_tokens} tokens "
             f"({budget.num_blocks} blocks of {config.block_size}), less than one request of "
@@ -206,10 +217,14 @@ class _Replay:
         self.config = config
         self.workload = workload
         self.budget = budget
+        self.hybrid = is_hybrid_allocator(config.allocator)
         self.manager = manager_for(
             config.allocator, budget.num_blocks, config.block_size, eviction=config.eviction,
-            partial_reuse=config.partial_reuse,
+            partial_reuse=config.partial_reuse, groups=manager_groups(config.model) if self.hybrid else None,
         )  # fmt: skip
+        self.windows: dict[int | None, int] = {}  # layers per window (None: full attention)
+        for w in config.model.layer_windows:
+            self.windows[w] = self.windows.get(w, 0) + 1
         self.scheduler = Scheduler(self.manager, config.scheduler)
         self.step_model = config.step_model()
         self.reqs = {r.index: r for r in workload.requests}
@@ -359,6 +374,8 @@ class _Replay:
         used = manager.num_used_blocks
         if self.paged:
             empty = int((-(-held // bs) * bs - held).sum())  # only each sequence's private tail block
+            if self.hybrid:  # a tail block in every group (windowed groups' chunk reservations not counted)
+                empty *= self.manager.num_groups  # type: ignore[union-attr]
             stored = used * bs - empty
         else:
             stored = int(held.sum())
@@ -371,6 +388,22 @@ class _Replay:
         out.used_blocks.append(used)
         out.stored_tokens.append(stored)
         out.empty_slots.append(empty)
+        out.held_bytes.append(float(used) * self.budget.bytes_per_block)
+        out.live_bytes.append(self._live_bytes(held))
+
+    def _live_bytes(self, held: npt.NDArray[np.int64]) -> float:
+        """KV bytes some query of a running request will still read: per layer, its tokens from the first one
+        the next query needs (`KVGroupSpec.first_needed`: 0 for full attention, the window's start for a
+        sliding layer) to what it holds."""
+        running = self.scheduler.running
+        if not running:
+            return 0.0
+        computed = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))
+        token_layers = 0
+        for w, n in self.windows.items():
+            first = np.zeros_like(computed) if w is None else np.maximum(computed - w + 1, 0)
+            token_layers += n * int(np.maximum(held - first, 0).sum())
+        return float(token_layers) * self.config.model.kv_bytes_per_layer_token
 
     def _release_children(self, index: int) -> None:
         for child in self.children.get(index, ()):
@@ -394,6 +427,11 @@ class _Replay:
         out.cached_tokens = self.cached
         out.manager_stats = manager.stats
         return out
+
+
+def _fits(budget: KVBudget, tokens: int) -> bool:
+    """Whether one request of `tokens` tokens fits the pool (hybrid pages: each group what it keeps)."""
+    return budget.fits(tokens) if isinstance(budget, HybridKVBudget) else budget.num_tokens >= tokens
 
 
 def _held_tokens(manager: KVManager, running: list[Request]) -> npt.NDArray[np.int64]:

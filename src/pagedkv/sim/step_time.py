@@ -15,6 +15,10 @@ A chunk is `n` new tokens of one request whose first `start` tokens are already 
     attended(start, n) = n * start + n * (n + 1) / 2
     and each (query, key) pair costs 2 x head_dim FLOPs for QK^T plus 2 x head_dim for PV, per head, per layer.
 
+A hybrid model's sliding layers (window W) read only their window: min(start + n, W - 1 + n) tokens per
+chunk (`kv_read_bytes`), whatever the allocator keeps; their attention FLOPs are still counted over the whole
+context (prefill chunks of long prompts are bounded by the full layers anyway).
+
 The KV read counts each chunk's context once per step, as FlashAttention-style kernels do when a chunk's
 queries share the streamed keys (prefill chunks are compute-bound, so re-reads per query tile would not change
 the answer). Everything is divided across `tensor_parallel` GPUs: per-GPU bytes and FLOPs are 1/tp of the
@@ -85,7 +89,7 @@ class StepTimeModel:
         m = self.model
         kv = float(m.kv_bytes_per_token)
         tokens = float(new.sum())
-        kv_read = float((start + new).sum()) * kv
+        kv_read = self.kv_read_bytes(start, new)
         kv_written = tokens * kv
         bytes_moved = float(m.weight_bytes) + kv_read + kv_written
         attended = float((new * start + new * (new + 1) / 2).sum())
@@ -98,6 +102,18 @@ class StepTimeModel:
             compute_s=flops / (tp * self.gpu.bf16_flops_per_s),
             overhead_s=float(self.overhead_s),
         )
+
+    def kv_read_bytes(self, start: npt.NDArray[np.float64], new: npt.NDArray[np.float64]) -> float:
+        """KV bytes a step's chunks read: each layer its context, a sliding layer only its window."""
+        m = self.model
+        if not m.is_hybrid:
+            return float((start + new).sum()) * float(m.kv_bytes_per_token)
+        total = 0.0
+        for w in set(m.layer_windows):
+            n_layers = m.layer_windows.count(w)
+            read = start + new if w is None else np.minimum(start + new, w - 1 + new)
+            total += float(read.sum()) * n_layers * m.kv_bytes_per_layer_token
+        return total
 
     def step_seconds(self, starts: npt.ArrayLike, num_new_tokens: npt.ArrayLike) -> float:
         return self.cost(starts, num_new_tokens).seconds
