@@ -244,7 +244,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
     budget = None if args.num_blocks is not None else args.kv_budget or parse_bytes(DEFAULT_KV_BUDGET)
     if budget is not None:
-        check_fits_memory(budget, f"--kv-budget {budget / 2**30:.1f} GiB", "lower --kv-budget")
+        check_fits_memory(budget, "the KV cache (--kv-budget)", "lower --kv-budget")
     return EngineConfig(
         num_blocks=args.num_blocks,
         kv_budget_bytes=budget,
