@@ -104,8 +104,8 @@ class EngineConfig:
         self._check_cache_policy()
         if not isinstance(self.kv_events, bool):
             raise InvalidArgumentError(f"kv_events must be a bool, got {self.kv_events!r}")
-        if self.kv_events and (self.allocator != "paged" or not self.enable_prefix_caching):
-            raise InvalidArgumentError("kv_events need the paged allocator with prefix caching on")
+        if self.kv_events and (self.allocator not in ("paged", "hybrid") or not self.enable_prefix_caching):
+            raise InvalidArgumentError("kv_events need the paged or hybrid allocator with prefix caching on")
 
     def _check_cache_policy(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
