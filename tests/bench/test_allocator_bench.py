@@ -107,3 +107,15 @@ def test_progress_counts_every_finished_request_of_every_run(
     assert "paged run 2/2" in capsys.readouterr().err, "the bar names the run on stderr"
     assert cli.main(["bench", "allocator", "--limit", "60", "--num-blocks", "1024", "--no-progress"]) == 0
     assert "paged run" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_running", [0, -1])
+def test_replay_refuses_a_loop_that_could_never_run(max_running: int) -> None:
+    """`bench allocator --max-running 0` hung forever (issue 20 item 8): the replay itself refuses it."""
+    from pagedkv.core.errors import InvalidArgumentError
+
+    reqs = load_trace(default_trace_path(), limit=5)
+    with pytest.raises(InvalidArgumentError, match="max_running"):
+        replay(reqs, "paged", num_blocks=64, max_running=max_running)
+    with pytest.raises(InvalidArgumentError, match="no requests"):
+        replay([], "paged", num_blocks=64)

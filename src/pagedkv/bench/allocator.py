@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.core import BlockKeys, KVManager, PagedKVManager
+from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.cli_args import (
     add_block_size,
     check_fits_memory,
@@ -96,6 +97,10 @@ def replay(
     """Run the loop above; `check_every > 0` also checks the manager's invariants every that many steps.
     `native`: the hot-path backend (None: the C extension if built; False: the Python reference).
     `progress(n)` is told, outside the timed phases, that n more requests finished."""
+    if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+        raise InvalidArgumentError(f"max_running must be an int >= 1 (nothing could ever run), got {max_running!r}")
+    if not requests:
+        raise InvalidArgumentError("replay: no requests (an empty trace, or limit 0)")
     m = make_manager(
         allocator, num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
     )
