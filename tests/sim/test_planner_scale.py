@@ -110,3 +110,13 @@ def test_one_block_shared_by_every_request_is_not_quadratic() -> None:
     assert len(chains.owner) == 20_000, "one shared block per request"
     assert len(chains.holders) == 20_000, "one holder per conversation of the shared block"
     assert saved[10_000] == pytest.approx(1 - 1 / 257)
+
+
+@pytest.mark.parametrize("turns", [0, -1])
+def test_multi_turn_with_no_turns_is_a_typed_error(turns: int) -> None:
+    """`plan|simulate --workload multi-turn --turns 0` divided by zero (issue 20 item 10)."""
+    from pagedkv.core.errors import InvalidArgumentError
+    from pagedkv.sim.workload import WorkloadSpec
+
+    with pytest.raises(InvalidArgumentError, match="turns"):
+        WorkloadSpec(source="multi-turn", num_requests=10, turns=turns)

@@ -56,6 +56,8 @@ class WorkloadSpec:
             raise InvalidArgumentError(f"--arrivals poisson needs --rate > 0 (requests/s), got {self.rate!r}")
         if not self.time_scale > 0:
             raise InvalidArgumentError(f"time_scale must be > 0, got {self.time_scale!r}")
+        if isinstance(self.turns, bool) or not isinstance(self.turns, int) or self.turns < 1:
+            raise InvalidArgumentError(f"turns must be an int >= 1 (turns per conversation), got {self.turns!r}")
         if self.is_trace and self.source != DEFAULT_WORKLOAD and not Path(self.source).is_file():
             raise InvalidArgumentError(
                 f"unknown workload {self.source!r}: not a trace file, nor {DEFAULT_WORKLOAD!r}, "
