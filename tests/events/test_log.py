@@ -17,7 +17,7 @@ from pagedkv.events import (
     encode_batch,
     external_hash,
 )
-from pagedkv.router.index import PrefixIndex
+from pagedkv.router.index import ReplicaIndex
 
 K = [bytes([i]) * 32 for i in range(10)]
 H = [external_hash(k) for k in K]
@@ -119,7 +119,7 @@ def test_clear_reannounces_other_media_parents_first() -> None:
         assert e.parent_block_hash is None or e.parent_block_hash in seen
         seen.update(e.block_hashes)
     assert seen == set(H[:4])
-    idx = PrefixIndex()
+    idx = ReplicaIndex()
     idx.apply("a", _batch(ev))
     assert idx.state("a") == {CPU: {H[2], H[3]}, REMOTE: {H[0], H[1]}}
     assert [e.token_ids for e in ev[1:] if e.block_hashes == [H[3]]] == [[3]]

@@ -12,14 +12,14 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.prefix import root_key, sha256_key
 from pagedkv.events import GPU, BlockStored, decode_batch, encode_batch
 from pagedkv.events.publisher import EventSubscriber, ReplayGapError, ZmqEventPublisher
-from pagedkv.router.index import PrefixIndex
+from pagedkv.router.index import ReplicaIndex
 
 
 class Consumer:
     """A router-side index that also checks no event names a parent it does not hold."""
 
     def __init__(self) -> None:
-        self.index = PrefixIndex()
+        self.index = ReplicaIndex()
 
     def apply(self, replica: object, batch) -> None:
         for e in batch.events:

@@ -20,7 +20,7 @@ from pagedkv.events import (
     EventLog,
     ManagerFeed,
 )
-from pagedkv.router import CostPolicy, CostWeights, PrefixIndex, PrefixMatch, Router, request_hashes
+from pagedkv.router import CostPolicy, CostWeights, PrefixMatch, ReplicaIndex, Router, request_hashes
 
 BS = 4
 
@@ -36,7 +36,7 @@ def test_request_hashes_name_the_blocks_a_manager_publishes() -> None:
     adm = m.admit(prompt)
     m.mark_computed([adm.seq_id])
     feed.poll()
-    index = PrefixIndex()
+    index = ReplicaIndex()
     index.apply("a", feed.log.take_batch())
     hashes = request_hashes(prompt, BS)
     assert len(hashes) == 3 and index.match(hashes, ["a"])["a"] == PrefixMatch(3, 0, 0)
@@ -44,7 +44,7 @@ def test_request_hashes_name_the_blocks_a_manager_publishes() -> None:
 
 
 def test_index_walks_gpu_then_local_then_remote_and_stops_at_a_hole() -> None:
-    idx = PrefixIndex()
+    idx = ReplicaIndex()
     idx.apply("a", stored([1, 2]))
     idx.apply("a", stored([3], CPU))
     idx.apply("b", stored([4, 5], REMOTE))  # the shared store: anyone may load it

@@ -29,7 +29,7 @@ from pagedkv.events import (
     external_hash,
 )
 from pagedkv.hf.tiny import VOCAB, tiny_model
-from pagedkv.router.index import PrefixIndex
+from pagedkv.router.index import ReplicaIndex
 from pagedkv.tiers.keys import KEY_PREFIX
 
 BS = 4
@@ -57,7 +57,7 @@ class Consumer:
     """The router's index, checking each batch against the real state right after the step that made it."""
 
     def __init__(self) -> None:
-        self.index = PrefixIndex()
+        self.index = ReplicaIndex()
         self.removed = {m: 0 for m in (GPU, CPU, DISK, REMOTE)}
 
     def apply(self, batch: EventBatch | None, real: dict[str, set[int]]) -> None:
@@ -186,7 +186,7 @@ def test_local_tiers_alone_report_parents_and_tokens(seed: int, tmp_path: Path) 
 
 def test_device_only_events_and_config() -> None:
     engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=12, block_size=BS, kv_events=True))
-    consumer = PrefixIndex()
+    consumer = ReplicaIndex()
     rng = np.random.default_rng(4)
     for prompts in (workload(rng, 3), workload(rng, 3)):
         engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))

@@ -1,10 +1,10 @@
 """pagedkv.router: a prefix-aware router over replicas that publish KV events (torch-free).
 
-- `PrefixIndex` (`index.py`): block hash -> {replica: media}, fed with `EventBatch`es from each replica.
+- `ReplicaIndex` (`index.py`): block hash -> {replica: media}, fed with `EventBatch`es from each replica.
 - `Router` and the policies (`policy.py`): round-robin, pure longest-prefix, and the cost model
   `compute_weight * blocks to compute + discounts * blocks to load + queue_weight * queued work`.
 - `request_hashes`: a prompt's block hashes, as the replicas' events name them.
-- `EventStreams` (`streams.py`, needs pyzmq): the replicas' ZMQ event streams folded into one `PrefixIndex`,
+- `EventStreams` (`streams.py`, needs pyzmq): the replicas' ZMQ event streams folded into one `ReplicaIndex`,
   exact through gaps, restarts and dead replicas.
 
 Real replicas publish with `EngineConfig(kv_events=True)` and `Engine.take_event_batch()`;
@@ -12,7 +12,7 @@ Real replicas publish with `EngineConfig(kv_events=True)` and `Engine.take_event
 with the same `CostPolicy` the simulator (`pagedkv simulate --replicas`) runs.
 """
 
-from pagedkv.router.index import PrefixIndex, PrefixMatch
+from pagedkv.router.index import PrefixMatch, ReplicaIndex
 from pagedkv.router.policy import (
     POLICIES,
     CostPolicy,
@@ -25,7 +25,11 @@ from pagedkv.router.policy import (
     request_hashes,
 )
 
+# The old name, kept only for sim/replicas.py until its own rework (issue #21); core.prefix_index.PrefixIndex
+# is the device's key <-> block index, this one is which replica holds which hash. New code: ReplicaIndex.
+PrefixIndex = ReplicaIndex
+
 __all__ = [
-    "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "PrefixIndex", "PrefixMatch",
+    "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
     "RoundRobin", "Router", "make_policy", "request_hashes",
 ]  # fmt: skip

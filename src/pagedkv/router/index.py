@@ -44,7 +44,10 @@ class PrefixMatch:
         return self.gpu + self.local + self.remote
 
 
-class PrefixIndex:
+class ReplicaIndex:
+    """Which replicas hold each block hash, on which media (the device's key <-> block index is core's
+    `PrefixIndex`; this one only reads replicas' events)."""
+
     def __init__(self) -> None:
         self._where: dict[int, dict[Replica, set[str]]] = {}
         self._by_replica: dict[Replica, set[int]] = {}

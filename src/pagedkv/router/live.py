@@ -5,7 +5,7 @@
     ranked = router.rank(["r0", "r1"], prompt_ids, cache_salt=None)   # best first
     router.routed(request_id, ranked[0]); ...; router.completed(request_id)
 
-It owns one `EventStreams` (the replicas' ZMQ KV events folded into a `PrefixIndex`, exact through gaps,
+It owns one `EventStreams` (the replicas' ZMQ KV events folded into a `ReplicaIndex`, exact through gaps,
 restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy.CostPolicy.rank`, the cost the simulator
 (`pagedkv simulate --replicas`) routes with:
 
@@ -42,7 +42,7 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.events.wire import GPU
-from pagedkv.router.index import PrefixIndex, PrefixMatch
+from pagedkv.router.index import PrefixMatch, ReplicaIndex
 from pagedkv.router.policy import CostPolicy, CostWeights, request_hashes
 from pagedkv.router.streams import EventStreams
 
@@ -97,7 +97,7 @@ class LiveRouter:
         self.policy = CostPolicy(weights)
         self.imbalance_threshold = imbalance_threshold
         self.streams = EventStreams(
-            PrefixIndex(), replay_timeout_ms=replay_timeout_ms, sync_interval_s=sync_interval_s
+            ReplicaIndex(), replay_timeout_ms=replay_timeout_ms, sync_interval_s=sync_interval_s
         )
         self._replicas: dict[Hashable, _Replica] = {}
         self._inflight: dict[Hashable, _InFlight] = {}  # request id -> where and how much
@@ -106,7 +106,7 @@ class LiveRouter:
         self._arriving: dict[Hashable, dict[int, int]] = {}  # replica -> hash -> requests prefilling it there
 
     @property
-    def index(self) -> PrefixIndex:
+    def index(self) -> ReplicaIndex:
         return self.streams.index
 
     def observe(self, replica: Hashable, stats: Mapping[str, Any] | None) -> None:

@@ -19,7 +19,7 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
   sequences). Ties go to the least loaded, then round-robin.
 
 Every policy's `choose(matches, loads)` takes one `PrefixMatch` and one load per replica, in replica order, and
-returns the chosen position; `Router` glues a policy to a `PrefixIndex`.
+returns the chosen position; `Router` glues a policy to a `ReplicaIndex`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy.typing as npt
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.events.wire import external_hash
-from pagedkv.router.index import PrefixIndex, PrefixMatch
+from pagedkv.router.index import PrefixMatch, ReplicaIndex
 
 POLICIES = ("round-robin", "prefix", "cost")
 
@@ -175,10 +175,10 @@ class Decision(NamedTuple):
 
 
 class Router:
-    """A policy over a fixed list of replicas, reading a `PrefixIndex` the caller keeps fed with events."""
+    """A policy over a fixed list of replicas, reading a `ReplicaIndex` the caller keeps fed with events."""
 
     def __init__(
-        self, replicas: Sequence[Hashable], policy: str | Policy = "cost", index: PrefixIndex | None = None
+        self, replicas: Sequence[Hashable], policy: str | Policy = "cost", index: ReplicaIndex | None = None
     ):
         if not replicas:
             raise InvalidArgumentError("a router needs at least one replica")
@@ -186,7 +186,7 @@ class Router:
             raise InvalidArgumentError("replica names must be distinct")
         self.replicas = list(replicas)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.index = index if index is not None else PrefixIndex()
+        self.index = index if index is not None else ReplicaIndex()
 
     def route(self, hashes: Sequence[int], loads: Sequence[float]) -> Decision:
         if len(loads) != len(self.replicas):

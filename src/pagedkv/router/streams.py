@@ -1,4 +1,4 @@
-"""The router's subscriptions: one `EventSubscriber` per replica, folded into one `PrefixIndex`.
+"""The router's subscriptions: one `EventSubscriber` per replica, folded into one `ReplicaIndex`.
 
     streams = EventStreams(index)
     streams.add("r0", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")   # a replica's PUB and replay endpoints
@@ -27,7 +27,7 @@ import zmq
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.events.publisher import EventSubscriber, ReplicaUnresponsiveError
 from pagedkv.events.wire import EventBatch
-from pagedkv.router.index import PrefixIndex
+from pagedkv.router.index import ReplicaIndex
 
 
 @dataclass
@@ -43,7 +43,7 @@ class StreamState:
 class EventStreams:
     def __init__(
         self,
-        index: PrefixIndex | None = None,
+        index: ReplicaIndex | None = None,
         *,
         replay_timeout_ms: int = 2000,
         sync_interval_s: float = 1.0,
@@ -52,7 +52,7 @@ class EventStreams:
     ) -> None:
         if replay_timeout_ms < 1 or sync_interval_s < 0:
             raise InvalidArgumentError("replay_timeout_ms must be >= 1 and sync_interval_s >= 0")
-        self.index = index if index is not None else PrefixIndex()
+        self.index = index if index is not None else ReplicaIndex()
         self._timeout = replay_timeout_ms
         self._interval = sync_interval_s
         self._clock = clock
