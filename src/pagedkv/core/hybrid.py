@@ -33,6 +33,8 @@ Per group g and sequence, the table is a run of leading null entries, then real 
 - Fork/copy-on-write, rollback, swap, pending copies and events work per group with the same rules as
   `PagedKVManager` (a block is written in place only when its writer is its sole holder and it has no
   key). A rollback may not go back past a block a group has already released (`InvalidArgumentError`).
+- Retention as `PagedKVManager`'s: `pin` holds the blocks a cached prefix's hit needs in every group until
+  `unpin`; `bump_epoch` makes every published key unmatchable; salts and extra keys qualify every group.
 - `check_invariants` checks the pool, every group's table, reference counts over all groups, null
   entries exactly before `released`, keys qualified by the group of the block holding them.
 """
@@ -44,12 +46,13 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import GroupCacheEvent, check_num_groups, group_events, group_key
 from pagedkv.core.hybrid_check import check_hybrid
 from pagedkv.core.hybrid_growth import HybridGrowth
 from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
+from pagedkv.core.manager import PinHandle
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, key_function
 from pagedkv.core.protocol import Admission, BlockFill, BlockSource, CSRPages, ManagerStats
@@ -109,6 +112,7 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
         self._pending: dict[int, int] = {}
         self._held = np.zeros(num_blocks, dtype=bool)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = self._cow_copies = 0
+        self._epoch = 0  # keys published under an earlier epoch match nothing (`bump_epoch`)
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -234,7 +238,7 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
     ) -> list[object]:
         """The content keys of blocks [start, stop): only blocks never keyed before are hashed (a decode
         step hashes one block, whatever the sequence's length)."""
-        keys.bind(self.key_fn, 0)
+        keys.bind(self.key_fn, self._epoch)
         bs = self._block_size
         for i in range(keys.num_keys(), stop):
             keys.key(i, np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int32))
@@ -438,6 +442,44 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix in every group; returns how many keys were dropped."""
         return self.pool.clear_keys()
+
+    # --- retention (PagedKVManager's contract, over every group) -----------------------------------
+
+    def pin(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> PinHandle:
+        """Keep the blocks the longest cached prefix of `token_ids` needs, in every group (the whole prefix
+        in a full group, the window before the hit point in a windowed one), from eviction until `unpin`.
+        Raises `PinError` if no full block of it is served (nothing would be pinned)."""
+        tokens = as_tokens(token_ids)
+        if not self.enable_prefix_caching:
+            raise PinError("pinning needs prefix caching (enable_prefix_caching=True)")
+        k, hits = self._match(tokens, self._keys(tokens, salt, keys), len(tokens) // self._block_size)
+        if not k:
+            raise PinError("pin: no full block of this prefix is cached; admit and compute it first")
+        ids = tuple(int(b) for b in np.concatenate(hits))
+        for block_id in ids:
+            self.pool.pin(block_id)
+        return PinHandle(ids)
+
+    def unpin(self, handle: PinHandle) -> None:
+        if not isinstance(handle, PinHandle) or not isinstance(handle.block_ids, tuple):
+            raise InvalidArgumentError("unpin takes the PinHandle that pin returned")
+        size = self.pool.num_blocks
+        ids = handle.block_ids
+        if not all(isinstance(b, int | np.integer) and not isinstance(b, bool) and 0 <= b < size for b in ids):
+            raise InvalidArgumentError(f"unpin: block ids must be ints in [0, {size}); pass the PinHandle pin returned")
+        if (np.bincount(np.asarray(ids, dtype=np.int64), minlength=size) > self.pool.pins).any():
+            raise PinError("these blocks are not pinned (unpinned twice, or reset since?)")
+        for block_id in reversed(ids):
+            self.pool.unpin(block_id)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def bump_epoch(self) -> int:
+        """Make every key published so far, in every group, unmatchable (e.g. after a weight update)."""
+        self._epoch += 1
+        return self._epoch
 
     def take_events(self) -> list[GroupCacheEvent]:
         """Stored/removed/cleared events since the last call, each with its group (`group_keys.py`)."""
