@@ -52,6 +52,16 @@ def state(m: Any) -> object:
 
 # (name, call, error, the word the message must name)
 BOTH = [
+    # several bad arguments: both managers name the first in one order (core/validate.as_admission)
+    ("all bad", lambda m, a, b: m.admit([-1], max_new_tokens=-1, num_lookahead=-1, keep_free=-1, priority="x"),
+     InvalidArgumentError, "token_ids"),  # fmt: skip
+    ("max_new, lookahead, keep_free, priority bad",
+     lambda m, a, b: m.admit([1], max_new_tokens=-1, num_lookahead=-1, keep_free=-1, priority="x"),
+     InvalidArgumentError, "max_new_tokens"),  # fmt: skip
+    ("lookahead, keep_free, priority bad", lambda m, a, b: m.admit([1], num_lookahead=-1, keep_free=-1, priority="x"),
+     InvalidArgumentError, "num_lookahead"),  # fmt: skip
+    ("keep_free, priority bad", lambda m, a, b: m.admit([1], keep_free=-1, priority="x"),
+     InvalidArgumentError, "keep_free"),  # fmt: skip
     ("priority 2**70", lambda m, a, b: m.admit([1, 2], priority=2**70), InvalidArgumentError, "priority"),
     ("priority str", lambda m, a, b: m.admit([1, 2], priority="x"), InvalidArgumentError, "priority"),
     ("priority None", lambda m, a, b: m.admit([1, 2], priority=None), InvalidArgumentError, "priority"),
@@ -161,6 +171,8 @@ def test_contiguous_validates_exactly_like_paged() -> None:
             got.append((type(info.value), str(info.value).split(":")[0]))
         if name not in ("free unknown",):
             assert got[0][0] is got[1][0], name
+        if name.endswith("bad"):  # the shared admit checks: the same words from both
+            assert got[0] == got[1], (name, got)
 
 
 @pytest.mark.parametrize("native", BACKENDS)

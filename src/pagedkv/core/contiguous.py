@@ -22,12 +22,12 @@ from pagedkv.core.prefix import BlockKeys
 from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource, ManagerStats
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
+    as_admission,
     as_computed,
     as_count,
     as_flag,
     as_keys,
     as_pool_size,
-    as_priority,
     as_salt,
     as_token_matrix,
     as_tokens,
@@ -146,12 +146,10 @@ class ContiguousKVManager(TableViews):
     ) -> Admission | None:
         """Reserve prompt + max_new_tokens (+ lookahead) contiguously, first fit. `None` if no hole fits or
         fewer than `keep_free` blocks would stay free."""
-        tokens = as_tokens(token_ids)  # the same checks, in the same order, as PagedKVManager.admit
+        tokens, max_new_tokens, num_lookahead, keep_free, priority = as_admission(
+            token_ids, max_new_tokens, num_lookahead, keep_free, priority
+        )
         n = len(tokens)
-        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
-        num_lookahead = as_count(num_lookahead, "num_lookahead")
-        keep_free = as_count(keep_free, "keep_free")
-        priority = as_priority(priority)
         need = self._reservation(n, max_new_tokens + num_lookahead)
         if need > self._num_blocks:
             raise CapacityError(f"a reservation of {need} blocks exceeds the {self._num_blocks} blocks of the arena")

@@ -51,13 +51,13 @@ from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource,
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
+    as_admission,
     as_computed,
     as_count,
     as_flag,
     as_keys,
     as_native,
     as_pool_size,
-    as_priority,
     as_salt,
     as_token_matrix,
     as_tokens,
@@ -212,6 +212,8 @@ class PagedKVManager(SwapMixin, TableViews):
         if not self.prefix.partial_reuse:
             return _Lookup(hits, -1, 0)
         src, reuse = self.prefix.partial_match(tokens, keys, len(hits), PARTIAL_REUSE_MIN_TOKENS)
+        if src in self._pending:  # its KV is not all there before the copies run (a caller publishing early)
+            return _Lookup(hits, -1, 0)
         return _Lookup(hits, src, reuse)
 
     def _keys(self, tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
@@ -257,11 +259,9 @@ class PagedKVManager(SwapMixin, TableViews):
         keys across admissions, so re-admitting a waiting or preempted request hashes nothing twice.
         Raises `CapacityError` if the sequence could never fit, however empty the pool.
         """
-        tokens = as_tokens(token_ids)
-        as_count(max_new_tokens, "max_new_tokens")
-        num_lookahead = as_count(num_lookahead, "num_lookahead")
-        keep_free = as_count(keep_free, "keep_free")
-        priority = as_priority(priority)
+        tokens, _, num_lookahead, keep_free, priority = as_admission(
+            token_ids, max_new_tokens, num_lookahead, keep_free, priority
+        )
         n, bs = len(tokens), self._block_size
         if -(-(n + num_lookahead) // bs) > self.num_blocks:
             raise CapacityError(f"a sequence of {n + num_lookahead} tokens needs more than the {self.num_blocks} blocks of the pool")

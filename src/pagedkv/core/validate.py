@@ -8,6 +8,8 @@ never a bool, and lies where int64 arithmetic on it cannot wrap: counts and leng
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import numpy.typing as npt
 
@@ -77,6 +79,30 @@ def as_count(value: object, what: str, *, minimum: int = 0) -> int:
 def as_priority(value: object) -> int:
     """A retention priority: any int64."""
     return as_int(value, "priority", minimum=-(2**63), maximum=2**63 - 1)
+
+
+class AdmitArgs(NamedTuple):
+    """`admit`'s scalar arguments once checked (the block arithmetic on them is each manager's own)."""
+
+    tokens: npt.NDArray[np.int32]
+    max_new_tokens: int
+    num_lookahead: int
+    keep_free: int
+    priority: int
+
+
+def as_admission(
+    token_ids: npt.ArrayLike, max_new_tokens: object, num_lookahead: object, keep_free: object, priority: object
+) -> AdmitArgs:
+    """Every manager's `admit` checks, in one order (so equal misuse is refused with equal words by each)."""
+    tokens = as_tokens(token_ids)
+    return AdmitArgs(
+        tokens,
+        as_count(max_new_tokens, "max_new_tokens"),
+        as_count(num_lookahead, "num_lookahead"),
+        as_count(keep_free, "keep_free"),
+        as_priority(priority),
+    )
 
 
 def as_flag(value: object, what: str) -> bool:
