@@ -108,11 +108,14 @@ def test_the_counts_add_up_and_refused_admissions_count_nothing() -> None:
     assert s.miss_tokens["evicted"] > 0 and s.miss_tokens["salt"] > 0 and s.miss_tokens["epoch"] > 0
 
 
-def test_the_evicted_memory_is_bounded() -> None:
+def test_the_evicted_memory_is_bounded_and_forgets_old_evictions() -> None:
     m = PagedKVManager(num_blocks=9, block_size=BS)
-    for i in range(3000):
+    run(m, toks(0, 9))
+    for i in range(1, 3000):
         run(m, toks(1000 * i, 9))
-    assert len(m.index._evicted) + len(m.index._evicted_before) <= 2 * 1024
+    assert m.index._evicted.nbytes == 1 << 16 and m.stats.evictions > 2 * 1024
+    run(m, toks(0, 9))  # evicted more than two generations ago: forgotten (a false positive is ~1 in 32)
+    assert m.stats.miss_tokens["no_key"] >= 8
 
 
 # --- the memory of evicted keys lives in forget_keys, in both backends ---------------------------------------
@@ -123,13 +126,17 @@ def test_the_evicted_memory_is_bounded() -> None:
 def test_forget_keys_remembers_dropped_keys_alike_in_both_backends(case: dict[str, Any]) -> None:
     got = []
     for backend in (native, REF):
-        c, dropped = copy_forget(case), {b"earlier": None}
+        c, dropped = copy_forget(case), np.zeros(64, dtype=np.uint8)
+        dropped[5] = 1  # marked earlier
         result = outcome(backend.forget_keys, (c["index"], c["key_of"], None), c["ids"], dropped)
-        got.append((result, [id(k) for k in dropped], [id(k) for k in c["key_of"]]))
-        if result is None:  # every key the ids held is remembered
+        got.append((result, dropped.tolist(), [id(k) for k in c["key_of"]]))
+        if result is None:  # every key the ids held is marked
             held = [case["key_of"][b] for b in np.asarray(case["ids"], dtype=np.int64).tolist()]
-            assert all(k in dropped for k in held if k is not None)
+            assert all(dropped[hash(k) & 63] for k in held if k is not None)
+        else:
+            assert dropped.tolist() == [int(i == 5) for i in range(64)]
     assert got[0] == got[1]
     for backend in (native, REF):
-        with pytest.raises(TypeError, match="dropped"):
-            backend.forget_keys(({}, [None], None), [0], [])
+        for bad in ([], np.zeros(6, np.uint8), np.zeros(8, np.int64), np.zeros(8, np.uint8)[::2], {}):
+            with pytest.raises(TypeError, match="dropped"):
+                backend.forget_keys(({b"a": 0}, [b"a"], None), [0], bad)

@@ -11,8 +11,11 @@ With partial reuse on (`track_children`), it also keeps each indexed block's par
 key, the indexed blocks that follow it (`children`), so an admission whose prompt diverges inside a block
 can find a cached sibling sharing the block's first tokens; entries leave with their block's key.
 
-It also remembers the keys it evicted lately (two generations of at least `num_blocks` keys each, so a
-lookup can tell "evicted earlier" from "never cached": `was_evicted`, for the miss reasons of `misses.py`).
+It also remembers the keys it evicted lately, as two bitmaps indexed by the key's hash (a generation
+each of `num_blocks` evictions; 64 bytes per block, at most 16 MiB each), so a lookup can tell "evicted
+earlier" from "never cached" (`was_evicted`, for the miss reasons of `misses.py`). A bitmap can answer
+yes for a key never evicted (another key with the same hash bits): with at most `num_blocks` marks in
+64 x `num_blocks` bytes, at most about 3% of cold misses are counted as evicted.
 
 Invariant: `index[key] == b` if and only if `key_of[b] == key`; no entry is ever stale, because eviction
 (`forget`), unpublishing (`remove`) and `clear` drop a key the moment its block stops holding it. A block
@@ -63,8 +66,10 @@ class PrefixIndex:
         self.events: list[CacheEvent] = []
         self._hot = hot
         self.arrays = hotpath.IndexArrays(self.index, self.key_of, self.keyed)  # never reassigned: one value
-        self._evicted: dict[Key, None] = {}  # keys evicted lately: the newer generation ...
-        self._evicted_before: dict[Key, None] = {}  # ... and the one before it
+        size = 1 << max(16, min(24, (64 * num_blocks - 1).bit_length()))
+        self._evicted = np.zeros(size, dtype=np.uint8)  # keys evicted lately, by hash: the newer generation
+        self._evicted_before = np.zeros(size, dtype=np.uint8)  # ... and the one before it
+        self._evicted_count = 0  # evictions marked in the newer generation
         self._evicted_capacity = max(num_blocks, 1024)
         self.children: dict[Key, list[int]] | None = None  # parent key -> indexed blocks after it (partial reuse)
         self._parent_of: list[Key | None] = []
@@ -83,8 +88,10 @@ class PrefixIndex:
         return self.key_of[block_id]
 
     def was_evicted(self, key: Key) -> bool:
-        """Whether `key` was among the last `num_blocks` (or more) keys evicted; it may be cached again since."""
-        return key in self._evicted or key in self._evicted_before
+        """Whether `key` was (probably: see the module docstring) among the last `num_blocks` or more keys
+        evicted; it may be cached again since."""
+        i = hash(key) & (len(self._evicted) - 1)
+        return bool(self._evicted[i] or self._evicted_before[i])
 
     def all_keys(self) -> list[Key]:
         """Every key in the index (a copy)."""
@@ -193,9 +200,12 @@ class PrefixIndex:
             self.events.extend(CacheEvent("removed", key_of[b], b) for b in block_ids.tolist())
         if self.children is not None:
             self._unlink(block_ids.tolist())
-        if len(self._evicted) >= self._evicted_capacity:  # a new generation; the oldest is dropped
-            self._evicted_before, self._evicted = self._evicted, {}
-        self._hot.forget_keys(self.arrays, block_ids, self._evicted)  # also remembers the keys in _evicted
+        if self._evicted_count >= self._evicted_capacity:  # a new generation; the oldest is dropped
+            self._evicted_before, self._evicted = self._evicted, self._evicted_before
+            self._evicted.fill(0)
+            self._evicted_count = 0
+        self._evicted_count += len(block_ids)
+        self._hot.forget_keys(self.arrays, block_ids, self._evicted)  # also marks the keys in _evicted
         self.keyed[block_ids] = False
 
     def clear(self) -> int:
