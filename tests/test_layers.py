@@ -6,6 +6,7 @@ higher rank, nor another package of its own rank. Top-level imports and imports 
 
     rank 0   core                 torch-free block manager; imports no other pagedkv package
     rank 0   progress             progress on stderr (terminal only), for every layer that runs long work
+    rank 0   percentiles          the one percentile of measured values, for every layer that reports them
     rank 1   workloads, events    torch-free, beside core: they import only core, everything above may use them
     rank 2   storage              KV tensors and their byte layout
     rank 3   tiers                torch-free byte tiers below the device (host, disk, remote); uses storage.spec
@@ -20,9 +21,10 @@ higher rank, nor another package of its own rank. Top-level imports and imports 
     rank 10  cli                  the command line
     rank 11  demo                 the `python -m pagedkv.demo` tour, which drives the command line
 
-``pagedkv/__init__.py`` re-exports the public API and is not ranked. A package listed here that does not exist
-yet is simply absent from the walk; a package that exists but is missing from ``RANKS`` fails the test, so a new
-package has to be placed deliberately.
+``pagedkv/__init__.py`` only sets ``__version__`` (it imports nothing) and is not ranked; the public API is each
+package's own ``__init__`` (``pagedkv.core``, ``pagedkv.engine``, ...), ranked with its package. A package
+listed here that does not exist yet is simply absent from the walk; a package that exists but is missing from
+``RANKS`` fails the test, so a new package has to be placed deliberately.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PKG = SRC / "pagedkv"
 RANKS: dict[str, int] = {
     "core": 0,
     "progress": 0,
+    "percentiles": 0,
     "workloads": 1,
     "events": 1,
     "storage": 2,
@@ -179,3 +182,10 @@ def test_the_length_check_can_fail(tmp_path: Path) -> None:
         assert len(long_functions(tmp_path)) == 1
     finally:
         SRC = saved
+
+
+def test_the_top_level_init_only_sets_the_version() -> None:
+    """What the module docstring says of ``pagedkv/__init__.py``: no imports (so ``import pagedkv`` is free)."""
+    tree = ast.parse((PKG / "__init__.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)], "pagedkv/__init__ imports"
+    assert any(isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__version__" for n in tree.body)

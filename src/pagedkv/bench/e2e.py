@@ -75,6 +75,7 @@ from pagedkv.engine.cli_args import (
     token_count,
 )
 from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.percentiles import percentile
 from pagedkv.workloads.traces import default_trace_path, load_trace
 
 SYSTEMS = (
@@ -301,10 +302,6 @@ def run_hf_static(
 # --- figures ------------------------------------------------------------------------------------------
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def summarize(
     workload: Sequence[BenchRequest], timelines: dict[str, Timeline], wall_s: float, capacity_tokens: int
 ) -> dict[str, Any]:
@@ -341,10 +338,10 @@ def summarize(
         "output_tokens": tokens,
         "peak_concurrency": peak,
         "kv_utilization": util,
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p99_s": _pct(ttft, 99),
-        "tpot_p50_s": _pct(tpot, 50),
-        "tpot_p99_s": _pct(tpot, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
         "wall_s": wall_s,
     }
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.percentiles import percentile
 from pagedkv.workloads.traces import default_trace_path, load_trace
 
 _WORD = re.compile(r"[a-z]{3,12}")
@@ -228,10 +229,6 @@ def run_load(
 # --- figures ----------------------------------------------------------------------------------------------
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def summarize(requests: Sequence[ServeRequest], results: Sequence[RequestResult]) -> dict[str, Any]:
     """The run's figures (see the module docstring)."""
     ok = [res for res in results if res.error is None]
@@ -253,9 +250,9 @@ def summarize(requests: Sequence[ServeRequest], results: Sequence[RequestResult]
         "requests": len(requests),
         "errors": len(errors),
         "first_error": errors[0].error if errors else None,
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p99_s": _pct(ttft, 99),
-        "tpot_p50_s": _pct(tpot, 50),
-        "tpot_p99_s": _pct(tpot, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
         "wall_s": wall,
     }
