@@ -131,6 +131,45 @@ def test_hybrid_kv_events_carry_the_group_and_track_every_groups_blocks() -> Non
     assert held[0] and held[1], "both groups published blocks"
 
 
-def test_hybrid_refuses_tiers_in_one_line() -> None:
-    with pytest.raises(Exception, match="tiers need the paged allocator"):
-        engine_config(num_blocks=40, block_size=4, allocator="hybrid", host_blocks=8)
+def _tier_rounds(family: str, **config: object) -> tuple[Engine, list[list[int]], list[list[int]], dict[str, int]]:
+    """Round 1: long prompts; round 2: other prompts that push round 1's blocks off the small device pool;
+    round 3: round 1's prompts with a new suffix (their prefix is in the host tier, not on the device)."""
+    rng = np.random.default_rng(11)
+    first = [rng.integers(3, VOCAB, size=n).tolist() for n in (33, 29)]
+    other = [rng.integers(3, VOCAB, size=n).tolist() for n in (30, 34, 31)]
+    num_blocks = 12 if family == "mistral" else 36  # mistral's one sliding group holds a window per request
+    engine = Engine(tiny_model(family, 0), None, engine_config(num_blocks=num_blocks, block_size=4, allocator="hybrid", **config))
+    outs: list[list[int]] = []
+    by_tier: dict[str, int] = {}
+    for batch in (first, other, [p + [7, 8] for p in first]):
+        got: dict[str, list[int]] = {}
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=MAX_NEW)) for p in batch]
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[o.request_id] = o.output_token_ids
+                for medium, n in o.num_cached_tokens_by_tier.items():
+                    by_tier[medium] = by_tier.get(medium, 0) + n
+            engine.manager.check_invariants()
+        outs += [got[i] for i in ids]
+    assert engine.manager.num_used_blocks == 0
+    return engine, first + other + [p + [7, 8] for p in first], outs, by_tier
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_hybrid_host_tier_serves_hits_with_identical_output(family: str) -> None:
+    """The host tier with the hybrid allocator: every group's copy of a block is stored under its
+    group-qualified key and fetched back; round 3's prompts are served from the host tier (CPU tokens > 0),
+    and greedy output equals the run without a tier and transformers'."""
+    engine, prompts, outs, by_tier = _tier_rounds(family, host_blocks=96)
+    _, _, outs_off, off_tier = _tier_rounds(family)
+    assert by_tier.get("CPU", 0) >= 16, f"a tier hit was served: {by_tier}"
+    assert not off_tier.get("CPU"), "no tier, no CPU hits"
+    assert engine.stats.tiers is not None and sum(engine.stats.tiers.stored_blocks.values()) > 0
+    assert outs == outs_off, "the tier changes no token"
+    ref = reference_generate(tiny_model(family, 0), prompts, MAX_NEW, eos_token_id=2, attn_implementation="eager")
+    assert outs == ref
+
+
+def test_hybrid_refuses_events_with_tiers_in_one_line() -> None:
+    with pytest.raises(Exception, match="kv_events with tiers need the paged allocator"):
+        engine_config(num_blocks=40, block_size=4, allocator="hybrid", host_blocks=8, kv_events=True)

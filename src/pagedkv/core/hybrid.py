@@ -33,6 +33,7 @@ Per group g and sequence, the table is a run of leading null entries, then real 
 - Fork/copy-on-write, rollback, swap, pending copies and events work per group with the same rules as
   `PagedKVManager` (a block is written in place only when its writer is its sole holder and it has no
   key). A rollback may not go back past a block a group has already released (`InvalidArgumentError`).
+- Tier hits per group (`fetch_blocks`, `hybrid_fetch.py`): a block is fetched when every group's copy is.
 - Retention as `PagedKVManager`'s: `pin` holds the blocks a cached prefix's hit needs in every group until
   `unpin`; `bump_epoch` makes every published key unmatchable; salts and extra keys qualify every group.
 - `check_invariants` checks the pool, every group's table, reference counts over all groups, null
@@ -50,12 +51,13 @@ from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantEr
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import GroupCacheEvent, check_num_groups, group_events, group_key
 from pagedkv.core.hybrid_check import check_hybrid
+from pagedkv.core.hybrid_fetch import HybridFetch
 from pagedkv.core.hybrid_growth import HybridGrowth
 from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
 from pagedkv.core.manager import PinHandle
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, key_function
-from pagedkv.core.protocol import Admission, BlockFill, BlockSource, CSRPages, ManagerStats
+from pagedkv.core.protocol import Admission, CSRPages, ManagerStats
 from pagedkv.core.table import BlockTables
 from pagedkv.core.validate import (
     as_computed,
@@ -75,7 +77,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 OUT_OF_WINDOW_PRIORITY = -(2**62)  # released as the window passed: evicted before anything else cached
 
 
-class HybridKVManager(HybridGrowth, HybridLifecycle):
+class HybridKVManager(HybridGrowth, HybridFetch, HybridLifecycle):
     """Per-group block tables over one pool; see the module docstring for the contract."""
 
     def __init__(
@@ -431,13 +433,6 @@ class HybridKVManager(HybridGrowth, HybridLifecycle):
         return 2 * (spec.window or 0)
 
     # --- cache control, events, checks -------------------------------------------------------------
-
-    def fetch_blocks(
-        self, seq_id: int, start: int, end: int, source: BlockSource, tag: object = None
-    ) -> BlockFill | None:
-        """Tiers below the device are not wired to KV cache groups yet: nothing is fetched."""
-        self.tables[0].device_row(seq_id)
-        return None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix in every group; returns how many keys were dropped."""

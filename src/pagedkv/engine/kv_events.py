@@ -15,7 +15,7 @@ events since the last call as one vLLM-compatible `EventBatch` (publish it with
   removals; a key that moves from CPU to DISK keeps them too. The device's events are fed first, then the
   tiers', each in the order they happened (the per-medium sets are exact at the end of every poll).
 
-A hybrid model's cache (`HybridKVManager`, GPU only: tiers need the paged allocator) goes through
+A hybrid model's cache (`HybridKVManager`, without tiers: the config refuses both at once) goes through
 `GroupEvents`: one log per KV cache group, so copies are counted per (key, group), and every event names
 its group in `group_idx`, as vLLM's hybrid cache does; the block hashes are the plain content keys a
 uniform engine publishes. Its chains are sent as roots without token ids (the manager's events carry

@@ -400,7 +400,8 @@ class Scheduler:
             fill = self.manager.fetch_blocks(request.seq_id, start, end, self.source, request)
             if fill is not None:
                 out.fills.append(fill)
-                start += len(fill.dst) * self.manager.block_size
+                # a hybrid manager fills every group's copy of a block (`core/hybrid_fetch.py`)
+                start += len(fill.dst) // getattr(self.manager, "num_groups", 1) * self.manager.block_size
                 request.num_computed_tokens = start
         return ScheduledChunk(request, start, end - start, produces)
 

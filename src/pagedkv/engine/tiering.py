@@ -29,6 +29,10 @@ and counts it) never covers the block of a chunk's last token: the chunk keeps a
 compute, and the prompt's last token is always computed. A failed or short load leaves the rest of the
 chunk to be computed. A request's tier hits are counted at its first admission, like the device's
 (`RequestOutput.num_cached_tokens_by_tier`).
+
+With the hybrid allocator (`HybridKVManager`) a block has one copy per KV cache group: the tiers store
+each under its group-qualified key (`pagedkv.core.group_keys`), a fetch asks for every group's key of a
+block before the next block's (`core/hybrid_fetch.py`), and a block counts once per request.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError, InvariantError
+from pagedkv.core.group_keys import group_key
+from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.prefix import Key
 from pagedkv.core.prefix_index import CacheEvent
@@ -62,11 +68,13 @@ class EngineTiering:
     """The tiers around one engine's device: a `BlockSource` for its scheduler, and the two hooks."""
 
     def __init__(
-        self, store: TieredStore, storage: KVStorage, manager: PagedKVManager, *, keep_device_events: bool = False
-    ) -> None:
+        self, store: TieredStore, storage: KVStorage, manager: PagedKVManager | HybridKVManager, *,
+        keep_device_events: bool = False,
+    ) -> None:  # fmt: skip
         self.store = store
         self.storage = storage
         self.manager = manager
+        self._keys_per_block = manager.num_groups if isinstance(manager, HybridKVManager) else 1
         self.block_size = storage.block_size
         self._admitted: dict[str, int | None] = {}  # request id -> the seq id whose admission was counted
         self._miss_at: dict[str, tuple[int, int]] = {}  # request id -> (its preemptions, first block missed)
@@ -80,8 +88,8 @@ class EngineTiering:
     ) -> EngineTiering:  # fmt: skip
         """The tiers `config` asks for; their keys carry the model's fingerprint: `model_id`, the weights'
         digest `weights` and the KV layout."""
-        if not isinstance(manager, PagedKVManager):
-            raise InvalidArgumentError("tiers need the paged allocator with prefix caching on")
+        if not isinstance(manager, PagedKVManager | HybridKVManager):
+            raise InvalidArgumentError("tiers need the paged or hybrid allocator with prefix caching on")
         shape = block_shape(storage)
         fingerprint = model_fingerprint(
             model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size, weights=weights
@@ -139,14 +147,14 @@ class EngineTiering:
             return 0, rows
         self._sync()  # blocks evicted earlier in this schedule reach the host tier before the lookup
         plan = store.prepare_load([key_bytes(k) for k in keys], rows)
-        k = plan.num_blocks
+        k, per = plan.num_blocks, self._keys_per_block
         if k < len(keys):
-            self._miss_at[rid] = (tries, first_block + k)
+            self._miss_at[rid] = (tries, first_block + k // per)
         if k:
             store.complete_load(plan, self.block_size)
             if tries == 0 and not tag.output_token_ids:  # a first admission, not a fork child
                 counts = self._by_request.setdefault(rid, Counter())
-                for medium in plan.media:
+                for medium in plan.media[: k // per * per : per]:  # a block once, not once per group
                     counts[medium] += self.block_size
         return k, rows
 
@@ -173,14 +181,16 @@ class EngineTiering:
         published: dict[bytes, int] = {}
         drained = self.manager.take_events()
         if self._device_events is not None:
-            self._device_events.extend(drained)
+            self._device_events.extend(e for e in drained if isinstance(e, CacheEvent))  # paged: every one
         for event in drained:
             if event.key is None or event.block_id is None:
                 continue
+            group = getattr(event, "group", None)  # a hybrid manager's events: the tiers keep each group's copy
+            key = key_bytes(event.key if group is None else group_key(event.key, group))
             if event.kind == "removed":
-                evicted[key_bytes(event.key)] = event.block_id
+                evicted[key] = event.block_id
             elif event.kind == "stored":
-                published[key_bytes(event.key)] = event.block_id
+                published[key] = event.block_id
         if not evicted and not published:
             return
         plan = self.store.prepare_store(evicted, published)
