@@ -96,7 +96,7 @@ def simulate_text(report: SimulationReport) -> str:
     ]
     from pagedkv.sim.hybrid import hybrid_sim_lines  # a hybrid model: uniform vs hybrid, in bytes
 
-    hybrid = hybrid_sim_lines(c.model, report.results)
+    hybrid = hybrid_sim_lines(c.model, report.results, report.skipped)
     out += ["", *hybrid] if hybrid else []
     cache = cache_table(report.results)
     if cache:
@@ -107,6 +107,8 @@ def simulate_text(report: SimulationReport) -> str:
                 f"{name} bs={bs}": runs[name] for bs, runs in sorted(report.sweep.items()) if name in runs
             }
             out += ["", f"block-size sweep, {name}:", *table(rows, "run")]
+            cache = cache_table(rows)
+            out += ["", *cache] if cache else []
     return "\n".join(out)
 
 
