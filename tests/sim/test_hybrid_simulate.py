@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.sim.allocators import check_allocator
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
@@ -121,3 +121,18 @@ def test_step_model_reads_only_the_window_of_sliding_layers() -> None:
     assert read == 23 * per * (8001 + 101) + 23 * per * (4096 + 101)
     llama = StepTimeModel(BUILTIN_MODELS["llama-2-7b"], H100)
     assert llama.kv_read_bytes(np.array(start), np.array(new)) == 8102 * BUILTIN_MODELS["llama-2-7b"].kv_bytes_per_token
+
+
+def test_uniform_run_that_cannot_hold_one_request_is_skipped_beside_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma 3 at 128k: the uniform pool (about 41k tokens) cannot hold one request of max_model_len, the
+    hybrid one can; the comparison runs the hybrid row and says why the uniform one did not run."""
+    spec = WorkloadSpec(source="fixed", num_requests=3, prompt_len=100_000, output_len=4, seed=5)
+    report = run_simulation("gemma-3-27b", "h100-80gb", spec, allocators=["paged"], max_model_len=131072)
+    assert list(report.results) == ["hybrid"] and report.results["hybrid"]["num_requests"] == 3
+    assert "less than one request of max_model_len=131072" in report.skipped["paged"]
+    assert report.to_json()["skipped"] == report.skipped
+    from pagedkv.sim.report import simulate_text
+
+    assert "paged: not run: the KV budget" in simulate_text(report)
+    with pytest.raises(CapacityError, match="less than one request"):  # nothing to compare with: the error
+        run_simulation("gemma-3-27b", "h100-80gb", spec, allocators=["contiguous-max"], max_model_len=131072)

@@ -210,10 +210,12 @@ _SIM_COLUMNS = (("num blocks", "num_blocks", ","), ("KV held GiB", "kv_held_gib"
                 ("preempt", "preemptions", ","), ("TTFT p99", "ttft_p99_s", ".2f"))  # fmt: skip
 
 
-def hybrid_sim_lines(model: ModelShape, results: dict[str, dict[str, Any]]) -> list[str]:
+def hybrid_sim_lines(
+    model: ModelShape, results: dict[str, dict[str, Any]], skipped: dict[str, str] | None = None
+) -> list[str]:
     """`pagedkv simulate`'s uniform vs hybrid table (rows of paged and hybrid runs); [] without hybrid rows.
     KV unread: the time-weighted share of the KV held that no query will read (empty slots, tokens out of
-    every window, padding layer slots)."""
+    every window, padding layer slots). `skipped`: runs whose pool could not hold one request, and why."""
     rows = {n: r for n, r in results.items() if n.split(":")[0] in ("paged", "paged-prefix", "hybrid", "hybrid-prefix")}
     if not any(n.startswith("hybrid") for n in rows):
         return []
@@ -225,4 +227,5 @@ def hybrid_sim_lines(model: ModelShape, results: dict[str, dict[str, Any]]) -> l
              for row in [header, *body]]  # fmt: skip
     groups = ", ".join(_group_labels(group_layers(model.layer_windows)))
     return [f"uniform vs hybrid (KV cache groups: {groups}; same KV bytes, hybrid pages hold one group's layers):",
-            lines[0], "-" * len(lines[0]), *lines[1:]]  # fmt: skip
+            lines[0], "-" * len(lines[0]), *lines[1:],
+            *(f"{n}: not run: {why}" for n, why in (skipped or {}).items())]  # fmt: skip

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pagedkv.core.errors import CapacityError
 from pagedkv.engine.scheduler import SchedulerConfig
-from pagedkv.sim.allocators import ALLOCATORS, check_allocator, hybrid_twin
+from pagedkv.sim.allocators import ALLOCATORS, check_allocator, hybrid_twin, is_hybrid_allocator
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.catalog import Catalog
 from pagedkv.sim.metrics import summarize
@@ -30,6 +31,9 @@ class SimulationReport:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     traces: dict[str, SimTrace] = field(default_factory=dict)
     sweep: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    # runs of a hybrid model whose pool cannot hold one max_model_len request (the uniform one at long
+    # context) while a hybrid run can: name -> why (`_replay`)
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -46,6 +50,8 @@ class SimulationReport:
             "step_overhead_s": self.config.step_overhead_s,
             "allocators": self.results,
         }
+        if self.skipped:
+            data["skipped"] = dict(self.skipped)
         if self.sweep:
             data["block_size_sweep"] = {str(bs): r for bs, r in sorted(self.sweep.items())}
         return data
@@ -113,6 +119,22 @@ def _with_hybrid_twins(variants: list[tuple[str, str, str]]) -> list[tuple[str, 
     return out
 
 
+def _replay(
+    config: SimConfig, wl: Workload, bar: _Progress, check_every: int, report: SimulationReport, name: str,
+    variants: list[tuple[str, str, str]],
+) -> SimTrace | None:
+    """One run. A hybrid model's run whose pool cannot hold one `max_model_len` request is skipped (None,
+    its reason in `report.skipped`) when the comparison has a hybrid run, which may hold it; else it raises."""
+    try:
+        return simulate(config, wl, progress=bar, check_every=check_every)
+    except CapacityError as exc:
+        others = [a for n, a, _ in variants if n != name]
+        if is_hybrid_allocator(config.allocator) or not any(is_hybrid_allocator(a) for a in others):
+            raise
+        report.skipped[name] = str(exc)
+        return None
+
+
 def run_simulation(
     model: str = "llama-2-7b",
     gpu: str = "a100-40gb",
@@ -158,10 +180,11 @@ def run_simulation(
     try:
         for bs, (name, allocator_name, eviction) in runs:
             bar.describe(f"{name} bs={bs}")
-            config = replace(
-                base, allocator=allocator_name, block_size=bs, eviction=eviction, partial_reuse=partial_reuse
-            )
-            trace = simulate(config, wl, progress=bar, check_every=check_every)
+            config = replace(base, allocator=allocator_name, block_size=bs, eviction=eviction,
+                             partial_reuse=partial_reuse)  # fmt: skip
+            trace = _replay(config, wl, bar, check_every, report, name, variants)
+            if trace is None:
+                continue
             summary = summarize(trace)
             if bs == block_size:
                 report.results[name] = summary
@@ -169,6 +192,5 @@ def run_simulation(
             report.sweep.setdefault(bs, {})[name] = summary
     finally:
         bar.close()
-    if not sweep_block_sizes:
-        report.sweep = {}
+    report.sweep = report.sweep if sweep_block_sizes else {}
     return report
