@@ -278,6 +278,7 @@ class AsyncEngine:
                 started = self.engine.clock()
                 finished = self.engine.step()
                 self._note_scheduled(started, finished)
+                self.after_step()
                 self._publish(finished)
         except BaseException as e:  # the engine itself failed: every stream learns it, /health turns red
             logger.exception("pagedkv engine loop failed")
@@ -286,6 +287,11 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine loop was shut down"), None)
         finally:
             self._snapshot = self._take_snapshot(alive=False)
+
+    def after_step(self) -> None:
+        """Called on the engine thread after every step, before its outputs reach their streams (a
+        subclass publishes the step's KV events here, so a client that sees its answer finds them routed).
+        Does nothing by default."""
 
     def _apply_commands(self) -> None:
         while self._commands:

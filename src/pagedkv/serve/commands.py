@@ -26,6 +26,7 @@ from pagedkv.engine.cli_args import (
     byte_size,
     int_at_least,
     nonnegative_float,
+    positive_float,
     positive_int,
     writable_folder,
 )
@@ -50,6 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     _add_engine_arguments(parser)
+    _add_replica_arguments(parser)
+
+
+def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--replicas N` (N > 1) or `--ray-address` serve on Ray Serve (`pagedkv.serve.ray_cli`,
+    docs/scale-out.md); one replica needs neither Ray nor Redis."""
+    g = parser.add_argument_group("replicas on Ray Serve (docs/scale-out.md)")
+    g.add_argument("--replicas", type=positive_int, default=1, help="engine replicas behind one ingress (>1: Ray Serve)")
+    g.add_argument("--ray-address", default=None, help="join a Ray cluster (auto, ray://HOST:PORT); default: a local one")
+    g.add_argument("--router", choices=("pagedkv", "prefix-affinity", "pow2"), default="pagedkv",
+                   help="the replicas' request router")  # fmt: skip
+    g.add_argument("--replica-cpus", type=positive_float, default=1.0, help="CPUs Ray reserves per replica")
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +87,14 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas > 1 or args.ray_address:
+        from pagedkv.serve.ray_cli import run_replicas
+
+        try:
+            return run_replicas(args)
+        except PagedKVError as err:
+            print(f"pagedkv serve: {err}", file=sys.stderr)
+            return 2
     try:
         server, sock = _build_server(args)
     except PagedKVError as err:

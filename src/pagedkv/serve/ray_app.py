@@ -108,12 +108,11 @@ class _PublishingEngine(AsyncEngine):
 
     publisher: ZmqEventPublisher | None = None
 
-    def _publish(self, finished: list[RequestOutput]) -> None:
+    def after_step(self) -> None:
         if self.publisher is not None:  # the events first: a client that sees its answer finds them routed
             batch = self.engine.take_event_batch()
             if batch is not None:
                 self.publisher.publish(batch)
-        super()._publish(finished)
 
 
 class PagedKVReplica:

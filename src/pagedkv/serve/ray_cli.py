@@ -1,12 +1,12 @@
-"""`python -m pagedkv.serve.ray_cli`: `pagedkv serve` with `--replicas N` on Ray Serve (docs/scale-out.md).
+"""`pagedkv serve --replicas N`: the model's replicas on Ray Serve (docs/scale-out.md).
 
-    python -m pagedkv.serve.ray_cli --model smollm2 --replicas 2 --remote-url redis://10.0.0.5:6379/0
-    python -m pagedkv.serve.ray_cli --model ./m --replicas 8 --ray-address auto      # an existing cluster
+    pagedkv serve --model smollm2 --replicas 2 --remote-url redis://10.0.0.5:6379/0
+    pagedkv serve --model ./m --replicas 8 --ray-address auto      # an existing cluster
 
 Every `pagedkv serve` flag means what it means there (the engine flags are `pagedkv generate`'s); each replica
-loads the model itself and builds its engine from the same flags with KV events on. `--replicas 1` still runs
-on Ray (use `pagedkv serve` for one replica without Ray or Redis). Ctrl-C or SIGTERM removes the application
-and, if this process started the local Ray cluster, stops it.
+loads the model itself and builds its engine from the same flags with KV events on. `--replicas 1` runs on
+Ray only with `--ray-address`; without it, it is one process with neither Ray nor Redis. Ctrl-C or SIGTERM
+removes the application and, if this process started the local Ray cluster, stops it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any
 
-from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.serve.ray_app import ROUTERS, ReplicaSet, running
+from pagedkv.serve.ray_app import ReplicaSet, running
 
 
 def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
@@ -40,18 +39,6 @@ def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(source)
     return Engine(load_weights(source, dtype=ns.dtype, tokenizer=tokenizer), tokenizer, config)
-
-
-def add_replica_arguments(parser: Any) -> None:
-    g = parser.add_argument_group("replicas on Ray Serve (docs/scale-out.md)")
-    g.add_argument(
-        "--replicas", type=int, default=1, help="engine replicas behind one ingress (>1: Ray Serve)"
-    )
-    g.add_argument(
-        "--ray-address", default=None, help="join a Ray cluster (auto, ray://HOST:PORT); default: a local one"
-    )
-    g.add_argument("--router", choices=ROUTERS, default="pagedkv", help="the replicas' request router")
-    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
 
 
 def run_replicas(args: Any) -> int:
@@ -77,21 +64,13 @@ def run_replicas(args: Any) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`pagedkv serve` under another name: its flags, `--replicas` included (kept for older scripts)."""
     from pagedkv.engine.cli_args import OneLineParser
     from pagedkv.serve import commands
 
-    parser = OneLineParser(
-        prog="python -m pagedkv.serve.ray_cli", description="pagedkv replicas on Ray Serve"
-    )
+    parser = OneLineParser(prog="python -m pagedkv.serve.ray_cli", description="pagedkv replicas on Ray Serve")
     commands.add_arguments(parser)
-    add_replica_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        commands.check_server_arguments(args)
-        return run_replicas(args)
-    except InvalidArgumentError as err:
-        print(f"pagedkv serve: {err}", file=sys.stderr)
-        return 2
+    return commands.run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
