@@ -16,6 +16,8 @@ with `max_tokens` = its output length, temperature 0, and the system's extra bod
 told to ignore EOS). For each request: the time it was sent, the time of each streamed chunk that carries
 text, the completion tokens (`usage.completion_tokens` of the last chunk, else the number of text chunks),
 the streamed text, and an error (an HTTP status, an error event, a stream cut short, a wrong token count).
+Every request asks for `stream_options.include_usage`: a token that decodes to no text (half of a
+multi-byte character) sends no chunk, so counting chunks undercounts.
 Times are `time.perf_counter()` seconds from the start of the run.
 
 Figures (`summarize`): output tokens/s and completed requests/s over the run's wall time (first request sent
@@ -211,7 +213,8 @@ async def drive(
         tasks = []
         for r, res in zip(requests, results):
             body: dict[str, Any] = {"prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
-                                    "stream": True, **extra_body}  # fmt: skip
+                                    "stream": True, "stream_options": {"include_usage": True},
+                                    **extra_body}  # fmt: skip
             if model is not None:
                 body["model"] = model
             tasks.append(asyncio.create_task(_one(client, r, body, t0, res)))
