@@ -75,6 +75,8 @@ def test_non_hybrid_model_gets_no_hybrid_row() -> None:
     spec = WorkloadSpec(num_requests=30, time_scale=20.0)
     report = run_simulation("llama-2-7b", "a100-40gb", spec, allocators=["paged"], max_model_len=1024)
     assert list(report.results) == ["paged"]
+    paged = report.results["paged"]  # full attention only: what no query reads is the empty slots
+    assert paged["kv_unread"] == pytest.approx(paged["kv_waste"], abs=1e-9) and paged["kv_unread"] > 0
 
 
 def test_hybrid_prefix_twin_of_paged_prefix() -> None:

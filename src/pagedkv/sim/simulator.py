@@ -398,6 +398,8 @@ class _Replay:
         running = self.scheduler.running
         if not running:
             return 0.0
+        if None in self.windows and len(self.windows) == 1:  # full attention only: every held token is read
+            return float(held.sum()) * self.config.model.kv_bytes_per_token
         computed = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))
         token_layers = 0
         for w, n in self.windows.items():
