@@ -119,3 +119,43 @@ def test_bench_serve_both_servers_and_offline_on_a_tiny_model(tiny: Path, tmp_pa
     assert all(isinstance(g["met"], bool) for g in result["goals"].values())
     assert "admission_headroom" in result["differing_settings"]  # written in the output, as it differs
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(
+        b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events
+    )
+
+
+def test_client_counts_the_servers_usage_and_flags_short_or_broken_streams() -> None:
+    """A token that decodes to no text sends no chunk: the client must take `usage.completion_tokens`
+    (and ask for it), and call a stream without a finish_reason, a short count or an HTTP error an error."""
+    import httpx
+
+    bodies: list[dict[str, object]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        prompt = body["prompt"]
+        text = [{"choices": [{"text": " a", "finish_reason": None}]}, {"choices": [{"text": " b"}]}]
+        end = {"choices": [{"text": "", "finish_reason": "length"}]}
+        usage = {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 1, "total_tokens": 4}}
+        if prompt == "ok":  # 3 tokens, one of which decoded to no text: 2 text chunks
+            return httpx.Response(200, content=_sse(*text, end, usage, b"[DONE]"))
+        if prompt == "cut":
+            return httpx.Response(200, content=_sse(*text))
+        if prompt == "short":
+            return httpx.Response(200, content=_sse(*text, end, {**usage, "usage": {"completion_tokens": 2}}))
+        return httpx.Response(429, json={"error": {"message": "overloaded"}})
+
+    requests = [load.ServeRequest(p, p, 1, 3) for p in ("ok", "cut", "short", "busy")]
+    results = load.run_load("http://test", requests, {"ignore_eos": True}, model="m",
+                            transport=httpx.MockTransport(handler))  # fmt: skip
+    ok, cut, short, busy = results
+    assert ok.error is None and ok.completion_tokens == 3 and ok.text == " a b" and len(ok.chunk_times) == 2
+    assert cut.error is not None and "finish_reason" in cut.error
+    assert short.error == "2 tokens where 3 were asked"
+    assert busy.error is not None and busy.error.startswith("HTTP 429")
+    assert all(b["stream_options"] == {"include_usage": True} and b["model"] == "m" for b in bodies)
+    assert load.summarize(requests, results)["errors"] == 3

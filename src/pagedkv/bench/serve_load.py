@@ -202,13 +202,17 @@ async def drive(
     *,
     model: str | None = None,
     timeout_s: float = 600.0,
+    transport: Any = None,
 ) -> list[RequestResult]:
-    """Send every request at its arrival time, streaming; one result per request, in request order."""
+    """Send every request at its arrival time, streaming; one result per request, in request order.
+    `transport` replaces the network (an `httpx.MockTransport` in tests)."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     results = [RequestResult(r.request_id) for r in requests]
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=timeout_s, limits=limits, transport=transport
+    ) as client:
         t0 = time.perf_counter()
         tasks = []
         for r, res in zip(requests, results):
