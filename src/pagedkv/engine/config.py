@@ -69,11 +69,11 @@ class EngineConfig:
     # Which cached-free block an allocation evicts (pagedkv.core.eviction; docs/cache-policy.md):
     # "lru" (default), "slru", "lfu", "priority" (a request's priority, decaying), "cost".
     eviction: str = "lru"
-
-    @property
     # Partial-block reuse: a prompt diverging inside a cached block copies it and computes only the rest
     # (one block copy costs less than computing one token; docs/cache-policy.md). Prefix caching only.
     partial_block_reuse: bool = True
+
+    @property
     def tiers_enabled(self) -> bool:
         return bool(self.host_blocks or self.disk_path is not None or self.remote_url)
 
@@ -110,10 +110,10 @@ class EngineConfig:
     def _check_cache_policy(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
             raise InvalidArgumentError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
-
-    def _check_tiers(self) -> None:
         if not isinstance(self.partial_block_reuse, bool):
             raise InvalidArgumentError(f"partial_block_reuse must be a bool, got {self.partial_block_reuse!r}")
+
+    def _check_tiers(self) -> None:
         if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:
             raise InvalidArgumentError(f"host_blocks must be an int >= 0, got {self.host_blocks!r}")
         if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes < 0:
