@@ -26,7 +26,7 @@ mask function), and the model runs with `use_cache=False`: the pages are the onl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from pagedkv.hf.cache import PagedKVCache, PagedStep
 from pagedkv.hf.metadata import StepBatch
 from pagedkv.hf.model_spec import ModelSpec, UnsupportedModelError, model_spec
 from pagedkv.hf.sdpa import paged_sdpa, sdpa_supports
+
+if TYPE_CHECKING:
+    from pagedkv.ops.validate import AttentionOptions
 
 ATTENTION_NAME = "pagedkv"
 STEP_KWARG = "pagedkv_step"
@@ -67,10 +70,10 @@ def paged_attention_forward(
     # [1, H, T, D] -> [T, H, D]
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     step.write(layer_idx, k, v)
-    parts = [
-        _attend_group(step, i, q, k, v, slot, scaling, sliding_window, softcap, kv_group)
-        for i in range(len(batch.groups))
-    ]
+    from pagedkv.ops.validate import attention_options
+
+    options = attention_options(scaling, sliding_window, softcap)  # transformers' spelling, once
+    parts = [_attend_group(step, i, q, k, v, slot, options, kv_group) for i in range(len(batch.groups))]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None
 
@@ -82,20 +85,18 @@ def _attend_group(
     k: torch.Tensor,
     v: torch.Tensor,
     layer_idx: int,
-    scaling: float | None,
-    sliding_window: int | None,
-    softcap: float | None,
+    options: AttentionOptions,
     kv_group: int = 0,
 ) -> torch.Tensor:
     """Attention of the step's attention group `i` (a run of decodes, or one prefill chunk) over KV cache
     group `kv_group`'s pages (`layer_idx` is the storage slot): SDPA over the paged KV where the backend and
     the group allow it, else `pagedkv.ops.paged_attention`."""
-    from pagedkv import ops  # torch-land; imported on first call so `import pagedkv.hf` stays light
+    from pagedkv.ops import attention as ops_attention  # on first call: `import pagedkv.hf` stays light
 
     g = step.batches[kv_group].groups[i]
     cache = step.cache
     q_g = q[g.token_start : g.token_end]
-    if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], softcap):
+    if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], options.soft_cap):
         return paged_sdpa(
             q_g,
             cache.layer_kv(layer_idx),
@@ -103,26 +104,15 @@ def _attend_group(
             g.seq_lens,
             max_seqlen_q=g.max_seqlen_q,
             max_seqlen_k=g.max_seqlen_k,
-            scale=scaling,
-            sliding_window=sliding_window,
+            scale=options.scale,
+            sliding_window=options.sliding_window,
             new_key=k[g.token_start : g.token_end],
             new_value=v[g.token_start : g.token_end],
             plan=step.sdpa_plan(i, kv_group),
         )
     key_cache, value_cache = cache.layer(layer_idx)
-    return ops.paged_attention(
-        q_g,
-        key_cache,
-        value_cache,
-        g.block_table,
-        g.seq_lens,
-        g.cu_seqlens_q,
-        scale=scaling,
-        sliding_window=sliding_window,
-        soft_cap=softcap,
-        max_seqlen_q=g.max_seqlen_q,
-        plan=step.ops_plan(i, q_g, key_cache, value_cache, kv_group),
-    )
+    plan = step.ops_plan(i, q_g, key_cache, value_cache, kv_group)  # holds the group's tables and lengths
+    return ops_attention.run_planned(plan, q_g, key_cache, value_cache, options)
 
 
 def _refuse_unsupported(

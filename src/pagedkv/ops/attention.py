@@ -26,7 +26,7 @@ import torch
 from pagedkv.ops.dispatch import choose_backend
 from pagedkv.ops.plan import AttentionPlan, default_scale, plan_attention
 from pagedkv.ops.reference import paged_attention_reference
-from pagedkv.ops.validate import check_scalar_options
+from pagedkv.ops.validate import AttentionOptions, attention_options
 from pagedkv.storage.slots import check_write_args, scatter_kv
 
 
@@ -70,18 +70,13 @@ def paged_attention(
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention over paged KV for decode, prefill and chunked prefill in one call (see module docstring)."""
+    options = attention_options(scale, sliding_window, soft_cap)
     if plan is None:
-        check_scalar_options(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         plan = plan_attention(
             query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
             backend=backend,
         )
-    else:
-        plan.check_call(query, key_cache, scale, sliding_window, soft_cap)
-    return run_planned(
-        plan, query, key_cache, value_cache, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scale=k_scale, v_scale=v_scale,
-    )
+    return run_planned(plan, query, key_cache, value_cache, options, k_scale=k_scale, v_scale=v_scale)
 
 
 def run_planned(
@@ -89,21 +84,21 @@ def run_planned(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    options: AttentionOptions,
     *,
-    scale: float | None,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    k_scale: float,
-    v_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """The backend call of a planned, checked `paged_attention`."""
-    scale = default_scale(plan.shape.head_dim, scale)
+    """`paged_attention` on a plan, which holds the step's metadata (block table, lengths, query layout): a
+    layer passes only its query, its caches and its `AttentionOptions`. The one dispatch point."""
+    plan.check_call(query, key_cache)
+    scale = default_scale(plan.shape.head_dim, options.scale)
     if plan.backend == "triton":
         from pagedkv.ops.triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
-            query, key_cache, value_cache, plan, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scale=k_scale, v_scale=v_scale,
+            query, key_cache, value_cache, plan, scale=scale, sliding_window=options.sliding_window,
+            soft_cap=options.soft_cap, k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_reference(
         query,
@@ -113,8 +108,8 @@ def run_planned(
         plan.seq_lens,
         plan.cu_seqlens_q,
         scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        sliding_window=options.sliding_window,
+        soft_cap=options.soft_cap,
         max_seqlen_q=plan.max_seqlen_q,
         k_scale=k_scale,
         v_scale=v_scale,

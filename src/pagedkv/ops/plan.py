@@ -13,8 +13,8 @@ and handed to every layer's call through `paged_attention(..., plan=plan)`:
 
 The tile table is built with a few device ops and no host sync: the grid is an upper bound and tiles past
 the real ones carry `q_len = 0`. Per layer, a planned call checks that the query and caches have the
-planned shapes (tuple comparisons) and launches the kernel(s); scalar options (`sliding_window`,
-`soft_cap`, `scale`) are validated the first time each value is seen by this plan.
+planned shapes (tuple comparisons) and launches the kernel(s); the scalar options (`scale`,
+`sliding_window`, `soft_cap`) travel as one `AttentionOptions`, checked once per distinct value.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from pagedkv.ops.validate import (
     AttentionShape,
     check_attention_metadata,
     check_attention_shapes,
-    check_scalar_options,
 )
 
 
@@ -63,17 +62,9 @@ class AttentionPlan:
     cu_seqlens_q: torch.Tensor
     max_seqlen_q: int | None
     triton: TritonPlan | None
-    _checked_options: set[tuple[float | None, int | None, float | None]] = field(default_factory=set)
 
-    def check_call(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        scale: float | None,
-        sliding_window: int | None,
-        soft_cap: float | None,
-    ) -> None:
-        """The call matches the plan (shapes, cache dtype); new scalar options are validated once."""
+    def check_call(self, query: torch.Tensor, key_cache: torch.Tensor) -> None:
+        """The call matches the plan (shapes, cache dtype); the scalars are checked by `AttentionOptions`."""
         if tuple(query.shape) != self.query_shape or tuple(key_cache.shape) != self.cache_shape:
             raise InvalidArgumentError(
                 f"query {tuple(query.shape)} / cache {tuple(key_cache.shape)} do not match the plan's "
@@ -81,10 +72,6 @@ class AttentionPlan:
             )
         if key_cache.dtype != self.cache_dtype:
             raise InvalidArgumentError(f"cache dtype {key_cache.dtype} differs from the plan's {self.cache_dtype}")
-        options = (scale, sliding_window, soft_cap)
-        if options not in self._checked_options:
-            check_scalar_options(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-            self._checked_options.add(options)
 
 
 @functools.cache

@@ -8,7 +8,9 @@ not fit their sequences.
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -77,6 +79,29 @@ def check_attention_shapes(
     return AttentionShape(
         num_seqs, query.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1]
     )
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """A layer's attention scalars, one value from the model's call down to the backend: `scale` (None:
+    1/sqrt(head_dim)), `sliding_window` (a query at p sees keys > p - w) and `soft_cap` (scores = c *
+    tanh(scores / c)). Valid by construction (`check_scalar_options`); build them with `attention_options`,
+    which checks each distinct value once per process."""
+
+    scale: float | None = None
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        check_scalar_options(scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+
+
+@functools.lru_cache(maxsize=256)
+def attention_options(
+    scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None
+) -> AttentionOptions:
+    """The `AttentionOptions` of these scalars, checked the first time each is seen (a layer's call is cheap)."""
+    return AttentionOptions(scale, sliding_window, soft_cap)
 
 
 def check_scalar_options(*, scale: float | None, sliding_window: int | None, soft_cap: float | None) -> None:
