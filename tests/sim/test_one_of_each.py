@@ -56,7 +56,7 @@ def test_scheduler_config_validates_on_construction(kw: dict[str, object]) -> No
 
 
 def test_the_embedding_configs_check_what_spans_both() -> None:
-    with pytest.raises(InvalidArgumentError, match="swap needs the paged allocator"):
+    with pytest.raises(InvalidArgumentError, match="swap needs the paged or hybrid allocator"):
         EngineConfig(num_blocks=8, allocator="contiguous", scheduler=SchedulerConfig(preemption_mode="swap"))
     with pytest.raises(InvalidArgumentError, match="SchedulerConfig"):
         EngineConfig(num_blocks=8, scheduler={"max_num_seqs": 4})  # type: ignore[arg-type]
@@ -67,7 +67,7 @@ def test_the_embedding_configs_check_what_spans_both() -> None:
 
 
 def test_one_manager_factory_for_every_entry_point() -> None:
-    assert MANAGER_KINDS == ("paged", "contiguous")
+    assert MANAGER_KINDS == ("paged", "contiguous", "hybrid")
     paged = make_manager("paged", 8, 4, num_host_blocks=3, record_events=True)
     assert isinstance(paged, PagedKVManager) and paged.enable_prefix_caching
     assert not make_manager("paged", 8, 4, enable_prefix_caching=False).enable_prefix_caching
