@@ -117,3 +117,27 @@ def test_a_manager_with_vllm_keys_publishes_vllms_64_bit_names(monkeypatch: pyte
     assert request_hashes(tokens, 4, hash_fn=fn) == want
     assert {external_hash(k) for k in feed.log.holds(GPU)} == {external_hash(k) for k in m.index.all_keys()}
     assert request_hashes(tokens, 4) != want  # the default stays pagedkv's chain
+
+
+def test_an_engine_with_hash_fn_vllm_publishes_vllms_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`EngineConfig(hash_fn="vllm")` reaches the engine's manager: its KV events carry vLLM's block names for
+    the prompt's full blocks, and the greedy output is the default chain's (keys name KV, never change it)."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.engine.params import SamplingParams
+    from pagedkv.hf.tiny import tiny_model
+
+    prompt = CASES[0][3] + [99]  # "plain": 4 full blocks of 4, then one more token
+    params = SamplingParams(max_new_tokens=2)
+    outputs = []
+    for hash_fn in ("vllm", "sha256"):
+        engine = Engine(tiny_model("llama", 0), config=EngineConfig(num_blocks=32, block_size=4, hash_fn=hash_fn, kv_events=True))
+        outputs.append(engine.generate([prompt], params)[0].output_token_ids)
+        batch = engine.take_event_batch()
+        stored = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+        want = [int.from_bytes(bytes.fromhex(h), "big") & (2**64 - 1) for h in VLLM_0_33["plain"]]
+        assert (stored[:4] == want) == (hash_fn == "vllm")
+    assert outputs[0] == outputs[1]
+    with pytest.raises(InvalidArgumentError, match="hash_fn"):
+        EngineConfig(num_blocks=32, hash_fn="md5")

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.eviction import EVICTION_POLICIES
+from pagedkv.core.prefix import KEY_FUNCTIONS
 from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
 from pagedkv.engine.scheduler import SchedulerConfig
 
@@ -72,6 +73,10 @@ class EngineConfig:
     # Partial-block reuse: a prompt diverging inside a cached block copies it and computes only the rest
     # (one block copy costs less than computing one token; docs/cache-policy.md). Prefix caching only.
     partial_block_reuse: bool = True
+    # How a block's content key is computed (pagedkv.core.prefix.KEY_FUNCTIONS): "sha256" (pagedkv's salted
+    # chain, the default), "fast", or "vllm" (vLLM's sha256_cbor chain, so routers built for vLLM index this
+    # engine's KV events unchanged; docs/scale-out.md).
+    hash_fn: str = "sha256"
 
     @property
     def tiers_enabled(self) -> bool:
@@ -110,6 +115,8 @@ class EngineConfig:
     def _check_cache_policy(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
             raise InvalidArgumentError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
+        if self.hash_fn not in KEY_FUNCTIONS:
+            raise InvalidArgumentError(f"hash_fn must be one of {', '.join(sorted(KEY_FUNCTIONS))}, got {self.hash_fn!r}")
         if not isinstance(self.partial_block_reuse, bool):
             raise InvalidArgumentError(f"partial_block_reuse must be a bool, got {self.partial_block_reuse!r}")
 

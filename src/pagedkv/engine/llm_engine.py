@@ -155,6 +155,7 @@ class Engine:
             num_host_blocks=num_host,
             record_events=cfg.tiers_enabled or cfg.kv_events,  # tiers and event logs follow the cache
             eviction=cfg.eviction,
+            hash_fn=cfg.hash_fn,
             partial_reuse=cfg.partial_block_reuse and cfg.enable_prefix_caching,
             groups=[g.spec for g in self.layer_groups] if self.layer_groups else None,
         )
