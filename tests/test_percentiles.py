@@ -19,5 +19,6 @@ def test_no_finite_value_has_no_percentile() -> None:
 
 def test_every_report_uses_it() -> None:
     from pagedkv.bench import e2e, serve_load
+    from pagedkv.sim import metrics
 
-    assert e2e.percentile is percentile and serve_load.percentile is percentile
+    assert e2e.percentile is percentile and serve_load.percentile is percentile and metrics.percentile is percentile

@@ -32,12 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.percentiles import percentile
 from pagedkv.sim.simulator import SimTrace
 
 
 def _pct(values: np.ndarray, q: float) -> float:
-    values = values[np.isfinite(values)]
-    return float(np.percentile(values, q)) if values.size else float("nan")
+    """The shared percentile (finite values only); NaN rather than None when there is none (the JSON keeps it)."""
+    value = percentile(values, q)
+    return float("nan") if value is None else value
 
 
 def summarize(trace: SimTrace) -> dict[str, Any]:
