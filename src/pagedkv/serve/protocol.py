@@ -27,7 +27,8 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # cache_strings="keys": prompts are not kept in pydantic-core's JSON string cache (a long-lived server's RSS)
+    model_config = ConfigDict(strict=True, extra="ignore", cache_strings="keys")
 
 
 class StreamOptions(_Body):
