@@ -36,6 +36,11 @@ def test_counters_and_histograms_move_as_the_requests_say(model: Any, tokenizer:
         assert delta(after, before, "pagedkv:prefix_cache_hits_total") == cached
         assert delta(after, before, "pagedkv:prefix_cache_hits_by_tier_total", tier="GPU") == cached
         assert delta(after, before, "pagedkv:request_success_total", finished_reason="length") == 4
+        # the tokens not served cached, by why: the first long prompt found no key, "short one" fits no block
+        missed = {r: delta(after, before, "pagedkv:prefix_cache_miss_tokens_total", reason=r)
+                  for r in ("no_key", "short_prompt", "evicted", "salt", "partial_block")}  # fmt: skip
+        assert missed["no_key"] > 0 and missed["short_prompt"] > 0, missed
+        assert 0 < sum(missed.values()) <= prompt_tokens - cached, missed
         for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
                      "time_per_output_token_seconds"):  # fmt: skip
             assert delta(after, before, f"pagedkv:{name}_count") == 4, name

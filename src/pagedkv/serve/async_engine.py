@@ -71,6 +71,9 @@ class EngineSnapshot:
     num_preemptions: int
     num_steps: int
     num_in_flight: int  # streams not yet ended (requests accepted by the door)
+    # prompt tokens not served from cache since start, by reason (pagedkv.core.misses.MISS_REASONS; empty
+    # for an allocator that keeps no prefix cache)
+    miss_tokens: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -405,6 +408,7 @@ class AsyncEngine:
             num_preemptions=int(engine.stats.num_preemptions),
             num_steps=int(engine.stats.num_steps),
             num_in_flight=len(self._streams),
+            miss_tokens=tuple(misses.tokens.items()) if (misses := engine.stats.cache_misses) is not None else (),
         )
         if self.metrics is not None:
             self.metrics.observe_engine(snapshot)

@@ -11,6 +11,7 @@ Each `ServerMetrics` has its own registry (several servers or Ray replicas in on
 | pagedkv:prefix_cache_queries_total             | counter   | a request ends: its prompt tokens                 |
 | pagedkv:prefix_cache_hits_total                | counter   | a request ends: its prompt tokens served cached   |
 | pagedkv:prefix_cache_hits_by_tier_total{tier}  | counter   | the same, by medium (GPU = the device pool)       |
+| pagedkv:prefix_cache_miss_tokens_total{reason} | counter   | every engine turn: prompt tokens admitted uncached, by why (pagedkv.core.misses) |
 | pagedkv:prompt_tokens_total                    | counter   | a request ends: its prompt tokens (once for n > 1) |
 | pagedkv:generation_tokens_total                | counter   | a request ends: tokens of all its completions     |
 | pagedkv:request_success_total{finished_reason} | counter   | a completion ends (stop, length, abort, error)    |
@@ -65,6 +66,10 @@ class ServerMetrics:
         self.queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.hits_by_tier = counter("prefix_cache_hits_by_tier", "Prompt tokens served cached, by medium.", ["tier"])
+        self.miss_tokens = counter(
+            "prefix_cache_miss_tokens", "Prompt tokens admitted without a cache hit, by reason.", ["reason"]
+        )
+        self._misses_seen: dict[str, int] = {}
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.success = counter("request_success", "Finished completions by reason.", ["finished_reason"])
@@ -84,6 +89,11 @@ class ServerMetrics:
         if snapshot.num_preemptions > self._preemptions_seen:
             self.preemptions.labels(m).inc(snapshot.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = snapshot.num_preemptions
+        for reason, tokens in snapshot.miss_tokens:
+            seen = self._misses_seen.get(reason, 0)
+            if tokens > seen or reason not in self._misses_seen:
+                self.miss_tokens.labels(m, reason).inc(tokens - seen)  # every reason appears, at 0 at first
+                self._misses_seen[reason] = tokens
 
     def observe_request(self, outputs: Sequence[RequestOutput]) -> None:
         """Counters and histograms of one ended request: its completions' final outputs, parent first."""
