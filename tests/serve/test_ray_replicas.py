@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from redis_support import private_redis
 
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
 
@@ -20,7 +21,6 @@ from pagedkv.engine.params import SamplingParams  # noqa: E402
 from pagedkv.events import GPU  # noqa: E402
 from pagedkv.router.live import LiveRouter  # noqa: E402
 from pagedkv.serve.ray_app import Deployed, ReplicaRequest, ReplicaSet, ReplicaTarget, running  # noqa: E402
-from pagedkv.tiers.redis_server import RedisServer, RedisUnavailableError, redis_server_path  # noqa: E402
 
 DOC = 40  # tokens: 10 blocks of 4
 
@@ -31,20 +31,8 @@ def document(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    required = os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1"
-    if redis_server_path() is None:
-        if required:
-            pytest.fail("PAGEDKV_REQUIRE_REDIS=1 but redis-server is not installed")
-        pytest.skip("redis-server is not installed (set PAGEDKV_REQUIRE_REDIS=1 to fail instead)")
-    server = RedisServer(folder=tmp_path_factory.mktemp("redis"))
-    try:
-        server.start()
-    except RedisUnavailableError as err:
-        if required:
-            pytest.fail(str(err))
-        pytest.skip(str(err))
-    yield server.url
-    server.stop()
+    for server in private_redis(tmp_path_factory):
+        yield server.url
 
 
 @pytest.fixture(scope="module")

@@ -6,32 +6,17 @@ Where `redis-server` is missing the test is skipped with one line, unless `PAGED
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
+from redis_support import private_redis
 
-from pagedkv.tiers.redis_server import RedisServer, RedisUnavailableError, redis_server_path
+from pagedkv.tiers.redis_server import RedisServer
 
 
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    required = os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1"
-    if redis_server_path() is None:
-        if required:
-            pytest.fail("PAGEDKV_REQUIRE_REDIS=1 but redis-server is not installed")
-        pytest.skip("redis-server is not installed (set PAGEDKV_REQUIRE_REDIS=1 to fail instead)")
-    server = RedisServer(folder=tmp_path_factory.mktemp("redis"))
-    try:
-        server.start()
-    except RedisUnavailableError as err:
-        if required:
-            pytest.fail(str(err))
-        pytest.skip(str(err))
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from private_redis(tmp_path_factory)
 
 
 @pytest.fixture
