@@ -773,7 +773,9 @@ def _draw_sizes(rng: np.random.Generator, kind: str) -> Config:
 
 
 def replay(config: Config, ops: list[Op], patch: Patch | None) -> tuple[str | None, list[str]]:
-    """Run `ops` on a fresh episode: the violation message (or None) and the calls it made."""
+    """Run `ops` on a fresh episode: the violation message (or None) and the calls it made. A shrinking
+    trial may drive a patched (broken) manager into a state where it raises instead of giving a wrong
+    answer: that is another failure, reported as `crash: ...`, so the shrinker never keeps the trial."""
     ep = Episode(config, patch)
     try:
         for op in ops:
@@ -781,6 +783,8 @@ def replay(config: Config, ops: list[Op], patch: Patch | None) -> tuple[str | No
         ep.finish()
     except Violation as v:
         return str(v), ep.lines
+    except Exception as e:  # any other exception is a different failure, never a pass
+        return f"crash: {type(e).__name__}: {e}", ep.lines
     return None, ep.lines
 
 
