@@ -218,7 +218,10 @@ def first_fit_concurrency(
         while nxt < len(sizes) and len(live) < max_num_seqs:
             need = int(sizes[nxt])
             if need > num_blocks:
-                raise CapacityError(f"a request needs {need} blocks but the pool has {num_blocks}")
+                raise CapacityError(
+                    f"a contiguous allocator reserves {need} blocks for one request but the pool has "
+                    f"{num_blocks}; plan a smaller --max-model-len or only --allocators paged"
+                )
             hole = runs.find(need)
             if hole is None:
                 break
