@@ -38,8 +38,11 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def app(redis_url: str) -> Iterator[Deployed]:
     spec = ReplicaSet(replicas=2, remote_url=redis_url, num_cpus=0.5, stats_period_s=0.5)
-    with running(spec, num_cpus=2, app_name="pagedkv-test") as deployed:
-        yield deployed
+    try:
+        with running(spec, num_cpus=2, app_name="pagedkv-test") as deployed:
+            yield deployed
+    finally:
+        ray.shutdown()  # running() stops the cluster it started; this is the module's own guarantee
 
 
 def ask(app: Deployed, prompt: list[int], max_tokens: int = 4) -> tuple[str, Any]:
