@@ -116,8 +116,10 @@ def test_blocks_on_their_way_draw_the_next_request_sharing_them(tmp_path) -> Non
         router.predict("r1", first)
         router.routed("r1", "b")  # sent to b, still prefilling: no event yet
         second = router.rank(["a", "b"], system + [4, 5, 6])
-        assert second.matches["b"].gpu == 8 and second.matches["a"].gpu == 0
-        assert second.loads["b"] == 9.0  # and r1's prefill is b's queued work: here the two weigh the same
+        assert second.matches["b"].pending == 8 and second.matches["b"].gpu == second.matches["a"].total == 0
+        # r1's prefill (8 blocks + 1) is b's queued work, but the 8 blocks it computes are the ones the second
+        # request shares: not charged again, so b (1 block + 1 queued) beats an idle a (9 blocks to compute)
+        assert second.loads["b"] == 9.0 and second.order == ["b", "a"] and not second.fallback
         assert len(router.index) == 0  # the index itself holds only what events said
         b.serve(system + [1, 2, 3])  # r1's prefill done: the events take over from the credit
         wait_for(router, "b", 8)
@@ -127,16 +129,51 @@ def test_blocks_on_their_way_draw_the_next_request_sharing_them(tmp_path) -> Non
         router.routed("r3", "a")  # the router's pick, counted at once
         router.routed("r3", "b")  # Ray placed it on b: it moves, work and blocks on their way
         moved = router.rank(["a", "b"], list(range(300, 332)) + [2])
-        assert (moved.matches["a"].gpu, moved.matches["b"].gpu) == (0, 8) and moved.loads["a"] == 0.0
+        assert (moved.matches["a"].pending, moved.matches["b"].pending) == (0, 8) and moved.loads["a"] == 0.0
         router.withdraw("r3")  # ranked again: its own placement no longer counts
         again = router.rank(["a", "b"], list(range(300, 332)) + [2])
-        assert again.matches["b"].gpu == 0 and again.loads["b"] == 0.0
+        assert again.matches["b"].total == 0 and again.loads["b"] == 0.0
         router.routed("r3", "b")
         router.completed("r3")
         router.predict("r2", router.rank(["a", "b"], list(range(200, 232)) + [1]))
         router.routed("r2", "a")
         router.completed("r2")  # ended (an abort) without ever computing: no credit left behind
-        assert router.rank(["a", "b"], list(range(200, 232)) + [9]).matches["a"].gpu == 0
+        assert router.rank(["a", "b"], list(range(200, 232)) + [9]).matches["a"].total == 0
+    finally:
+        router.streams.close()
+        a.pub.close()
+        b.pub.close()
+
+
+@pytest.mark.parametrize("systems", [4, 1])
+def test_a_burst_groups_conversations_by_system_prompt(tmp_path, systems) -> None:
+    """32 conversations start at once, before any replica has computed a system prompt (nothing completes
+    during the burst). Each of 4 system prompts is computed on one replica and its conversations follow it,
+    2 prompts and 16 conversations a replica; one system prompt for all: its followers join the first
+    replica until the work queued there outweighs computing the prompt on the other, which then takes its
+    share."""
+    a, b = Replica(tmp_path, "a"), Replica(tmp_path, "b")
+    router = LiveRouter(imbalance_threshold=8, sync_interval_s=3600)
+    try:
+        for name, r in (("a", a), ("b", b)):
+            router.observe(name, r.stats())
+        prompts = {s: list(range(1000 * s + 100, 1000 * s + 164)) for s in range(systems)}  # 16 blocks each
+        placed: dict[str, list[int]] = {"a": [], "b": []}
+        order = []
+        computed = 0  # system prompts computed: the first request with the prompt on each replica
+        for c in range(32):
+            ranking = router.rank(["a", "b"], prompts[c % systems] + [5000 + c] * 9)
+            router.predict(c, ranking)
+            router.routed(c, ranking.order[0])
+            computed += ranking.matches[ranking.order[0]].pending == 0
+            placed[ranking.order[0]].append(c % systems)
+            order.append(ranking.order[0])
+        assert abs(len(placed["a"]) - len(placed["b"])) <= 8 + 1
+        if systems == 4:
+            assert computed == 4 and len(placed["a"]) == len(placed["b"]) == 16
+            assert not set(placed["a"]) & set(placed["b"])
+        else:  # a's queue (19, then 3 per follower) outweighs the 16 blocks b would compute at the 7th
+            assert computed == 2 and "".join(order[:7]) == "aaaaaab", "".join(order)
     finally:
         router.streams.close()
         a.pub.close()

@@ -129,3 +129,20 @@ def test_cost_rank_is_choose_then_cost_order_and_the_imbalance_fallback_override
     assert order == [1, 2, 0] and fallback
     order, fallback = policy.rank(8, matches, [3.0, 0.0, 1.0], requests=[8, 0, 1], imbalance_threshold=8)
     assert order[0] == 0 and not fallback
+
+
+def test_blocks_on_their_way_are_neither_computed_nor_charged_again() -> None:
+    """b is prefilling a request: 16 system-prompt blocks and 2 of its own (18 + 1 of queued work). The next
+    request shares the 16 and has 2 of its own: on b it computes 2 and waits for work b does anyway."""
+    policy = CostPolicy()
+    on_way = [PrefixMatch(), PrefixMatch(pending=16)]
+    assert on_way[1].total == 16 and policy.cost(18, on_way[1], 19.0) == 2 + 3
+    order, fallback = policy.rank(18, on_way, [0.0, 19.0], requests=[0, 1], imbalance_threshold=8)
+    assert order == [1, 0] and not fallback
+    # the same blocks already on b's GPU: its 19 queued are other requests' work, charged in full
+    assert policy.rank(18, [PrefixMatch(), PrefixMatch(gpu=16)], [0.0, 19.0])[0] == [0, 1]
+    # never a negative queue: a replica whose queue is all the shared prefill costs its compute only
+    assert policy.cost(18, PrefixMatch(pending=16), 10.0) == 2
+    # followers piled past the imbalance threshold: the least loaded leads whatever is on its way
+    order, fallback = policy.rank(18, on_way, [0.0, 43.0], requests=[0, 9], imbalance_threshold=8)
+    assert order == [0, 1] and fallback

@@ -33,15 +33,18 @@ Replica = Hashable
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """A replica's cacheable prefix of one request, `total` blocks: `gpu` of them already on its device,
-    `local` to load from its CPU/DISK, `remote` to load from the shared store."""
+    `local` to load from its CPU/DISK, `remote` to load from the shared store, and `pending` on their way
+    (after those: blocks a request already sent to that replica is computing there now; the index itself
+    never reports any, a router that remembers what it sent does: `pagedkv.router.live`)."""
 
     gpu: int = 0
     local: int = 0
     remote: int = 0
+    pending: int = 0
 
     @property
     def total(self) -> int:
-        return self.gpu + self.local + self.remote
+        return self.gpu + self.local + self.remote + self.pending
 
 
 class ReplicaIndex:

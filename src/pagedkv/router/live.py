@@ -10,10 +10,12 @@ restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy
 (`pagedkv simulate --replicas`) routes with:
 
     cost = blocks to compute + 0.1 * blocks from its CPU/DISK + 0.3 * blocks from the shared store
-         + queue_weight * queued work
+         + queue_weight * max(queued work - blocks on their way, 0)
 
 Blocks on their way: a request this router sent a replica credits that replica with its blocks while its
-prefill runs, so the next request sharing them (a system prompt) goes there before the events say so.
+prefill runs (`PrefixMatch.pending`), so the next request sharing them (a system prompt) goes there before
+the events say so: those blocks are not computed again, and the prefill computing them, already in the
+replica's queued work, is not charged to the follower again (`CostPolicy.cost`).
 
 Queued work is what this router sent the replica and has not seen complete, in blocks, as the simulator
 counts it: the blocks a request had to compute there, plus one, until the replica's events show its last
@@ -259,9 +261,9 @@ class LiveRouter:
         entry.arriving = ()
 
     def _match(self, replica: Hashable, hashes: list[int]) -> PrefixMatch:
-        """The index's match, extended by the blocks a request this router sent there is computing now: a
-        request sharing them is credited as if they were on the replica's GPU (the next one after a system
-        prompt goes where the first went, before the first has finished)."""
+        """The index's match, extended by the blocks a request this router sent there is computing now
+        (`pending`: the next request after a system prompt goes where the first went, before the first has
+        finished)."""
         m = self.index.match(hashes, [replica])[replica]
         arriving = self._arriving.get(replica)
         if not arriving:
@@ -271,7 +273,7 @@ class LiveRouter:
             if h not in arriving:
                 break
             more += 1
-        return PrefixMatch(m.gpu + more, m.local, m.remote)
+        return PrefixMatch(m.gpu, m.local, m.remote, more)
 
     def _requests(self, replica: Hashable) -> int:
         rec = self._replicas.get(replica, _Replica())

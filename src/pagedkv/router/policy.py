@@ -18,6 +18,19 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
   with queued work in blocks (the caller's measure, e.g. prompt blocks not yet computed plus running
   sequences). Ties go to the least loaded, then round-robin.
 
+  Blocks on their way (`PrefixMatch.pending`: a request already sent there is computing them now) are not
+  computed again, and the queued work that computes them is not charged again either: the request waits
+  for those blocks there, but they are work the replica does once, which another replica would repeat. So
+
+      queued work charged = max(queued work - pending blocks, 0)
+
+  Charged in full, that work cancelled the blocks saved: a second request sharing only a system prompt
+  with one still prefilling went to the idle replica and computed the prompt again. Where nothing is on its
+  way (the simulator's index, an idle fleet) the cost is the formula above unchanged.
+- `rank` adds the load-imbalance fallback: when the replicas' requests in flight differ by more than a
+  threshold, the least loaded lead whatever they hold (a hot prefix, or one on its way, must not pile
+  everything onto one replica).
+
 Every policy's `choose(matches, loads)` takes one `PrefixMatch` and one load per replica, in replica order, and
 returns the chosen position; `Router` glues a policy to a `ReplicaIndex`.
 """
@@ -119,11 +132,12 @@ class CostPolicy:
     def cost(self, num_blocks: int, match: PrefixMatch, load: float) -> float:
         w = self.weights
         compute = max(num_blocks - match.total, 0)
+        queued = max(load - match.pending, 0.0)  # the work computing its blocks on their way is shared
         return (
             w.compute_weight * compute
             + w.local_discount * match.local
             + w.remote_discount * match.remote
-            + w.queue_weight * load
+            + w.queue_weight * queued
         )
 
     def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int:
