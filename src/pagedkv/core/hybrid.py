@@ -49,14 +49,14 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.group import KVGroupSpec
-from pagedkv.core.group_keys import GroupCacheEvent, check_num_groups, group_events, group_key
+from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_groups, group_events, group_key
 from pagedkv.core.hybrid_check import check_hybrid
 from pagedkv.core.hybrid_fetch import HybridFetch
 from pagedkv.core.hybrid_growth import HybridGrowth
 from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
 from pagedkv.core.manager import PinHandle
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
-from pagedkv.core.prefix import BlockKeys, key_function
+from pagedkv.core.prefix import BlockKeys, Key, key_function
 from pagedkv.core.protocol import Admission, CSRPages, ManagerStats
 from pagedkv.core.table import BlockTables
 from pagedkv.core.validate import (
@@ -115,6 +115,7 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridLifecycle):
         self._held = np.zeros(num_blocks, dtype=bool)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = self._cow_copies = 0
         self._epoch = 0  # keys published under an earlier epoch match nothing (`bump_epoch`)
+        self._origins = BlockOrigins(block_size)  # parent and tokens of published blocks, for event feeds
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -398,8 +399,15 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridLifecycle):
             start = max(seq.published[g], seq.released[g])
             if full > start:
                 ids = t.table[row, start:full].tolist()
-                self.index.insert([group_key(c, g) for c in content[start - first :]], ids)  # type: ignore[arg-type]
+                stored = self.index.insert([group_key(c, g) for c in content[start - first :]], ids)  # type: ignore[arg-type]
+                if stored and self.index.record_events:
+                    self._origins.remember(seq.keys.keys, seq.tokens, start, ids, stored)
             seq.published[g] = max(seq.published[g], full)
+
+    def published_from(self, block_id: int) -> tuple[Key | None, tuple[int, ...]] | None:
+        """(parent content key, token ids) of the content key block `block_id` holds now (`BlockOrigins`);
+        None if it holds none, or the manager records no events."""
+        return self._origins.get(block_id) if self.index.key_at(block_id) is not None else None
 
     def _release_passed(self, row: int, seq: SeqState) -> None:
         """Release each windowed group's blocks no query at or after `num_computed` reads. Those that can

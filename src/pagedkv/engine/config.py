@@ -139,5 +139,5 @@ class EngineConfig:
             raise InvalidArgumentError(f"remote_required must be a bool, got {self.remote_required!r}")
         if self.tiers_enabled and (self.allocator not in ("paged", "hybrid") or not self.enable_prefix_caching):
             raise InvalidArgumentError("tiers need the paged or hybrid allocator with prefix caching on")
-        if self.tiers_enabled and self.kv_events and str(self.allocator) == "hybrid":
-            raise InvalidArgumentError("kv_events with tiers need the paged allocator (hybrid: one or the other)")
+        if self.tiers_enabled and self.kv_events and str(self.allocator) == "hybrid" and self.hash_fn == "fast":
+            raise InvalidArgumentError("kv_events with tiers and the hybrid allocator need byte keys: hash_fn 'sha256' or 'vllm'")

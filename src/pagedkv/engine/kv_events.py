@@ -15,11 +15,12 @@ events since the last call as one vLLM-compatible `EventBatch` (publish it with
   removals; a key that moves from CPU to DISK keeps them too. The device's events are fed first, then the
   tiers', each in the order they happened (the per-medium sets are exact at the end of every poll).
 
-A hybrid model's cache (`HybridKVManager`, without tiers: the config refuses both at once) goes through
-`GroupEvents`: one log per KV cache group, so copies are counted per (key, group), and every event names
-its group in `group_idx`, as vLLM's hybrid cache does; the block hashes are the plain content keys a
-uniform engine publishes. Its chains are sent as roots without token ids (the manager's events carry
-the block, not the sequence it was published from).
+A hybrid model's cache (`HybridKVManager`) keeps one log per KV cache group, fed by a `GroupFeed`
+(`pagedkv.events.group_feed`), so copies are counted per (key, group), and every event names its group
+in `group_idx`, as vLLM's hybrid cache does; the block hashes are the plain content keys a uniform engine
+publishes, with their parent and token ids as a uniform engine's. With tiers, the tiers hold each group's
+copy under its group-qualified key (`pagedkv.core.group_keys`): a tier event goes to that group's log, by
+the same rules as above (a key's parent and tokens are what that group's log recorded).
 
 `poll()` runs at the end of every engine step (after `tiering.after_update`) and before every
 `take_batch()`. The remote tier reports the keys this replica wrote; keys Redis evicts by itself are
@@ -35,11 +36,14 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.group_keys import GroupCacheEvent, split_key
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.prefix import Key
+from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventLog, ManagerFeed
-from pagedkv.events.wire import GPU, Event
+from pagedkv.events.group_feed import GroupFeed
+from pagedkv.events.wire import Event
 
 if TYPE_CHECKING:
     from pagedkv.core.protocol import KVManager
@@ -57,103 +61,102 @@ class GroupBlockRemoved(BlockRemoved, tag="BlockRemoved"):
     group_idx: int | None = None
 
 
-class GroupEvents:
-    """A hybrid manager's GPU events, one `EventLog` per KV cache group, merged into one batch whose events
-    carry `group_idx` (see the module docstring)."""
-
-    def __init__(self, manager: HybridKVManager, block_size: int, *, data_parallel_rank: int = 0) -> None:
-        if not manager.index.record_events:
-            raise InvalidArgumentError("the manager does not record events: build it with record_events=True")
-        self.manager = manager
-        self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank) for _ in manager.groups]
-        self._events: list[Event] = []
-        self._cleared = False
-
-    def poll(self) -> None:
-        for e in self.manager.take_events():
-            if e.kind == "cleared":  # everything before it first, then one AllBlocksCleared for every group
-                self._drain()
-                for log in self.logs:
-                    log.cleared(GPU)
-                self._cleared = True
-            elif e.key is not None and e.group is not None:
-                if e.kind == "stored":
-                    self.logs[e.group].stored(GPU, [e.key])
-                else:
-                    self.logs[e.group].removed(GPU, [e.key])
-        self._drain()
-
-    def _drain(self) -> None:
-        for g, log in enumerate(self.logs):
-            batch = log.take_batch()
-            for ev in batch.events if batch is not None else ():
-                if isinstance(ev, AllBlocksCleared):
-                    if self._cleared:
-                        self._events.append(ev)
-                        self._cleared = False
-                    continue
-                group_type = GroupBlockStored if isinstance(ev, BlockStored) else GroupBlockRemoved
-                self._events.append(group_type(**msgspec.structs.asdict(ev), group_idx=g))
-
-    def take_batch(self) -> EventBatch | None:
-        self.poll()
-        if not self._events:
-            return None
-        events, self._events = self._events, []
-        return EventBatch(time.time(), events, self.logs[0].data_parallel_rank)
-
-
 class EngineEvents:
     def __init__(
         self, manager: KVManager, block_size: int, tiering: EngineTiering | None = None, *,
         data_parallel_rank: int = 0,
     ) -> None:  # fmt: skip
-        self.groups: GroupEvents | None = None
-        if isinstance(manager, HybridKVManager) and tiering is None:
-            self.groups = GroupEvents(manager, block_size, data_parallel_rank=data_parallel_rank)
-            self.log, self.tiering = self.groups.logs[0], None
-            return
-        if not isinstance(manager, PagedKVManager):
-            raise InvalidArgumentError("kv_events need the paged allocator with prefix caching on")
-        self.log = EventLog(block_size, data_parallel_rank=data_parallel_rank)
-        self.feed = ManagerFeed(manager, self.log)
+        self.feed: ManagerFeed | GroupFeed
+        if isinstance(manager, HybridKVManager):
+            self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank) for _ in manager.groups]
+            self.feed = GroupFeed(manager, self.logs)
+        elif isinstance(manager, PagedKVManager):
+            self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank)]
+            self.feed = ManagerFeed(manager, self.logs[0])
+        else:
+            raise InvalidArgumentError("kv_events need the paged or hybrid allocator with prefix caching on")
+        self.grouped = isinstance(manager, HybridKVManager)
+        self.log = self.logs[0]
         self.tiering = tiering  # when set, built with keep_device_events=True: it drains the manager
+        self._events: list[Event] = []  # a hybrid engine's merged batch so far
 
     def poll(self) -> None:
-        """Move every medium's pending events into the log."""
-        if self.groups is not None:
-            self.groups.poll()
-            return
-        tiering, log = self.tiering, self.log
+        """Move every medium's pending events into the log(s)."""
+        tiering = self.tiering
         if tiering is None:
             self.feed.poll()
-            return
+        else:
+            self._poll_tiers(tiering)
+        if self.grouped:
+            self._merge()
+
+    def _route(self, key: bytes) -> tuple[int, Key]:
+        """The group (log index) and content key of a tier's key: a hybrid engine's tiers keep each group's
+        copy under its group-qualified key (`core/group_keys.py`)."""
+        if not self.grouped:
+            return 0, key
+        content, group = split_key(key)
+        return group, content
+
+    def _poll_tiers(self, tiering: EngineTiering) -> None:
+        """The device's events (drained by the tiering), then the tiers', each in the order they happened."""
         drained = tiering.take_device_events()
-        tier_events = tiering.take_events()
-        leaving = {e.key for e in drained if e.kind == "removed" and e.key is not None}
-        known: dict[Key, tuple[Key | None, tuple[int, ...]]] = {}
-        for key in leaving | {e.key for e in tier_events}:
-            info = log.known(key)
+        tier_events = [(e, *self._route(e.key)) for e in tiering.take_events()]
+        leaving = [
+            (e.group if isinstance(e, GroupCacheEvent) and e.group is not None else 0, e.key)
+            for e in drained if e.kind == "removed" and e.key is not None
+        ]  # fmt: skip
+        known: dict[tuple[int, Key], tuple[Key | None, tuple[int, ...]]] = {}
+        for g, key in leaving + [(g, key) for _, g, key in tier_events]:
+            info = self.logs[g].known(key)
             if info is not None:
-                known[key] = info
-        self.feed.poll(drained)
-        for e in tier_events:  # in the order they happened
+                known[g, key] = info
+        if isinstance(self.feed, GroupFeed):
+            self.feed.poll([e for e in drained if isinstance(e, GroupCacheEvent)])
+        else:
+            self.feed.poll([e for e in drained if isinstance(e, CacheEvent)])
+        for e, g, key in tier_events:  # in the order they happened
+            log = self.logs[g]
             if e.kind == "removed":
-                log.removed(e.medium, [e.key])
+                log.removed(e.medium, [key])
                 continue
-            info = log.known(e.key) or known.get(e.key)
+            info = log.known(key) or known.get((g, key))
             if info is None:  # cannot happen: every tier copy comes from a block the device reported
-                log.stored(e.medium, [e.key])
+                log.stored(e.medium, [key])
             else:
                 parent, tokens = info
-                log.stored(e.medium, [e.key], parent=parent, token_ids=tokens or None)
+                log.stored(e.medium, [key], parent=parent, token_ids=tokens or None)
+
+    def _merge(self) -> None:
+        """A hybrid engine: every group log's events into one list, each with its `group_idx`. A clear
+        clears every group's log at once: the groups' events before it, one `AllBlocksCleared`, then the
+        groups' events after it (the re-announcements of what the tiers hold)."""
+        segments: list[list[list[Event]]] = []
+        for g, log in enumerate(self.logs):
+            batch = log.take_batch()
+            segs: list[list[Event]] = [[]]
+            for ev in batch.events if batch is not None else ():
+                if isinstance(ev, AllBlocksCleared):
+                    segs.append([])
+                    continue
+                group_type = GroupBlockStored if isinstance(ev, BlockStored) else GroupBlockRemoved
+                segs[-1].append(group_type(**msgspec.structs.asdict(ev), group_idx=g))
+            segments.append(segs)
+        for i in range(max(len(segs) for segs in segments)):
+            if i:
+                self._events.append(AllBlocksCleared())
+            for segs in segments:
+                self._events.extend(segs[i] if i < len(segs) else ())
 
     def take_batch(self) -> EventBatch | None:
         """Every medium's events since the last call, as one batch (None if there are none)."""
-        if self.groups is not None:
-            return self.groups.take_batch()
         self.poll()
-        return self.log.take_batch()
+        if not self.grouped:
+            return self.log.take_batch()
+        if not self._events:
+            return None
+        events, self._events = self._events, []
+        return EventBatch(time.time(), events, self.log.data_parallel_rank)
 
     def audit_remote(self) -> int:
         """Ask the remote store which of the keys this replica reported are still there (one round trip);

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError, InvariantError
-from pagedkv.core.group_keys import group_key
+from pagedkv.core.group_keys import GroupCacheEvent, group_key
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.prefix import Key
@@ -79,7 +79,7 @@ class EngineTiering:
         self._admitted: dict[str, int | None] = {}  # request id -> the seq id whose admission was counted
         self._miss_at: dict[str, tuple[int, int]] = {}  # request id -> (its preemptions, first block missed)
         self._by_request: dict[str, Counter[str]] = {}  # tokens served per medium, at first admission
-        self._device_events: list[CacheEvent] | None = [] if keep_device_events else None
+        self._device_events: list[CacheEvent | GroupCacheEvent] | None = [] if keep_device_events else None
 
     @classmethod
     def build(
@@ -124,7 +124,7 @@ class EngineTiering:
         """Stored/removed events of the tiers below the device (CPU, DISK, REMOTE)."""
         return self.store.take_events()
 
-    def take_device_events(self) -> list[CacheEvent]:
+    def take_device_events(self) -> list[CacheEvent | GroupCacheEvent]:
         """The manager's events drained since the last call, in order (needs `keep_device_events=True`)."""
         if self._device_events is None:
             return []
@@ -181,7 +181,7 @@ class EngineTiering:
         published: dict[bytes, int] = {}
         drained = self.manager.take_events()
         if self._device_events is not None:
-            self._device_events.extend(e for e in drained if isinstance(e, CacheEvent))  # paged: every one
+            self._device_events.extend(drained)
         for event in drained:
             if event.key is None or event.block_id is None:
                 continue

@@ -1,0 +1,138 @@
+"""`GroupFeed`: a hybrid manager's events carry parent hashes and token ids, per KV cache group.
+
+- One full group: the same random workload on a `PagedKVManager` (through `ManagerFeed`) and on a one-group
+  `HybridKVManager` (through `GroupFeed`) gives the same events, batch after batch, parents and tokens
+  included.
+- Two groups (full + sliding): every group's log holds exactly the keys that group's blocks hold in the
+  prefix index, and every key a log holds chains from its recorded parent through its recorded tokens
+  (parents are only sent while that group holds them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.core import PagedKVManager
+from pagedkv.core.group import KVGroupSpec
+from pagedkv.core.group_keys import split_key
+from pagedkv.core.hybrid import HybridKVManager
+from pagedkv.core.prefix import root_key, sha256_key
+from pagedkv.events import GPU, BlockRemoved, BlockStored, EventLog, ManagerFeed, external_hash
+from pagedkv.events.group_feed import GroupFeed
+
+BS = 4
+
+
+def steps(rng: np.random.Generator, managers: list, num_steps: int):  # type: ignore[no-untyped-def]
+    """The same operations on every manager: admissions of prompts sharing prefixes, decode, frees."""
+    prefixes = [rng.integers(0, 50, size=int(rng.integers(BS, 5 * BS))).tolist() for _ in range(4)]
+    live: list[list[int]] = []  # per live sequence: each manager's seq id
+    for _ in range(num_steps):
+        r = rng.random()
+        if r < 0.4 or not live:
+            prompt = prefixes[int(rng.integers(4))] + rng.integers(0, 50, size=int(rng.integers(1, 2 * BS))).tolist()
+            adms = [m.admit(prompt) for m in managers]
+            assert (adms[0] is None) == (adms[-1] is None)
+            if adms[0] is not None:
+                ids = [a.seq_id for a in adms]
+                for m, s in zip(managers, ids):
+                    m.mark_computed([s])
+                live.append(ids)
+        elif r < 0.8:
+            toks = rng.integers(0, 50, size=len(live))
+            ok = [m.append([ids[i] for ids in live], toks) for i, m in enumerate(managers)]
+            assert len(set(ok)) == 1
+            if ok[0]:
+                for i, m in enumerate(managers):
+                    m.mark_computed([ids[i] for ids in live])
+        else:
+            ids = live.pop(int(rng.integers(len(live))))
+            for m, s in zip(managers, ids):
+                m.free(s)
+        for m in managers:
+            m.check_invariants()
+        yield
+    for ids in live:
+        for m, s in zip(managers, ids):
+            m.free(s)
+    yield
+
+
+def flat(batch) -> list[tuple]:  # type: ignore[no-untyped-def]
+    """A batch as comparable tuples (the timestamp and the trailing group_idx left out)."""
+    out: list[tuple] = []
+    for e in batch.events if batch is not None else ():
+        if isinstance(e, BlockStored):
+            out.append(("stored", tuple(e.block_hashes), e.parent_block_hash, tuple(e.token_ids), e.medium))
+        elif isinstance(e, BlockRemoved):
+            out.append(("removed", tuple(e.block_hashes), e.medium))
+        else:
+            out.append((type(e).__name__,))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_group_events_equal_the_uniform_managers(seed: int) -> None:
+    paged = PagedKVManager(24, BS, record_events=True)
+    hybrid = HybridKVManager(24, BS, (KVGroupSpec(),), record_events=True)
+    assert paged.num_blocks == hybrid.num_blocks
+    paged_log, hybrid_log = EventLog(BS), EventLog(BS)
+    paged_feed, hybrid_feed = ManagerFeed(paged, paged_log), GroupFeed(hybrid, [hybrid_log])
+    rng = np.random.default_rng(seed)
+    stored = with_parent = removed = 0
+    for _ in steps(rng, [paged, hybrid], 150):
+        paged_feed.poll()
+        hybrid_feed.poll()
+        a, b = flat(paged_log.take_batch()), flat(hybrid_log.take_batch())
+        assert b == a
+        stored += sum(e[0] == "stored" for e in a)
+        with_parent += sum(e[0] == "stored" and e[2] is not None for e in a)
+        removed += sum(e[0] == "removed" for e in a)
+    assert stored > 20 and with_parent > 5 and removed > 5, (stored, with_parent, removed)
+    assert paged_feed.orphans == 0
+
+
+def chains_ok(log: EventLog, epoch: int = 0) -> int:
+    """Every key the log holds chains from its recorded parent through its recorded tokens."""
+    root = root_key(sha256_key, epoch, b"", b"")
+    held = log.holds(GPU)
+    for key in held:
+        info = log.known(key)
+        assert info is not None
+        parent, tokens = info
+        assert len(tokens) == BS
+        data = np.asarray(tokens, dtype=np.int32).tobytes()
+        assert sha256_key(root if parent is None else parent, data, b"") == key
+    return len(held)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_groups_carry_parent_and_tokens_per_group(seed: int) -> None:
+    m = HybridKVManager(40, BS, (KVGroupSpec(), KVGroupSpec("sliding", 6)), record_events=True)
+    logs = [EventLog(BS), EventLog(BS)]
+    feed = GroupFeed(m, logs)
+    rng = np.random.default_rng(seed)
+    held: list[set[int]] = [set(), set()]
+    parents: list[int] = [0, 0]
+    for _ in steps(rng, [m], 200):
+        feed.poll()
+        for g, log in enumerate(logs):
+            batch = log.take_batch()
+            for e in batch.events if batch is not None else ():
+                if isinstance(e, BlockStored):
+                    assert len(e.token_ids) == BS * len(e.block_hashes), "every block's tokens go out"
+                    if e.parent_block_hash is not None:
+                        assert e.parent_block_hash in held[g], "a parent this group does not hold"
+                        parents[g] += 1
+                    held[g].update(e.block_hashes)
+                elif isinstance(e, BlockRemoved):
+                    held[g].difference_update(e.block_hashes)
+        truth: list[set[int]] = [set(), set()]
+        for key in m.index.all_keys():
+            content, g = split_key(key)
+            truth[g].add(external_hash(content))
+        assert held == truth, "each group's events say what its blocks hold"
+        for log in logs:
+            chains_ok(log)
+    assert parents[0] > 5 and parents[1] > 0, parents
