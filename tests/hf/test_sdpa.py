@@ -9,6 +9,7 @@ import torch
 from pagedkv import ops
 from pagedkv.hf.sdpa import SdpaPlan, decode_buckets, paged_sdpa, sdpa_supports
 from pagedkv.ops import cpu_decode
+from pagedkv.ops.validate import AttentionOptions
 
 BS, NUM_BLOCKS, H, HKV, D = 4, 40, 4, 2, 8
 
@@ -44,16 +45,7 @@ def test_decode_group(window: int | None, c_kernel: bool, monkeypatch: pytest.Mo
     ref = ops.paged_attention(
         q, k, v, table, seq_lens, cu, scale=0.3, sliding_window=window, backend="reference"
     )
-    got = paged_sdpa(
-        q,
-        torch.stack([k, v]),
-        table,
-        seq_lens,
-        max_seqlen_q=1,
-        max_seqlen_k=16,
-        scale=0.3,
-        sliding_window=window,
-    )
+    got = paged_sdpa(q, torch.stack([k, v]), SdpaPlan.build(table, seq_lens, 1, 16, BS), AttentionOptions(0.3, window))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -67,24 +59,21 @@ def test_prefill_chunk(length: int, num_q: int, window: int | None) -> None:
     cu = torch.tensor([0, num_q], dtype=torch.int32)
     ref = ops.paged_attention(q, k, v, table, seq_lens, cu, sliding_window=window, backend="reference")
     kv = torch.stack([k, v])
-    got = paged_sdpa(
-        q, kv, table, seq_lens, max_seqlen_q=num_q, max_seqlen_k=length, scale=None, sliding_window=window
-    )
+    plan, options = SdpaPlan.build(table, seq_lens, num_q, length, BS), AttentionOptions(None, window)
+    got = paged_sdpa(q, kv, plan, options)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     if length == num_q:  # no cached context: the chunk's own K/V give the same answer without a gather
         slots = (table[0].long()[:, None] * BS + torch.arange(BS)).reshape(-1)[:length]
         new_k, new_v = k.view(-1, HKV, D)[slots], v.view(-1, HKV, D)[slots]
-        direct = paged_sdpa(
-            q, kv, table, seq_lens, max_seqlen_q=num_q, max_seqlen_k=length, scale=None,
-            sliding_window=window, new_key=new_k, new_value=new_v,
-        )  # fmt: skip
+        direct = paged_sdpa(q, kv, plan, options, new_key=new_k, new_value=new_v)
         torch.testing.assert_close(direct, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_shapes_it_declines() -> None:
-    assert sdpa_supports(1, 8, None) and sdpa_supports(30, 1, None)
-    assert not sdpa_supports(3, 2, None)  # several prefill chunks in one group
-    assert not sdpa_supports(1, 8, 50.0)  # soft-cap
+    none = AttentionOptions()
+    assert sdpa_supports(1, 8, none) and sdpa_supports(30, 1, none)
+    assert not sdpa_supports(3, 2, none)  # several prefill chunks in one group
+    assert not sdpa_supports(1, 8, AttentionOptions(soft_cap=50.0))  # soft-cap
 
 
 def _brute_force_cost(counts: list[int], call_cost: float) -> float:
@@ -143,12 +132,12 @@ def test_bucketed_decode_equals_the_padded_one(window: int | None, seed: int) ->
     kv = torch.stack([k, v])
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(seed))
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    args = dict(max_seqlen_q=1, max_seqlen_k=max(lens), scale=0.3, sliding_window=window)
+    options = AttentionOptions(0.3, window)
     bucketed = SdpaPlan.build(table, seq_lens, 1, max(lens), BS)
     assert len(bucketed.buckets()) > 1, "the lengths should span several buckets"
     padded = SdpaPlan.build(table, seq_lens, 1, max(lens), BS, bucketed=False)
-    got = paged_sdpa(q, kv, table, seq_lens, plan=bucketed, **args)  # type: ignore[arg-type]
-    want = paged_sdpa(q, kv, table, seq_lens, plan=padded, **args)  # type: ignore[arg-type]
+    got = paged_sdpa(q, kv, bucketed, options)
+    want = paged_sdpa(q, kv, padded, options)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
     ref = ops.paged_attention(q, k, v, table, seq_lens, cu, scale=0.3, sliding_window=window, backend="reference")

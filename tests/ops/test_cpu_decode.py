@@ -12,6 +12,7 @@ from native_policy import require_native
 from pagedkv import ops
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import cpu_decode
+from pagedkv.ops.validate import AttentionOptions
 
 require_native("pagedkv.ops._cpu_decode", cpu_decode.isa() is not None)
 
@@ -68,7 +69,7 @@ def test_equals_the_reference(seed: int, isa: str) -> None:
     lens = rng.integers(1, 90, size=int(rng.integers(1, 9))).tolist()
     window = [None, 1, 7, 50][seed % 4]
     q, kv, table, seq_lens = make_case(lens, heads, kv_heads, dim, block_size, seed)
-    got = cpu_decode.decode_attention(q, kv, table, seq_lens, scale=0.2, sliding_window=window)
+    got = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.2, window))
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
     ref = ops.paged_attention(q, kv[0], kv[1], table, seq_lens, cu, scale=0.2, sliding_window=window,
                               backend="reference")  # fmt: skip
@@ -81,7 +82,7 @@ def test_wide_score_ranges_match_the_reference(isa: str) -> None:
     q, kv, table, seq_lens = make_case([3, 8, 9, 40, 77], 8, 2, 64, 16, 5)
     cu = torch.arange(6, dtype=torch.int32)
     for scale in (2.0, 5.0, 40.0):
-        got = cpu_decode.decode_attention(q, kv, table, seq_lens, scale=scale)
+        got = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(scale))
         ref32 = ops.paged_attention(q, kv[0], kv[1], table, seq_lens, cu, scale=scale, backend="reference")
         ref64 = dense_float64(q, kv, table, seq_lens, scale)
         # float32 scores of +-300 carry ~1e-5 of rounding, which e^x amplifies: no closer to the float64 answer
@@ -93,17 +94,17 @@ def test_wide_score_ranges_match_the_reference(isa: str) -> None:
 def test_a_row_depends_only_on_its_own_sequence(isa: str) -> None:
     """Bitwise: a sequence gives the same row alone as in a batch, wherever its blocks are."""
     q, kv, table, seq_lens = make_case([33, 7, 61, 16, 90], 6, 2, 64, 8, 3)
-    batch = cpu_decode.decode_attention(q, kv, table, seq_lens, scale=0.3, sliding_window=45)
+    options = AttentionOptions(0.3, 45)
+    batch = cpu_decode.decode_attention(q, kv, table, seq_lens, options)
     for i in range(5):
-        alone = cpu_decode.decode_attention(q[i : i + 1], kv, table[i : i + 1], seq_lens[i : i + 1], scale=0.3,
-                                            sliding_window=45)  # fmt: skip
+        alone = cpu_decode.decode_attention(q[i : i + 1], kv, table[i : i + 1], seq_lens[i : i + 1], options)
         assert torch.equal(alone[0], batch[i])
 
 
 def test_a_nan_key_poisons_only_its_sequence(isa: str) -> None:
     q, kv, table, seq_lens = make_case([20, 20], 4, 2, 64, 4, 4)
     kv[0, table[0, 1].long(), 2, 0, 5] = float("nan")
-    out = cpu_decode.decode_attention(q, kv, table, seq_lens, scale=0.3)
+    out = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.3))
     assert torch.isnan(out[0, :2]).all() and not torch.isnan(out[0, 2:]).any()  # KV head 0 serves heads 0-1
     assert not torch.isnan(out[1]).any()
 
@@ -115,7 +116,7 @@ def test_the_copies_agree() -> None:
     outs = []
     for name in ISAS:
         cpu_decode.set_isa(name)
-        outs.append(cpu_decode.decode_attention(q, kv, table, seq_lens, scale=0.09, sliding_window=70))
+        outs.append(cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.09, 70)))
     cpu_decode.set_isa(ISAS[-1])
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
 
@@ -132,10 +133,10 @@ def test_reads_each_sequence_through_its_own_table() -> None:
     q, kv, table, seq_lens = make_case([20, 20], 4, 2, 8, 4, 0)
     q[1] = q[0]
     kv[:, table[1, :5].long()] = kv[:, table[0, :5].long()]
-    out = cpu_decode.decode_attention(q, kv, table, seq_lens, scale=0.3)
+    out = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.3))
     assert torch.equal(out[0], out[1])
     kv[:, table[1, 2].long()] += 1.0
-    moved = cpu_decode.decode_attention(q, kv, table, seq_lens, scale=0.3)
+    moved = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.3))
     assert torch.equal(moved[0], out[0]) and not torch.equal(moved[1], out[1])
 
 
@@ -155,15 +156,21 @@ def test_bad_arguments_raise_one_typed_error(change: object, match: str) -> None
     q, kv, table, seq_lens = make_case([9, 14], 4, 2, 8, 4, 1)
     args = change(q, kv, table, seq_lens)  # type: ignore[operator]
     with pytest.raises(InvalidArgumentError, match=match):
-        cpu_decode.decode_attention(*args, scale=0.5)
+        cpu_decode.decode_attention(*args, AttentionOptions(0.5))
+
+
+def test_a_soft_cap_is_refused() -> None:
+    q, kv, table, seq_lens = make_case([9, 14], 4, 2, 8, 4, 1)
+    with pytest.raises(InvalidArgumentError, match="soft cap"):
+        cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.5, None, 30.0))
 
 
 def test_takes_a_strided_query_and_applies_only_to_float32_on_one_thread() -> None:
     q, kv, table, seq_lens = make_case([5, 30, 17], 6, 3, 16, 4, 2)
     strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
     assert not strided.is_contiguous()
-    a = cpu_decode.decode_attention(q, kv, table, seq_lens, scale=0.25)
-    b = cpu_decode.decode_attention(strided, kv, table, seq_lens, scale=0.25)
+    a = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.25))
+    b = cpu_decode.decode_attention(strided, kv, table, seq_lens, AttentionOptions(0.25))
     assert torch.equal(a, b)
     assert cpu_decode.available(q, kv) == (torch.get_num_threads() == 1)
     assert not cpu_decode.available(q.half(), kv.half())

@@ -38,6 +38,7 @@ from pagedkv.engine.cli_args import (
 )
 from pagedkv.ops import cpu_decode, paged_attention
 from pagedkv.ops.contiguous import gather_kv
+from pagedkv.ops.validate import NO_OPTIONS
 from pagedkv.storage.kv import torch_dtype
 from pagedkv.storage.spec import normalize_dtype_name
 
@@ -126,10 +127,9 @@ def bench_shape(args: argparse.Namespace, mode: str, batch: int, context: int) -
 
     if args.backend == "cpu-decode":
         kv = torch.stack([key_cache, value_cache])  # the layout of a PagedKVCache layer
-        scale = dim**-0.5
 
-        def paged() -> torch.Tensor:
-            return cpu_decode.decode_attention(query, kv, block_table, seq_lens, scale=scale)
+        def paged() -> torch.Tensor:  # the default scale, 1/sqrt(head_dim), as the contiguous side's SDPA
+            return cpu_decode.decode_attention(query, kv, block_table, seq_lens, NO_OPTIONS)
 
     else:
 

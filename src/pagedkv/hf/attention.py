@@ -96,20 +96,10 @@ def _attend_group(
     g = step.batches[kv_group].groups[i]
     cache = step.cache
     q_g = q[g.token_start : g.token_end]
-    if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], options.soft_cap):
-        return paged_sdpa(
-            q_g,
-            cache.layer_kv(layer_idx),
-            g.block_table,
-            g.seq_lens,
-            max_seqlen_q=g.max_seqlen_q,
-            max_seqlen_k=g.max_seqlen_k,
-            scale=options.scale,
-            sliding_window=options.sliding_window,
-            new_key=k[g.token_start : g.token_end],
-            new_value=v[g.token_start : g.token_end],
-            plan=step.sdpa_plan(i, kv_group),
-        )
+    if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], options):
+        new = slice(g.token_start, g.token_end)  # the chunk's own K/V, for a prefill with no cached context
+        return paged_sdpa(q_g, cache.layer_kv(layer_idx), step.sdpa_plan(i, kv_group), options, new_key=k[new],
+                          new_value=v[new])  # fmt: skip
     key_cache, value_cache = cache.layer(layer_idx)
     plan = step.ops_plan(i, q_g, key_cache, value_cache, kv_group)  # holds the group's tables and lengths
     return ops_attention.run_planned(plan, q_g, key_cache, value_cache, options)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.ops import cpu_decode
+from pagedkv.ops.validate import AttentionOptions
 
 # What one more bucket costs (a gather, an SDPA call, the query and output copies), in blocks of one sequence
 # read: on a CPU ~18 us a call and ~4-5 us a block of 16 tokens for a 9-head model, and replaying the decode
@@ -72,17 +73,20 @@ def decode_buckets(num_blocks: npt.ArrayLike, call_cost: float = CALL_COST_BLOCK
 
 @dataclass(frozen=True, slots=True)
 class SdpaPlan:
-    """What `paged_sdpa` derives from a group's metadata alone, made once per step and shared by the layers:
-    the block ids to gather, the key length, and, each at first use, the visibility mask per sliding window
-    and a decode group's length buckets (`buckets()`; not computed at all when the C kernel serves it)."""
+    """One attention group's metadata and what `paged_sdpa` derives from it alone, made once per step and
+    shared by the layers: the block table and lengths, the block ids to gather, the key length, and, each at
+    first use, the visibility mask per sliding window and a decode group's length buckets (`buckets()`; not
+    computed at all when the C kernel serves it)."""
 
+    block_table: torch.Tensor  # int [B, W]
     ids: torch.Tensor  # int64 [B * num_blocks]: table[:, :num_blocks], flattened
     num_blocks: int
     length: int  # a prefill chunk's sequence length (its single sequence); 0 for decode groups
     seq_lens: torch.Tensor
     max_seqlen_q: int
+    max_seqlen_k: int
     block_size: int
-    table: torch.Tensor | None = None  # a decode group's block table, to cut into buckets; None: never cut
+    cuttable: bool = False  # a decode group to cut into buckets at first use
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _cut: list[tuple[tuple[torch.Tensor, SdpaPlan], ...]] = field(default_factory=list)
 
@@ -95,19 +99,20 @@ class SdpaPlan:
         ids = block_table[:, :num_blocks].reshape(-1).long()
         length = int(seq_lens[0]) if max_seqlen_q > 1 else 0
         cuttable = max_seqlen_q == 1 and bucketed and seq_lens.shape[0] > 1
-        return SdpaPlan(ids, num_blocks, length, seq_lens, max_seqlen_q, block_size, block_table if cuttable else None)
+        return SdpaPlan(block_table, ids, num_blocks, length, seq_lens, max_seqlen_q, max_seqlen_k, block_size,
+                        cuttable)  # fmt: skip
 
     def buckets(self) -> tuple[tuple[torch.Tensor, SdpaPlan], ...]:
         """A decode group's length buckets, each (row indices, that bucket's plan); () when one padded call
         serves the group. Cut at the first call and kept."""
         if not self._cut:
             parts = []
-            if self.table is not None:
+            if self.cuttable:
                 lens = self.seq_lens.cpu().numpy().astype(np.int64)
                 cut = decode_buckets(-(-lens // self.block_size))
                 for rows in cut if len(cut) > 1 else ():
-                    idx = torch.from_numpy(rows).to(self.table.device)
-                    sub = SdpaPlan.build(self.table[idx], self.seq_lens[idx], 1, int(lens[rows].max()),
+                    idx = torch.from_numpy(rows).to(self.block_table.device)
+                    sub = SdpaPlan.build(self.block_table[idx], self.seq_lens[idx], 1, int(lens[rows].max()),
                                          self.block_size, bucketed=False)  # fmt: skip
                     parts.append((idx, sub))
             self._cut.append(tuple(parts))
@@ -138,9 +143,9 @@ class SdpaPlan:
         return mask
 
 
-def sdpa_supports(max_seqlen_q: int, num_seqs: int, soft_cap: float | None) -> bool:
-    """Whether `paged_sdpa` handles a group of this shape."""
-    return soft_cap is None and (max_seqlen_q == 1 or num_seqs == 1)
+def sdpa_supports(max_seqlen_q: int, num_seqs: int, options: AttentionOptions) -> bool:
+    """Whether `paged_sdpa` handles a group of this shape with these options."""
+    return options.soft_cap is None and (max_seqlen_q == 1 or num_seqs == 1)
 
 
 def _gather(kv: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,34 +160,26 @@ def _gather(kv: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int) ->
 def paged_sdpa(
     query: torch.Tensor,
     kv: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    plan: SdpaPlan,
+    options: AttentionOptions,
     *,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float | None,
-    sliding_window: int | None,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
-    plan: SdpaPlan | None = None,
 ) -> torch.Tensor:
     """`[num_q_tokens, H, D]` attention for a decode group or a single prefill chunk (see module docs).
 
-    `kv` is one layer's pages, `[2, num_blocks, block_size, Hkv, D]` (K then V). A prefill chunk with no
-    cached context (`max_seqlen_k == max_seqlen_q`) attends over `new_key`/`new_value` (`[n, Hkv, D]`, the
-    chunk's own K/V, already written to the pages) when given, skipping the gather. `plan` (from
-    `SdpaPlan.build` on the same metadata, shared by a step's layers) saves the per-call index work."""
+    `kv` is one layer's pages, `[2, num_blocks, block_size, Hkv, D]` (K then V); `plan` (`SdpaPlan.build`,
+    shared by a step's layers) holds the group's metadata. A prefill chunk with no cached context
+    (`max_seqlen_k == max_seqlen_q`) attends over `new_key`/`new_value` (`[n, Hkv, D]`, the chunk's own K/V,
+    already written to the pages) when given, skipping the gather."""
     num_q, num_heads, head_dim = query.shape
     gqa = num_heads != kv.shape[3]
-    if plan is None:
-        plan = SdpaPlan.build(block_table, seq_lens, max_seqlen_q, max_seqlen_k, kv.shape[2])
-    if max_seqlen_q == 1:  # decode group: one query per sequence, at position seq_len - 1
+    scale, sliding_window = options.scale_for(head_dim), options.sliding_window
+    if plan.max_seqlen_q == 1:  # decode group: one query per sequence, at position seq_len - 1
         if cpu_decode.available(query, kv):  # float32, one thread: the C kernel reads the pages in place
-            scale = head_dim**-0.5 if scale is None else scale
-            return cpu_decode.decode_attention(query, kv, block_table, seq_lens, scale=scale,
-                                               sliding_window=sliding_window)  # fmt: skip
+            return cpu_decode.decode_attention(query, kv, plan.block_table, plan.seq_lens, options)
         return _decode(query, kv, plan, scale, sliding_window)
-    if max_seqlen_k == max_seqlen_q and new_key is not None and new_value is not None:
+    if plan.max_seqlen_k == plan.max_seqlen_q and new_key is not None and new_value is not None:
         k, v = new_key.transpose(0, 1).unsqueeze(0), new_value.transpose(0, 1).unsqueeze(0)
         if sliding_window is None:
             q = query.transpose(0, 1).unsqueeze(0)
@@ -202,7 +199,7 @@ def paged_sdpa(
     return out[0].transpose(0, 1)
 
 
-def _decode(query: torch.Tensor, kv: torch.Tensor, plan: SdpaPlan, scale: float | None,
+def _decode(query: torch.Tensor, kv: torch.Tensor, plan: SdpaPlan, scale: float,
             sliding_window: int | None) -> torch.Tensor:
     """A decode group's `[B, H, D]` attention: one gather + SDPA per length bucket of `plan`."""
     parts = plan.buckets()

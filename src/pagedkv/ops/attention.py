@@ -14,7 +14,9 @@ Contract (fixed; the hf integration and engine code against it):
   scaling. `scale` defaults to 1/sqrt(head_dim). GQA/MQA when num_heads is a multiple of num_kv_heads.
 - `plan=`: an `AttentionPlan` from `pagedkv.ops.plan.plan_attention` made once per step for the same
   metadata; the call then skips validation, dispatch and metadata preparation (every layer of a forward
-  shares one plan). Without it, each call plans for itself.
+  shares one plan). Without it, each call plans for itself. Code that holds a plan calls
+  `run_planned(plan, query, key_cache, value_cache, options)`, which takes the scalars as one
+  `AttentionOptions` (`pagedkv.ops.validate`), the spelling every backend below uses.
 - The reference backend validates metadata values (raising `InvalidArgumentError`); the Triton backend
   checks shapes only, to stay free of host syncs.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.ops.dispatch import choose_backend
-from pagedkv.ops.plan import AttentionPlan, default_scale, plan_attention
+from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.ops.reference import paged_attention_reference
 from pagedkv.ops.validate import AttentionOptions, attention_options
 from pagedkv.storage.slots import check_write_args, scatter_kv
@@ -90,27 +92,11 @@ def run_planned(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention` on a plan, which holds the step's metadata (block table, lengths, query layout): a
-    layer passes only its query, its caches and its `AttentionOptions`. The one dispatch point."""
+    layer passes only its query, its caches and its `AttentionOptions`. The one dispatch point; both backends
+    take these same arguments."""
     plan.check_call(query, key_cache)
-    scale = default_scale(plan.shape.head_dim, options.scale)
     if plan.backend == "triton":
         from pagedkv.ops.triton_kernels import paged_attention_triton
 
-        return paged_attention_triton(
-            query, key_cache, value_cache, plan, scale=scale, sliding_window=options.sliding_window,
-            soft_cap=options.soft_cap, k_scale=k_scale, v_scale=v_scale,
-        )
-    return paged_attention_reference(
-        query,
-        key_cache,
-        value_cache,
-        plan.block_table,
-        plan.seq_lens,
-        plan.cu_seqlens_q,
-        scale=scale,
-        sliding_window=options.sliding_window,
-        soft_cap=options.soft_cap,
-        max_seqlen_q=plan.max_seqlen_q,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+        return paged_attention_triton(query, key_cache, value_cache, plan, options, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_reference(query, key_cache, value_cache, plan, options, k_scale=k_scale, v_scale=v_scale)

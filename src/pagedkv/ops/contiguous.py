@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagedkv.ops.validate import NO_OPTIONS, AttentionOptions
+
 
 def gather_kv(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
@@ -51,15 +53,12 @@ def sdpa_attention(
     values: torch.Tensor,
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    options: AttentionOptions = NO_OPTIONS,
 ) -> torch.Tensor:
     """Contiguous oracle: per sequence, SDPA of its queries over `keys[b, :seq_lens[b]]` (`[B, L, Hkv, D]`)."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = keys.shape[2]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale, sliding_window, soft_cap = options.scale_for(head_dim), options.sliding_window, options.soft_cap
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     for b, kv_len in enumerate(seq_lens.tolist()):

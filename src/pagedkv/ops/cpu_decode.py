@@ -1,6 +1,6 @@
 """Paged decode attention on a CPU in C (`pagedkv.ops._cpu_decode`), reading the pages in place.
 
-`decode_attention(query, kv, block_table, seq_lens, scale=..., sliding_window=...)` computes what
+`decode_attention(query, kv, block_table, seq_lens, options)` computes what
 `pagedkv.ops.paged_attention` computes for a decode group (one query per sequence, at its last position:
 causal, GQA, optional sliding window) without gathering the blocks into a dense tensor first: for each
 sequence and KV head the C kernel reads each visible key row once for all query heads that share it, then
@@ -20,6 +20,7 @@ import torch
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.hotpath import load_extension
+from pagedkv.ops.validate import AttentionOptions
 
 _NATIVE = load_extension("pagedkv.ops._cpu_decode")
 
@@ -58,17 +59,16 @@ def decode_attention(
     kv: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """`[B, H, D]` attention of `query` `[B, H, D]` (sequence i's newest token, at position `seq_lens[i] - 1`)
-    over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`.
-    Bad shapes, lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
+    over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`, with
+    `options`' scale and sliding window (the kernel has no soft cap: asking for one is an error). Bad shapes,
+    lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
     if _NATIVE is None:
         raise InvalidArgumentError("pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)")
-    if sliding_window is not None and sliding_window < 1:
-        raise InvalidArgumentError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if options.soft_cap is not None:
+        raise InvalidArgumentError("the C decode kernel has no soft cap; use pagedkv.ops.paged_attention")
     q = query.contiguous()
     out = torch.empty_like(q)
     try:
@@ -78,8 +78,8 @@ def decode_attention(
             block_table.to(torch.int32).contiguous().numpy(),
             seq_lens.to(torch.int32).contiguous().numpy(),
             out.numpy(),
-            float(scale),
-            int(sliding_window or 0),
+            options.scale_for(query.shape[-1]),
+            int(options.sliding_window or 0),
         )
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(str(e)) from None

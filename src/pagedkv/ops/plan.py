@@ -2,7 +2,7 @@
 
 A forward pass calls attention once per layer with the same metadata (block tables, lengths, query
 layout) and caches of the same shape. Everything derived from those alone is computed here once per step
-and handed to every layer's call through `paged_attention(..., plan=plan)`:
+and handed to every layer's call through `run_planned(plan, query, key_cache, value_cache, options)`:
 
 - shape validation (`check_attention_shapes`) and, on the reference backend, the value checks
   (`check_attention_metadata`, a host sync on CUDA);
@@ -13,14 +13,14 @@ and handed to every layer's call through `paged_attention(..., plan=plan)`:
 
 The tile table is built with a few device ops and no host sync: the grid is an upper bound and tiles past
 the real ones carry `q_len = 0`. Per layer, a planned call checks that the query and caches have the
-planned shapes (tuple comparisons) and launches the kernel(s); the scalar options (`scale`,
-`sliding_window`, `soft_cap`) travel as one `AttentionOptions`, checked once per distinct value.
+planned shapes (tuple comparisons) and launches the kernel(s). Both backends take the same arguments:
+`(query, key_cache, value_cache, plan, options)`, the plan holding the step's metadata and the layer's
+scalars (`scale`, `sliding_window`, `soft_cap`) travelling as one `AttentionOptions`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -101,10 +101,7 @@ def plan_attention(
     them the plan assumes the widest case, which is always correct. `num_splits` (a power of two <= 32)
     overrides the split heuristic, `launch` the launch configuration (tests, tuning sweeps).
     """
-    shape = check_attention_shapes(
-        query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q, scale=None, sliding_window=None,
-        soft_cap=None,
-    )
+    shape = check_attention_shapes(query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q)
     chosen = choose_backend(query.device, backend, cache_dtype=key_cache.dtype)
     triton_plan = None
     if chosen == "reference":
@@ -192,7 +189,3 @@ def query_tiles(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, block_q: int
     q_len = torch.where(valid, (cu[seq_c + 1] - q_start).clamp(min=0, max=block_q), 0)
     pos = lens[seq_c] - (cu[seq_c + 1] - q_start)
     return torch.stack([seq_c, q_start, q_len, pos]).to(torch.int32).contiguous()
-
-
-def default_scale(head_dim: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

@@ -32,10 +32,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.storage.slots import FP8_DTYPE
+
+if TYPE_CHECKING:
+    from pagedkv.ops.plan import AttentionPlan
+    from pagedkv.ops.validate import AttentionOptions
 
 # Tile sizing: ~12 MiB of float32 work per tile keeps the gathered K/V and the scores in the L3 of a CPU
 # while each matmul stays large enough to amortise its call (measured at batch 32 / context 2048).
@@ -72,22 +77,19 @@ def paged_attention_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
+    plan: AttentionPlan,
+    options: AttentionOptions,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    max_seqlen_q: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of packed `query [num_q_tokens, H, D]` over paged KV; see the module docstring.
-
-    Arguments are trusted (the caller runs `pagedkv.ops.validate` first). `k_scale`/`v_scale` dequantize
-    fp8 caches and are ignored for other dtypes.
+    """Attention of packed `query [num_q_tokens, H, D]` over paged KV through the step's `plan` (block table,
+    lengths, query layout); see the module docstring. The plan validated the metadata
+    (`pagedkv.ops.plan.plan_attention`). `k_scale`/`v_scale` dequantize fp8 caches and are ignored for other
+    dtypes.
     """
+    block_table, seq_lens, cu_seqlens_q = plan.block_table, plan.seq_lens, plan.cu_seqlens_q
+    max_seqlen_q, sliding_window = plan.max_seqlen_q, options.sliding_window
     (num_q_tokens, num_heads, head_dim), num_kv_heads = query.shape, key_cache.shape[2]
     group, num_seqs = num_heads // num_kv_heads, block_table.shape[0]
     out = torch.empty_like(query)
@@ -100,6 +102,7 @@ def paged_attention_reference(
     max_q = int(q_lens.max()) if max_seqlen_q is None else max_seqlen_q
     is_decode = max_q == 1 and num_q_tokens == num_seqs
     # 1. queries grouped per KV head, with the absolute position of every query row
+    scale = options.scale_for(head_dim)
     q, token_seq, token_idx = _grouped_queries(query, cu, q_lens, max_q, num_kv_heads, scale, is_decode)
     first_q = lens - q_lens  # position of each sequence's first query
     q_pos = first_q[:, None] + torch.arange(max_q, device=query.device)[None, :]
@@ -116,7 +119,7 @@ def paged_attention_reference(
         i1 = min(max_q, i0 + q_chunk)
         r0, r1 = i0 * group, i1 * group
         acc, denom = _attend_chunk(
-            grid, q[:, :, r0:r1], row_pos[:, r0:r1], i0, i1, gather, k_heads, v_heads, v_tile, soft_cap
+            grid, q[:, :, r0:r1], row_pos[:, r0:r1], i0, i1, gather, k_heads, v_heads, v_tile, options.soft_cap
         )
         torch.div(acc, denom, out=result[:, :, r0:r1])
     # 4. back to packed [num_q_tokens, H, D]

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from pagedkv.ops.launch import LaunchConfig
 from pagedkv.ops.plan import AttentionPlan
+from pagedkv.ops.validate import AttentionOptions
 
 
 @triton.jit
@@ -341,14 +342,13 @@ def paged_attention_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     plan: AttentionPlan,
+    options: AttentionOptions,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Triton `paged_attention` for a planned step (`pagedkv.ops.plan`): the launches and nothing else."""
+    """Triton `paged_attention` for a planned step (`pagedkv.ops.plan`): the launches and nothing else. The
+    kernel takes the options as scalars (its compile-time flags say which are set)."""
     tp = plan.triton
     assert tp is not None, "paged_attention_triton: the plan was made for another backend"
     cfg = tp.config
@@ -358,7 +358,7 @@ def paged_attention_triton(
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     split = tp.num_splits > 1
-    constexprs = _planned_constexprs(plan, sliding_window is not None, soft_cap is not None, query, key_cache)
+    constexprs = _planned_constexprs(plan, options, query, key_cache)
     _paged_attention_kernel[(tp.num_tiles, shape.num_kv_heads, tp.num_splits)](
         query,
         key_cache,
@@ -369,11 +369,11 @@ def paged_attention_triton(
         tp.part_m if split else out,
         tp.part_l if split else out,
         tp.part_acc if split else out,
-        float(scale),
+        options.scale_for(shape.head_dim),
         float(k_scale),
         float(v_scale),
-        float(soft_cap or 1.0),
-        int(sliding_window or 0),
+        float(options.soft_cap or 1.0),
+        int(options.sliding_window or 0),
         shape.num_heads // shape.num_kv_heads,
         shape.num_heads,
         tp.num_splits,
@@ -398,11 +398,12 @@ def paged_attention_triton(
 
 
 def _planned_constexprs(
-    plan: AttentionPlan, window: bool, soft_cap: bool, query: torch.Tensor, key_cache: torch.Tensor
+    plan: AttentionPlan, options: AttentionOptions, query: torch.Tensor, key_cache: torch.Tensor
 ) -> dict[str, object]:
-    """The attention kernel's constexprs for this plan and these features, made once per plan and kept."""
+    """The attention kernel's constexprs for this plan and the options set, made once per plan and kept."""
     tp = plan.triton
     assert tp is not None, "triton kernels: a plan without its Triton part"
+    window, soft_cap = options.sliding_window is not None, options.soft_cap is not None
     key = (window, soft_cap, query.dtype)
     constexprs = tp.constexprs.get(key)
     if constexprs is None:

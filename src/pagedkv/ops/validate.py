@@ -44,12 +44,8 @@ def check_attention_shapes(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    *,
-    scale: float | None,
-    sliding_window: int | None,
-    soft_cap: float | None,
 ) -> AttentionShape:
-    """Shapes, dtypes, devices and scalar options; never reads tensor values."""
+    """Shapes, dtypes and devices; never reads tensor values (the scalars are checked by `AttentionOptions`)."""
     check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     if query.dim() != 3 or query.shape[2] != head_dim:
@@ -75,7 +71,6 @@ def check_attention_shapes(
     for name, t in (("query", query), ("block_table", block_table), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
         if t.device != key_cache.device:
             raise InvalidArgumentError(f"{name} is on {t.device} but the cache is on {key_cache.device}")
-    check_scalar_options(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return AttentionShape(
         num_seqs, query.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1]
     )
@@ -83,17 +78,30 @@ def check_attention_shapes(
 
 @dataclass(frozen=True, slots=True)
 class AttentionOptions:
-    """A layer's attention scalars, one value from the model's call down to the backend: `scale` (None:
-    1/sqrt(head_dim)), `sliding_window` (a query at p sees keys > p - w) and `soft_cap` (scores = c *
-    tanh(scores / c)). Valid by construction (`check_scalar_options`); build them with `attention_options`,
-    which checks each distinct value once per process."""
+    """A layer's attention scalars, one value from the model's call down to every backend, under one spelling:
+    `scale` (None: 1/sqrt(head_dim), see `scale_for`), `sliding_window` (a query at p sees keys > p - w) and
+    `soft_cap` (scores = c * tanh(scores / c)). Valid by construction; `attention_options` builds them and
+    checks each distinct value once per process."""
 
     scale: float | None = None
     sliding_window: int | None = None
     soft_cap: float | None = None
 
     def __post_init__(self) -> None:
-        check_scalar_options(scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+        scale, window, cap = self.scale, self.sliding_window, self.soft_cap
+        if scale is not None and not (math.isfinite(scale) and scale > 0):
+            raise InvalidArgumentError(f"scale must be a positive finite float, got {scale!r}")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise InvalidArgumentError(f"sliding_window must be a positive int (tokens seen, itself included), got {window!r}")
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise InvalidArgumentError(f"soft_cap must be a positive finite float, got {cap!r}")
+
+    def scale_for(self, head_dim: int) -> float:
+        """The score multiplier: `scale`, or 1/sqrt(head_dim) (torch SDPA's default, to the bit)."""
+        return 1.0 / math.sqrt(head_dim) if self.scale is None else float(self.scale)
+
+
+NO_OPTIONS = AttentionOptions()
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,16 +110,6 @@ def attention_options(
 ) -> AttentionOptions:
     """The `AttentionOptions` of these scalars, checked the first time each is seen (a layer's call is cheap)."""
     return AttentionOptions(scale, sliding_window, soft_cap)
-
-
-def check_scalar_options(*, scale: float | None, sliding_window: int | None, soft_cap: float | None) -> None:
-    """The per-layer scalar options: a positive finite scale and soft cap, a positive int window."""
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise InvalidArgumentError(f"scale must be a positive finite float, got {scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise InvalidArgumentError(f"sliding_window must be a positive int (tokens seen, itself included), got {sliding_window!r}")
-    if soft_cap is not None and not (math.isfinite(soft_cap) and soft_cap > 0):
-        raise InvalidArgumentError(f"soft_cap must be a positive finite float, got {soft_cap!r}")
 
 
 def check_attention_metadata(
