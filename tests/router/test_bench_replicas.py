@@ -40,3 +40,61 @@ def test_figures_and_the_simulators_prediction_of_a_run() -> None:
     assert sim["router"] == "cost" and sum(sim["requests_per_replica"]) == 4
     # the most the simulator can find: the shared system prompt once, each second turn's history
     assert 0 < sim["prefix_hit_rate"] <= (16 + 2 * ((31 - 1) // BLOCK_SIZE) * BLOCK_SIZE) / prompts
+
+
+class _Handle:
+    """A stand-in for the replicas' Ray handle: answers each request after a short wait on replica "a" or "b"
+    (by conversation), and counts the requests in flight."""
+
+    def __init__(self) -> None:
+        self.in_flight = self.most = 0
+        self.first_turns: list[int] = []
+
+    def options(self, stream: bool) -> _Handle:
+        return self
+
+    @property
+    def generate(self) -> _Handle:
+        return self
+
+    def remote(self, request):  # noqa: ANN001, ANN201
+        return self._answer(request)
+
+    async def _answer(self, request):  # noqa: ANN001, ANN202
+        import asyncio
+        from types import SimpleNamespace
+
+        if len(request.prompt_token_ids) == 9:  # a first turn: the system prompt and its number
+            self.first_turns.append(request.prompt_token_ids[-1])
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(0.001)
+        self.in_flight -= 1
+        out = SimpleNamespace(finished=True, output_token_ids=[5, 6], num_cached_tokens=4)
+        yield "ab"[request.prompt_token_ids[-1] % 2], out
+
+
+def test_conversations_run_at_most_concurrency_at_once_in_order_and_quick_runs_them_all() -> None:
+    import asyncio
+
+    from pagedkv.bench.replicas import _drive, trace_spec
+
+    spec = TraceSpec(conversations=10, turns=3, systems=2, system_len=8, output_len=2, concurrency=3)
+    trace = [[turns[0][:8] + [c], *turns[1:]] for c, turns in enumerate(spec.build())]
+    for c in range(10):  # every turn ends with its conversation's number (the stand-in routes on it)
+        trace[c] = [trace[c][0], *([t + [c] for t in trace[c][1:]])]
+    handle = _Handle()
+    run = asyncio.run(_drive(handle, trace, spec, "pagedkv"))
+    assert len(run.turns) == 30 and handle.most == 3 and handle.first_turns == list(range(10))
+    s = run.summary()
+    assert s["stayed"] == 1.0 and s["requests_per_replica"] == [15, 15]
+    assert s["first_turn_hit_rate"] == pytest.approx(4 / 9)
+    assert all(t.sent_s >= 0 for t in run.turns) and run.turns[-1].sent_s > run.turns[0].sent_s
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    quick = trace_spec(parser.parse_args(["--quick"]))
+    assert (quick.conversations, quick.concurrency) == (32, 32)
+    full = trace_spec(parser.parse_args(["--concurrency", "8"]))
+    assert (full.conversations, full.concurrency) == (TraceSpec().conversations, 8)
+    with pytest.raises(InvalidArgumentError, match="--concurrency 0"):
+        TraceSpec(concurrency=0)

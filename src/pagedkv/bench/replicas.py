@@ -1,22 +1,29 @@
 """`pagedkv bench replicas`: the same multi-turn requests through three request routers on Ray Serve.
 
-    pagedkv bench replicas [--replicas 2] [--conversations 32] [--turns 6] [--repeat 3] [--json OUT]
-                           [--routers pagedkv,prefix-affinity,pow2]
+    pagedkv bench replicas [--replicas 2] [--conversations 160] [--turns 6] [--concurrency 32] [--repeat 3]
+                           [--routers pagedkv,prefix-affinity,pow2] [--quick] [--json OUT]
 
 One local Ray cluster; for each router in turn a fresh application of N replicas (the tiny CPU model with
 `--num-blocks` blocks of 4 tokens, so CPU time goes to routing and caching, not to matmuls) and the same
 seeded trace: `--conversations` chats of `--turns` turns, conversation c opening with system prompt
 c % `--systems` (shared across conversations), every turn's prompt = the whole history (previous prompts and
-the model's actual answers) + a new user message; all conversations run at once, each turn sent when the
-previous one has answered (closed loop). Requests go through the replicas' Ray handle, so the router under
-test decides each one. Routers: `pagedkv` (PagedKVRequestRouter, fed by KV events), `prefix-affinity`
-(Ray's PrefixCacheAffinityRouter, a text prefix tree of what it routed), `pow2` (Ray's default).
+the model's actual answers) + a new user message. `--concurrency` conversations run at once (the first ones
+start together, before any replica holds a system prompt; each later one starts when one ends), each turn
+sent when the previous one has answered (closed loop). `--quick`: 32 conversations, all at once (about 200
+requests, 3 s a router; TTFT p99 there is the burst's tail, noise between rounds). Requests go through the
+replicas' Ray handle, so the router under test decides each one. Routers: `pagedkv` (PagedKVRequestRouter, fed
+by KV events), `prefix-affinity` (Ray's PrefixCacheAffinityRouter, a text prefix tree of what it routed),
+`pow2` (Ray's default). Rounds are interleaved: round k starts with router k mod 3.
 
-Per router: prefix hit rate (cached prompt tokens / prompt tokens, as the engines report them), TTFT p50/p99
-(send to first streamed output, in this process), throughput (output tokens / wall time), imbalance (most
-requests on one replica / the mean). Then the simulator (`pagedkv.sim.replicas`, the same `CostPolicy` code as
-the live router) replays the pagedkv run's requests (their prompts and answers, the same turn structure, same
-block size, a KV cache that never evicts, as here) over the same number of replicas and predicts its hit rate.
+Per router and round: prefix hit rate (cached prompt tokens / prompt tokens, as the engines report them; also
+for first turns alone, and the share of later turns served where the previous turn was), TTFT p50/p99 (send
+to first streamed output, in this process), throughput (output tokens / wall time), imbalance (most requests
+on one replica / the mean), the 1-minute load average before and after; medians over the rounds. The output
+names every router setting (its class, the arguments it was given and its defaults) and the machine. Then the
+simulator (`pagedkv.sim.replicas`, the same `CostPolicy` code as the live router) replays the pagedkv rounds'
+requests (their prompts and answers, each conversation starting when it started here, the same turn
+structure and block size, a KV cache that never evicts, as here) over the same number of replicas and
+predicts its hit rate.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import inspect
 import json
+import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,20 +65,20 @@ def bench_engine(num_blocks: int, remote_url: str | None) -> Any:
 
 @dataclass(frozen=True)
 class TraceSpec:
-    conversations: int = 32
+    conversations: int = 160
     turns: int = 6
     systems: int = 4
     system_len: int = 64
     user_len: tuple[int, int] = (6, 14)
     output_len: int = 16
     seed: int = 0
+    concurrency: int = 32  # conversations in flight at once
 
     def __post_init__(self) -> None:
-        for name in ("conversations", "turns", "systems", "system_len", "output_len"):
-            if getattr(self, name) < 1:
-                raise InvalidArgumentError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
+        names = ("conversations", "turns", "systems", "system_len", "output_len", "concurrency")
+        bad = [f"--{n.replace('_', '-')} {getattr(self, n)}" for n in names if getattr(self, n) < 1]
+        if bad:
+            raise InvalidArgumentError(f"these must be >= 1: {', '.join(bad)}")
 
     def build(self) -> list[list[list[int]]]:
         """Per conversation: its system prompt + first user message, then each later turn's user message."""
@@ -82,6 +92,10 @@ class TraceSpec:
         return out
 
 
+QUICK = {"conversations": 32, "concurrency": 32}  # `--quick`: last session's trace, every conversation at once
+FIGURES = ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "tokens_per_s", "imbalance")
+
+
 @dataclass
 class Turn:
     conversation: int
@@ -91,6 +105,12 @@ class Turn:
     output: list[int]
     cached: int
     ttft_s: float
+    sent_s: float = 0.0  # from the run's start
+
+
+def _hit_rate(turns: list[Turn]) -> float:
+    prompt = sum(len(t.prompt) for t in turns)
+    return sum(t.cached for t in turns) / prompt if prompt else 0.0
 
 
 @dataclass
@@ -98,25 +118,31 @@ class RouterRun:
     router: str
     turns: list[Turn] = field(default_factory=list)
     wall_s: float = 0.0
+    load: tuple[float, float] = (math.nan, math.nan)  # 1-minute load average before and after the run
 
     def summary(self) -> dict[str, Any]:
-        prompt = sum(len(t.prompt) for t in self.turns)
         ttft = np.array([t.ttft_s for t in self.turns])
         per: dict[str, int] = {}
         for t in self.turns:
             per[t.replica] = per.get(t.replica, 0) + 1
         counts = sorted(per.values(), reverse=True)
+        where = {(t.conversation, t.turn): t.replica for t in self.turns}
+        later = [t for t in self.turns if t.turn > 0]
+        stayed = sum(where.get((t.conversation, t.turn - 1)) == t.replica for t in later)
         return {
-            "router": self.router, "requests": len(self.turns),
-            "prefix_hit_rate": sum(t.cached for t in self.turns) / prompt if prompt else 0.0,
+            "router": self.router, "requests": len(self.turns), "prefix_hit_rate": _hit_rate(self.turns),
+            "first_turn_hit_rate": _hit_rate([t for t in self.turns if t.turn == 0]),
+            "stayed": stayed / len(later) if later else 1.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "tokens_per_s": sum(len(t.output) for t in self.turns) / self.wall_s if self.wall_s else 0.0,
             "requests_per_replica": counts, "imbalance": counts[0] / (sum(counts) / len(counts)),
-            "wall_s": self.wall_s,
+            "wall_s": self.wall_s, "load_1min": list(self.load),
         }  # fmt: skip
 
 
-async def _conversation(handle: Any, c: int, turns: list[list[int]], output_len: int, run: RouterRun) -> None:
+async def _conversation(
+    handle: Any, c: int, turns: list[list[int]], output_len: int, run: RouterRun, start: float
+) -> None:
     from pagedkv.engine.params import SamplingParams
     from pagedkv.serve.ray_app import ReplicaRequest
 
@@ -137,16 +163,22 @@ async def _conversation(handle: Any, c: int, turns: list[list[int]], output_len:
                 final = out
         if final is None or first is None:
             raise InvalidArgumentError(f"conversation {c} turn {k}: the replica ended without an answer")
-        run.turns.append(
-            Turn(c, k, where, prompt, list(final.output_token_ids), final.num_cached_tokens, first)
-        )
+        output = list(final.output_token_ids)
+        run.turns.append(Turn(c, k, where, prompt, output, final.num_cached_tokens, first, sent - start))
         history = prompt + list(final.output_token_ids)
 
 
-async def _drive(handle: Any, trace: list[list[list[int]]], output_len: int, router: str) -> RouterRun:
+async def _drive(handle: Any, trace: list[list[list[int]]], spec: TraceSpec, router: str) -> RouterRun:
+    """Every conversation, at most `spec.concurrency` at once, started in order (the semaphore is FIFO)."""
     run = RouterRun(router)
+    gate = asyncio.Semaphore(spec.concurrency)
     start = time.perf_counter()
-    await asyncio.gather(*(_conversation(handle, c, turns, output_len, run) for c, turns in enumerate(trace)))
+
+    async def one(c: int, turns: list[list[int]]) -> None:
+        async with gate:
+            await _conversation(handle, c, turns, spec.output_len, run, start)
+
+    await asyncio.gather(*(one(c, turns) for c, turns in enumerate(trace)))
     run.wall_s = time.perf_counter() - start
     run.turns.sort(key=lambda t: (t.conversation, t.turn))
     return run
@@ -171,18 +203,49 @@ async def _warm_up(handle: Any, replicas: int) -> None:
             pass
 
 
-def measure(router: str, args: argparse.Namespace, trace: list[list[list[int]]], port: int) -> RouterRun:
+STATS_PERIOD_S = 0.5
+
+
+def router_kwargs(router: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments a router is given here (every other setting is its class's default)."""
+    return dataclasses.asdict(weights(args)) if router == "pagedkv" else {}
+
+
+def router_settings(router: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What decides a router's behaviour: its class, what it is given and its defaults (for the output)."""
+    from pagedkv.serve.ray_app import router_class
+
+    cls = router_class(router)
+    params = inspect.signature(cls.initialize_state).parameters.values()
+    defaults = {p.name: _plain(p.default) for p in params if p.default is not inspect.Parameter.empty}
+    given = router_kwargs(router, args)
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "given": given, "effective": {**defaults, **given}}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def measure(
+    router: str, args: argparse.Namespace, spec: TraceSpec, trace: list[list[list[int]]], port: int
+) -> RouterRun:
     from pagedkv.serve.ray_app import ReplicaSet, running
 
-    spec = ReplicaSet(
+    replicas = ReplicaSet(
         replicas=args.replicas, engine=functools.partial(bench_engine, args.num_blocks), remote_url=args.remote_url,
-        router=router, num_cpus=args.replica_cpus, stats_period_s=0.5,
-        router_kwargs=dataclasses.asdict(weights(args)) if router == "pagedkv" else {},
+        router=router, num_cpus=args.replica_cpus, stats_period_s=STATS_PERIOD_S,
+        router_kwargs=router_kwargs(router, args),
     )  # fmt: skip
-    with running(spec, port=port, app_name=f"bench-{router}") as app:
+    with running(replicas, port=port, app_name=f"bench-{router}") as app:
         asyncio.run(_warm_up(app.replicas, args.replicas))
         time.sleep(1.0)  # routing stats (the replicas' event endpoints) reach this process's handle
-        return asyncio.run(_drive(app.replicas, trace, args.output_len, router))
+        before = os.getloadavg()[0]
+        run = asyncio.run(_drive(app.replicas, trace, spec, router))
+        run.load = (before, os.getloadavg()[0])
+        print(f"  {router}: {_round_line(run.summary())}", flush=True)
+        return run
 
 
 def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
@@ -195,10 +258,11 @@ def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
 
     requests: list[GeneratedRequest] = []
     previous: dict[int, int] = {}
-    for t in run.turns:  # sorted by (conversation, turn)
+    for t in run.turns:  # sorted by (conversation, turn); a first turn arrives when it was sent here
         index = len(requests)
         parent = previous.get(t.conversation)
-        requests.append(GeneratedRequest(index, 0.0, np.asarray(t.prompt, dtype=np.int32),
+        arrival = t.sent_s if parent is None else 0.0
+        requests.append(GeneratedRequest(index, arrival, np.asarray(t.prompt, dtype=np.int32),
                                          np.asarray(t.output, dtype=np.int32), parent, 0.0))  # fmt: skip
         previous[t.conversation] = index
     catalog = Catalog.builtin()
@@ -231,14 +295,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--routers", default="pagedkv,prefix-affinity,pow2", help="comma-separated, run in this order"
     )
-    p.add_argument("--conversations", type=int, default=t.conversations)
+    p.add_argument("--conversations", type=int, default=None, help=f"default {t.conversations} (--quick: 32)")
     p.add_argument("--turns", type=int, default=t.turns)
+    p.add_argument(
+        "--concurrency", type=int, default=None,
+        help=f"conversations in flight at once (default {t.concurrency}; --quick: all)",
+    )  # fmt: skip
     p.add_argument(
         "--systems", type=int, default=t.systems, help="system prompts shared by the conversations"
     )
     p.add_argument("--system-len", type=int, default=t.system_len)
     p.add_argument("--output-len", type=int, default=t.output_len)
     p.add_argument("--seed", type=int, default=t.seed)
+    p.add_argument("--quick", action="store_true", help="32 conversations, all at once (a smoke run)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per replica (4 tokens each)")
     p.add_argument("--remote-url", default=None, help="a shared Redis tier for the replicas")
     p.add_argument("--replica-cpus", type=float, default=0.5)
@@ -253,6 +322,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the figures as JSON to this file")
 
 
+def trace_spec(args: argparse.Namespace) -> TraceSpec:
+    """The trace the flags describe (`--quick` changes only what is not given)."""
+    base = TraceSpec(**QUICK) if getattr(args, "quick", False) else TraceSpec()
+    return dataclasses.replace(
+        base, turns=args.turns, systems=args.systems, system_len=args.system_len, output_len=args.output_len,
+        seed=args.seed, conversations=args.conversations or base.conversations,
+        concurrency=args.concurrency or base.concurrency,
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from pagedkv.serve.ray_app import ROUTERS, free_port
 
@@ -262,13 +341,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"unknown router(s) {bad or routers}; choose from {', '.join(ROUTERS)}")
     if args.replicas < 1 or args.num_blocks < 16 or args.repeat < 1:
         raise InvalidArgumentError("--replicas and --repeat must be >= 1, --num-blocks >= 16")
-    spec = TraceSpec(
-        args.conversations, args.turns, args.systems, args.system_len, (6, 14), args.output_len, args.seed
-    )
+    spec = trace_spec(args)
     trace = spec.build()
     weights(args)  # bad weights: one line before Ray starts
     import ray
 
+    machine = {"cpu": _cpu_model(), "cores": os.cpu_count(), "load_1min_start": os.getloadavg()[0]}
     ray.init(
         num_cpus=args.num_cpus, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
     )
@@ -276,14 +354,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         port = free_port()
         for k in range(args.repeat):  # interleaved: each round starts with the next router
+            print(f"round {k + 1}:", flush=True)
             for router in routers[k % len(routers) :] + routers[: k % len(routers)]:
-                runs[router].append(measure(router, args, trace, port))
+                runs[router].append(measure(router, args, spec, trace, port))
     finally:
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
+    machine["load_1min_end"] = os.getloadavg()[0]
     result = summarize(spec, args, runs)
+    result["machine"] = machine
     print(_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -291,24 +372,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def summarize(spec: TraceSpec, args: argparse.Namespace, runs: dict[str, list[RouterRun]]) -> dict[str, Any]:
     """Per router the median of each figure over the rounds (and every round); the simulator's prediction
-    for each pagedkv round."""
+    for each pagedkv round; the settings every router ran with."""
     rows = []
     for router, rounds in runs.items():
         each = [r.summary() for r in rounds]
-        row = {k: float(np.median([e[k] for e in each])) for k in ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s",
-                                                                 "tokens_per_s", "imbalance")}  # fmt: skip
+        row: dict[str, Any] = {k: float(np.median([e[k] for e in each])) for k in FIGURES}
         row.update(
-            router=router, rounds=each, requests_per_replica=each[len(each) // 2]["requests_per_replica"]
-        )
-        row["hit_rate_range"] = [
-            min(e["prefix_hit_rate"] for e in each),
-            max(e["prefix_hit_rate"] for e in each),
-        ]
+            router=router, rounds=each, requests_per_replica=each[len(each) // 2]["requests_per_replica"],
+            settings=router_settings(router, args),
+        )  # fmt: skip
+        row["hit_rate_range"] = [min(e["prefix_hit_rate"] for e in each), max(e["prefix_hit_rate"] for e in each)]
         rows.append(row)
+    common = {"replicas": args.replicas, "replica_cpus": args.replica_cpus, "num_blocks": args.num_blocks,
+              "block_size": BLOCK_SIZE, "stats_period_s": STATS_PERIOD_S, "remote_url": args.remote_url}  # fmt: skip
     result: dict[str, Any] = {"trace": asdict(spec), "replicas": args.replicas, "repeat": args.repeat,
-                              "cost_weights": asdict(weights(args)), "routers": rows}  # fmt: skip
+                              "common": common, "cost_weights": asdict(weights(args)), "routers": rows}  # fmt: skip
     if runs.get("pagedkv"):
         errors, predicted = [], []
         for ours in runs["pagedkv"]:
@@ -322,12 +410,24 @@ def summarize(spec: TraceSpec, args: argparse.Namespace, runs: dict[str, list[Ro
     return result
 
 
+def _round_line(s: dict[str, Any]) -> str:
+    lo, hi = s["load_1min"]
+    return (
+        f"hit {s['prefix_hit_rate']:.1%} (first turns {s['first_turn_hit_rate']:.1%}, stayed {s['stayed']:.1%}), "
+        f"TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms p99 {s['ttft_p99_s'] * 1e3:.1f} ms, "
+        f"{s['tokens_per_s']:.0f} tok/s, {s['requests']} requests {'/'.join(map(str, s['requests_per_replica']))}, "
+        f"{s['wall_s']:.1f} s, load {lo:.2f}->{hi:.2f}"
+    )
+
+
 def _table(result: dict[str, Any]) -> str:
-    t = result["trace"]
+    t, m = result["trace"], result.get("machine", {})
     lines = [
         f"{result['replicas']} replicas, {t['conversations']} conversations x {t['turns']} turns, "
-        f"{t['systems']} shared system prompts of {t['system_len']} tokens, {t['output_len']} output tokens/turn; "
-        f"median of {result['repeat']} interleaved round(s)",
+        f"{t['concurrency']} at once, {t['systems']} shared system prompts of {t['system_len']} tokens, "
+        f"{t['output_len']} output tokens/turn; median of {result['repeat']} interleaved round(s); "
+        f"{m.get('cpu', '?')} x {m.get('cores', '?')}, load {m.get('load_1min_start', math.nan):.2f} at the start, "
+        f"{m.get('load_1min_end', math.nan):.2f} at the end",
         f"{'router':<16}{'hit rate':>9}{'(range)':>16}{'TTFT p50':>10}{'TTFT p99':>10}{'tok/s':>8}{'imbalance':>10}"
         "  per replica",
     ]
@@ -338,6 +438,11 @@ def _table(result: dict[str, Any]) -> str:
             f"{r['ttft_p50_s'] * 1e3:>8.1f}ms{r['ttft_p99_s'] * 1e3:>8.1f}ms{r['tokens_per_s']:>8.0f}"
             f"{r['imbalance']:>10.2f}  {'/'.join(map(str, r['requests_per_replica']))}"
         )
+    for r in result["routers"]:
+        lines.append(f"{r['router']} rounds:")
+        lines += [f"  {_round_line(e)}" for e in r["rounds"]]
+        lines.append(f"  settings: {r['settings']['class']} {json.dumps(r['settings']['effective'])}")
+    lines.append(f"every router: {json.dumps(result['common'])}")
     sim = result.get("simulator")
     if sim is not None:
         lines.append(f"simulator (cost policy, the pagedkv rounds' requests): hit rate {sim['prefix_hit_rate']:.1%}, "
