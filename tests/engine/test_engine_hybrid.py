@@ -168,8 +168,3 @@ def test_hybrid_host_tier_serves_hits_with_identical_output(family: str) -> None
     assert outs == outs_off, "the tier changes no token"
     ref = reference_generate(tiny_model(family, 0), prompts, MAX_NEW, eos_token_id=2, attn_implementation="eager")
     assert outs == ref
-
-
-def test_hybrid_refuses_events_with_tiers_in_one_line() -> None:
-    with pytest.raises(Exception, match="kv_events with tiers need the paged allocator"):
-        engine_config(num_blocks=40, block_size=4, allocator="hybrid", host_blocks=8, kv_events=True)
