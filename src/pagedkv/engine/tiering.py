@@ -151,7 +151,7 @@ class EngineTiering:
         if k < len(keys):
             self._miss_at[rid] = (tries, first_block + k // per)
         if k:
-            store.complete_load(plan, self.block_size)
+            store.complete_load(plan, self.block_size, per)  # a block's tokens once, not once per group
             if tries == 0 and not tag.output_token_ids:  # a first admission, not a fork child
                 counts = self._by_request.setdefault(rid, Counter())
                 for medium in plan.media[: k // per * per : per]:  # a block once, not once per group

@@ -231,13 +231,17 @@ class TieredStore:
         good = ok.index(False) if False in ok else n
         return LoadPlan(list(keys[:good]), media[:good])
 
-    def complete_load(self, plan: LoadPlan, block_size: int) -> None:
-        """The caller's device copies of the plan's blocks are done: touch them and count the hits."""
+    def complete_load(self, plan: LoadPlan, block_size: int, keys_per_block: int = 1) -> None:
+        """The caller's device copies of the plan's blocks are done: touch them and count the hits. A block
+        of `keys_per_block` keys (a hybrid model's copies, one per KV cache group) counts its tokens once,
+        under the medium of its first key; a trailing block with only some of its keys is not served."""
         for tier in self.tiers:
             hit = [k for k, m in zip(plan.keys, plan.media) if m == tier.medium]
             if hit:
                 tier.touch(hit)
-                self.stats.cached_tokens[tier.medium] += len(hit) * block_size
+        served = plan.num_blocks // keys_per_block * keys_per_block
+        for medium in plan.media[:served:keys_per_block]:
+            self.stats.cached_tokens[medium] += block_size
 
     def abort_load(self, plan: LoadPlan, reason: str) -> None:
         """The device copies failed: nothing of the plan was served."""
