@@ -150,6 +150,7 @@ class EngineTiering:
         k, per = plan.num_blocks, self._keys_per_block
         if k < len(keys):
             self._miss_at[rid] = (tries, first_block + k // per)
+            self._count_lost(k, plan.num_lost)
         if k:
             store.complete_load(plan, self.block_size, per)  # a block's tokens once, not once per group
             if tries == 0 and not tag.output_token_ids:  # a first admission, not a fork child
@@ -157,6 +158,15 @@ class EngineTiering:
                 for medium in plan.media[: k // per * per : per]:  # a block once, not once per group
                     counts[medium] += self.block_size
         return k, rows
+
+    def _count_lost(self, served: int, lost: int) -> None:
+        """The whole blocks after the `served` keys that a tier held and lost (`LoadPlan.num_lost`): their
+        tokens count under the miss reason `tier` (`pagedkv.core.misses`; the hybrid manager keeps no miss
+        reasons)."""
+        per = self._keys_per_block
+        blocks = (served + lost) // per - served // per
+        if blocks and isinstance(self.manager, PagedKVManager):
+            self.manager.misses.count_tier(blocks * self.block_size)
 
     def before_forward(self, out: SchedulerOutput) -> None:
         self._sync()

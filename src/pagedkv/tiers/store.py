@@ -22,6 +22,11 @@ Both directions are two-phase, so a block is never served or dropped before its 
   `StorePlan` whose rows the caller fills from the device; `complete_store(plan)` writes them. Nothing is
   visible in any tier before `complete_store`, and the caller must not reuse the device blocks before it.
 
+Lost keys: a key a tier held and lost (its load failed, it fell off the last local tier, or its write
+failed) is remembered (the last `LOST_KEYS_REMEMBERED`, until stored again), so that a later lookup can
+say which of the keys it did not serve a tier lost (`LoadPlan.num_lost`; the engine counts their tokens
+under the miss reason `tier`, `pagedkv.core.misses`).
+
 Counters (`TierStats`): cached tokens per medium, blocks stored per medium, and losses by reason:
 "evicted" (dropped from the last local tier, or gone from the remote store between lookup and load),
 "checksum" (header or CRC mismatch: the entry is deleted), "timeout" / "error" (remote store failures, a
@@ -45,6 +50,7 @@ from pagedkv.tiers.tier import LocalTier, Rows, Tier
 from pagedkv.tiers.value import BlockLayout
 
 logger = logging.getLogger(__name__)
+LOST_KEYS_REMEMBERED = 16_384  # keys a tier lost, remembered for the `tier` miss reason (bounded, oldest out)
 
 
 @dataclass(slots=True)
@@ -117,10 +123,14 @@ def _remote_tier(url: str, layout: BlockLayout, fingerprint: str, settings: Remo
 
 
 class LoadPlan(NamedTuple):
-    """The hit prefix copied into the caller's rows: `keys[i]` came from `media[i]` into `rows[i]`."""
+    """The hit prefix copied into the caller's rows: `keys[i]` came from `media[i]` into `rows[i]`.
+    `num_lost`: how many keys right after it a tier held and lost (a failed load, and those after it
+    the lookup found; then the run of keys remembered as lost at store time): the tiers should have
+    served them."""
 
     keys: list[bytes]
     media: list[Medium]
+    num_lost: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -147,6 +157,7 @@ class TieredStore:
         self.remote = remote
         self.stats = TierStats()
         self.off = dict(off or {})  # medium -> why a configured tier is not in use (found at start-up)
+        self._lost: dict[bytes, None] = {}  # keys a tier lost, oldest first (see the module docstring)
         failures = getattr(remote, "failures", None)
         if failures is not None:  # the remote tier counts its failed calls straight into the stats
             self.stats.remote_failures = failures
@@ -229,7 +240,11 @@ class TieredStore:
                 else:
                     self.stats.losses[reason] += 1
         good = ok.index(False) if False in ok else n
-        return LoadPlan(list(keys[:good]), media[:good])
+        self._remember_lost([keys[i] for i in range(good, n) if not ok[i]])
+        lost = n - good
+        while good + lost < len(keys) and keys[good + lost] in self._lost:
+            lost += 1
+        return LoadPlan(list(keys[:good]), media[:good], lost)
 
     def complete_load(self, plan: LoadPlan, block_size: int, keys_per_block: int = 1) -> None:
         """The caller's device copies of the plan's blocks are done: touch them and count the hits. A block
@@ -280,6 +295,7 @@ class TieredStore:
         """The plan's rows hold the blocks' bytes: write back (spilling down the local tiers) and through."""
         if plan.write_back:
             keys = [plan.keys[i] for i in plan.write_back]
+            tried = list(keys)
             values: Rows | None = plan.rows[plan.write_back]
             stamps: list[int] | None = None
             for tier in self.local:
@@ -291,11 +307,24 @@ class TieredStore:
                     self.stats.local_failures[f"{tier.medium} {name}"] += n
                     self.stats.losses["error"] += n
                 keys, values, stamps = spill.evicted, spill.values, spill.stamps
+                tried += keys
             if keys:  # fell off the last local tier
                 self.stats.losses["evicted"] += len(keys)
+            held = [k for k in tried if any(k in t.index for t in self.local)]
+            for key in held:
+                self._lost.pop(key, None)
+            self._remember_lost([k for k in dict.fromkeys(tried) if not any(k in t.index for t in self.local)])
         if plan.write_through and self.remote is not None:
             spill = self.remote.put([plan.keys[i] for i in plan.write_through], plan.rows[plan.write_through])
             self.stats.stored_blocks["REMOTE"] += spill.num_stored
+
+    def _remember_lost(self, keys: Iterable[bytes]) -> None:
+        lost = self._lost
+        for key in keys:
+            lost.pop(key, None)
+            lost[key] = None
+        while len(lost) > LOST_KEYS_REMEMBERED:
+            del lost[next(iter(lost))]
 
     # --- events and life cycle ------------------------------------------------------------------
 
