@@ -2,7 +2,8 @@
 and a disk tier, the engine's event batches rebuild, after every step, exactly what each medium holds in
 each KV cache group (the device's prefix index, the host and disk tiers' ready slots, under each group's
 qualified key); every `BlockStored` carries its group, its tokens, and a parent only that group holds;
-every key a group's log holds chains from its parent through its tokens; greedy output is unchanged."""
+every key a group's log holds chains from its parent through its tokens; greedy output is unchanged. One
+run adds a Redis tier (the keys it holds, under each group's qualified key)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pagedkv.events import (
     CPU,
     DISK,
     GPU,
+    REMOTE,
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -28,9 +30,10 @@ from pagedkv.events import (
     external_hash,
 )
 from pagedkv.hf.tiny import VOCAB, tiny_model
+from pagedkv.tiers.keys import KEY_PREFIX
 
 BS = 4
-MEDIA = (GPU, CPU, DISK)
+MEDIA = (GPU, CPU, DISK, REMOTE)
 State = dict[tuple[int, str], set[int]]
 
 
@@ -46,6 +49,12 @@ def real_state(engine: Engine, groups: int) -> State:
             if idx.ready[slot]:
                 content, g = split_key(key)
                 out[g, tier.medium].add(external_hash(content))
+    remote = engine.tiering.store.remote
+    if remote is not None:
+        prefix = f"{KEY_PREFIX}{remote.fingerprint}:".encode()
+        for k in remote.client.scan_iter(match=prefix + b"*"):
+            content, g = split_key(bytes.fromhex(k[len(prefix) :].decode()))
+            out[g, REMOTE].add(external_hash(content))
     return out
 
 
@@ -119,12 +128,17 @@ def run(engine: Engine, prompts: list[list[int]], rng: np.random.Generator, chec
     return [outs[i] for i in ids]
 
 
-@pytest.mark.parametrize(("family", "num_blocks", "seed"), [("gemma2", 30, 0), ("gemma2", 30, 1), ("mistral", 14, 2)])
+@pytest.mark.parametrize(
+    ("family", "num_blocks", "seed", "remote"),
+    [("gemma2", 30, 0, False), ("gemma2", 30, 1, True), ("mistral", 14, 2, False)],
+)
 def test_hybrid_events_with_tiers_rebuild_every_group_and_medium(
-    family: str, num_blocks: int, seed: int, tmp_path: Path
+    family: str, num_blocks: int, seed: int, remote: bool, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     config = dict(num_blocks=num_blocks, block_size=BS, allocator="hybrid", host_blocks=8,
                   disk_path=str(tmp_path), disk_bytes=12 * 4096)  # fmt: skip
+    if remote:
+        config["remote_url"] = request.getfixturevalue("redis_url")
     engine = Engine(tiny_model(family, 0), None, EngineConfig(**config, kv_events=True))  # type: ignore[arg-type]
     groups = engine.manager.num_groups
     consumer = GroupConsumer(groups)
@@ -141,10 +155,12 @@ def test_hybrid_events_with_tiers_rebuild_every_group_and_medium(
     stats = engine.stats.tiers
     assert stats.stored_blocks[CPU] > 0 and stats.stored_blocks[DISK] > 0, stats.as_dict()
     assert consumer.stored[CPU] > 0 and consumer.stored[DISK] > 0 and consumer.with_parent > 0
+    assert not remote or (stats.stored_blocks[REMOTE] > 0 and consumer.stored[REMOTE] > 0)
     assert stats.cached_tokens[CPU] + stats.cached_tokens[DISK] > 0, "the tiers served a hit"
     engine.tiering.store.check_invariants()
     engine.close()
 
+    config.pop("remote_url", None)  # the store now holds this run's blocks: the twin runs without it
     plain = Engine(tiny_model(family, 0), None, EngineConfig(**config))  # type: ignore[arg-type]
     assert run(plain, prompts, np.random.default_rng(seed)) == outs, "events change no token"
     plain.close()

@@ -28,11 +28,14 @@ A fetch (two-phase in the store: `prepare_load` copies the hit prefix into rows,
 and counts it) never covers the block of a chunk's last token: the chunk keeps at least one token to
 compute, and the prompt's last token is always computed. A failed or short load leaves the rest of the
 chunk to be computed. A request's tier hits are counted at its first admission, like the device's
-(`RequestOutput.num_cached_tokens_by_tier`).
+(`RequestOutput.num_cached_tokens_by_tier`). Blocks a tier held and lost (a failed load, or a key the store
+remembers it dropped or failed to write: `LoadPlan.num_lost`) count under the miss reason `tier` in the
+manager's `misses` (the engine's `stats.cache_misses`; paged allocator only).
 
 With the hybrid allocator (`HybridKVManager`) a block has one copy per KV cache group: the tiers store
 each under its group-qualified key (`pagedkv.core.group_keys`), a fetch asks for every group's key of a
-block before the next block's (`core/hybrid_fetch.py`), and a block counts once per request.
+block before the next block's (`core/hybrid_fetch.py`), and a block counts once per request, in the
+request's counts and in `TierStats.cached_tokens` alike.
 """
 
 from __future__ import annotations
