@@ -34,6 +34,12 @@ class Replica:
     def held(self) -> set[int]:
         return gpu_hashes(self.m, self.feed)
 
+    def run(self, walk, steps: int) -> None:
+        """`steps` steps of a `random_steps` workload, each one's events published."""
+        for _ in range(steps):
+            next(walk)
+            self.publish()
+
 
 def settle(streams: EventStreams, replicas: dict[str, Replica]) -> None:
     """Poll and sync until every live stream has applied everything its publisher sent."""
@@ -107,15 +113,11 @@ def test_a_replica_that_answers_again_is_rebuilt_from_its_history(tmp_path) -> N
     streams.add("r", r.pub.endpoint, r.pub.replay_endpoint)
     walk = random_steps(rng, r.m, r.feed, 60, ops=False)
     try:
-        for _ in range(30):
-            next(walk)
-            r.publish()
+        r.run(walk, 30)
         settle(streams, {"r": r})
         streams._down("r")  # as if one check had timed out
         assert streams.index.state("r") == {}
-        for _ in range(30):
-            next(walk)
-            r.publish()
+        r.run(walk, 30)
         streams.check()
         assert not streams.state["r"].down
         settle(streams, {"r": r})
@@ -133,23 +135,17 @@ def test_a_range_gone_from_the_buffer_leaves_a_subset_until_the_replica_clears(t
     sub = streams.subscriber("r")
     walk = random_steps(rng, r.m, r.feed, 100, ops=False)
     try:
-        for _ in range(10):
-            next(walk)
-            r.publish()
+        r.run(walk, 10)
         settle(streams, {"r": r})
         sub._sub.setsockopt(zmq.UNSUBSCRIBE, b"")
-        for _ in range(40):  # far more batches than the publisher keeps
-            next(walk)
-            r.publish()
+        r.run(walk, 40)  # far more batches than the publisher keeps
         sub._sub.setsockopt(zmq.SUBSCRIBE, b"")
         settle(streams, {"r": r})
         view = streams.index.state("r").get(GPU, set())
         assert sub.partial and sub.lost > 0
         assert view <= r.held()  # never a block the replica does not hold
         r.feed.reset()  # the replica's own AllBlocksCleared: exact again
-        for _ in range(10):
-            next(walk)
-            r.publish()
+        r.run(walk, 10)
         settle(streams, {"r": r})
         assert not sub.partial
         assert streams.index.state("r").get(GPU, set()) == r.held()

@@ -59,16 +59,17 @@ def test_prefix_then_load_then_the_imbalance_fallback(tmp_path) -> None:
         prompt = doc + [7, 8, 9]
         ranking = router.rank(["a", "b"], prompt)
         assert ranking.order == ["b", "a"] and ranking.matches["b"].gpu == 6 and not ranking.fallback
-        # b gets busy with what this router sent it: 8 blocks of queued work outweigh 6 blocks to compute
-        for i in range(2):
+        # b gets busy with what this router sent it: 15 blocks of queued work outweigh 6 blocks to compute on a
+        # and 6 more for computing blocks b already holds (the live router's duplicate charge)
+        for i in range(3):
             router.predict(f"q{i}", router.rank(["a", "b"], list(range(500 + 10 * i, 517 + 10 * i))))
             router.routed(f"q{i}", "b")
         busy = router.rank(["a", "b"], prompt)
-        assert busy.loads["b"] == 10.0 and busy.order[0] == "a"
+        assert busy.loads["b"] == 15.0 and busy.order[0] == "a"
         b.serve(list(range(500, 517)))  # q0's prefill is done: its events show its last block on b's GPU
         wait_for(router, "b", 10)
-        assert router.rank(["a", "b"], prompt).loads["b"] == 1.0 + 5.0  # q0 running, q1 still to prefill
-        for i in range(2):
+        assert router.rank(["a", "b"], prompt).loads["b"] == 1.0 + 5.0 + 5.0  # q0 running, q1 and q2 to prefill
+        for i in range(3):
             router.completed(f"q{i}")
         assert router.rank(["a", "b"], prompt).order[0] == "b"
         # other routers' requests, seen through b's stats: 5 in flight against a's 0 > threshold 3
@@ -149,9 +150,9 @@ def test_blocks_on_their_way_draw_the_next_request_sharing_them(tmp_path) -> Non
 def test_a_burst_groups_conversations_by_system_prompt(tmp_path, systems) -> None:
     """32 conversations start at once, before any replica has computed a system prompt (nothing completes
     during the burst). Each of 4 system prompts is computed on one replica and its conversations follow it,
-    2 prompts and 16 conversations a replica; one system prompt for all: its followers join the first
-    replica until the work queued there outweighs computing the prompt on the other, which then takes its
-    share."""
+    2 prompts and 16 conversations a replica. One system prompt for all: its followers join the first
+    replica (on the other they would compute 16 blocks the fleet holds, charged twice) until the imbalance
+    fallback sends one to the other, which then takes its share."""
     a, b = Replica(tmp_path, "a"), Replica(tmp_path, "b")
     router = LiveRouter(imbalance_threshold=8, sync_interval_s=3600)
     try:
@@ -172,8 +173,8 @@ def test_a_burst_groups_conversations_by_system_prompt(tmp_path, systems) -> Non
         if systems == 4:
             assert computed == 4 and len(placed["a"]) == len(placed["b"]) == 16
             assert not set(placed["a"]) & set(placed["b"])
-        else:  # a's queue (19, then 3 per follower) outweighs the 16 blocks b would compute at the 7th
-            assert computed == 2 and "".join(order[:7]) == "aaaaaab", "".join(order)
+        else:  # 9 requests on a against none on b pass the threshold of 8: the 10th computes the prompt on b
+            assert computed == 2 and "".join(order[:10]) == "a" * 9 + "b", "".join(order)
     finally:
         router.streams.close()
         a.pub.close()

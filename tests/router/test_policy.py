@@ -7,31 +7,29 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from pagedkv import events as ev
 from pagedkv.core import PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.events import (
-    CPU,
-    GPU,
-    REMOTE,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    EventLog,
-    ManagerFeed,
+from pagedkv.router import (
+    LIVE_WEIGHTS,
+    CostPolicy,
+    CostWeights,
+    PrefixMatch,
+    ReplicaIndex,
+    Router,
+    request_hashes,
 )
-from pagedkv.router import CostPolicy, CostWeights, PrefixMatch, ReplicaIndex, Router, request_hashes
 
 BS = 4
 
 
-def stored(hashes: list[int], medium: str = GPU) -> EventBatch:
-    return EventBatch(0.0, [BlockStored(hashes, None, [], BS, None, medium)], 0)
+def stored(hashes: list[int], medium: str = ev.GPU) -> ev.EventBatch:
+    return ev.EventBatch(0.0, [ev.BlockStored(hashes, None, [], BS, None, medium)], 0)
 
 
 def test_request_hashes_name_the_blocks_a_manager_publishes() -> None:
     m = PagedKVManager(16, BS, record_events=True)
-    feed = ManagerFeed(m, EventLog(BS))
+    feed = ev.ManagerFeed(m, ev.EventLog(BS))
     prompt = np.arange(3 * BS + 2, dtype=np.int32)
     adm = m.admit(prompt)
     m.mark_computed([adm.seq_id])
@@ -46,17 +44,17 @@ def test_request_hashes_name_the_blocks_a_manager_publishes() -> None:
 def test_index_walks_gpu_then_local_then_remote_and_stops_at_a_hole() -> None:
     idx = ReplicaIndex()
     idx.apply("a", stored([1, 2]))
-    idx.apply("a", stored([3], CPU))
-    idx.apply("b", stored([4, 5], REMOTE))  # the shared store: anyone may load it
-    idx.apply("b", stored([7], REMOTE))
+    idx.apply("a", stored([3], ev.CPU))
+    idx.apply("b", stored([4, 5], ev.REMOTE))  # the shared store: anyone may load it
+    idx.apply("b", stored([7], ev.REMOTE))
     m = idx.match([1, 2, 3, 4, 5, 6, 7], ["a", "b", "c"])
     assert m["a"] == PrefixMatch(2, 1, 2)
     assert m["b"] == PrefixMatch(0, 0, 0)  # block 1 is nowhere b can get it
-    idx.apply("a", EventBatch(0.0, [BlockRemoved([2], GPU)], 0))
+    idx.apply("a", ev.EventBatch(0.0, [ev.BlockRemoved([2], ev.GPU)], 0))
     assert idx.match([1, 2, 3], ["a"])["a"] == PrefixMatch(1, 0, 0)
-    idx.apply("b", EventBatch(0.0, [AllBlocksCleared()], 0))
+    idx.apply("b", ev.EventBatch(0.0, [ev.AllBlocksCleared()], 0))
     assert idx.match([4], ["a"])["a"] == PrefixMatch(0, 0, 0) and idx.state("b") == {}
-    assert idx.holders(1) == {"a": frozenset({GPU})}
+    assert idx.holders(1) == {"a": frozenset({ev.GPU})}
 
 
 def test_round_robin_ignores_the_cache() -> None:
@@ -75,10 +73,10 @@ def test_cost_prefers_the_holder_until_its_queue_outweighs_the_prefix() -> None:
 
 def test_cost_discounts_loads_from_lower_tiers() -> None:
     r = Router(["a", "b"], CostPolicy(CostWeights(local_discount=0.1, remote_discount=0.5)))
-    r.index.apply("a", stored([1, 2, 3, 4], CPU))
-    r.index.apply("b", stored([1, 2], GPU))
-    r.index.apply("b", stored([1, 2, 3, 4], REMOTE))
-    # a: load 4 from CPU = 0.4; b: 2 on GPU, 2 from REMOTE = 1.0
+    r.index.apply("a", stored([1, 2, 3, 4], ev.CPU))
+    r.index.apply("b", stored([1, 2], ev.GPU))
+    r.index.apply("b", stored([1, 2, 3, 4], ev.REMOTE))
+    # a: load 4 from ev.CPU = 0.4; b: 2 on ev.GPU, 2 from ev.REMOTE = 1.0
     d = r.route([1, 2, 3, 4], [0, 0])
     assert d.replica == "a" and d.match == PrefixMatch(0, 4, 0)
 
@@ -99,7 +97,7 @@ def test_pure_prefix_piles_shared_first_blocks_on_one_replica_and_cost_balances(
             if i % 4 == 3:  # work drains as the replicas compute
                 for x in loads:
                     loads[x] = max(0.0, loads[x] - 7)
-        return Counter({x: len(r.index.state(x).get(GPU, ())) for x in r.replicas})
+        return Counter({x: len(r.index.state(x).get(ev.GPU, ())) for x in r.replicas})
 
     prefix = run("prefix")
     cost = run("cost")
@@ -139,10 +137,25 @@ def test_blocks_on_their_way_are_neither_computed_nor_charged_again() -> None:
     assert on_way[1].total == 16 and policy.cost(18, on_way[1], 19.0) == 2 + 3
     order, fallback = policy.rank(18, on_way, [0.0, 19.0], requests=[0, 1], imbalance_threshold=8)
     assert order == [1, 0] and not fallback
-    # the same blocks already on b's GPU: its 19 queued are other requests' work, charged in full
+    # the same blocks already on b's ev.GPU: its 19 queued are other requests' work, charged in full
     assert policy.rank(18, [PrefixMatch(), PrefixMatch(gpu=16)], [0.0, 19.0])[0] == [0, 1]
     # never a negative queue: a replica whose queue is all the shared prefill costs its compute only
     assert policy.cost(18, PrefixMatch(pending=16), 10.0) == 2
     # followers piled past the imbalance threshold: the least loaded leads whatever is on its way
     order, fallback = policy.rank(18, on_way, [0.0, 43.0], requests=[0, 9], imbalance_threshold=8)
     assert order == [0, 1] and fallback
+
+
+def test_the_duplicate_charge_keeps_a_history_where_it_is_and_leaves_fresh_prompts_to_the_queues() -> None:
+    """A conversation's next turn: 22 of its 23 blocks on a, whose queue is 40 against b's 16 (a moment's
+    burst). Without the duplicate charge it moves (1 + 40 > 23 + 16) and b recomputes the whole history; with
+    it (`LIVE_WEIGHTS`) the 22 blocks a holds cost b twice. A prompt nobody holds goes by the queues alone."""
+    history = [PrefixMatch(gpu=22), PrefixMatch()]
+    assert CostPolicy().rank(23, history, [40.0, 16.0])[0] == [1, 0]
+    live = CostPolicy(LIVE_WEIGHTS)
+    assert live.costs(23, history, [40.0, 16.0]) == [1 + 40.0, 23 + 22 + 16.0]
+    assert live.rank(23, history, [40.0, 16.0])[0] == [0, 1]
+    assert live.rank(23, [PrefixMatch(), PrefixMatch()], [40.0, 16.0])[0] == [1, 0]
+    # held elsewhere only in part: only that part is charged twice
+    assert live.costs(23, [PrefixMatch(gpu=16), PrefixMatch(gpu=22)], [0.0, 0.0]) == [7 + 6, 1]
+    assert CostWeights() == CostWeights(duplicate_weight=0.0)  # the simulator's default: no duplicate charge

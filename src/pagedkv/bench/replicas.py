@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.router.policy import CostPolicy, CostWeights
+from pagedkv.router.policy import LIVE_WEIGHTS, CostPolicy, CostWeights
 
 BLOCK_SIZE = 4
 VOCAB_LOW, VOCAB_HIGH = 3, 128  # the tiny model's vocabulary, without pad/bos/eos
@@ -119,6 +119,7 @@ class RouterRun:
     turns: list[Turn] = field(default_factory=list)
     wall_s: float = 0.0
     load: tuple[float, float] = (math.nan, math.nan)  # 1-minute load average before and after the run
+    decisions: dict[str, int] = field(default_factory=dict)  # pagedkv's: decisions, fallbacks
 
     def summary(self) -> dict[str, Any]:
         ttft = np.array([t.ttft_s for t in self.turns])
@@ -136,7 +137,7 @@ class RouterRun:
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "tokens_per_s": sum(len(t.output) for t in self.turns) / self.wall_s if self.wall_s else 0.0,
             "requests_per_replica": counts, "imbalance": counts[0] / (sum(counts) / len(counts)),
-            "wall_s": self.wall_s, "load_1min": list(self.load),
+            "wall_s": self.wall_s, "load_1min": list(self.load), "router_decisions": self.decisions,
         }  # fmt: skip
 
 
@@ -222,6 +223,16 @@ def router_settings(router: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"class": f"{cls.__module__}:{cls.__qualname__}", "given": given, "effective": {**defaults, **given}}
 
 
+def _decisions(handle: Any) -> dict[str, int]:
+    """The handle's pagedkv router's counts (decisions, load-imbalance fallbacks), read through Ray's private
+    attributes (2.60): empty for Ray's routers or another Ray."""
+    router = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
+    live = getattr(router, "live", None)
+    if live is None:
+        return {}
+    return {"decisions": int(router.decisions), "fallbacks": int(router.fallbacks)}
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
@@ -244,6 +255,7 @@ def measure(
         before = os.getloadavg()[0]
         run = asyncio.run(_drive(app.replicas, trace, spec, router))
         run.load = (before, os.getloadavg()[0])
+        run.decisions = _decisions(app.replicas)
         print(f"  {router}: {_round_line(run.summary())}", flush=True)
         return run
 
@@ -277,15 +289,16 @@ def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def weights(args: argparse.Namespace) -> CostWeights:
-    """`--cost-weights COMPUTE,LOCAL,REMOTE,QUEUE` (default: the policy's own)."""
+    """`--cost-weights COMPUTE,LOCAL,REMOTE,QUEUE[,DUPLICATE]` (default: the live router's, `LIVE_WEIGHTS`;
+    DUPLICATE left out is 0)."""
     if not getattr(args, "cost_weights", None):
-        return CostWeights()
+        return LIVE_WEIGHTS
     try:
         values = [float(x) for x in args.cost_weights.split(",")]
     except ValueError:
-        raise InvalidArgumentError(f"--cost-weights takes four numbers, got {args.cost_weights!r}") from None
-    if len(values) != 4:
-        raise InvalidArgumentError(f"--cost-weights takes four numbers, got {args.cost_weights!r}")
+        raise InvalidArgumentError(f"--cost-weights takes four or five numbers, got {args.cost_weights!r}") from None
+    if len(values) not in (4, 5):
+        raise InvalidArgumentError(f"--cost-weights takes four or five numbers, got {args.cost_weights!r}")
     return CostWeights(*values)
 
 
@@ -316,8 +329,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeat", type=int, default=1, help="rounds, each starting with the next router (medians)"
     )
     p.add_argument(
-        "--cost-weights", default=None, metavar="C,L,R,Q",
-        help="pagedkv's weights: compute, local discount, remote discount, queue (default 1,0.1,0.3,1)",
+        "--cost-weights", default=None, metavar="C,L,R,Q[,D]",
+        help="pagedkv's weights: compute, local discount, remote discount, queue, duplicate (default 1,0.1,0.3,1,1)",
     )  # fmt: skip
     p.add_argument("--json", default=None, help="write the figures as JSON to this file")
 
@@ -417,6 +430,7 @@ def _round_line(s: dict[str, Any]) -> str:
         f"TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms p99 {s['ttft_p99_s'] * 1e3:.1f} ms, "
         f"{s['tokens_per_s']:.0f} tok/s, {s['requests']} requests {'/'.join(map(str, s['requests_per_replica']))}, "
         f"{s['wall_s']:.1f} s, load {lo:.2f}->{hi:.2f}"
+        + "".join(f", {k} {v}" for k, v in s.get("router_decisions", {}).items())
     )
 
 

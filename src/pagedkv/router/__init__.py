@@ -14,6 +14,7 @@ with the same `CostPolicy` the simulator (`pagedkv simulate --replicas`) runs.
 
 from pagedkv.router.index import PrefixMatch, ReplicaIndex
 from pagedkv.router.policy import (
+    LIVE_WEIGHTS,
     POLICIES,
     CostPolicy,
     CostWeights,
@@ -30,6 +31,6 @@ from pagedkv.router.policy import (
 PrefixIndex = ReplicaIndex
 
 __all__ = [
-    "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
+    "LIVE_WEIGHTS", "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
     "RoundRobin", "Router", "make_policy", "request_hashes",
 ]  # fmt: skip

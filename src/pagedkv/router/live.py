@@ -9,7 +9,8 @@ It owns one `EventStreams` (the replicas' ZMQ KV events folded into a `ReplicaIn
 restarts and dead replicas) and ranks the candidates with `pagedkv.router.policy.CostPolicy.rank`, the cost the simulator
 (`pagedkv simulate --replicas`) routes with:
 
-    cost = blocks to compute + 0.1 * blocks from its CPU/DISK + 0.3 * blocks from the shared store
+    cost = blocks to compute + blocks to compute that another replica holds (LIVE_WEIGHTS: computed twice)
+         + 0.1 * blocks from its CPU/DISK + 0.3 * blocks from the shared store
          + queue_weight * max(queued work - blocks on their way, 0)
 
 Blocks on their way: a request this router sent a replica credits that replica with its blocks while its
@@ -45,7 +46,7 @@ from typing import Any
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.events.wire import GPU
 from pagedkv.router.index import PrefixMatch, ReplicaIndex
-from pagedkv.router.policy import CostPolicy, CostWeights, request_hashes
+from pagedkv.router.policy import LIVE_WEIGHTS, CostPolicy, CostWeights, request_hashes
 from pagedkv.router.streams import EventStreams
 
 MAX_PREDICTED = 100_000
@@ -96,7 +97,7 @@ class LiveRouter:
     ) -> None:
         if imbalance_threshold < 0:
             raise InvalidArgumentError(f"imbalance_threshold must be >= 0, got {imbalance_threshold}")
-        self.policy = CostPolicy(weights)
+        self.policy = CostPolicy(weights or LIVE_WEIGHTS)
         self.imbalance_threshold = imbalance_threshold
         self.streams = EventStreams(
             ReplicaIndex(), replay_timeout_ms=replay_timeout_ms, sync_interval_s=sync_interval_s

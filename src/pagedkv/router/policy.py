@@ -16,7 +16,10 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
            + queue_weight * queued work
 
   with queued work in blocks (the caller's measure, e.g. prompt blocks not yet computed plus running
-  sequences). Ties go to the least loaded, then round-robin.
+  sequences). Ties go to the least loaded, then round-robin. With `duplicate_weight` (0 by default, 1 for the
+  live router: `LIVE_WEIGHTS`) each block to compute that another candidate already holds costs that much
+  more: the fleet would compute it twice, and a conversation's history left on the replica that holds it
+  keeps drawing its later turns there (a turn moved for a moment's queue recomputes the whole history).
 
   Blocks on their way (`PrefixMatch.pending`: a request already sent there is computing them now) are not
   computed again, and the queued work that computes them is not charged again either: the request waits
@@ -38,7 +41,7 @@ returns the chosen position; `Router` glues a policy to a `ReplicaIndex`.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -114,12 +117,19 @@ class CostWeights:
     local_discount: float = 0.1
     remote_discount: float = 0.3
     queue_weight: float = 1.0
+    duplicate_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("compute_weight", "local_discount", "remote_discount", "queue_weight"):
-            value = getattr(self, name)
+        for f in fields(self):
+            value = getattr(self, f.name)
             if not value >= 0:
-                raise InvalidArgumentError(f"{name} must be >= 0, got {value!r}")
+                raise InvalidArgumentError(f"{f.name} must be >= 0, got {value!r}")
+
+
+# The live router's weights (`pagedkv.router.live`, Ray Serve's PagedKVRequestRouter, `pagedkv bench
+# replicas`): a block another replica already holds costs twice to compute again. The simulator's tables were
+# measured with `CostWeights()` (no duplicate charge) and keep them until they are measured again.
+LIVE_WEIGHTS = CostWeights(duplicate_weight=1.0)
 
 
 class CostPolicy:
@@ -129,19 +139,30 @@ class CostPolicy:
         self.weights = weights or CostWeights()
         self._turns = _Turns()
 
-    def cost(self, num_blocks: int, match: PrefixMatch, load: float) -> float:
+    def cost(self, num_blocks: int, match: PrefixMatch, load: float, held_elsewhere: int = 0) -> float:
+        """The replica's cost for a request of `num_blocks` cacheable blocks; `held_elsewhere`: the longest
+        prefix of them another candidate holds (the blocks here beyond `match` up to it would be computed
+        twice in the fleet, charged `duplicate_weight` more each)."""
         w = self.weights
         compute = max(num_blocks - match.total, 0)
+        duplicate = max(min(held_elsewhere, num_blocks) - match.total, 0)
         queued = max(load - match.pending, 0.0)  # the work computing its blocks on their way is shared
         return (
             w.compute_weight * compute
+            + w.duplicate_weight * duplicate
             + w.local_discount * match.local
             + w.remote_discount * match.remote
             + w.queue_weight * queued
         )
 
+    def costs(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> list[float]:
+        """Every candidate's `cost`, each with the longest prefix the others hold."""
+        held = [m.total for m in matches]
+        others = [max(held[:i] + held[i + 1 :], default=0) for i in range(len(held))]
+        return [self.cost(num_blocks, m, load, o) for m, load, o in zip(matches, loads, others)]
+
     def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int:
-        costs = [self.cost(num_blocks, m, load) for m, load in zip(matches, loads)]
+        costs = self.costs(num_blocks, matches, loads)
         low = min(costs)
         tied = [i for i, c in enumerate(costs) if c <= low + 1e-9]
         least = min(loads[i] for i in tied)
@@ -167,7 +188,7 @@ class CostPolicy:
         ):
             return sorted(range(n), key=lambda i: (requests[i], loads[i])), True
         first = self.choose(num_blocks, matches, loads)
-        costs = [self.cost(num_blocks, m, load) for m, load in zip(matches, loads)]
+        costs = self.costs(num_blocks, matches, loads)
         return [first] + sorted(
             (i for i in range(n) if i != first), key=lambda i: (costs[i], loads[i])
         ), False

@@ -37,7 +37,7 @@ from ray.serve.request_router import (
 )
 
 from pagedkv.router.live import LiveRouter
-from pagedkv.router.policy import CostWeights
+from pagedkv.router.policy import LIVE_WEIGHTS, CostWeights
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +67,16 @@ class PagedKVRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self,
         imbalance_threshold: int = 8,
-        compute_weight: float = 1.0,
-        local_discount: float = 0.1,
-        remote_discount: float = 0.3,
-        queue_weight: float = 1.0,
+        compute_weight: float = LIVE_WEIGHTS.compute_weight,
+        local_discount: float = LIVE_WEIGHTS.local_discount,
+        remote_discount: float = LIVE_WEIGHTS.remote_discount,
+        queue_weight: float = LIVE_WEIGHTS.queue_weight,
+        duplicate_weight: float = LIVE_WEIGHTS.duplicate_weight,
         replay_timeout_ms: int = 500,
         sync_interval_s: float = 1.0,
     ) -> None:
         self.live = LiveRouter(
-            weights=CostWeights(compute_weight, local_discount, remote_discount, queue_weight),
+            weights=CostWeights(compute_weight, local_discount, remote_discount, queue_weight, duplicate_weight),
             imbalance_threshold=imbalance_threshold,
             replay_timeout_ms=replay_timeout_ms,
             sync_interval_s=sync_interval_s,
