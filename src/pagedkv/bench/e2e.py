@@ -373,12 +373,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_block_size(parser)
     parser.add_argument(
-        "--preemption",
-        choices=("swap", "recompute"),
-        default="recompute",
-        help="preemption mode of pagedkv-paged (swap: the host pool is taken out of --num-blocks)",
-    )
-    parser.add_argument(
         "--host-blocks",
         type=nonnegative_int,
         default=None,
@@ -392,8 +386,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every paged system (transformers' safety_margin; its own default is 0.15)",
     )
     # --max-num-batched-tokens (256 here: a CPU-sized step), --max-num-seqs, --admission-lookahead (the
-    # engine's growth reserve, 16; 0 = greedy, the engine before 2026-12)
-    add_scheduler_arguments(parser, _bench_scheduler())
+    # engine's growth reserve, 16; 0 = greedy, the engine before 2026-12), --preemption (of pagedkv-paged
+    # only; swap takes the host pool out of --num-blocks, see --host-blocks)
+    add_scheduler_arguments(parser, _bench_scheduler(), preemption=True)
     parser.add_argument(
         "--repeat",
         type=int_at_least(1, 1000),

