@@ -386,30 +386,25 @@ class Episode:
 
     def op_swap_out(self, label: int) -> None:
         s = self.seqs[label]
-        if not self.paged or s.swapped or not self.config.num_host_blocks:
-            return
-        plan = self.m.swap_out(s.sid)
-        self.lines.append(f"m.swap_out(s{label})" + ("  # None" if plan is None else ""))
-        if plan is None:
-            self._failed = True
-            return
-        s.swapped = True
-        bs = self.config.block_size
-        self.host.reshape(-1, bs)[plan.dst] = self.dev.reshape(-1, bs)[plan.src]
+        if self.paged and not s.swapped and self.config.num_host_blocks:
+            self._swap(label, "swap_out", self.dev, self.host)
 
     def op_swap_in(self, label: int) -> None:
+        if self.seqs[label].swapped:
+            self._sync_tier()
+            self._swap(label, "swap_in", self.host, self.dev)
+
+    def _swap(self, label: int, verb: str, src: np.ndarray, dst: np.ndarray) -> None:
+        """`m.swap_out` or `m.swap_in` of sequence `label`, then its cells moved as the plan says (src -> dst)."""
         s = self.seqs[label]
-        if not s.swapped:
-            return
-        self._sync_tier()
-        plan = self.m.swap_in(s.sid)
-        self.lines.append(f"m.swap_in(s{label})" + ("  # None" if plan is None else ""))
+        plan = getattr(self.m, verb)(s.sid)
+        self.lines.append(f"m.{verb}(s{label})" + ("  # None" if plan is None else ""))
         if plan is None:
             self._failed = True
             return
-        s.swapped = False
+        s.swapped = verb == "swap_out"
         bs = self.config.block_size
-        self.dev.reshape(-1, bs)[plan.dst] = self.host.reshape(-1, bs)[plan.src]
+        dst.reshape(-1, bs)[plan.dst] = src.reshape(-1, bs)[plan.src]
 
     # --- the host tier (Config.tier_blocks) -----------------------------------------------------
 

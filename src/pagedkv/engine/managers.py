@@ -20,15 +20,16 @@ Prefix caching is an option of the paged kind, not a kind of its own: the simula
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Literal
 
 from pagedkv.core import ContiguousKVManager, PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.hybrid import HybridKVManager
 
-# The kinds every entry point names in its types; "hybrid" is accepted too (MANAGER_KINDS), built with the
-# model's KV cache groups (`groups`), and typed apart so that callers of the other two keep their types.
+# The kinds most entry points name in their types; "hybrid" is accepted too (MANAGER_KINDS), built with the
+# model's KV cache groups (`groups`). `make_manager` has one signature (no per-kind overloads): every caller
+# uses what the three managers have in common (the manager protocol), so none needs a narrower type.
 ManagerKind = Literal["paged", "contiguous"]
 MANAGER_KINDS: tuple[str, ...] = ("paged", "contiguous", "hybrid")
 
@@ -36,40 +37,6 @@ MANAGER_KINDS: tuple[str, ...] = ("paged", "contiguous", "hybrid")
 def is_hybrid(kind: str) -> bool:
     """Whether allocator `kind` is the hybrid one (KV cache groups from the model)."""
     return kind == "hybrid"
-
-
-@overload
-def make_manager(
-    kind: ManagerKind,
-    num_blocks: int,
-    block_size: int,
-    *,
-    enable_prefix_caching: bool = ...,
-    num_host_blocks: int = ...,
-    record_events: bool = ...,
-    hash_fn: str = ...,
-    native: bool | None = ...,
-    eviction: str = ...,
-    partial_reuse: bool = ...,
-    groups: Sequence[KVGroupSpec] | None = ...,
-) -> PagedKVManager | ContiguousKVManager: ...
-
-
-@overload
-def make_manager(
-    kind: str,
-    num_blocks: int,
-    block_size: int,
-    *,
-    enable_prefix_caching: bool = ...,
-    num_host_blocks: int = ...,
-    record_events: bool = ...,
-    hash_fn: str = ...,
-    native: bool | None = ...,
-    eviction: str = ...,
-    partial_reuse: bool = ...,
-    groups: Sequence[KVGroupSpec] | None = ...,
-) -> PagedKVManager | ContiguousKVManager | HybridKVManager: ...
 
 
 def make_manager(

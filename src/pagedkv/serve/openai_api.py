@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +172,9 @@ async def create_completion(ctx: ServerContext, request: Request, body: bytes) -
         texts = [str(ctx.tokenizer.decode(p)) if ctx.tokenizer is not None else "" for p in ids]
         job.texts = texts
     if req.stream:
-        events = _completion_events(ctx, job, merged(streams), DeltaTracker.for_params(params))
+        ended: list[list[RequestOutput]] = [[] for _ in ids]  # each prompt's final outputs, for the usage chunk
+        deltas = _completion_deltas(ctx, job, merged(streams), DeltaTracker.for_params(params), ended)
+        events = _sse_events(ctx, job, "text_completion", deltas, lambda: usage(ids, ended, echo_only=job.echo_only))
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         finals = await collect(streams, request)
@@ -181,12 +183,8 @@ async def create_completion(ctx: ServerContext, request: Request, body: bytes) -
     check_finals(finals)
     choices = [_completion_choice(ctx, job, i, out) for i, group in enumerate(finals) for out in group]
     choices.sort(key=lambda c: c["index"])
-    return JSONResponse(
-        {
-            "id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name,
-            "choices": choices, "usage": usage(ids, finals, echo_only=job.echo_only), "system_fingerprint": None,
-        }  # fmt: skip
-    )
+    answer = {**_envelope(ctx, job, "text_completion", choices), "usage": usage(ids, finals, echo_only=job.echo_only)}
+    return JSONResponse({**answer, "system_fingerprint": None})
 
 
 def _completion_choice(ctx: ServerContext, job: _Completion, i: int, out: RequestOutput) -> dict[str, Any]:
@@ -206,42 +204,65 @@ def _completion_choice(ctx: ServerContext, job: _Completion, i: int, out: Reques
     }
 
 
-async def _completion_events(
-    ctx: ServerContext, job: _Completion, outputs: AsyncIterator[tuple[int, RequestOutput]], tracker: DeltaTracker
-) -> AsyncIterator[str]:
-    finals: list[list[RequestOutput]] = [[] for _ in job.ids]
+async def _completion_deltas(
+    ctx: ServerContext,
+    job: _Completion,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    tracker: DeltaTracker,
+    finals: list[list[RequestOutput]],
+) -> AsyncIterator[dict[str, Any]]:
+    """A streamed completion's choices, one per output with something new (the prompt first with echo)."""
     echoed: set[int] = set()
-    try:
-        async for i, out in outputs:
-            index = choice_index(i, out, job.req.n)
-            delta, a, b = ("", 0, 0) if job.echo_only else tracker.step(index, out)
-            token_ids = list(out.output_token_ids[a:b])
-            entries: list[TokenLogprobs | None] = list((out.logprobs or [])[a:b])
-            if job.req.echo and index not in echoed:
-                echoed.add(index)
-                delta = job.texts[i] + delta
-                token_ids = job.ids[i] + token_ids
-                entries = list(out.prompt_logprobs or [None] * len(job.ids[i])) + entries
-            if out.finished:
-                finals[i].append(out)
-            elif not delta and not token_ids:
-                continue
-            logprobs = ctx.completion_logprobs(entries, token_ids, 0) if job.req.logprobs is not None else None
-            choice = {"index": index, "text": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason(out, echo_only=job.echo_only)}  # fmt: skip
-            yield sse(_completion_chunk(ctx, job, [choice]))
-        if job.req.include_usage:
-            yield sse({**_completion_chunk(ctx, job, []), "usage": usage(job.ids, finals, echo_only=job.echo_only)})
-    except PagedKVError as err:
-        yield stream_error(err)
-    yield "data: [DONE]\n\n"
+    async for i, out in outputs:
+        index = choice_index(i, out, job.req.n)
+        delta, a, b = ("", 0, 0) if job.echo_only else tracker.step(index, out)
+        token_ids = list(out.output_token_ids[a:b])
+        entries: list[TokenLogprobs | None] = list((out.logprobs or [])[a:b])
+        if job.req.echo and index not in echoed:
+            echoed.add(index)
+            delta = job.texts[i] + delta
+            token_ids = job.ids[i] + token_ids
+            entries = list(out.prompt_logprobs or [None] * len(job.ids[i])) + entries
+        if out.finished:
+            finals[i].append(out)
+        elif not delta and not token_ids:
+            continue
+        logprobs = ctx.completion_logprobs(entries, token_ids, 0) if job.req.logprobs is not None else None
+        yield {"index": index, "text": delta, "logprobs": logprobs,
+               "finish_reason": finish_reason(out, echo_only=job.echo_only)}  # fmt: skip
 
 
-def _completion_chunk(ctx: ServerContext, job: _Completion, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    chunk = {"id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name, "choices": choices}
+# --- both endpoints ----------------------------------------------------------------------------------
+
+
+def _envelope(ctx: ServerContext, job: _Completion | _Chat, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": job.rid, "object": obj, "created": job.created, "model": ctx.model_name, "choices": choices}
+
+
+def _chunk(ctx: ServerContext, job: _Completion | _Chat, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    chunk = _envelope(ctx, job, obj, choices)
     if job.req.include_usage:
         chunk["usage"] = None
     return chunk
+
+
+async def _sse_events(
+    ctx: ServerContext,
+    job: _Completion | _Chat,
+    obj: str,
+    choices: AsyncIterator[dict[str, Any]],
+    final_usage: Callable[[], dict[str, Any]],
+) -> AsyncIterator[str]:
+    """The one event loop of both endpoints: a chunk per choice, then (if asked) the usage chunk, an error
+    event if the engine fails, and `data: [DONE]`."""
+    try:
+        async for choice in choices:
+            yield sse(_chunk(ctx, job, obj, [choice]))
+        if job.req.include_usage:
+            yield sse({**_chunk(ctx, job, obj, []), "usage": final_usage()})
+    except PagedKVError as err:
+        yield stream_error(err)
+    yield "data: [DONE]\n\n"
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
@@ -268,7 +289,10 @@ async def create_chat_completion(ctx: ServerContext, request: Request, body: byt
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     streams = submit(ctx.engine, [job.ids], [params], req.cache_salt)
     if req.stream:
-        return StreamingResponse(_chat_events(ctx, job, merged(streams), DeltaTracker.for_params(params)), media_type="text/event-stream")
+        ended: list[list[RequestOutput]] = [[]]  # the final outputs, for the usage chunk
+        deltas = _chat_deltas(ctx, job, merged(streams), DeltaTracker.for_params(params), ended)
+        events = _sse_events(ctx, job, "chat.completion.chunk", deltas, lambda: usage([job.ids], ended))
+        return StreamingResponse(events, media_type="text/event-stream")
     try:
         finals = await collect(streams, request)
     except ClientGone:
@@ -282,45 +306,29 @@ async def create_chat_completion(ctx: ServerContext, request: Request, body: byt
             "logprobs": ctx.chat_logprobs(out.logprobs or []) if req.logprobs else None,
             "finish_reason": out.finish_reason,
         })  # fmt: skip
-    return JSONResponse(
-        {
-            "id": job.rid, "object": "chat.completion", "created": job.created, "model": ctx.model_name,
-            "choices": choices, "usage": usage([job.ids], finals), "system_fingerprint": None,
-        }  # fmt: skip
-    )
+    answer = {**_envelope(ctx, job, "chat.completion", choices), "usage": usage([job.ids], finals)}
+    return JSONResponse({**answer, "system_fingerprint": None})
 
 
-async def _chat_events(
-    ctx: ServerContext, job: _Chat, outputs: AsyncIterator[tuple[int, RequestOutput]], tracker: DeltaTracker
-) -> AsyncIterator[str]:
-    finals: list[list[RequestOutput]] = [[]]
+async def _chat_deltas(
+    ctx: ServerContext,
+    job: _Chat,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    tracker: DeltaTracker,
+    finals: list[list[RequestOutput]],
+) -> AsyncIterator[dict[str, Any]]:
+    """A streamed chat completion's choices: per choice the role first (as OpenAI does), then its deltas."""
     started: set[int] = set()
-    try:
-        async for _, out in outputs:
-            index = choice_index(0, out, job.req.n)
-            if index not in started:  # the role first, as OpenAI does
-                started.add(index)
-                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                yield sse(_chat_chunk(ctx, job, [role]))
-            delta, a, b = tracker.step(index, out)
-            if out.finished:
-                finals[0].append(out)
-            elif not delta and a == b:
-                continue
-            logprobs = ctx.chat_logprobs((out.logprobs or [])[a:b]) if job.req.logprobs else None
-            choice = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason if out.finished else None}  # fmt: skip
-            yield sse(_chat_chunk(ctx, job, [choice]))
-        if job.req.include_usage:
-            yield sse({**_chat_chunk(ctx, job, []), "usage": usage([job.ids], finals)})
-    except PagedKVError as err:
-        yield stream_error(err)
-    yield "data: [DONE]\n\n"
-
-
-def _chat_chunk(ctx: ServerContext, job: _Chat, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    chunk = {"id": job.rid, "object": "chat.completion.chunk", "created": job.created, "model": ctx.model_name, "choices": choices}
-    if job.req.include_usage:
-        chunk["usage"] = None
-    return chunk
-
+    async for _, out in outputs:
+        index = choice_index(0, out, job.req.n)
+        if index not in started:
+            started.add(index)
+            yield {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        delta, a, b = tracker.step(index, out)
+        if out.finished:
+            finals[0].append(out)
+        elif not delta and a == b:
+            continue
+        logprobs = ctx.chat_logprobs((out.logprobs or [])[a:b]) if job.req.logprobs else None
+        yield {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+               "finish_reason": out.finish_reason if out.finished else None}  # fmt: skip
