@@ -179,3 +179,23 @@ def test_a_burst_groups_conversations_by_system_prompt(tmp_path, systems) -> Non
         router.streams.close()
         a.pub.close()
         b.pub.close()
+
+
+def test_a_replicas_report_adds_only_other_routers_requests_and_a_stale_one_no_phantoms() -> None:
+    router = LiveRouter(imbalance_threshold=3, sync_interval_s=3600)
+    try:
+        router.observe("a", {"num_running": 0, "num_waiting": 0})
+        for i in range(5):
+            router.routed(f"q{i}", "b")  # five running on b (no prefill: nothing predicted)
+        router.observe("b", {"num_running": 5, "num_waiting": 0})  # its report counts the same five
+        assert router.rank(["a", "b"], [1, 2, 3]).loads == {"a": 0.0, "b": 5.0}
+        for i in range(3):
+            router.completed(f"q{i}")
+        router.observe("b", {"num_running": 5, "num_waiting": 0})  # the same report again: two are left
+        ranking = router.rank(["a", "b"], [1, 2, 3])
+        assert ranking.loads["b"] == 2.0 and not ranking.fallback
+        router.observe("b", {"num_running": 4, "num_waiting": 2})  # a new one: 4 beyond this router's 2
+        ranking = router.rank(["a", "b"], [1, 2, 3])
+        assert ranking.loads["b"] == 6.0 and ranking.fallback and ranking.order == ["a", "b"]
+    finally:
+        router.streams.close()

@@ -21,8 +21,10 @@ replica's queued work, is not charged to the follower again (`CostPolicy.cost`).
 Queued work is what this router sent the replica and has not seen complete, in blocks, as the simulator
 counts it: the blocks a request had to compute there, plus one, until the replica's events show its last
 cacheable block on the GPU (its prefill is done), then one (a running sequence). Replica stats (refreshed by
-Ray every `request_routing_stats_period_s`) add the requests other routers sent: `num_running +
-num_waiting` beyond what this router counts. Load-imbalance fallback (`CostPolicy.rank`): when the most and
+Ray every `request_routing_stats_period_s`) add the requests other routers sent: a new report's `num_running
++ num_waiting` beyond what this router had in flight there when it arrived, held until the next report.
+(Not the report's count itself: up to a period old, at tens of requests a second it counted requests long
+finished, and a replica looked busier than it was until the next report.) Load-imbalance fallback (`CostPolicy.rank`): when the most and
 least loaded candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come
 first whatever they hold.
 
@@ -72,6 +74,7 @@ class _InFlight:
 class _Replica:
     stats: dict[str, Any] = field(default_factory=dict)
     inflight: dict[Hashable, _InFlight] = field(default_factory=dict)
+    others: int = 0  # requests other routers sent it: its last report's count beyond this router's then
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class LiveRouter:
             return
         old = rec.stats
         rec.stats = dict(stats)
+        if rec.stats != old:  # a new report: what it counts beyond this router's requests is other routers'
+            reported = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+            rec.others = max(0, reported - len(rec.inflight))
         endpoint, replay = stats.get("kv_events"), stats.get("kv_replay")
         if not isinstance(endpoint, str):
             return
@@ -278,10 +284,8 @@ class LiveRouter:
 
     def _requests(self, replica: Hashable) -> int:
         rec = self._replicas.get(replica, _Replica())
-        reported = int(rec.stats.get("num_running", 0)) + int(rec.stats.get("num_waiting", 0))
-        return max(len(rec.inflight), reported)
+        return len(rec.inflight) + rec.others
 
     def _load(self, replica: Hashable) -> float:
         rec = self._replicas.get(replica, _Replica())
-        reported = int(rec.stats.get("num_running", 0)) + int(rec.stats.get("num_waiting", 0))
-        return sum(e.work for e in rec.inflight.values()) + max(0, reported - len(rec.inflight))
+        return sum(e.work for e in rec.inflight.values()) + rec.others
