@@ -1,5 +1,6 @@
 """The prefix index has one owner: `core/prefix_index.py` alone writes keys and emits events; the pool alone
-changes reference counts. Checked at run time (every write to those structures, through any alias or view, is
+changes reference counts; the block tables and the one publishing rule alone change the per-row counts.
+Checked at run time (every write to those structures, through any alias or view, is
 recorded with the module that made it) and on behaviour."""
 
 from __future__ import annotations
@@ -149,13 +150,16 @@ def _watched(array: np.ndarray, name: str) -> _WatchedArray:
 
 def _watch(m: PagedKVManager) -> None:
     """Swap the owners' structures for watched ones holding the same contents (the Python backend reads them)."""
-    pool, ix = m.pool, m.pool.prefix_index
+    pool, ix, t = m.pool, m.pool.prefix_index, m.tables
     pool.ref = _watched(pool.ref, "ref")
-    ix.keyed = pool.keyed = _watched(ix.keyed, "keyed")
+    ix.keyed = _watched(ix.keyed, "keyed")  # the pool reads the index's own (`BlockPool.keyed` is a view of it)
     ix.key_of = _watched_list(ix.key_of, "key_of")
     ix.events = _watched_list(ix.events, "events")
     ix.index = _WatchedDict(ix.index)
     ix.arrays = hotpath.IndexArrays(ix.index, ix.key_of, ix.keyed)
+    for name in ("num_tokens", "num_computed", "num_published", "hashable_tokens"):
+        setattr(t, name, _watched(getattr(t, name), name))
+    m.prefix.block_tokens = _watched(m.prefix.block_tokens, "block_tokens")
 
 
 def _workload(m: PagedKVManager) -> None:
@@ -177,12 +181,18 @@ def _workload(m: PagedKVManager) -> None:
     assert d is not None
     m.unpin(handle)
     m.free(d.seq_id)
+    e = m.admit(list(range(200, 208)))
+    assert e is not None
+    m.mark_computed([e.seq_id], [4])
+    assert m.append([e.seq_id], None) and m.swap_out(e.seq_id) is not None and m.swap_in(e.seq_id) is not None
+    m.mark_computed([e.seq_id])
+    m.free(e.seq_id)
     m.check_invariants()
 
 
 def test_at_run_time_only_the_pool_writes_reference_counts_and_only_the_index_writes_keys_and_events() -> None:
     WRITERS.clear()
-    m = PagedKVManager(num_blocks=20, block_size=3, record_events=True, native=False)
+    m = PagedKVManager(num_blocks=20, block_size=3, record_events=True, native=False, num_host_blocks=8)
     _watch(m)
     _workload(m)
     assert m.pool.ref.__class__ is _WatchedArray and m.pool.prefix_index.key_of.__class__ is _WatchedList
@@ -191,3 +201,22 @@ def test_at_run_time_only_the_pool_writes_reference_counts_and_only_the_index_wr
     assert WRITERS["keyed"] and WRITERS["key_of"] and WRITERS["index"], WRITERS  # the workload wrote them all
     assert WRITERS["keyed"] | WRITERS["key_of"] | WRITERS["index"] <= index_owners, WRITERS
     assert WRITERS["events"] == {"pagedkv.core.prefix_index"}, WRITERS
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "custom"])
+def test_at_run_time_the_tables_and_the_publishing_rule_alone_write_the_per_row_counts(hash_fn: str) -> None:
+    """`num_computed` and `num_published` change only in `table.py` (a row's life: start, copy, truncate,
+    move, drop) and in the one publishing rule, `hotpath.Backend.publish_computed` (whatever the key
+    function: a custom one keys the blocks afterwards, the counts advance there all the same); the token
+    mirror only in the prefix cache and growth's `hotpath.Backend.grow`. Writes through any alias count."""
+    WRITERS.clear()
+    key_fn = (lambda parent, data, extra: hash((parent, data, extra))) if hash_fn == "custom" else hash_fn
+    m = PagedKVManager(num_blocks=20, block_size=3, native=False, num_host_blocks=8, hash_fn=key_fn)
+    _watch(m)
+    _workload(m)
+    assert m.tables.num_published.__class__ is _WatchedArray, "a resize replaced the watched arrays"
+    for name in ("num_computed", "num_published"):
+        assert WRITERS[name] == {"pagedkv.core.table", "pagedkv.core.hotpath"}, WRITERS
+    assert WRITERS["num_tokens"] == {"pagedkv.core.table", "pagedkv.core.hotpath"}, WRITERS
+    assert WRITERS["hashable_tokens"] == {"pagedkv.core.table"}, WRITERS
+    assert WRITERS["block_tokens"] == {"pagedkv.core.prefix_cache", "pagedkv.core.hotpath"}, WRITERS

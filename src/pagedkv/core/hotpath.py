@@ -20,7 +20,9 @@ median of 3 interleaved runs on a shared 2-core machine, so +-3% noise; measured
 - `growth` / `grow`: a decode step's append: count the new blocks, then write them and the new tokens
   (1.08x / 1.07x and 1.27x / 1.23x);
 - `publish_computed`: a whole `mark_computed`: advance the computed counts, publish the newly full blocks
-  (1.86x / 1.88x);
+  (1.86x / 1.88x); the one place `num_computed` and `num_published` advance (`table.py` writes them
+  only over a row's life), for every key function: `PrefixCache.publish` passes no key lists where it
+  keys the blocks itself;
 - `take_live`: eviction's scan of an LRU queue with lazily deleted entries (1.19x / 1.14x).
 
 Two backends implement `Backend`: `PythonBackend` below, the specification (plain Python and numpy, also
@@ -36,8 +38,9 @@ Contract of both backends (`kind` is `SHA256` or `FAST`):
   (FAST), where block bytes are its token ids as little-endian int32 (`width` bytes): `match` reads them
   from the prompt's tokens, `publish_rows` and `publish_computed` from the whole block store, by block id;
 - `index` (key -> block id), `key_of` (block id -> key or None) and `keyed` (bool per block) are the
-  prefix index's own structures (`prefix_index.PrefixIndex`, the only caller of the functions that take
-  them). The index holds no stale entry (`index[key] == b` exactly when `key_of[b] == key`), and the
+  prefix index's own structures (`prefix_index.PrefixIndex.arrays`), handed over by their two callers:
+  the index itself (`forget_keys`) and the prefix cache's publishing rule (`publish_computed`,
+  `publish_rows`, `match`). The index holds no stale entry (`index[key] == b` exactly when `key_of[b] == key`), and the
   functions rely on it: an entry found in the index is a hit, and publishing a block whose key is in the
   index leaves the block private (not indexed), so the index stays a map and events stay exact;
 - errors: argument checks happen before anything changes; an error inside a loop (a row whose keys end

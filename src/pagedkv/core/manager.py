@@ -43,10 +43,11 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.eviction import EvictionPolicy
+from pagedkv.core.misses import MissCounter
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
-from pagedkv.core.prefix_index import CacheEvent
+from pagedkv.core.prefix_index import CacheEvent, PrefixIndex
 from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource, ManagerStats
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews
@@ -66,7 +67,6 @@ from pagedkv.core.validate import (
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
 PARTIAL_REUSE_MIN_TOKENS = 1  # a block copy costs less than recomputing one token (docs/cache-policy.md)
-ALL_TOKENS_KNOWN = 2**62  # `hashable_tokens` value while every appended token came with its id
 
 
 class _Lookup(NamedTuple):
@@ -138,20 +138,16 @@ class PagedKVManager(SwapMixin, TableViews):
             num_blocks, null_block=null_block, record_events=record_events, native=native, eviction=eviction,
             block_size=block_size,
         )  # fmt: skip
-        self.index = self.pool.prefix_index  # key <-> block: written only through its methods
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.host_block_tokens = np.zeros((num_host_blocks if enable_prefix_caching else 0, block_size), np.int32)
-        self.tables = BlockTables(block_size, NULL_BLOCK_ID, native=native)
+        self.tables = BlockTables(block_size, NULL_BLOCK_ID, native=native, hashing=enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.verify_hits = verify_hits
         self.prefix = PrefixCache(
             self.pool, self.tables, block_size, key_function(hash_fn), enabled=enable_prefix_caching,
             verify_hits=verify_hits, native=native, partial_reuse=as_flag(partial_reuse, "partial_reuse"),
         )  # fmt: skip
-        self._hot = self.prefix.hot
-        self.misses = self.prefix.misses  # why admitted prompt tokens missed the cache, live (misses.py)
-        # Token ids of every block's slots, mirroring the KV content: hashing, verification, copy-on-write.
-        self.block_tokens = self.prefix.block_tokens
+        self._hot = self.prefix.hot  # the stateless backend of the growth loops (`hotpath.py`)
         self._copies_src: list[IntArray] = []
         self._copies_dst: list[IntArray] = []
         self._pending: dict[int, int] = {}  # destination of a copy not handed out yet -> its source
@@ -160,6 +156,21 @@ class PagedKVManager(SwapMixin, TableViews):
         self._cow_copies = self._partial_hits = 0
 
     # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefix index (key <-> block, events), the pool's: read it; it is written only by its methods."""
+        return self.pool.prefix_index
+
+    @property
+    def block_tokens(self) -> npt.NDArray[np.int32]:
+        """Token ids of every block's slots, mirroring the KV content (the prefix cache's; read it)."""
+        return self.prefix.block_tokens
+
+    @property
+    def misses(self) -> MissCounter:
+        """Why admitted prompt tokens missed the cache, live (`misses.py`; the prefix cache's)."""
+        return self.prefix.misses
 
     @property
     def num_blocks(self) -> int:
@@ -292,21 +303,11 @@ class PagedKVManager(SwapMixin, TableViews):
             self._held[found.src] = True
             pool.touch_hits(np.array([found.src], dtype=np.int64))
         new = pool.allocate(-(-num_slots // bs) - h)
-        row = t.new_row()
-        t.set_blocks(row, np.concatenate([hits, new]) if h else new)
-        t.num_tokens[row] = n
-        t.num_computed[row] = h * bs + found.reuse
-        t.num_published[row] = h
-        t.priority[row] = priority
+        row = t.start_row(np.concatenate([hits, new]) if h else new, n, h * bs + found.reuse, h, priority)
         # the keys follow the row in both settings, so rollback truncates the tokens they remember
         self.prefix.attach(row, keys)
         if self.enable_prefix_caching:
-            t.hashable_tokens[row] = ALL_TOKENS_KNOWN
-            rest = tokens[h * bs :]
-            m = -(-len(rest) // bs)
-            padded = np.zeros(m * bs, dtype=np.int32)
-            padded[: len(rest)] = rest
-            self.block_tokens[new[:m]] = padded.reshape(m, bs)
+            self.prefix.write_tokens(new, tokens[h * bs :])
         if found.reuse:
             self._partial_copy(found.src, int(new[0]))
         return row
@@ -401,7 +402,7 @@ class PagedKVManager(SwapMixin, TableViews):
         t.ensure_cols(width)
         mirror = self.enable_prefix_caching and tok is not None
         if self.enable_prefix_caching and tok is None:
-            t.hashable_tokens[rows] = np.minimum(t.hashable_tokens[rows], t.num_tokens[rows])
+            t.forget_token_ids(rows)
         self._hot.grow(
             rows, t.num_tokens, t.num_blocks, t.table, k, self._block_size, ids,
             np.ascontiguousarray(tok) if mirror else None, self.block_tokens if mirror else None,
@@ -412,7 +413,7 @@ class PagedKVManager(SwapMixin, TableViews):
         t.table[rows, (t.num_tokens[rows] - 1) // self._block_size] = dst
         pool.unshare(src)  # someone else still holds each src: no state change
         if self.enable_prefix_caching:
-            self.block_tokens[dst] = self.block_tokens[src]
+            self.prefix.copy_tokens(dst, src)
         pending = self._pending
         if pending:  # a pending destination holds its source's KV until the copies run: copy from the source
             src = np.array([pending.get(b, b) for b in src.tolist()], dtype=np.int64)
@@ -479,17 +480,7 @@ class PagedKVManager(SwapMixin, TableViews):
         given: IntArray | None = None
         if num_computed_tokens is not None:
             given = as_computed(num_computed_tokens, t.num_computed[rows], t.num_tokens[rows])
-        if self.enable_prefix_caching and self.prefix.publishes_in_one_call:
-            self.prefix.publish_computed(rows, given)  # one call: computed counts and publishing
-            return
-        computed = t.num_tokens[rows] if given is None else given
-        t.num_computed[rows] = computed
-        if not self.enable_prefix_caching:
-            return
-        full = np.minimum(computed, t.hashable_tokens[rows]) // self._block_size
-        todo = full > t.num_published[rows]
-        if todo.any():
-            self.prefix.publish(rows[todo], full[todo])
+        self.prefix.publish(rows, given)  # without prefix caching nothing is hashable: counts only
 
     # --- release ---------------------------------------------------------------------------------
 
@@ -519,10 +510,7 @@ class PagedKVManager(SwapMixin, TableViews):
         row = t.device_row(seq_id)
         n_tok = int(t.num_tokens[row])
         blocks = t.blocks_of(row)[: -(-n_tok // self._block_size)]
-        child = t.new_row()
-        t.set_blocks(child, blocks)
-        for name in ("num_tokens", "num_computed", "num_published", "hashable_tokens", "priority"):
-            getattr(t, name)[child] = getattr(t, name)[row]
+        child = t.copy_row(row, blocks)
         self.pool.share(blocks)
         if n_tok % self._block_size:
             t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
@@ -544,12 +532,7 @@ class PagedKVManager(SwapMixin, TableViews):
         keep = -(-new // bs)
         blocks = t.blocks_of(row)
         self.pool.release(blocks[keep:][::-1], int(t.priority[row]))
-        t.set_blocks(row, blocks[:keep])
-        t.num_tokens[row] = new
-        t.num_computed[row] = min(int(t.num_computed[row]), new)
-        t.num_published[row] = min(int(t.num_published[row]), new // bs)
-        if t.hashable_tokens[row] >= new:
-            t.hashable_tokens[row] = ALL_TOKENS_KNOWN  # the unknown tokens were rolled back
+        t.truncate(row, new, blocks[:keep])
         if (keys := self.prefix.keys_of(row)) is not None:
             keys.truncate(new // bs, new)
         if new % bs:

@@ -62,7 +62,6 @@ class BlockPool:
         self.pins = np.zeros(num_blocks, dtype=np.int32)
         self._hot = hotpath.backend(native)
         self.prefix_index = PrefixIndex(num_blocks, record_events=record_events, hot=self._hot)
-        self.keyed = self.prefix_index.keyed  # read only here: written by the prefix index alone
         # Free stack: the top is the end; initial order hands out ascending ids.
         self._stack = np.arange(num_blocks - 1, self.first_id - 1, -1, dtype=np.int64)
         self._top = len(self._stack)
@@ -73,6 +72,11 @@ class BlockPool:
             self.ref[NULL_BLOCK_ID] = 1  # never allocated, never freed
 
     # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def keyed(self) -> npt.NDArray[np.bool_]:
+        """Whether each block holds a key (the prefix index's flags: read them; the index writes them)."""
+        return self.prefix_index.keyed
 
     @property
     def num_usable_blocks(self) -> int:
@@ -160,7 +164,7 @@ class BlockPool:
         zero = block_ids[ref[block_ids] == 0]
         if len(zero) == 0:
             return
-        keyed = self.keyed[zero]
+        keyed = self.prefix_index.keyed[zero]
         plain = zero[~keyed]
         if len(plain):
             top = self._top

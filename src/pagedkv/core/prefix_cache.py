@@ -2,13 +2,16 @@
 
 It owns what makes KV content addressable: the key function and the cache epoch, each live sequence's
 `BlockKeys`, and a mirror of every block's token ids (the KV content in token form: hashing, verify-on-hit
-and copy-on-write read it). It decides which keys to look up and publish; the prefix index
-(`prefix_index.py`, held by the pool) is the one that looks them up and inserts them; the manager decides
-when to call.
+and copy-on-write read it; it writes the mirror through `write_tokens` and `copy_tokens`, growth's
+`hotpath.Backend.grow` writes appended tokens). It owns the two rules of content addressing: which blocks
+a prompt hits (`match`) and when a written block is published (`publish`, all of `mark_computed`); the
+prefix index (`prefix_index.py`, held by the pool) holds the key <-> block map and its events; the manager
+decides when to call.
 
-The per-block loops (hash, look up, index) run in `hotpath`'s backend, called by the prefix index: the C
-extension when it is built, else its Python reference. A whole `mark_computed` is one call
-(`publish_computed`, reading the block table and each row's keys through `key_lists` and `key_epochs`); custom key
+The per-block loops (hash, look up, index) run in `hotpath`'s backend, called from here on the index's
+`arrays`: the C extension when it is built, else its Python reference. A whole `mark_computed` is one call
+(`publish_computed`, reading the block table's counts and each row's keys through `key_lists` and
+`key_epochs`), and that call is the one place the computed and published counts advance; custom key
 functions and per-block extra keys compute their keys here and `insert` them, with the same semantics, and
 keys of an earlier epoch are never published.
 
@@ -94,20 +97,49 @@ class PrefixCache:
             self.key_lists[row] = None
             self._rows_with_extras -= bool(keys.block_extra)
 
-    @property
-    def publishes_in_one_call(self) -> bool:
-        """Whether `publish_computed` can take a whole batch (no custom key function, no block extras)."""
-        return self._kind is not None and not self._rows_with_extras and not self.verify_hits
+    def write_tokens(self, block_ids: IntArray, tokens: npt.NDArray[np.int32]) -> None:
+        """The mirror of `block_ids` holds `tokens` from their first slot: one row per block (a swap-in), or
+        a flat run (an admission's uncached prompt tokens; the last block's tail reads 0)."""
+        if tokens.ndim == 2:
+            self.block_tokens[block_ids] = tokens
+            return
+        bs = self.block_size
+        m = -(-len(tokens) // bs)
+        padded = np.zeros(m * bs, dtype=np.int32)
+        padded[: len(tokens)] = tokens
+        self.block_tokens[block_ids[:m]] = padded.reshape(m, bs)
 
-    def publish_computed(self, rows: IntArray, computed: IntArray | None) -> None:
-        """`mark_computed`'s work in one backend call (callers check `publishes_in_one_call` first)."""
-        assert self._kind is not None, "prefix: publish_computed needs a built-in key function"
-        before = self.tables.num_published[rows] if self.partial_reuse else None  # a copy (fancy indexing)
-        self.index.publish_computed(
-            self._kind, self.key_lists, self.key_epochs, self.epoch, rows, computed, self.tables, self.block_tokens
+    def copy_tokens(self, dst: IntArray, src: IntArray) -> None:
+        """Blocks `dst` hold copies of blocks `src` (copy-on-write)."""
+        self.block_tokens[dst] = self.block_tokens[src]
+
+    def publish(self, rows: IntArray, computed: IntArray | None) -> None:
+        """`mark_computed`: KV is written for tokens [0, computed[i]) of each row (all when None); publish
+        the full blocks among them.
+
+        One rule advances the rows' computed and published counts: `hotpath.Backend.publish_computed`
+        (its Python specification, mirrored in C), in one backend call for the whole batch. With the
+        built-in key functions it also keys and indexes the newly full blocks; with a custom key function,
+        per-block extras or `verify_hits` it keys nothing (no key lists) and `_publish_rows` publishes the
+        blocks it advanced over, block range by block range.
+        """
+        t, index = self.tables, self.index
+        generic = self._kind is None or self._rows_with_extras > 0 or self.verify_hits
+        before = t.num_published[rows] if generic or self.partial_reuse else None  # a copy (fancy indexing)
+        key_lists: list[list[Key] | None] = [None] * len(self.key_lists) if generic else self.key_lists
+        kind = hotpath.SHA256 if self._kind is None else self._kind
+        stored = self.hot.publish_computed(
+            kind, index.arrays, key_lists, self.key_epochs, self.epoch, rows, computed, t.counts(), self.block_tokens
         )
-        if before is not None:
-            self._link(rows, before, self.tables.num_published[rows])
+        index.stored(stored)
+        if before is None:
+            return
+        after = t.num_published[rows]
+        todo = after > before
+        if generic and todo.any():
+            self._publish_rows(rows[todo], before[todo], after[todo])
+        elif self.partial_reuse:
+            self._link(rows, before, after)
 
     def match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
@@ -120,7 +152,7 @@ class PrefixCache:
         if self._kind is None or keys.block_extra:
             hits = self._match_generic(tokens, keys, max_blocks)
         else:
-            hits = self.index.match(self._kind, keys.keys, tokens, self._width, max_blocks)
+            hits = self.hot.match(self._kind, self.index.index, keys.keys, tokens, self._width, max_blocks)
         if self.verify_hits and hits:
             bs = self.block_size
             same = (self.block_tokens[hits] == tokens[: len(hits) * bs].reshape(-1, bs)).all(axis=1)
@@ -182,16 +214,15 @@ class PrefixCache:
             hits.append(block_id)
         return hits
 
-    def publish(self, rows: IntArray, upto: IntArray) -> None:
-        """Give blocks [num_published, upto) of each row their keys and index them.
+    def _publish_rows(self, rows: IntArray, starts: IntArray, upto: IntArray) -> None:
+        """Key and index blocks [starts[i], upto[i]) of each row (`publish`'s path for custom key functions,
+        per-block extras and `verify_hits`; the counts are advanced already).
 
-        One gather of the blocks' token ids for the whole batch, then one backend call: keys not known yet
-        are hashed (keys computed at admission are reused), and each block enters the index unless another
-        block already holds its key.
+        One gather of the blocks' ids for the whole batch, then one backend call where the key function is
+        built in: keys not known yet are hashed (keys computed at admission are reused), and each block
+        enters the index unless another block already holds its key.
         """
         t = self.tables
-        starts = t.num_published[rows]
-        t.num_published[rows] = upto
         counts = upto - starts
         if len(rows) == 1:  # one sequence (an admitted prompt): its blocks are one slice of its row
             block_ids = t.table[rows[0], starts[0] : upto[0]].astype(np.int64)
@@ -206,7 +237,10 @@ class PrefixCache:
         epoch = self.epoch
         lists = [k.keys for k in seq_keys if k.epoch == epoch and not k.block_extra]
         if self._kind is not None and len(lists) == len(seq_keys):
-            stored = self.index.publish_rows(self._kind, lists, starts, upto, self.block_tokens, self._width, block_ids)
+            stored = self.hot.publish_rows(
+                self._kind, self.index.arrays, lists, starts, upto, self.block_tokens, self._width, block_ids
+            )
+            self.index.stored(stored)
         else:
             stored = self._publish_generic(seq_keys, starts, upto, self.block_tokens[block_ids], block_ids)
         if stored and self.verify_hits:

@@ -23,16 +23,20 @@ whose key another block already holds (a block computed twice concurrently) stay
 indexed, and goes straight to the free stack when released. So the index is a map and the events describe
 exactly the set of keys that can hit.
 
-Every insertion, removal and lookup goes through the methods below, and they alone emit the events a
-KV-aware router follows (`stored` when a key enters, `removed` when it leaves, `cleared` on reset). The
-per-block loops (hash, look up, insert, drop) run in `hotpath`'s backend, to which this class hands its own
-structures; nothing else passes them to the backend. Reference counts are not here: they are the pool's.
+Every insertion, removal and lookup goes through the methods below or the backend functions handed
+`arrays`, and this class alone emits the events a KV-aware router follows (`stored` when a key enters,
+`removed` when it leaves, `cleared` on reset). The per-block loops run in `hotpath`'s backend: eviction's
+`forget_keys` is run from here; the publishing loops (`publish_computed`, `publish_rows`) are run by the
+prefix cache (`prefix_cache.py`), which owns the publishing rule, on `arrays`, and report the blocks they
+indexed to `stored`. tests/core/test_prefix_index.py records every write to these structures at run time,
+through any alias: only this module and the backend write them. Reference counts are not here: they are
+the pool's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,9 +44,6 @@ import numpy.typing as npt
 from pagedkv.core import hotpath
 from pagedkv.core.errors import InvariantError
 from pagedkv.core.prefix import Key
-
-if TYPE_CHECKING:
-    from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
 
@@ -98,11 +99,6 @@ class PrefixIndex:
         """Every key in the index (a copy)."""
         return list(self.index)
 
-    def match(self, kind: int, known: list[Key], data: npt.NDArray[np.int32], width: int, max_blocks: int) -> list[int]:
-        """Leading blocks of `data` held in the index (`hotpath.Backend.match`; `known` grows by the keys it
-        computes)."""
-        return self._hot.match(kind, self.index, known, data, width, max_blocks)
-
     # --- children (partial reuse) ---------------------------------------------------------------
 
     def track_children(self) -> None:
@@ -148,33 +144,12 @@ class PrefixIndex:
                 key_of[block_id] = key
                 stored.append(block_id)
         self.keyed[stored] = True
-        self._stored(stored)
+        self.stored(stored)
         return stored
 
-    def publish_rows(
-        self, kind: int, key_lists: Sequence[list[Key]], starts: IntArray, stops: IntArray,
-        blocks: npt.NDArray[np.int32], width: int, block_ids: IntArray,
-    ) -> list[int]:  # fmt: skip
-        """`insert` for blocks [starts[r], stops[r]) of each row r, hashing the keys its list lacks
-        (`hotpath.Backend.publish_rows`)."""
-        stored = self._hot.publish_rows(kind, self.arrays, key_lists, starts, stops, blocks, width, block_ids)
-        self._stored(stored)
-        return stored
-
-    def publish_computed(
-        self, kind: int, key_lists: list[list[Key] | None], epochs: IntArray, epoch: int, rows: IntArray,
-        computed: IntArray | None, tables: BlockTables, blocks: npt.NDArray[np.int32],
-    ) -> list[int]:  # fmt: skip
-        """A whole `mark_computed` (`hotpath.Backend.publish_computed`): advances the rows' computed and
-        published counts in `tables` and inserts their newly full blocks, keyed by `key_lists[r]` when
-        `epochs[r] == epoch`."""
-        t = tables
-        arrays = hotpath.TableArrays(t.num_tokens, t.num_computed, t.hashable_tokens, t.num_published, t.table)
-        stored = self._hot.publish_computed(kind, self.arrays, key_lists, epochs, epoch, rows, computed, arrays, blocks)
-        self._stored(stored)
-        return stored
-
-    def _stored(self, stored: list[int]) -> None:
+    def stored(self, stored: list[int]) -> None:
+        """The backend's publishing (`hotpath.Backend.publish_computed`, `publish_rows`, run by the prefix
+        cache on `arrays`) indexed the blocks `stored`: emit their events."""
         if stored and self.record_events:
             key_of = self.key_of
             self.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)

@@ -36,7 +36,6 @@ class SwapMixin:
     tables: BlockTables
     prefix: PrefixCache
     enable_prefix_caching: bool
-    block_tokens: npt.NDArray[np.int32]
     _block_size: int
     _pending: dict[int, int]
 
@@ -60,16 +59,12 @@ class SwapMixin:
             return None
         host_ids = host.allocate(count)
         if self.enable_prefix_caching:
-            self.host_block_tokens[host_ids] = self.block_tokens[blocks[:count]]
+            self.host_block_tokens[host_ids] = self.prefix.block_tokens[blocks[:count]]
         src = blocks[:count]
         if self._pending:  # a block a pending copy has not filled yet: read its source, which holds that KV
             src = np.array([self._pending.get(b, b) for b in src.tolist()], dtype=np.int64)
         self.pool.release(blocks[::-1], int(t.priority[row]))
-        t.set_blocks(row, host_ids)
-        t.swapped[row] = True
-        t.on_device[row] = False
-        t.cow_risk[row] = False
-        t.num_published[row] = 0
+        t.move_row(row, host_ids, to_host=True)
         return BlockMoves(src, host_ids)
 
     def swap_in(self, seq_id: int) -> BlockMoves | None:
@@ -83,9 +78,7 @@ class SwapMixin:
             return None
         dst = self.pool.allocate(len(host_ids))
         if self.enable_prefix_caching:
-            self.block_tokens[dst] = self.host_block_tokens[host_ids]
+            self.prefix.write_tokens(dst, self.host_block_tokens[host_ids])
         host.release(host_ids[::-1])
-        t.set_blocks(row, dst)
-        t.swapped[row] = False
-        t.on_device[row] = True
+        t.move_row(row, dst, to_host=False)
         return BlockMoves(host_ids, dst)

@@ -12,6 +12,14 @@ Logical block j of a sequence holds tokens [j*block_size, (j+1)*block_size):
 
 Invariants: entries at column >= num_blocks[r] hold `pad_id`; num_blocks[r] >= ceil(num_tokens[r] / bs);
 num_computed[r] <= num_tokens[r].
+
+This module is the one writer of the per-row counts (`num_tokens`, `num_computed`, `num_published`,
+`hashable_tokens`) over a row's life: `start_row` (admission), `copy_row` (fork), `truncate` (rollback),
+`move_row` (swap), `forget_token_ids`, `set_computed` (a manager that publishes nothing) and `drop_row`.
+The one rule that advances `num_computed` and `num_published` as KV is written and blocks are published
+is `hotpath.Backend.publish_computed` (its Python specification, mirrored once in C), which takes these
+arrays as one value, `counts()`; growth's `hotpath.Backend.grow` advances `num_tokens` and `num_blocks`.
+tests/core/test_prefix_index.py records every write to them at run time, through any alias.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pagedkv.core.protocol import CSRPages
 from pagedkv.core.validate import as_index_array, as_pad_id
 
 IntArray = npt.NDArray[np.int64]
+ALL_TOKENS_KNOWN = 2**62  # `hashable_tokens` while every appended token came with its id (prefix caching on)
 
 
 class BlockTables:
@@ -34,10 +43,14 @@ class BlockTables:
     )
 
     def __init__(
-        self, block_size: int, pad_id: int, *, rows: int = 64, cols: int = 16, native: bool | None = None
-    ) -> None:
+        self, block_size: int, pad_id: int, *, rows: int = 64, cols: int = 16, native: bool | None = None,
+        hashing: bool = False,
+    ) -> None:  # fmt: skip
         self.block_size = block_size
         self.pad_id = pad_id
+        # `hashable_tokens` of a row whose token ids are all known: 0 when nothing is ever hashed, so the
+        # publishing rule finds no full block to publish (a manager without prefix caching)
+        self.all_known = ALL_TOKENS_KNOWN if hashing else 0
         self.table = np.full((rows, cols), pad_id, dtype=np.int32)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
@@ -67,6 +80,61 @@ class BlockTables:
         self.alive[row] = self.on_device[row] = True
         self.num_alive += 1
         return row
+
+    def start_row(self, block_ids: IntArray, num_tokens: int, num_computed: int, num_published: int, priority: int) -> int:
+        """A new row holding `block_ids` for `num_tokens` tokens, the first `num_computed` computed and the
+        first `num_published` blocks published (admission: its prefix hits)."""
+        row = self.new_row()
+        self.set_blocks(row, block_ids)
+        self.num_tokens[row] = num_tokens
+        self.num_computed[row] = num_computed
+        self.num_published[row] = num_published
+        self.priority[row] = priority
+        self.hashable_tokens[row] = self.all_known
+        return row
+
+    def copy_row(self, row: int, block_ids: IntArray) -> int:
+        """A new row with `row`'s counts and priority, holding `block_ids` (a fork)."""
+        child = self.new_row()
+        self.set_blocks(child, block_ids)
+        for name in ("num_tokens", "num_computed", "num_published", "hashable_tokens", "priority"):
+            arr = getattr(self, name)
+            arr[child] = arr[row]
+        return child
+
+    def truncate(self, row: int, num_tokens: int, block_ids: IntArray) -> None:
+        """Keep the first `num_tokens` tokens of `row` in `block_ids` (rollback): nothing past them stays
+        computed or published, and the token ids left are all known again if the unknown ones were dropped."""
+        self.set_blocks(row, block_ids)
+        self.num_tokens[row] = num_tokens
+        self.num_computed[row] = min(int(self.num_computed[row]), num_tokens)
+        self.num_published[row] = min(int(self.num_published[row]), num_tokens // self.block_size)
+        if self.hashable_tokens[row] >= num_tokens:
+            self.hashable_tokens[row] = self.all_known
+
+    def move_row(self, row: int, block_ids: IntArray, *, to_host: bool) -> None:
+        """`row` now holds `block_ids` in host memory (`to_host`) or on the device (swap). Swapped out, it
+        shares nothing and has published nothing: swapped back in, its fresh blocks are published again."""
+        self.set_blocks(row, block_ids)
+        self.swapped[row] = to_host
+        self.on_device[row] = not to_host
+        if to_host:
+            self.cow_risk[row] = False
+            self.num_published[row] = 0
+
+    def forget_token_ids(self, rows: IntArray) -> None:
+        """The rows' next tokens come without ids: only their tokens so far can be hashed."""
+        self.hashable_tokens[rows] = np.minimum(self.hashable_tokens[rows], self.num_tokens[rows])
+
+    def set_computed(self, rows: IntArray, computed: IntArray | None) -> None:
+        """KV is written for tokens [0, computed) (all tokens when None), for a manager that publishes
+        nothing (one with publishing goes through `hotpath.Backend.publish_computed`)."""
+        self.num_computed[rows] = self.num_tokens[rows] if computed is None else computed
+
+    def counts(self) -> hotpath.TableArrays:
+        """The arrays `hotpath.Backend.publish_computed` reads and advances, as one value (rebuilt per call:
+        a resize replaces the arrays)."""
+        return hotpath.TableArrays(self.num_tokens, self.num_computed, self.hashable_tokens, self.num_published, self.table)
 
     def drop_row(self, row: int) -> None:
         n = int(self.num_blocks[row])
