@@ -161,7 +161,4 @@ class EngineEvents:
     def audit_remote(self) -> int:
         """Ask the remote store which of the keys this replica reported are still there (one round trip);
         those it evicted by itself are reported removed. Returns how many were gone (0 without one)."""
-        remote = self.tiering.store.remote if self.tiering is not None else None
-        if remote is None or not hasattr(remote, "audit"):
-            return 0
-        return int(remote.audit())
+        return self.tiering.audit_remote() if self.tiering is not None else 0

@@ -127,6 +127,10 @@ class EngineTiering:
         """Stored/removed events of the tiers below the device (CPU, DISK, REMOTE)."""
         return self.store.take_events()
 
+    def audit_remote(self) -> int:
+        """`TieredStore.audit_remote`: keys the remote store dropped by itself become `removed` tier events."""
+        return self.store.audit_remote()
+
     def take_device_events(self) -> list[CacheEvent | GroupCacheEvent]:
         """The manager's events drained since the last call, in order (needs `keep_device_events=True`)."""
         if self._device_events is None:
@@ -198,8 +202,10 @@ class EngineTiering:
         for event in drained:
             if event.key is None or event.block_id is None:
                 continue
-            group = getattr(event, "group", None)  # a hybrid manager's events: the tiers keep each group's copy
-            key = key_bytes(event.key if group is None else group_key(event.key, group))
+            if isinstance(event, GroupCacheEvent) and event.group is not None:  # the tiers keep each group's copy
+                key = key_bytes(group_key(event.key, event.group))
+            else:
+                key = key_bytes(event.key)
             if event.kind == "removed":
                 evicted[key] = event.block_id
             elif event.kind == "stored":

@@ -328,6 +328,13 @@ class TieredStore:
 
     # --- events and life cycle ------------------------------------------------------------------
 
+    def audit_remote(self) -> int:
+        """Ask the remote store which of the keys this replica reported are still there (one round trip);
+        those it evicted by itself are reported removed (`take_events`). Returns how many were gone (0
+        without a remote store, or one that cannot audit)."""
+        audit = getattr(self.remote, "audit", None)
+        return int(audit()) if audit is not None else 0
+
     def take_events(self) -> list[TierEvent]:
         events: list[TierEvent] = []
         for tier in self.tiers:
