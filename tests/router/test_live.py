@@ -72,10 +72,18 @@ def test_prefix_then_load_then_the_imbalance_fallback(tmp_path) -> None:
         for i in range(3):
             router.completed(f"q{i}")
         assert router.rank(["a", "b"], prompt).order[0] == "b"
-        # other routers' requests, seen through b's stats: 5 in flight against a's 0 > threshold 3
+        # other routers' requests, seen through b's stats: 5 in flight against a's 0 > threshold 3; the prompt's
+        # prefix on b is in no request in flight there (a conversation's own history): it stays
         router.observe("b", b.stats(running=4, waiting=1))
+        private = router.rank(["a", "b"], prompt)
+        assert not private.fallback and private.order == ["b", "a"]
+        # a request in flight on b shares the document: it is a shared prefix now, and the fallback moves the next
+        router.predict("s", router.rank(["a", "b"], doc + [4, 4, 4, 4, 4]))
+        router.routed("s", "b")
         fallback = router.rank(["a", "b"], prompt)
         assert fallback.fallback and fallback.order == ["a", "b"]
+        router.completed("s")
+        assert not router.rank(["a", "b"], prompt).fallback  # private again: nothing left of "s" on b
     finally:
         router.streams.close()
         a.pub.close()

@@ -24,9 +24,13 @@ cacheable block on the GPU (its prefill is done), then one (a running sequence).
 Ray every `request_routing_stats_period_s`) add the requests other routers sent: a new report's `num_running
 + num_waiting` beyond what this router had in flight there when it arrived, held until the next report.
 (Not the report's count itself: up to a period old, at tens of requests a second it counted requests long
-finished, and a replica looked busier than it was until the next report.) Load-imbalance fallback (`CostPolicy.rank`): when the most and
-least loaded candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come
-first whatever they hold.
+finished, and a replica looked busier than it was until the next report.)
+
+Load-imbalance fallback (`CostPolicy.rank`): when the most and least loaded candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come
+first whatever they hold, except for a request whose longest held prefix is private (its deepest block is in
+no other request in flight on that replica: a conversation's own history, not a system prompt many requests
+share now). Moving such a turn recomputes its whole history on the other replica; new conversations, which
+share a system prompt, are what the fallback moves, and they rebalance the fleet as conversations end.
 
 Replica stats (`record_routing_stats` on the replica; plain JSON types):
 
@@ -64,6 +68,7 @@ class _InFlight:
     last_hash: int | None
     prefilling: bool = True
     arriving: tuple[int, ...] = ()  # its block hashes, credited to the replica until its prefill is done
+    hashes: tuple[int, ...] = ()  # all its cacheable blocks, until it completes
 
     @property
     def work(self) -> float:
@@ -74,6 +79,7 @@ class _InFlight:
 class _Replica:
     stats: dict[str, Any] = field(default_factory=dict)
     inflight: dict[Hashable, _InFlight] = field(default_factory=dict)
+    sharing: dict[int, int] = field(default_factory=dict)  # hash -> requests in flight there whose prompt has it
     others: int = 0  # requests other routers sent it: its last report's count beyond this router's then
 
 
@@ -173,9 +179,10 @@ class LiveRouter:
         for r in candidates:
             matches[r] = self._match(r, per[r]) if r in live else PrefixMatch()
         loads = {r: self._load(r) for r in candidates}
+        threshold = None if self._private(candidates, matches, per) else self.imbalance_threshold
         positions, fallback = self.policy.rank(
             num_blocks, [matches[r] for r in candidates], [loads[r] for r in candidates],
-            [self._requests(r) for r in candidates], self.imbalance_threshold,
+            [self._requests(r) for r in candidates], threshold,
         )  # fmt: skip
         order = [candidates[i] for i in positions]
         return Ranking(order, matches, loads, fallback, num_blocks, per)
@@ -187,7 +194,9 @@ class LiveRouter:
         out = {}
         for r, m in ranking.matches.items():
             hashes = ranking.hashes.get(r, [])
-            out[r] = _InFlight(r, max(n - m.total, 0), hashes[-1] if hashes else None, arriving=tuple(hashes))
+            out[r] = _InFlight(
+                r, max(n - m.total, 0), hashes[-1] if hashes else None, arriving=tuple(hashes), hashes=tuple(hashes)
+            )
         self._predicted[request_id] = out
         while len(self._predicted) > MAX_PREDICTED:
             del self._predicted[next(iter(self._predicted))]
@@ -209,7 +218,10 @@ class LiveRouter:
         arriving = self._arriving.setdefault(replica, {})
         for h in entry.arriving:
             arriving[h] = arriving.get(h, 0) + 1
-        self._replicas.setdefault(replica, _Replica()).inflight[request_id] = entry
+        rec = self._replicas.setdefault(replica, _Replica())
+        for h in entry.hashes:
+            rec.sharing[h] = rec.sharing.get(h, 0) + 1
+        rec.inflight[request_id] = entry
         self._inflight[request_id] = entry
 
     def withdraw(self, request_id: Hashable) -> None:
@@ -253,8 +265,14 @@ class LiveRouter:
     def _drop(self, request_id: Hashable, entry: _InFlight) -> None:
         self._inflight.pop(request_id, None)
         self._arrived(entry)
-        if entry.replica in self._replicas:
-            self._replicas[entry.replica].inflight.pop(request_id, None)
+        rec = self._replicas.get(entry.replica)
+        if rec is not None and rec.inflight.pop(request_id, None) is not None:
+            for h in entry.hashes:
+                left = rec.sharing.get(h, 0) - 1
+                if left > 0:
+                    rec.sharing[h] = left
+                else:
+                    rec.sharing.pop(h, None)
 
     def _arrived(self, entry: _InFlight) -> None:
         """The request's blocks are no longer on their way to its replica (computed, or it ended)."""
@@ -281,6 +299,19 @@ class LiveRouter:
                 break
             more += 1
         return PrefixMatch(m.gpu, m.local, m.remote, more)
+
+    def _private(
+        self, candidates: Sequence[Hashable], matches: dict[Hashable, PrefixMatch], per: dict[Hashable, list[int]]
+    ) -> bool:
+        """Whether the longest prefix any candidate holds of the request is private there: its deepest block is
+        in the prompt of no other request this router has in flight on that replica (a conversation's own
+        history, not a system prompt many requests are sharing now)."""
+        best = max(candidates, key=lambda r: matches[r].total)
+        held = matches[best].total
+        if held == 0:
+            return False
+        rec = self._replicas.get(best)
+        return rec is None or rec.sharing.get(per[best][held - 1], 0) == 0
 
     def _requests(self, replica: Hashable) -> int:
         rec = self._replicas.get(replica, _Replica())
