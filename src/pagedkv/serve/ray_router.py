@@ -20,6 +20,11 @@ flight per replica (`on_request_routed` / `on_request_completed`), and forget a 
 
 The router runs in every process that holds a handle to the deployment (the ingress replicas); each keeps its
 own index from the same event streams.
+
+A ranking is for its own request: a replica found for it goes to that request (Ray's default matching by
+internal request id), never to whichever request has waited longest (Ray's `FIFOMixin`, which this router
+used until 2026-12-01: a replica ranked for one conversation's history could then serve another
+conversation's turn).
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import random
 from typing import Any
 
 from ray.serve.request_router import (
-    FIFOMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
@@ -63,7 +67,7 @@ def request_of(pending: PendingRequest | None) -> Any:
     return None
 
 
-class PagedKVRequestRouter(FIFOMixin, RequestRouter):
+class PagedKVRequestRouter(RequestRouter):
     def initialize_state(
         self,
         imbalance_threshold: int = 8,
