@@ -16,16 +16,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from pagedkv.events.wire import (
-    CPU,
-    DISK,
-    GPU,
-    REMOTE,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-)
+from pagedkv.events import wire
+from pagedkv.events.wire import GPU, REMOTE, EventBatch
 
 Replica = Hashable
 
@@ -58,11 +50,11 @@ class ReplicaIndex:
 
     def apply(self, replica: Replica, batch: EventBatch) -> None:
         for event in batch.events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, wire.BlockStored):
                 self._add(replica, event.block_hashes, event.medium or GPU)
-            elif isinstance(event, BlockRemoved):
+            elif isinstance(event, wire.BlockRemoved):
                 self._remove(replica, event.block_hashes, event.medium or GPU)
-            elif isinstance(event, AllBlocksCleared):
+            elif isinstance(event, wire.AllBlocksCleared):
                 self.clear(replica)
 
     def clear(self, replica: Replica) -> None:
@@ -101,7 +93,7 @@ class ReplicaIndex:
                 media = where.get(h, {}).get(r, ())
                 if GPU in media:
                     gpu += 1
-                elif CPU in media or DISK in media:
+                elif wire.CPU in media or wire.DISK in media:
                     local += 1
                 elif self._remote.get(h, 0) > 0:
                     remote += 1
