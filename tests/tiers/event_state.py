@@ -22,6 +22,7 @@ from pagedkv.events import (
     DISK,
     GPU,
     REMOTE,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -76,6 +77,7 @@ class Consumer:
         self.stored: Counter[str] = Counter()
         self.removed: Counter[str] = Counter()
         self.with_parent = 0
+        self.cleared = 0
 
     def apply(self, batch: EventBatch | None, real: State) -> None:
         if batch is None:
@@ -83,6 +85,11 @@ class Consumer:
         wire = decode_batch(encode_batch(batch))
         assert len(wire.events) == len(batch.events), "every event survives the wire"
         for j, e in enumerate(batch.events):
+            if isinstance(e, AllBlocksCleared):  # this replica holds nothing; what it still holds follows
+                for held in self.state.values():
+                    held.clear()
+                self.cleared += 1
+                continue
             assert isinstance(e, BlockStored | BlockRemoved), e
             g, medium = getattr(e, "group_idx", None) or 0, e.medium or GPU
             held = self.state[g, medium]

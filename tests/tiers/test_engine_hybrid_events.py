@@ -63,3 +63,34 @@ def test_hybrid_tiers_with_events_need_byte_keys() -> None:
     with pytest.raises(Exception, match="byte keys"):
         EngineConfig(num_blocks=40, block_size=BS, allocator="hybrid", host_blocks=8, kv_events=True, hash_fn="fast")
     EngineConfig(num_blocks=40, block_size=BS, allocator="hybrid", host_blocks=8, kv_events=True)
+
+
+def test_a_device_reset_clears_every_group_once_and_reannounces_the_tiers(tmp_path: Path) -> None:
+    """`reset_prefix_cache` on the device: one `AllBlocksCleared` for every group, then each group's tier
+    copies again (parents first), so the consumer's view stays exact."""
+    engine = Engine(tiny_model("gemma2", 0), None, EngineConfig(
+        num_blocks=30, block_size=BS, allocator="hybrid", host_blocks=8, disk_path=str(tmp_path),
+        disk_bytes=12 * 4096, kv_events=True))  # fmt: skip
+    consumer = Consumer(engine.manager.num_groups)
+
+    def exact(got: State, real: State) -> None:
+        assert got == real
+        check_chains(engine)
+
+    step_check = checker(engine, consumer, exact)
+    prompts = workload(np.random.default_rng(7), 16, heads=4, head_len=(12, 30), tail=8)
+    drive(engine, np.random.default_rng(7), prompts[:8], step_check, PARAMS)
+    assert all(consumer.state[g, m] for g in range(2) for m in (CPU, DISK)), "the tiers hold blocks of each group"
+    assert engine.manager.reset_prefix_cache() > 0  # reported at the next step (the tiering drains it)
+    first: list[bool] = []
+
+    def after_reset() -> None:
+        step_check()  # exact: the clear wiped the consumer's view, the tiers' copies came back after it
+        if not first:
+            first.append(True)
+            assert consumer.cleared == 1
+            assert all(consumer.state[g, m] for g in range(2) for m in (CPU, DISK)), "each group's tier copies again"
+
+    drive(engine, np.random.default_rng(8), prompts[8:], after_reset, PARAMS)
+    assert consumer.cleared == 1, "one AllBlocksCleared for every group"
+    engine.close()
