@@ -1,7 +1,11 @@
 """The hybrid allocator in the engine: each layer reads its own KV cache group's table; greedy output is
-token-identical to transformers' `generate` on the tiny windowed families (windows of 6-7 tokens, prompts
+token-identical to transformers' `generate` on the tiny windowed families (windows of 6-8 tokens, prompts
 several windows long), with chunked prefill, prefix hits and preemption by recompute and by swap; and the
-windowed groups hold fewer blocks than the uniform allocator does on the same requests."""
+windowed groups hold fewer blocks than the uniform allocator does on the same requests.
+
+gpt-oss (issue #24) is one of them: alternating sliding / full layers and attention sinks (`s_aux`, a learned
+logit per query head in the softmax's denominator; the tiny model draws them wide, and dropping them changes
+all 7 continuations), against transformers' eager attention, which adds the sinks itself."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def engine_config(**kw: Any) -> EngineConfig:
     return EngineConfig(**kw, scheduler=scheduler)
 
 LENGTHS = (31, 5, 44, 17, 26)  # up to ~7 windows of the tiny models
-WINDOWED = ["mistral", "qwen2-sw", "gemma2"]
+WINDOWED = ["mistral", "qwen2-sw", "gemma2", "gpt-oss"]
 _REF: dict[str, list[list[int]]] = {}
 
 
@@ -81,6 +85,17 @@ def test_hybrid_greedy_matches_generate(family: str, variant: str) -> None:
         assert engine.stats.num_preemptions > 0, "the pool was large enough: preemption was not exercised"
     if variant == "plain":
         assert engine.manager.stats.cached_tokens > 0, "the shared prefix never hit"
+
+
+def test_gpt_oss_has_sinks_and_both_layer_kinds_and_uniform_matches_too() -> None:
+    from pagedkv.hf.attention import prepare_model
+
+    model = tiny_model("gpt-oss", 0)
+    assert prepare_model(model).sliding_windows == (8, None)
+    assert all(layer.self_attn.sinks.abs().max() > 0.5 for layer in model.model.layers)
+    prompts = _prompts()
+    _, outs, _ = _run("gpt-oss", prompts)  # the uniform allocator: one table for both layers
+    assert outs == _reference("gpt-oss", prompts)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral"])

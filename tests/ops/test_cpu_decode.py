@@ -161,7 +161,7 @@ def test_bad_arguments_raise_one_typed_error(change: object, match: str) -> None
 
 def test_a_soft_cap_is_refused() -> None:
     q, kv, table, seq_lens = make_case([9, 14], 4, 2, 8, 4, 1)
-    with pytest.raises(InvalidArgumentError, match="soft cap"):
+    with pytest.raises(InvalidArgumentError, match="no soft cap"):
         cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.5, None, 30.0))
 
 

@@ -9,9 +9,9 @@ same functions the launches use (`attention_constexprs`, `merge_constexprs`, `wr
 
 Coverage without the cross product: per architecture, a covering set in which every value of every
 dimension appears (decode/prefill; GQA groups 1-16; head dims 64/80/96/128/256; block sizes 1-256, i.e.
-every power of two plus an odd size, which takes the runtime-block-size path; window and soft cap on/off;
-float16/bfloat16/float32 caches, and fp8 on sm_90, the only target the dispatcher sends fp8 to; split on/off),
-plus the register-heaviest corners (prefill, head dim 256, group 16, float32, every option on). A spill is
+every power of two plus an odd size, which takes the runtime-block-size path; window, soft cap and
+attention sinks on/off; float16/bfloat16/float32 caches, and fp8 on sm_90, the only target the dispatcher
+sends fp8 to; split on/off), plus the register-heaviest corners (prefill, head dim 256, group 16, float32, every option on). A spill is
 what cuobjdump reports as a stack frame or local memory (Triton's `n_spills` is that local size / 4).
 Compiles are cached by Triton (~/.triton/cache): a warm rerun takes seconds.
 """
@@ -54,10 +54,11 @@ class Spec:
     soft_cap: bool
     dtype: str
     split: bool
+    sinks: bool = False
 
     def __str__(self) -> str:
         mode = "decode" if self.decode else "prefill"
-        opts = "".join(c for c, on in (("w", self.window), ("c", self.soft_cap), ("s", self.split)) if on)
+        opts = "".join(c for c, on in (("w", self.window), ("c", self.soft_cap), ("s", self.split), ("k", self.sinks)) if on)
         return f"sm{self.arch}-{mode}-g{self.group}-d{self.head_dim}-bs{self.block_size}-{self.dtype}-{opts or 'plain'}"
 
 
@@ -80,10 +81,11 @@ def covering_specs() -> list[Spec]:
                     soft_cap=(i // 4) % 2 == 0,
                     dtype=dtypes[(i + arch // 10) % len(dtypes)],
                     split=(i % 3) != 0,
+                    sinks=(i // 8) % 2 == 0,
                 )
             )
         for decode in (True, False):
-            specs.append(Spec(arch, decode, 16, 256, 16, True, True, "float32", True))
+            specs.append(Spec(arch, decode, 16, 256, 16, True, True, "float32", True, True))
         specs.append(Spec(arch, False, 16, 256, 256, False, False, "bfloat16", False))
     return specs
 
@@ -98,7 +100,7 @@ def test_specs_cover_every_value() -> None:
         assert {s.head_dim for s in mine} == set(HEAD_DIMS)
         assert {s.block_size for s in mine} == set(BLOCK_SIZES)
         assert {s.dtype for s in mine} == set(DTYPES if arch >= 89 else DTYPES[:3])
-        for attr in ("decode", "window", "soft_cap", "split"):
+        for attr in ("decode", "window", "soft_cap", "split", "sinks"):
             assert {getattr(s, attr) for s in mine} == {True, False}, attr
 
 
@@ -121,7 +123,7 @@ def compiler() -> Iterator[Callable[..., dict[str, int]]]:
 
 POINTERS = {"block_table_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_q_start_ptr": "*i32", "tile_q_len_ptr": "*i32",
             "tile_pos_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-            "scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "soft_cap": "fp32"}
+            "sinks_ptr": "*fp32", "scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "soft_cap": "fp32"}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -133,7 +135,8 @@ def test_attention_kernel_compiles(spec: Spec, compiler: Callable[..., dict[str,
     cfg = choose_launch(decode=spec.decode, group=spec.group, head_dim=spec.head_dim, block_size=spec.block_size,
                         cache_bits=cache_dtype.itemsize * 8)
     constexprs = tk.attention_constexprs(cfg, spec.head_dim, window=spec.window, soft_cap=spec.soft_cap,
-                                         query_dtype=query_dtype, cache_dtype=cache_dtype, split=spec.split)
+                                         query_dtype=query_dtype, cache_dtype=cache_dtype, split=spec.split,
+                                         sinks=spec.sinks)
     # The runtime JIT turns integer arguments equal to 1 into constants; do the same for those a spec fixes.
     for name, value in (("group", spec.group), ("block_size", spec.block_size)):
         if value == 1:
@@ -146,19 +149,19 @@ def test_attention_kernel_compiles(spec: Spec, compiler: Callable[..., dict[str,
              {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
-MERGE_CASES = [(arch, head_dim, splits) for arch in ARCHS for head_dim, splits in
+MERGE_CASES = [(arch, head_dim, splits, head_dim in (80, 256)) for arch in ARCHS for head_dim, splits in
                zip((64, 80, 96, 128, 256), (2, 4, 8, 16, 32), strict=True)]
 
 
-@pytest.mark.parametrize("arch,head_dim,num_splits", MERGE_CASES)
-def test_merge_kernel_compiles(arch: int, head_dim: int, num_splits: int,
+@pytest.mark.parametrize("arch,head_dim,num_splits,sinks", MERGE_CASES)
+def test_merge_kernel_compiles(arch: int, head_dim: int, num_splits: int, sinks: bool,
                                compiler: Callable[..., dict[str, int]]) -> None:
     from pagedkv.ops import triton_kernels as tk
 
     cfg = choose_launch(decode=True, group=4, head_dim=head_dim, block_size=16, cache_bits=16)
-    types = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": "*bf16",
+    types = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sinks_ptr": "*bf16", "out_ptr": "*bf16",
              "num_heads": "i32", "num_splits": "i32", "stride_o_token": "i32", "stride_o_head": "i32"}
-    compiler("_merge_splits_kernel", types, tk.merge_constexprs(cfg, head_dim, num_splits), arch,
+    compiler("_merge_splits_kernel", types, tk.merge_constexprs(cfg, head_dim, num_splits, sinks=sinks), arch,
                       {"num_warps": 4, "num_stages": 2})
 
 

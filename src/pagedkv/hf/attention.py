@@ -8,10 +8,11 @@ register `paged_attention_forward` as `"pagedkv"` and pass each step's `PagedSte
 1. writes the new tokens' K and V into the pages at `batch.slot_mapping` (`PagedStep.write`);
 2. runs `pagedkv.ops.paged_attention` for the packed queries against each sequence's pages, causal, with the
    layer's sliding window and soft-cap as the module passes them (transformers' semantics: a query at
-   position p sees keys at positions > p - window), one call per attention group of the batch (on CPU:
-   the decode sequences together, each prefill chunk alone; see `pagedkv.hf.metadata`). The cache's
-   `attention_backend` picks the implementation: `pagedkv.hf.sdpa` (block gather + torch SDPA, the CPU
-   default) where it applies, `pagedkv.ops.paged_attention` otherwise (soft-cap, CUDA, or "ops");
+   position p sees keys at positions > p - window) and its attention sinks (`s_aux`, gpt-oss), one call per
+   attention group of the batch (on CPU: the decode sequences together, each prefill chunk alone; see
+   `pagedkv.hf.metadata`). The cache's `attention_backend` picks the implementation: `pagedkv.hf.sdpa`
+   (block gather + torch SDPA, the CPU default) where it applies, `pagedkv.ops.paged_attention` otherwise
+   (soft-cap, sinks, CUDA, or "ops");
 3. returns `[1, T, num_heads, head_dim]`, the layout the module's output projection expects.
 
 Per-step work happens once per step, not once per layer: the `PagedStep` built by `forward_step` holds the
@@ -72,7 +73,7 @@ def paged_attention_forward(
     step.write(layer_idx, k, v)
     from pagedkv.ops.validate import attention_options
 
-    options = attention_options(scaling, sliding_window, softcap)  # transformers' spelling, once
+    options = attention_options(scaling, sliding_window, softcap, kwargs.get("s_aux"))  # transformers' spelling, once
     parts = [_attend_group(step, i, q, k, v, slot, options, kv_group) for i in range(len(batch.groups))]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None
@@ -117,8 +118,8 @@ def _refuse_unsupported(
         raise UnsupportedModelError(f"{name} is not causal; pagedkv attention is causal only")
     if kwargs.get("position_bias") is not None:
         raise UnsupportedModelError(f"{name} adds a position bias (e.g. ALiBi); pagedkv attention has none")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise UnsupportedModelError(f"{name} uses attention sinks; pagedkv attention does not implement them")
+    if kwargs.get("s_aux") is None and getattr(module, "sinks", None) is not None:
+        raise UnsupportedModelError(f"{name} has attention sinks but does not pass them as s_aux (gpt-oss's way)")
     if dropout:
         raise UnsupportedModelError(f"{name}: attention dropout {dropout} (training mode); call model.eval()")
     if getattr(module, "layer_idx", None) is None:

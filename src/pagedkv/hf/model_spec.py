@@ -10,8 +10,9 @@ correctly, with an `UnsupportedModelError` naming the missing piece:
 - every layer is `full_attention` or `sliding_attention` (no chunked attention, no recurrent/linear layers);
 - keys and values share one head dim (no multi-head latent attention).
 
-Runtime features the function sees only per call (attention sinks, position biases, non-causal modules) are
-refused by the attention function itself, at the first forward.
+Runtime features the function sees only per call are handled by the attention function itself: attention
+sinks passed as `s_aux` (gpt-oss) are served; position biases and non-causal modules are refused at the first
+forward.
 """
 
 from __future__ import annotations

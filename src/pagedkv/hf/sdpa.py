@@ -20,9 +20,10 @@ the extension (`PAGEDKV_NATIVE=0` turns it off).
 
 Why not the reference op: it pads queries and keys to the batch maxima and folds tiles through a float32
 online softmax in Python, which is the right oracle but costs 3-5x more than SDPA on these shapes on a CPU.
-Soft-capped models (Gemma 2) and any other group shape go to `pagedkv.ops.paged_attention`. Padding
-entries of block tables point at the null block; what the gather reads there is masked out. The pages are
-zero-initialised and only ever hold finite values, so masked rows contribute exactly nothing.
+Soft-capped models (Gemma 2), models with attention sinks (gpt-oss) and any other group shape go to
+`pagedkv.ops.paged_attention`. Padding entries of block tables point at the null block; what the gather
+reads there is masked out. The pages are zero-initialised and only ever hold finite values, so masked rows
+contribute exactly nothing.
 """
 
 from __future__ import annotations
@@ -144,8 +145,9 @@ class SdpaPlan:
 
 
 def sdpa_supports(max_seqlen_q: int, num_seqs: int, options: AttentionOptions) -> bool:
-    """Whether `paged_sdpa` handles a group of this shape with these options."""
-    return options.soft_cap is None and (max_seqlen_q == 1 or num_seqs == 1)
+    """Whether `paged_sdpa` handles a group of this shape with these options (SDPA has no soft cap and no
+    attention sinks)."""
+    return options.soft_cap is None and options.sinks is None and (max_seqlen_q == 1 or num_seqs == 1)
 
 
 def _gather(kv: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +180,7 @@ def paged_sdpa(
     if plan.max_seqlen_q == 1:  # decode group: one query per sequence, at position seq_len - 1
         if cpu_decode.available(query, kv):  # float32, one thread: the C kernel reads the pages in place
             return cpu_decode.decode_attention(query, kv, plan.block_table, plan.seq_lens, options)
-        return _decode(query, kv, plan, scale, sliding_window)
+        return _decode(query, kv, plan, options)
     if plan.max_seqlen_k == plan.max_seqlen_q and new_key is not None and new_value is not None:
         k, v = new_key.transpose(0, 1).unsqueeze(0), new_value.transpose(0, 1).unsqueeze(0)
         if sliding_window is None:
@@ -199,14 +201,13 @@ def paged_sdpa(
     return out[0].transpose(0, 1)
 
 
-def _decode(query: torch.Tensor, kv: torch.Tensor, plan: SdpaPlan, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+def _decode(query: torch.Tensor, kv: torch.Tensor, plan: SdpaPlan, options: AttentionOptions) -> torch.Tensor:
     """A decode group's `[B, H, D]` attention: one gather + SDPA per length bucket of `plan`."""
     parts = plan.buckets()
     if parts:
         out = torch.empty_like(query)
         for rows, sub in parts:
-            out.index_copy_(0, rows, _decode(query.index_select(0, rows), kv, sub, scale, sliding_window))
+            out.index_copy_(0, rows, _decode(query.index_select(0, rows), kv, sub, options))
         return out
     num_q, num_heads, head_dim = query.shape
     num_kv_heads = kv.shape[3]
@@ -214,5 +215,6 @@ def _decode(query: torch.Tensor, kv: torch.Tensor, plan: SdpaPlan, scale: float,
     # One query position per sequence: the query heads sharing a KV head become that head's query rows
     # (heads h*g .. h*g+g-1 read KV head h), so K/V are never repeated per query head.
     q = query.reshape(num_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask(num_q, sliding_window, q.dtype), scale=scale)
+    mask = plan.mask(num_q, options.sliding_window, q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=options.scale_for(head_dim))
     return out.reshape(num_q, num_heads, head_dim)

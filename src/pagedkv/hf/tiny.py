@@ -13,7 +13,7 @@ import torch
 from pagedkv.core.errors import InvalidArgumentError
 
 VOCAB = 128
-FAMILIES = ("llama", "qwen2", "qwen2-sw", "qwen3", "mistral", "gemma2", "phi3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen2-sw", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "gpt-oss")
 
 
 def tiny_model(family: str, seed: int = 0) -> Any:
@@ -45,6 +45,23 @@ def tiny_model(family: str, seed: int = 0) -> Any:
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**llama_like))
     elif family == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common))
+    elif family == "gpt-oss":
+        model = _tiny_gpt_oss(tf, llama_like)
     else:
         raise InvalidArgumentError(f"unknown tiny model family {family!r}; choose from {', '.join(FAMILIES)}")
     return model.eval()
+
+
+def _tiny_gpt_oss(tf: Any, llama_like: dict[str, Any]) -> Any:
+    """gpt-oss in small: sliding (window 8) and full layers alternating, attention sinks, a mixture of 4
+    experts. The sinks are drawn wide (N(1, 2)) instead of gpt-oss's near-zero initialisation, so that they
+    change every output; YaRN's original context is set so that its factor (32) matches the 512 positions."""
+    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16, "rope_theta": 150000.0}  # fmt: skip
+    config = tf.GptOssConfig(**{**llama_like, "head_dim": 16}, sliding_window=8, num_local_experts=4,
+                             num_experts_per_tok=2, rope_parameters=rope)  # fmt: skip
+    model = tf.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * 2.0 + 1.0)
+    return model

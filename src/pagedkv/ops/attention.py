@@ -11,7 +11,8 @@ Contract (fixed; the hf integration and engine code against it):
   `cu_seqlens_q[b+1] - cu_seqlens_q[b]` tokens, causal. `block_table` is int32 `[B, max_blocks]`, padded
   with a valid id; entries past `ceil(seq_lens[b] / block_size)` are never read. `sliding_window=w`: a
   query at position p sees keys at positions > p - w. `soft_cap=c`: scores = c * tanh(scores / c) after
-  scaling. `scale` defaults to 1/sqrt(head_dim). GQA/MQA when num_heads is a multiple of num_kv_heads.
+  scaling. `sinks` (`[num_heads]`, gpt-oss): a logit per query head added to the softmax's denominator
+  only. `scale` defaults to 1/sqrt(head_dim). GQA/MQA when num_heads is a multiple of num_kv_heads.
 - `plan=`: an `AttentionPlan` from `pagedkv.ops.plan.plan_attention` made once per step for the same
   metadata; the call then skips validation, dispatch and metadata preparation (every layer of a forward
   shares one plan). Without it, each call plans for itself. Code that holds a plan calls
@@ -65,6 +66,7 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
@@ -72,7 +74,7 @@ def paged_attention(
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention over paged KV for decode, prefill and chunked prefill in one call (see module docstring)."""
-    options = attention_options(scale, sliding_window, soft_cap)
+    options = attention_options(scale, sliding_window, soft_cap, sinks)
     if plan is None:
         plan = plan_attention(
             query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
@@ -95,6 +97,7 @@ def run_planned(
     layer passes only its query, its caches and its `AttentionOptions`. The one dispatch point; both backends
     take these same arguments."""
     plan.check_call(query, key_cache)
+    options.check_heads(plan.shape.num_heads, query.device)
     if plan.backend == "triton":
         from pagedkv.ops.triton_kernels import paged_attention_triton
 

@@ -3,9 +3,9 @@
 `gather_kv` copies each sequence's tokens out of the paged cache into `[B, max_len, Hkv, D]` (exact copies;
 zeros past each sequence's end). `sdpa_attention` is the oracle the paged paths are compared with: torch's
 `scaled_dot_product_attention` per sequence over its contiguous KV, with the same causal/window semantics
-as `paged_attention`. Soft-capping has no SDPA form, so with `soft_cap` the oracle computes the same math
-explicitly in float64. This module is for tests and benchmarks; it loops over sequences on purpose
-(clarity over speed).
+as `paged_attention`. Soft-capping and attention sinks have no SDPA form, so with `soft_cap` or `sinks` the
+oracle computes the same math explicitly in float64. This module is for tests and benchmarks; it loops over
+sequences on purpose (clarity over speed).
 """
 
 from __future__ import annotations
@@ -69,14 +69,20 @@ def sdpa_attention(
         k = keys[b, :kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
         v = values[b, :kv_len].transpose(0, 1)[None]
         visible = visibility_mask(q1 - q0, kv_len, sliding_window, query.device)
-        if soft_cap is None:
+        if soft_cap is None and options.sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         else:
             group = num_heads // num_kv_heads
             k64 = k.double().repeat_interleave(group, dim=1)
             s = torch.matmul(q.double(), k64.transpose(-1, -2)) * scale
-            s = soft_cap * torch.tanh(s / soft_cap)
-            p = torch.softmax(s.masked_fill(~visible, -math.inf), dim=-1)
+            if soft_cap is not None:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            s = s.masked_fill(~visible, -math.inf)
+            if options.sinks is not None:  # one more logit per head in the softmax, dropped after it
+                sink = options.sinks.double().view(1, num_heads, 1, 1).expand(1, num_heads, q1 - q0, 1)
+                p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                p = torch.softmax(s, dim=-1)
             o = torch.matmul(p, v.double().repeat_interleave(group, dim=1))
         out[q0:q1] = o[0].transpose(0, 1).to(query.dtype)
     return out

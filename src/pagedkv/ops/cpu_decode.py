@@ -63,12 +63,12 @@ def decode_attention(
 ) -> torch.Tensor:
     """`[B, H, D]` attention of `query` `[B, H, D]` (sequence i's newest token, at position `seq_lens[i] - 1`)
     over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`, with
-    `options`' scale and sliding window (the kernel has no soft cap: asking for one is an error). Bad shapes,
-    lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
+    `options`' scale and sliding window (the kernel has no soft cap and no sinks: asking for them is an
+    error). Bad shapes, lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
     if _NATIVE is None:
         raise InvalidArgumentError("pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)")
-    if options.soft_cap is not None:
-        raise InvalidArgumentError("the C decode kernel has no soft cap; use pagedkv.ops.paged_attention")
+    if options.soft_cap is not None or options.sinks is not None:
+        raise InvalidArgumentError("the C decode kernel has no soft cap and no sinks; use pagedkv.ops.paged_attention")
     q = query.contiguous()
     out = torch.empty_like(q)
     try:

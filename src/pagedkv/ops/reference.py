@@ -115,12 +115,15 @@ def paged_attention_reference(
     # 3. each chunk's online softmax over the tiles it can see
     gather, k_heads, v_heads, v_tile = grid.buffers(key_cache, k_scale, v_scale)
     result = torch.empty((num_kv_heads, num_seqs, max_q * group, head_dim), device=query.device)
+    sinks = _sink_rows(options.sinks, num_kv_heads, max_q)
     for i0 in range(0, max_q, q_chunk):
         i1 = min(max_q, i0 + q_chunk)
         r0, r1 = i0 * group, i1 * group
-        acc, denom = _attend_chunk(
+        acc, denom, m = _attend_chunk(
             grid, q[:, :, r0:r1], row_pos[:, r0:r1], i0, i1, gather, k_heads, v_heads, v_tile, options.soft_cap
         )
+        if sinks is not None:  # the sink's weight joins the denominator (relative to the row's max, as denom)
+            denom.add_(torch.exp(sinks[:, :, r0:r1] - m))
         torch.div(acc, denom, out=result[:, :, r0:r1])
     # 4. back to packed [num_q_tokens, H, D]
     result = result.view(num_kv_heads, num_seqs, max_q, group, head_dim).permute(1, 2, 0, 3, 4)
@@ -158,6 +161,16 @@ def _grouped_queries(
     q = q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
     q = q.reshape(num_kv_heads, num_seqs, max_q * group, head_dim).float() * scale  # KV-head major
     return q, token_seq, token_idx
+
+
+def _sink_rows(sinks: torch.Tensor | None, num_kv_heads: int, max_q: int) -> torch.Tensor | None:
+    """Each query row's sink logit, float32 `[Hkv, 1, max_q * group, 1]` in the grouped row order (row r of KV
+    head h is query r // group of head h * group + r % group); None without sinks."""
+    if sinks is None:
+        return None
+    group = sinks.shape[0] // num_kv_heads
+    rows = sinks.float().view(num_kv_heads, 1, 1, group).expand(num_kv_heads, 1, max_q, group)
+    return rows.reshape(num_kv_heads, 1, max_q * group, 1)
 
 
 @dataclass(frozen=True)
@@ -288,9 +301,10 @@ def _attend_chunk(
     v_heads: list[torch.Tensor],
     v_tile: torch.Tensor,
     soft_cap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online softmax of the padded queries i0..i1 (`q_chunk [Hkv, B, chunk rows, D]`, row positions
-    `pos_c`) over the tiles they can see: (unnormalised output, softmax denominator)."""
+    `pos_c`) over the tiles they can see: (unnormalised output, softmax denominator, the row maxima both are
+    relative to)."""
     tile, lo, sliding_window = grid.tile, grid.lo, grid.sliding_window
     num_kv_heads = grid.num_kv_heads
     device = q_chunk.device
@@ -328,7 +342,7 @@ def _attend_chunk(
             torch.bmm(p[h], v_heads[h], out=pv[h])
         acc.mul_(alpha).add_(pv)
         m = m_new
-    return acc, denom
+    return acc, denom, m
 
 
 class _TileGather:

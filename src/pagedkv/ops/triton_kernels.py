@@ -125,6 +125,7 @@ def _paged_attention_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    sinks_ptr,
     scale,
     k_scale,
     v_scale,
@@ -149,6 +150,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     IS_FP8: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -223,7 +225,8 @@ def _paged_attention_kernel(
     acc = acc * v_scale
     _store_rows(
         acc, m_i, l_i, tokens, heads, row_ok, d, d_ok, split, num_splits, num_heads,
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_o_token, stride_o_head, DIM_PAD, SPLIT,
+        part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, out_ptr, stride_o_token, stride_o_head, DIM_PAD, SPLIT,
+        HAS_SINKS,
     )  # fmt: skip
 
 
@@ -291,9 +294,10 @@ def _scores(q, kt, qk_scale, soft_cap, n, row_pos, window, HAS_WINDOW: tl.conste
 
 @triton.jit
 def _store_rows(acc, m_i, l_i, tokens, heads, row_ok, d, d_ok, split, num_splits, num_heads, part_m_ptr, part_l_ptr,
-                part_acc_ptr, out_ptr, stride_o_token, stride_o_head, DIM_PAD: tl.constexpr,
-                SPLIT: tl.constexpr):  # fmt: skip
-    """The normalised output rows, or with SPLIT this split's partials for `_merge_splits_kernel`."""
+                part_acc_ptr, sinks_ptr, out_ptr, stride_o_token, stride_o_head, DIM_PAD: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+    """The normalised output rows, or with SPLIT this split's partials for `_merge_splits_kernel` (which adds
+    the sinks then). A sink joins the denominator as exp(sink - max) in base 2, like every score."""
     if SPLIT:
         # Partials [num_q_tokens, num_heads, num_splits(, DIM_PAD)]; an empty split leaves m = -inf,
         # l = 0, acc = 0, which the merge weighs by 0.
@@ -302,6 +306,9 @@ def _store_rows(acc, m_i, l_i, tokens, heads, row_ok, d, d_ok, split, num_splits
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
     else:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = l_i + tl.where(row_ok, tl.exp2(sink - m_i), 0.0)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_offs = tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -312,6 +319,7 @@ def _merge_splits_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    sinks_ptr,
     out_ptr,
     num_heads,
     num_splits,
@@ -320,6 +328,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -332,7 +341,10 @@ def _merge_splits_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
     m_max = tl.max(m, axis=0)  # finite: every query sees at least its own key, in some split
     w = tl.exp2(m - m_max)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+    total = tl.sum(denom * w, axis=0)
+    if HAS_SINKS:
+        total = total + tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_max)
+    out = tl.sum(acc * w[:, None], axis=0) / total
     o_offs = token.to(tl.int64) * stride_o_token + head * stride_o_head + d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -369,6 +381,7 @@ def paged_attention_triton(
         tp.part_m if split else out,
         tp.part_l if split else out,
         tp.part_acc if split else out,
+        options.sinks if options.sinks is not None else out,
         options.scale_for(shape.head_dim),
         float(k_scale),
         float(v_scale),
@@ -390,9 +403,10 @@ def paged_attention_triton(
         num_stages=cfg.num_stages,
     )
     if split:
+        sinks = options.sinks if options.sinks is not None else out
         _merge_splits_kernel[(shape.num_q_tokens, shape.num_heads)](
-            tp.part_m, tp.part_l, tp.part_acc, out, shape.num_heads, tp.num_splits, out.stride(0), out.stride(1),
-            **merge_constexprs(cfg, shape.head_dim, tp.num_splits),
+            tp.part_m, tp.part_l, tp.part_acc, sinks, out, shape.num_heads, tp.num_splits, out.stride(0),
+            out.stride(1), **merge_constexprs(cfg, shape.head_dim, tp.num_splits, sinks=options.sinks is not None),
         )  # fmt: skip
     return out
 
@@ -403,8 +417,8 @@ def _planned_constexprs(
     """The attention kernel's constexprs for this plan and the options set, made once per plan and kept."""
     tp = plan.triton
     assert tp is not None, "triton kernels: a plan without its Triton part"
-    window, soft_cap = options.sliding_window is not None, options.soft_cap is not None
-    key = (window, soft_cap, query.dtype)
+    window, soft_cap, sinks = (x is not None for x in (options.sliding_window, options.soft_cap, options.sinks))
+    key = (window, soft_cap, sinks, query.dtype)
     constexprs = tp.constexprs.get(key)
     if constexprs is None:
         constexprs = attention_constexprs(
@@ -412,6 +426,7 @@ def _planned_constexprs(
             plan.shape.head_dim,
             window=window,
             soft_cap=soft_cap,
+            sinks=sinks,
             query_dtype=query.dtype,
             cache_dtype=key_cache.dtype,
             split=tp.num_splits > 1,
@@ -431,6 +446,7 @@ def attention_constexprs(
     cache_dtype: torch.dtype,
     split: bool,
     interpreting: bool = False,
+    sinks: bool = False,
 ) -> dict[str, object]:
     """The compile-time arguments of `_paged_attention_kernel` for one call: the single source for the
     launch above and for the compile test, which enumerates them."""
@@ -443,6 +459,7 @@ def attention_constexprs(
         "BLOCK_SIZE": cfg.block_size_const,
         "HAS_WINDOW": window,
         "HAS_SOFT_CAP": soft_cap,
+        "HAS_SINKS": sinks,
         "IS_FP8": cache_dtype == torch.float8_e4m3fn,
         "SPLIT": split,
         "DOT_PRECISION": dot_precision(query_dtype, cache_dtype),
@@ -450,9 +467,9 @@ def attention_constexprs(
     }
 
 
-def merge_constexprs(cfg: LaunchConfig, head_dim: int, num_splits: int) -> dict[str, object]:
+def merge_constexprs(cfg: LaunchConfig, head_dim: int, num_splits: int, *, sinks: bool = False) -> dict[str, object]:
     """The compile-time arguments of `_merge_splits_kernel` (launch and compile test)."""
-    return {"HEAD_DIM": head_dim, "DIM_PAD": cfg.dim_pad, "SPLITS_PAD": num_splits}
+    return {"HEAD_DIM": head_dim, "DIM_PAD": cfg.dim_pad, "SPLITS_PAD": num_splits, "HAS_SINKS": sinks}
 
 
 def write_constexprs(num_kv_heads: int, head_dim: int) -> dict[str, object]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -78,38 +78,61 @@ def check_attention_shapes(
 
 @dataclass(frozen=True, slots=True)
 class AttentionOptions:
-    """A layer's attention scalars, one value from the model's call down to every backend, under one spelling:
-    `scale` (None: 1/sqrt(head_dim), see `scale_for`), `sliding_window` (a query at p sees keys > p - w) and
-    `soft_cap` (scores = c * tanh(scores / c)). Valid by construction; `attention_options` builds them and
-    checks each distinct value once per process."""
+    """A layer's attention options, one value from the model's call down to every backend, under one spelling:
+    `scale` (None: 1/sqrt(head_dim), see `scale_for`), `sliding_window` (a query at p sees keys > p - w),
+    `soft_cap` (scores = c * tanh(scores / c)) and `sinks` (gpt-oss's attention sinks: a learned logit per
+    query head, `[num_heads]`, that joins the softmax's denominator and adds no value: a query's weights sum
+    to less than one). Valid by construction; `attention_options` builds them and checks each distinct
+    scalar combination once per process. Equality and hashing see the scalars only (`sinks` is a tensor)."""
 
     scale: float | None = None
     sliding_window: int | None = None
     soft_cap: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        scale, window, cap = self.scale, self.sliding_window, self.soft_cap
+        scale, window, cap, sinks = self.scale, self.sliding_window, self.soft_cap, self.sinks
         if scale is not None and not (math.isfinite(scale) and scale > 0):
             raise InvalidArgumentError(f"scale must be a positive finite float, got {scale!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
             raise InvalidArgumentError(f"sliding_window must be a positive int (tokens seen, itself included), got {window!r}")
         if cap is not None and not (math.isfinite(cap) and cap > 0):
             raise InvalidArgumentError(f"soft_cap must be a positive finite float, got {cap!r}")
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or not sinks.dtype.is_floating_point):
+            got = f"{sinks.dtype} of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise InvalidArgumentError(f"sinks must be a 1-D float tensor of one logit per query head, got {got}")
 
     def scale_for(self, head_dim: int) -> float:
         """The score multiplier: `scale`, or 1/sqrt(head_dim) (torch SDPA's default, to the bit)."""
         return 1.0 / math.sqrt(head_dim) if self.scale is None else float(self.scale)
+
+    def check_heads(self, num_heads: int, device: torch.device) -> None:
+        """The sinks (if any) fit a call of `num_heads` query heads on `device`."""
+        if self.sinks is not None and (tuple(self.sinks.shape) != (num_heads,) or self.sinks.device != device):
+            raise InvalidArgumentError(
+                f"sinks {tuple(self.sinks.shape)} on {self.sinks.device} do not fit {num_heads} query heads on {device}"
+            )
 
 
 NO_OPTIONS = AttentionOptions()
 
 
 @functools.lru_cache(maxsize=256)
-def attention_options(
-    scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None
-) -> AttentionOptions:
-    """The `AttentionOptions` of these scalars, checked the first time each is seen (a layer's call is cheap)."""
+def _scalar_options(scale: float | None, sliding_window: int | None, soft_cap: float | None) -> AttentionOptions:
     return AttentionOptions(scale, sliding_window, soft_cap)
+
+
+def attention_options(
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> AttentionOptions:
+    """The `AttentionOptions` of these values; the scalars alone are checked the first time each combination
+    is seen (a layer's call is cheap), sinks at every call (a cheap shape check)."""
+    if sinks is None:
+        return _scalar_options(scale, sliding_window, soft_cap)
+    return AttentionOptions(scale, sliding_window, soft_cap, sinks)
 
 
 def check_attention_metadata(
