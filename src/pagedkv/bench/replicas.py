@@ -242,8 +242,11 @@ def _plain(value: Any) -> Any:
 
 
 def measure(
-    router: str, args: argparse.Namespace, spec: TraceSpec, trace: list[list[list[int]]], port: int
+    router: str, args: argparse.Namespace, spec: TraceSpec, trace: list[list[list[int]]], port: int, k: int = 0
 ) -> RouterRun:
+    """One router's run of the trace on a fresh application, named for its round: Ray shares a request router
+    between handles to the same deployment in one process, and a router must not carry one round's state
+    (an index, a prefix tree) into the next."""
     from pagedkv.serve.ray_app import ReplicaSet, running
 
     replicas = ReplicaSet(
@@ -251,7 +254,7 @@ def measure(
         router=router, num_cpus=args.replica_cpus, stats_period_s=STATS_PERIOD_S,
         router_kwargs=router_kwargs(router, args),
     )  # fmt: skip
-    with running(replicas, port=port, app_name=f"bench-{router}") as app:
+    with running(replicas, port=port, app_name=f"bench-{router}-{k}") as app:
         asyncio.run(_warm_up(app.replicas, args.replicas))
         time.sleep(1.0)  # routing stats (the replicas' event endpoints) reach this process's handle
         before = os.getloadavg()[0]
@@ -371,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         for k in range(args.repeat):  # interleaved: each round starts with the next router
             print(f"round {k + 1}:", flush=True)
             for router in routers[k % len(routers) :] + routers[: k % len(routers)]:
-                runs[router].append(measure(router, args, spec, trace, port))
+                runs[router].append(measure(router, args, spec, trace, port, k))
     finally:
         from ray import serve
 
