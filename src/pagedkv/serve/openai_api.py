@@ -12,6 +12,7 @@ token's is null, as OpenAI's).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -172,9 +173,9 @@ async def create_completion(ctx: ServerContext, request: Request, body: bytes) -
         texts = [str(ctx.tokenizer.decode(p)) if ctx.tokenizer is not None else "" for p in ids]
         job.texts = texts
     if req.stream:
-        ended: list[list[RequestOutput]] = [[] for _ in ids]  # each prompt's final outputs, for the usage chunk
-        deltas = _completion_deltas(ctx, job, merged(streams), DeltaTracker.for_params(params), ended)
-        events = _sse_events(ctx, job, "text_completion", deltas, lambda: usage(ids, ended, echo_only=job.echo_only))
+        st = _Streamed(merged(streams), DeltaTracker.for_params(params), [[] for _ in ids])
+        usage_of = functools.partial(usage, ids, st.finals, echo_only=job.echo_only)  # read when the stream ends
+        events = _sse_events(ctx, job, "text_completion", _completion_deltas(ctx, job, st), usage_of)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         finals = await collect(streams, request)
@@ -204,18 +205,12 @@ def _completion_choice(ctx: ServerContext, job: _Completion, i: int, out: Reques
     }
 
 
-async def _completion_deltas(
-    ctx: ServerContext,
-    job: _Completion,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    tracker: DeltaTracker,
-    finals: list[list[RequestOutput]],
-) -> AsyncIterator[dict[str, Any]]:
+async def _completion_deltas(ctx: ServerContext, job: _Completion, st: _Streamed) -> AsyncIterator[dict[str, Any]]:
     """A streamed completion's choices, one per output with something new (the prompt first with echo)."""
     echoed: set[int] = set()
-    async for i, out in outputs:
+    async for i, out in st.outputs:
         index = choice_index(i, out, job.req.n)
-        delta, a, b = ("", 0, 0) if job.echo_only else tracker.step(index, out)
+        delta, a, b = ("", 0, 0) if job.echo_only else st.tracker.step(index, out)
         token_ids = list(out.output_token_ids[a:b])
         entries: list[TokenLogprobs | None] = list((out.logprobs or [])[a:b])
         if job.req.echo and index not in echoed:
@@ -224,7 +219,7 @@ async def _completion_deltas(
             token_ids = job.ids[i] + token_ids
             entries = list(out.prompt_logprobs or [None] * len(job.ids[i])) + entries
         if out.finished:
-            finals[i].append(out)
+            st.finals[i].append(out)
         elif not delta and not token_ids:
             continue
         logprobs = ctx.completion_logprobs(entries, token_ids, 0) if job.req.logprobs is not None else None
@@ -233,6 +228,16 @@ async def _completion_deltas(
 
 
 # --- both endpoints ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """What a streamed response reads and fills: the engine's outputs as they come (prompt index, output),
+    the per-choice text deltas, and each prompt's final outputs (which the usage chunk counts)."""
+
+    outputs: AsyncIterator[tuple[int, RequestOutput]]
+    tracker: DeltaTracker
+    finals: list[list[RequestOutput]]
 
 
 def _envelope(ctx: ServerContext, job: _Completion | _Chat, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -289,9 +294,9 @@ async def create_chat_completion(ctx: ServerContext, request: Request, body: byt
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     streams = submit(ctx.engine, [job.ids], [params], req.cache_salt)
     if req.stream:
-        ended: list[list[RequestOutput]] = [[]]  # the final outputs, for the usage chunk
-        deltas = _chat_deltas(ctx, job, merged(streams), DeltaTracker.for_params(params), ended)
-        events = _sse_events(ctx, job, "chat.completion.chunk", deltas, lambda: usage([job.ids], ended))
+        st = _Streamed(merged(streams), DeltaTracker.for_params(params), [[]])
+        usage_of = functools.partial(usage, [job.ids], st.finals)  # read when the stream ends
+        events = _sse_events(ctx, job, "chat.completion.chunk", _chat_deltas(ctx, job, st), usage_of)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         finals = await collect(streams, request)
@@ -310,23 +315,17 @@ async def create_chat_completion(ctx: ServerContext, request: Request, body: byt
     return JSONResponse({**answer, "system_fingerprint": None})
 
 
-async def _chat_deltas(
-    ctx: ServerContext,
-    job: _Chat,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    tracker: DeltaTracker,
-    finals: list[list[RequestOutput]],
-) -> AsyncIterator[dict[str, Any]]:
+async def _chat_deltas(ctx: ServerContext, job: _Chat, st: _Streamed) -> AsyncIterator[dict[str, Any]]:
     """A streamed chat completion's choices: per choice the role first (as OpenAI does), then its deltas."""
     started: set[int] = set()
-    async for _, out in outputs:
+    async for _, out in st.outputs:
         index = choice_index(0, out, job.req.n)
         if index not in started:
             started.add(index)
             yield {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        delta, a, b = tracker.step(index, out)
+        delta, a, b = st.tracker.step(index, out)
         if out.finished:
-            finals[0].append(out)
+            st.finals[0].append(out)
         elif not delta and a == b:
             continue
         logprobs = ctx.chat_logprobs((out.logprobs or [])[a:b]) if job.req.logprobs else None
