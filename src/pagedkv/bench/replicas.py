@@ -226,13 +226,17 @@ def router_settings(router: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _decisions(handle: Any) -> dict[str, int]:
-    """The handle's pagedkv router's counts (decisions, load-imbalance fallbacks), read through Ray's private
+    """The handle's pagedkv router's counts (decisions, load-imbalance fallbacks, requests Ray placed elsewhere
+    than the first of their ranking), read through Ray's private
     attributes (2.60): empty for Ray's routers or another Ray."""
     router = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
     live = getattr(router, "live", None)
     if live is None:
         return {}
-    return {"decisions": int(router.decisions), "fallbacks": int(router.fallbacks)}
+    return {
+        "decisions": int(router.decisions), "fallbacks": int(router.fallbacks),
+        "displaced": int(getattr(router, "displaced", 0)),
+    }  # fmt: skip
 
 
 def _plain(value: Any) -> Any:

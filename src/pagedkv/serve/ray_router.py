@@ -87,6 +87,8 @@ class PagedKVRequestRouter(RequestRouter):
         )
         self.decisions = 0
         self.fallbacks = 0
+        self.displaced = 0  # requests Ray placed on another replica than the first of their ranking
+        self._first: dict[str, ReplicaID] = {}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -110,13 +112,17 @@ class PagedKVRequestRouter(RequestRouter):
         self.live.routed(rid, ranking.order[0])  # count it at once: Ray decides several requests concurrently
         self.decisions += 1
         self.fallbacks += ranking.fallback
+        self._first[rid] = ranking.order[0]
         return [[by_id[rid]] for rid in ranking.order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         if request_of(pending_request) is not None:
-            self.live.routed(pending_request.metadata.internal_request_id, replica_id)
+            rid = pending_request.metadata.internal_request_id
+            self.displaced += self._first.pop(rid, replica_id) != replica_id
+            self.live.routed(rid, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._first.pop(internal_request_id, None)
         self.live.completed(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
