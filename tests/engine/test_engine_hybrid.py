@@ -98,6 +98,21 @@ def test_gpt_oss_has_sinks_and_both_layer_kinds_and_uniform_matches_too() -> Non
     assert outs == _reference("gpt-oss", prompts)
 
 
+def test_gpt_oss_with_its_own_128_token_window() -> None:
+    """gpt-oss's real window (128) over 4 alternating layers, prompts up to 3.3 windows long plus 24 tokens:
+    hybrid and uniform both equal `generate`."""
+    from pagedkv.hf.tiny import tiny_gpt_oss
+
+    model = tiny_gpt_oss(0, sliding_window=128, num_layers=4)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (400, 330, 129, 260)]
+    want = reference_generate(model, prompts, 24, eos_token_id=None, attn_implementation="eager")
+    for allocator in ("hybrid", "paged"):
+        engine = Engine(model, None, engine_config(num_blocks=160, block_size=16, allocator=allocator))
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert [o.output_token_ids for o in outs] == want, allocator
+
+
 @pytest.mark.parametrize("family", ["gemma2", "mistral"])
 def test_hybrid_holds_fewer_blocks_than_uniform_with_identical_outputs(family: str) -> None:
     """The same requests, uniform (every layer's KV in each block) vs hybrid (one group's layers per

@@ -46,22 +46,30 @@ def tiny_model(family: str, seed: int = 0) -> Any:
     elif family == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common))
     elif family == "gpt-oss":
-        model = _tiny_gpt_oss(tf, llama_like)
+        model = tiny_gpt_oss(seed)
     else:
         raise InvalidArgumentError(f"unknown tiny model family {family!r}; choose from {', '.join(FAMILIES)}")
     return model.eval()
 
 
-def _tiny_gpt_oss(tf: Any, llama_like: dict[str, Any]) -> Any:
-    """gpt-oss in small: sliding (window 8) and full layers alternating, attention sinks, a mixture of 4
-    experts. The sinks are drawn wide (N(1, 2)) instead of gpt-oss's near-zero initialisation, so that they
-    change every output; YaRN's original context is set so that its factor (32) matches the 512 positions."""
+def tiny_gpt_oss(seed: int = 0, *, sliding_window: int = 8, num_layers: int = 2) -> Any:
+    """gpt-oss in small (`tiny_model("gpt-oss")`): sliding (`sliding_window` tokens; gpt-oss's own is 128) and
+    full layers alternating, attention sinks, a mixture of 4 experts. The sinks are drawn wide (N(1, 2))
+    instead of gpt-oss's near-zero initialisation, so that they change every output; YaRN's original context
+    is set so that its factor (32) matches the 512 positions."""
+    import transformers as tf
+
     rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 16, "rope_theta": 150000.0}  # fmt: skip
-    config = tf.GptOssConfig(**{**llama_like, "head_dim": 16}, sliding_window=8, num_local_experts=4,
-                             num_experts_per_tok=2, rope_parameters=rope)  # fmt: skip
+    config = tf.GptOssConfig(
+        vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, sliding_window=sliding_window, num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters=rope,
+    )  # fmt: skip
+    torch.manual_seed(seed)
     model = tf.GptOssForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * 2.0 + 1.0)
-    return model
+    return model.eval()
