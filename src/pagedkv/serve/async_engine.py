@@ -35,7 +35,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.outputs import RequestOutput
@@ -142,6 +142,14 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
+class RequestOptions(TypedDict, total=False):
+    """`AsyncEngine.add_request`'s keyword options, as `generate` passes them on (same names, same defaults)."""
+
+    request_id: str | None
+    cache_salt: str | bytes | None
+    priority: int
+
+
 class AsyncEngine:
     """Serve an `Engine` to asyncio callers; see the module docstring."""
 
@@ -222,18 +230,11 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        cache_salt: str | bytes | None = None,
-        priority: int = 0,
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, **options: Unpack[RequestOptions]
     ) -> AsyncIterator[RequestOutput]:
-        """`add_request`, then its outputs; closing the iterator early (or cancelling) aborts the request."""
-        stream = self.add_request(
-            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, priority=priority
-        )
+        """`add_request` (with its keyword options), then its outputs; closing the iterator early (or
+        cancelling) aborts the request."""
+        stream = self.add_request(prompt_token_ids, params, **options)
         try:
             async for out in stream:
                 yield out
