@@ -15,7 +15,7 @@ from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
 from pagedkv.sim.hybrid import GroupedKV
 from pagedkv.sim.metrics import summarize
 from pagedkv.sim.runner import run_simulation
-from pagedkv.sim.simulator import SimConfig, _Replay, simulate
+from pagedkv.sim.simulator import Replay, SimConfig, simulate
 from pagedkv.sim.workload import WorkloadSpec, build_workload
 
 H100 = BUILTIN_GPUS["h100-80gb"]
@@ -32,7 +32,7 @@ def test_hybrid_pool_is_sized_in_hybrid_pages_with_the_models_groups() -> None:
     uniform = SimConfig(model, H100, "paged", max_model_len=8192).budget()
     assert budget.kv_budget_bytes == uniform.kv_budget_bytes, "same memory, other pages"
     assert budget.num_blocks == uniform.num_blocks * 2 or budget.num_blocks == uniform.num_blocks * 2 + 1
-    replay = _Replay(config, build_workload(LONG, 8192), budget)
+    replay = Replay(config, build_workload(LONG, 8192), budget)
     assert isinstance(replay.manager, HybridKVManager)
     assert [g.label() for g in replay.manager.groups] == ["sliding-4096", "full"]
     assert replay.manager.num_blocks == budget.num_usable_blocks

@@ -71,18 +71,22 @@ def manager_for(
     eviction: str = "lru",
     partial_reuse: bool = False,
     groups: Sequence[KVGroupSpec] | None = None,
+    record_events: bool = False,
 ) -> PagedKVManager | ContiguousKVManager | HybridKVManager:
     """A fresh, empty manager for simulator allocator `name` over `num_blocks` blocks of `block_size` tokens;
     `eviction` and `partial_reuse` apply where a paged allocator caches prefixes; `groups`: the hybrid
-    allocators' KV cache groups (one full group when not given)."""
+    allocators' KV cache groups (one full group when not given); `record_events`: the manager records its
+    cache events (a replica feeding a router, `pagedkv.sim.replicas`)."""
     if check_allocator(name) in _HYBRID:
-        return make_manager("hybrid", num_blocks, block_size, enable_prefix_caching=_HYBRID[name][1], groups=groups)
+        return make_manager("hybrid", num_blocks, block_size, enable_prefix_caching=_HYBRID[name][1], groups=groups,
+                            record_events=record_events)  # fmt: skip
     kind, prefix_caching = _MANAGERS[name]
     if not prefix_caching:
-        return make_manager(kind, num_blocks, block_size, enable_prefix_caching=False)
+        return make_manager(kind, num_blocks, block_size, enable_prefix_caching=False, record_events=record_events)
     return make_manager(
-        kind, num_blocks, block_size, enable_prefix_caching=True, eviction=eviction, partial_reuse=partial_reuse
-    )
+        kind, num_blocks, block_size, enable_prefix_caching=True, eviction=eviction, partial_reuse=partial_reuse,
+        record_events=record_events,
+    )  # fmt: skip
 
 
 def max_new_tokens_for(name: str, prompt_len: int, output_len: int, max_model_len: int) -> int:

@@ -27,8 +27,8 @@ from pagedkv.sim.options import (
     add_common_arguments,
     catalog_from,
     check_workload,
-    dropped_warning,
     sim_config_from,
+    warn_dropped,
     workload_from,
 )
 
@@ -55,22 +55,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=output_file(".png"),
         help="instead: sweep output-length spread x KV budget, write the decision chart (PNG) here",
     )
-    from pagedkv.sim.replicas import add_replica_arguments
-
-    add_replica_arguments(parser)
-    _tighten_replica_flags(parser)
+    _add_replica_arguments(parser)
 
 
-def _tighten_replica_flags(parser: argparse.ArgumentParser) -> None:
-    """`--replicas N` takes N >= 1 (absent: one GPU, no router), and the replica-only flags are told apart
-    from their defaults so that `run` can refuse them without `--replicas` (sim/replicas.py declares them)."""
-    for action in parser._actions:
-        if action.dest == "replicas":
-            action.default, action.type = None, int_at_least(1, 4096)
-        elif action.dest == "host_tier_gib":
-            action.default, action.type = None, nonnegative_float
-        elif action.dest in ("remote_tier_gib", "remote_bandwidth_gbs"):
-            action.type = positive_float
+def _router_list(text: str) -> list[str]:
+    from pagedkv.router import POLICIES
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or any(n not in POLICIES for n in names):
+        raise argparse.ArgumentTypeError(f"expected routers from {','.join(POLICIES)}, got {text!r}")
+    return names
+
+
+def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--replicas N` (N >= 1; absent: one GPU, no router) and the flags of the replicas' router and tiers
+    (`pagedkv.sim.replicas`); the tier flags default to None so that `run` can refuse them without it."""
+    from pagedkv.router import POLICIES
+    from pagedkv.sim.replicas import DEFAULT_REMOTE_BANDWIDTH, GB
+
+    r = parser.add_argument_group("replicas (scale-out: with --replicas, the paged-prefix allocator only)")
+    r.add_argument("--replicas", type=int_at_least(1, 4096), help="simulate N GPUs behind a router (default: off)")
+    r.add_argument(
+        "--router", type=_router_list, default=list(POLICIES), metavar="LIST",
+        help=f"routing policies to compare, comma-separated from {','.join(POLICIES)} (default: all)",
+    )  # fmt: skip
+    r.add_argument("--host-tier-gib", type=nonnegative_float, help="host-RAM KV tier per replica (GiB)")
+    r.add_argument("--remote-tier", action="store_true", help="a remote store shared by the replicas")
+    r.add_argument("--remote-tier-gib", type=positive_float, help="remote store capacity (default: unbounded)")
+    r.add_argument(
+        "--remote-bandwidth-gbs", type=positive_float, default=DEFAULT_REMOTE_BANDWIDTH / GB,
+        help="store bandwidth per replica, GB/s (default: 12.5, a 100 Gb/s NIC)",
+    )  # fmt: skip
 
 
 def _check_replica_flags(args: argparse.Namespace) -> None:
@@ -81,6 +96,40 @@ def _check_replica_flags(args: argparse.Namespace) -> None:
             raise InvalidArgumentError(f"{', '.join(given)} models replicas' tiers: add --replicas N")
     if args.host_tier_gib is None:
         args.host_tier_gib = 0.0
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    """`--replicas N`: the table (or JSON) of every router; every replica runs the one `--eviction` policy
+    given (default lru) and `--partial-reuse` if given, as `--allocators paged-prefix` would."""
+    from pagedkv.sim.replicas import GB, GIB, TierConfig, run_replicas
+    from pagedkv.sim.runner import _Progress
+    from pagedkv.sim.workload import build_workload
+
+    try:
+        if len(args.eviction) > 1:
+            raise InvalidArgumentError("--replicas runs one eviction policy on every replica: give one to --eviction")
+        config = sim_config_from(args, allocator="paged-prefix", eviction=(args.eviction or ["lru"])[0],
+                                 partial_reuse=args.partial_reuse)  # fmt: skip
+        tiers = TierConfig(
+            host_tier_bytes=int(args.host_tier_gib * GIB),
+            remote_tier=args.remote_tier or args.remote_tier_gib is not None,
+            remote_bytes=None if args.remote_tier_gib is None else int(args.remote_tier_gib * GIB),
+            remote_bandwidth=args.remote_bandwidth_gbs * GB,
+        )
+        workload = build_workload(workload_from(args), config.max_model_len)
+        bar = _Progress(len(workload.requests) * len(args.router), not args.no_progress and not args.json)
+        try:
+            report = run_replicas(
+                config, workload, num_replicas=args.replicas, routers=args.router, tiers=tiers, progress=bar
+            )
+        finally:
+            bar.close()
+    except PagedKVError as exc:
+        print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
+        return 2
+    warn_dropped("simulate", workload, config)
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.text())
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,9 +151,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
             return 2
     if args.replicas:
-        from pagedkv.sim.replicas import run_command
-
-        return run_command(args)
+        return _run_replicas(args)
 
     try:
         report = run_simulation(
@@ -128,15 +175,7 @@ def run(args: argparse.Namespace) -> int:
     except PagedKVError as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
         return 2
-    wl = report.workload
-    warning = dropped_warning(
-        wl.num_dropped,
-        len(wl.requests) + wl.num_dropped,
-        report.config.max_model_len,
-        report.config.model.max_model_len,
-    )
-    if warning:
-        print(f"pagedkv simulate: {warning}", file=sys.stderr)
+    warn_dropped("simulate", report.workload, report.config)
     _print_report(args, report)
     return 0
 

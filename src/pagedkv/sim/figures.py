@@ -1,4 +1,4 @@
-"""The two steps every pagedkv figure shares: a headless pyplot, and writing the PNG.
+"""The steps every pagedkv figure shares: a headless pyplot, one panel's labels, and writing the PNG.
 
 Imported lazily by the plotting functions (matplotlib is the optional `plot` extra), so commands that draw
 nothing never load it.
@@ -28,3 +28,10 @@ def save_figure(fig: Any, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     return path
+
+
+def label_panel(ax: Any, title: str, ylabel: str, legend_loc: str = "upper right") -> None:
+    """One panel's title (small, left), y label and legend, as every pagedkv figure draws them."""
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7, loc=legend_loc)

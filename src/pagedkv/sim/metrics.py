@@ -7,7 +7,8 @@ Definitions (all times simulated seconds; the span runs from the first arrival t
 - `kv_utilisation`: the fraction of the whole KV budget holding tokens, time-weighted over the span.
 - `mean_concurrency`: requests holding KV, time-weighted over the span (idle gaps count as zero);
   `peak_concurrency` its maximum.
-- `requests_per_s`, `tokens_per_s`: finished requests and generated tokens per second of span.
+- `requests_per_s`, `tokens_per_s`: finished requests and the tokens they generated per second of span (a
+  request the allocator refused generated none).
 - `ttft`: first token time minus arrival; `tpot`: (finish - first token) / (output tokens - 1), for
   requests with at least two output tokens.
 - `prefix_hit_rate`: prompt tokens served from the prefix cache at first admission / prompt tokens.
@@ -42,6 +43,32 @@ def _pct(values: np.ndarray, q: float) -> float:
     return float("nan") if value is None else value
 
 
+_LATENCY_KEYS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+
+
+def request_metrics(
+    arrival_s: np.ndarray, first_token_s: np.ndarray, finish_s: np.ndarray, output_len: np.ndarray
+) -> dict[str, Any]:
+    """The requests' side of a run (one GPU's or a fleet's): TTFT and TPOT percentiles, the span from the
+    first arrival to the last finish, finished requests and their generated tokens per second of it."""
+    done = np.isfinite(finish_s)
+    start = float(np.nanmin(arrival_s)) if np.isfinite(arrival_s).any() else 0.0
+    span = max(float(np.nanmax(finish_s)) - start, 1e-12) if done.any() else 1e-12
+    ttft = first_token_s - arrival_s
+    decode = output_len > 1
+    tpot = (finish_s[decode] - first_token_s[decode]) / (output_len[decode] - 1)
+    return {
+        "requests_per_s": int(done.sum()) / span,
+        "tokens_per_s": float(output_len[done].sum()) / span,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "num_requests": int(done.sum()),
+        "span_s": span,
+    }
+
+
 def summarize(trace: SimTrace) -> dict[str, Any]:
     """The metrics of one run (see the module docstring), as a flat JSON-ready dict."""
     dt = np.asarray(trace.step_s)
@@ -50,25 +77,16 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
     empty = np.asarray(trace.empty_slots, dtype=np.float64)
     stored = np.asarray(trace.stored_tokens, dtype=np.float64)
     running = np.asarray(trace.running, dtype=np.float64)
-    start = float(trace.arrival_s.min()) if trace.arrival_s.size else 0.0
-    end = float(np.nanmax(trace.finish_s)) if trace.finish_s.size else 0.0
-    span = max(end - start, 1e-12)
+    req = request_metrics(trace.arrival_s, trace.first_token_s, trace.finish_s, trace.output_len)
+    span = req["span_s"]
     reserved_time = float((reserved * dt).sum())
-    ttft = trace.first_token_s - trace.arrival_s
-    decode = trace.output_len > 1
-    tpot = (trace.finish_s[decode] - trace.first_token_s[decode]) / (trace.output_len[decode] - 1)
     prompt_tokens = int(trace.prompt_len.sum())
     return {
         "kv_waste": float((empty * dt).sum() / reserved_time) if reserved_time else 0.0,
         "kv_utilisation": float((stored * dt).sum() / (trace.budget.num_tokens * span)),
         "mean_concurrency": float((running * dt).sum() / span),
         "peak_concurrency": int(running.max()) if running.size else 0,
-        "requests_per_s": int(np.isfinite(trace.finish_s).sum()) / span,
-        "tokens_per_s": float(trace.output_len.sum()) / span,
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p99_s": _pct(ttft, 99),
-        "tpot_p50_s": _pct(tpot, 50),
-        "tpot_p99_s": _pct(tpot, 99),
+        **{k: req[k] for k in ("requests_per_s", "tokens_per_s", *_LATENCY_KEYS)},
         "preemptions": int(trace.preemptions),
         "rejected": int(trace.rejected),
         "prefix_hit_rate": float(trace.cached_tokens.sum() / prompt_tokens) if prompt_tokens else 0.0,
@@ -76,7 +94,7 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
         if trace.bytes_moved
         else 0.0,
         "page_table_bytes_fraction": trace.page_table_bytes / trace.bytes_moved if trace.bytes_moved else 0.0,
-        "num_requests": int(np.isfinite(trace.finish_s).sum()),
+        "num_requests": req["num_requests"],
         "num_steps": len(dt),
         "span_s": span,
         "num_blocks": trace.budget.num_blocks,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.cli_args import (
@@ -23,7 +24,7 @@ from pagedkv.engine.cli_args import (
 from pagedkv.sim.allocators import ALLOCATORS
 from pagedkv.sim.catalog import EXAMPLE_CATALOG, Catalog
 from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig
-from pagedkv.sim.workload import ARRIVALS, DEFAULT_WORKLOAD, GENERATORS, WorkloadSpec
+from pagedkv.sim.workload import ARRIVALS, DEFAULT_WORKLOAD, GENERATORS, Workload, WorkloadSpec
 from pagedkv.workloads.generators import AZURE_CONV_OUTPUT_LOGNORMAL, AZURE_CONV_PROMPT_LOGNORMAL
 
 MAX_REQUESTS = 10_000_000  # requests one workload may hold (each is at least a few hundred bytes)
@@ -211,20 +212,9 @@ def workload_from(args: argparse.Namespace) -> WorkloadSpec:
         arrivals = "poisson"  # a generator with --rate means Poisson arrivals
     if arrivals == "poisson" and args.rate is None:
         raise InvalidArgumentError("--arrivals poisson needs --rate (requests/s)")
-    return WorkloadSpec(
-        source=args.trace or args.workload,
-        num_requests=args.num_requests,
-        arrivals=arrivals,
-        rate=args.rate,
-        time_scale=args.time_scale,
-        seed=args.seed,
-        prompt_len=args.prompt_len,
-        output_len=args.output_len,
-        system_prompt_len=args.system_prompt_len,
-        turns=args.turns,
-        prompt_lognormal=args.prompt_lognormal,
-        output_lognormal=args.output_lognormal,
-    )
+    same = ("num_requests", "rate", "time_scale", "seed", "prompt_len", "output_len", "system_prompt_len", "turns",
+            "prompt_lognormal", "output_lognormal")  # WorkloadSpec fields spelled as their flags  # fmt: skip
+    return WorkloadSpec(source=args.trace or args.workload, arrivals=arrivals, **{f: getattr(args, f) for f in same})
 
 
 def activation_bytes_from(args: argparse.Namespace) -> int | None:
@@ -289,6 +279,16 @@ def check_workload(spec: WorkloadSpec, max_model_len: int) -> None:
     check_fits_memory(
         int(8 * tokens), f"a workload of {spec.num_requests:,} requests", "lower --num-requests or the lengths"
     )
+
+
+def warn_dropped(command: str, workload: Workload, config: SimConfig) -> None:
+    """Print `dropped_warning` for `workload` under `config` on stderr, prefixed `pagedkv <command>:`, if any."""
+    warning = dropped_warning(
+        workload.num_dropped, len(workload.requests) + workload.num_dropped, config.max_model_len,
+        config.model.max_model_len,
+    )  # fmt: skip
+    if warning:
+        print(f"pagedkv {command}: {warning}", file=sys.stderr)
 
 
 def dropped_warning(num_dropped: int, num_total: int, max_model_len: int, model_max_len: int) -> str | None:

@@ -16,7 +16,7 @@ GIB = 1024**3  # as the budget arithmetic prints
 
 def plot_report(report: SimulationReport, path: str | Path) -> Path:
     """Write a PNG with one row per allocator; the title names model, GPU, workload and block size."""
-    from pagedkv.sim.figures import pyplot, save_figure
+    from pagedkv.sim.figures import label_panel, pyplot, save_figure
 
     plt = pyplot()
 
@@ -35,19 +35,15 @@ def plot_report(report: SimulationReport, path: str | Path) -> Path:
         kv.plot(x, in_use, drawstyle="steps-post", color="tab:blue", lw=0.9, label="in use (tokens)")
         kv.axhline(budget_gb, color="grey", ls="--", lw=0.8, label="KV budget")
         s = report.results[name]
-        kv.set_title(f"{name}: KV waste {100 * s['kv_waste']:.1f}%", fontsize=9, loc="left")
-        kv.set_ylabel("KV (GiB)")
-        kv.legend(fontsize=7, loc="upper right")
+        label_panel(kv, f"{name}: KV waste {100 * s['kv_waste']:.1f}%", "KV (GiB)")
         conc.plot(x, t.running, drawstyle="steps-post", color="tab:green", lw=0.9, label="running")
         conc.plot(x, t.waiting, drawstyle="steps-post", color="tab:red", lw=0.7, alpha=0.7, label="waiting")
-        conc.set_title(
+        label_panel(
+            conc,
             f"{name}: mean {s['mean_concurrency']:.1f} / peak {s['peak_concurrency']} concurrent, "
             f"{s['requests_per_s']:.2f} req/s",
-            fontsize=9,
-            loc="left",
+            "requests",
         )
-        conc.set_ylabel("requests")
-        conc.legend(fontsize=7, loc="upper right")
     for ax in axes[-1]:
         ax.set_xlabel("simulated time (s)")
     tp = f"{c.tensor_parallel} x " if c.tensor_parallel > 1 else ""

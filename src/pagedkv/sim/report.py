@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.sim.runner import SimulationReport
+
+if TYPE_CHECKING:
+    from pagedkv.sim.replicas import ReplicaReport
 
 _COLUMNS: tuple[tuple[str, str, str], ...] = (
     # (header, key, format)
@@ -33,10 +36,12 @@ def _cell(value: Any, fmt: str) -> str:
     return format(value, fmt)
 
 
-def table(rows: dict[str, dict[str, Any]], first: str = "allocator") -> list[str]:
-    """Aligned rows of the metrics in `rows` (name -> summary)."""
-    header = [first] + [h for h, _, _ in _COLUMNS]
-    body = [[name] + [_cell(r[k], f) for _, k, f in _COLUMNS] for name, r in rows.items()]
+def table(
+    rows: dict[str, dict[str, Any]], first: str = "allocator", columns: tuple[tuple[str, str, str], ...] = _COLUMNS
+) -> list[str]:
+    """Aligned rows of the metrics in `rows` (name -> summary): `columns` are (header, key, format)."""
+    header = [first] + [h for h, _, _ in columns]
+    body = [[name] + [_cell(r[k], f) for _, k, f in columns] for name, r in rows.items()]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = []
     for row in [header, *body]:
@@ -109,6 +114,29 @@ def simulate_text(report: SimulationReport) -> str:
             out += ["", f"block-size sweep, {name}:", *table(rows, "run")]
             cache = cache_table(rows)
             out += ["", *cache] if cache else []
+    return "\n".join(out)
+
+
+# `simulate --replicas N`: one row per router
+_REPLICA_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("prefix hit", "prefix_hit_rate", "pct"), ("GPU", "gpu_hit_rate", "pct"), ("host", "host_hit_rate", "pct"),
+    ("remote", "remote_hit_rate", "pct"), ("TTFT p50", "ttft_p50_s", "s"), ("TTFT p99", "ttft_p99_s", "s"),
+    ("TPOT p50", "tpot_p50_s", "ms"), ("TPOT p99", "tpot_p99_s", "ms"), ("tok/s", "tokens_per_s", ".0f"),
+    ("req/s", "requests_per_s", ".2f"),
+)  # fmt: skip
+
+
+def replicas_text(report: ReplicaReport) -> str:
+    """`simulate --replicas N`'s table: what ran where, then one row per router and its requests per replica."""
+    c = report.config
+    out = [
+        f"{report.num_replicas} x {c.model.name} on {c.gpu.name}, {report.tiers.describe()}",
+        f"workload: {report.workload.name}; {report.workload.notes()}",
+        "",
+        *table(report.results, "router", _REPLICA_COLUMNS),
+        "",
+    ]
+    out += [f"{name}: requests per replica {res['requests_per_replica']}" for name, res in report.results.items()]
     return "\n".join(out)
 
 

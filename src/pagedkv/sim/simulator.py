@@ -18,11 +18,16 @@ When nothing is running and nothing can be scheduled, time jumps to the next arr
 never be admitted (the allocator cannot hold it even empty) is an error, not a hang. Nothing here is random:
 the same workload and configuration give the same numbers. At the end every block must be back in the pool
 (a leak is an `InvariantError`).
+
+`Replay` is one GPU's state and phases; `simulate` drives one of them with its own `Arrivals`.
+`pagedkv.sim.replicas` drives N of them (one per replica, sharing one `Arrivals`) behind a router: a replica
+is this replay, fed the requests the router sends it (`Replay.add`) and stepped by `Replay.step`.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,47 +191,35 @@ def simulate(
     `check_every > 0` runs the allocator's `check_invariants()` every that many steps (tests).
     """
     budget = config.budget()
-    if not _fits(budget, config.max_model_len):
-        raise CapacityError(
-            f"the KV budget of {budget.kv_budget_bytes / 2**30:.3f} GiB holds {budget.num_tokens} tokens "
-            f"({budget.num_blocks} blocks of {config.block_size}), less than one request of "
-            f"max_model_len={config.max_model_len}; lower --max-model-len or give the cache more memory"
-        )
-    replay = _Replay(config, workload, budget)
+    check_budget(config, budget)
+    replay = Replay(config, workload, budget)
     steps = 0
-    while replay.pending or replay.scheduler.has_unfinished():
+    while replay.arrivals.pending or replay.scheduler.has_unfinished():
         replay.admit_arrivals()
-        output = replay.scheduler.schedule()
-        replay.drop_rejected(output)
-        if not output.scheduled:
+        if not replay.step(progress):
             replay.wait_or_fail()
             continue
-        replay.run_step(output, progress)
         steps += 1
         if check_every and steps % check_every == 0:
             replay.manager.check_invariants()
     return replay.finish()
 
 
-class _Replay:
-    """The state of one `simulate` run, advanced one scheduler step at a time by its phases: admit the
-    requests that have arrived, drop the ones the allocator can never hold, charge the step's time, sample,
-    measure KV use, then retire finished requests (releasing the next turns of their chats)."""
+def check_budget(config: SimConfig, budget: KVBudget) -> None:
+    """Refuse a KV budget that cannot hold one request of `max_model_len` tokens (`CapacityError`)."""
+    if not _fits(budget, config.max_model_len):
+        raise CapacityError(
+            f"the KV budget of {budget.kv_budget_bytes / 2**30:.3f} GiB holds {budget.num_tokens} tokens "
+            f"({budget.num_blocks} blocks of {config.block_size}), less than one request of "
+            f"max_model_len={config.max_model_len}; lower --max-model-len or give the cache more memory"
+        )
 
-    def __init__(self, config: SimConfig, workload: Workload, budget: KVBudget) -> None:
-        self.config = config
-        self.workload = workload
-        self.budget = budget
-        self.hybrid = is_hybrid_allocator(config.allocator)
-        self.manager = manager_for(
-            config.allocator, budget.num_blocks, config.block_size, eviction=config.eviction,
-            partial_reuse=config.partial_reuse, groups=manager_groups(config.model) if self.hybrid else None,
-        )  # fmt: skip
-        self.windows: dict[int | None, int] = {}  # layers per window (None: full attention)
-        for w in config.model.layer_windows:
-            self.windows[w] = self.windows.get(w, 0) + 1
-        self.scheduler = Scheduler(self.manager, config.scheduler)
-        self.step_model = config.step_model()
+
+class Arrivals:
+    """When each request of a workload arrives: a first turn at its trace time, a chat's next turn `think_s`
+    after its previous turn finishes (or is refused: the chat goes on). One per run, shared by its replays."""
+
+    def __init__(self, workload: Workload) -> None:
         self.reqs = {r.index: r for r in workload.requests}
         self.children: dict[int, list[int]] = {}
         self.pending: list[tuple[float, int]] = []  # (arrival, index) heap of requests whose arrival is known
@@ -236,6 +229,46 @@ class _Replay:
             else:
                 self.pending.append((r.arrival_s, r.index))
         heapq.heapify(self.pending)
+
+    def next_s(self) -> float:
+        """The next known arrival time (inf: none)."""
+        return self.pending[0][0] if self.pending else math.inf
+
+    def pop(self) -> tuple[float, GeneratedRequest]:
+        t, index = heapq.heappop(self.pending)
+        return t, self.reqs[index]
+
+    def follow(self, index: int, now: float) -> None:
+        """Request `index` is done at `now`: its chat's next turns arrive after their think time."""
+        for child in self.children.get(index, ()):
+            heapq.heappush(self.pending, (now + self.reqs[child].think_s, child))
+
+
+class Replay:
+    """One GPU's run, advanced one scheduler step at a time by its phases: admit the requests that have
+    arrived, drop the ones the allocator can never hold, charge the step's time, sample, measure KV use,
+    then retire finished requests (releasing the next turns of their chats through `arrivals`).
+    `record_events`: the manager records its cache events (a replica behind a router)."""
+
+    def __init__(
+        self, config: SimConfig, workload: Workload, budget: KVBudget, *, arrivals: Arrivals | None = None,
+        record_events: bool = False,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.workload = workload
+        self.budget = budget
+        self.hybrid = is_hybrid_allocator(config.allocator)
+        self.manager = manager_for(
+            config.allocator, budget.num_blocks, config.block_size, eviction=config.eviction,
+            partial_reuse=config.partial_reuse, groups=manager_groups(config.model) if self.hybrid else None,
+            record_events=record_events,
+        )  # fmt: skip
+        self.windows: dict[int | None, int] = {}  # layers per window (None: full attention)
+        for w in config.model.layer_windows:
+            self.windows[w] = self.windows.get(w, 0) + 1
+        self.scheduler = Scheduler(self.manager, config.scheduler)
+        self.step_model = config.step_model()
+        self.arrivals = arrivals or Arrivals(workload)
         n = len(workload.requests)
         self.order = {r.index: i for i, r in enumerate(workload.requests)}
         self.arrival = np.zeros(n)
@@ -251,41 +284,56 @@ class _Replay:
 
     def admit_arrivals(self) -> None:
         """Jump over idle time to the next arrival, then hand every request that has arrived to the scheduler."""
-        from pagedkv.engine.request import Request
+        arrivals = self.arrivals
+        if not self.scheduler.has_unfinished() and arrivals.next_s() > self.now:
+            self.now = arrivals.next_s()  # idle: jump to the next arrival
+        while arrivals.next_s() <= self.now:
+            t, g = arrivals.pop()
+            self.add(g, t)
 
-        config, pending = self.config, self.pending
-        if not self.scheduler.has_unfinished() and pending[0][0] > self.now:
-            self.now = pending[0][0]  # idle: jump to the next arrival
-        while pending and pending[0][0] <= self.now:
-            t, index = heapq.heappop(pending)
-            g = self.reqs[index]
-            req = Request(
-                str(index),
-                g.prompt_token_ids,
-                max_new_tokens_for(config.allocator, g.prompt_len, g.output_len, config.max_model_len),
-                arrival_time=t,
-                eos_token_id=EOS_TOKEN_ID,
-            )
-            self.arrival[self.order[index]] = t
-            self.live[req.request_id] = (g, req)
-            self.scheduler.add_request(req)
+    def add(self, g: GeneratedRequest, arrival_s: float) -> None:
+        """Request `g`, which arrived at `arrival_s`, joins the scheduler's queue."""
+        config = self.config
+        req = Request(
+            str(g.index),
+            g.prompt_token_ids,
+            max_new_tokens_for(config.allocator, g.prompt_len, g.output_len, config.max_model_len),
+            arrival_time=arrival_s,
+            eos_token_id=EOS_TOKEN_ID,
+        )
+        self.arrival[self.order[g.index]] = arrival_s
+        self.live[req.request_id] = (g, req)
+        self.scheduler.add_request(req)
+
+    def step(self, progress: Callable[[int], None] | None) -> bool:
+        """One scheduler step; False when nothing could be scheduled (the clock has not moved)."""
+        output = self.scheduler.schedule()
+        self.drop_rejected(output)
+        if not output.scheduled:
+            return False
+        self.run_step(output, progress)
+        return True
 
     def drop_rejected(self, output: Any) -> None:
         """Requests that can never fit finish without a token; a chat goes on even if one turn was refused."""
         for req in getattr(output, "rejected", ()):
             g, _ = self.live.pop(req.request_id)
             self.out.rejected += 1
-            self._release_children(g.index)
+            self.arrivals.follow(g.index, self.now)
 
     def wait_or_fail(self) -> None:
         """Nothing was scheduled: wait for the next arrival, or fail when nothing can ever run."""
         if not self.scheduler.has_unfinished():
             return
-        if self.pending:
-            self.now = max(self.now, self.pending[0][0])
+        if self.arrivals.pending:
+            self.now = max(self.now, self.arrivals.next_s())
             return
+        raise self.stuck()
+
+    def stuck(self) -> CapacityError:
+        """The error for waiting requests that nothing will ever let run."""
         config = self.config
-        raise CapacityError(
+        return CapacityError(
             f"simulator: {self.scheduler.num_waiting} request(s) can never be scheduled with allocator "
             f"{config.allocator!r} ({self.budget.num_blocks} blocks of {config.block_size} tokens, "
             f"max_model_len {config.max_model_len}); the budget is too small for one request"
@@ -306,7 +354,7 @@ class _Replay:
             i = self.order[g.index]
             self.first_token[i] = req.first_token_time
             self.finish_time[i] = req.finish_time
-            self._release_children(g.index)
+            self.arrivals.follow(g.index, self.now)
         if finished and progress is not None:
             progress(len(finished))
 
@@ -406,10 +454,6 @@ class _Replay:
             first = np.zeros_like(computed) if w is None else np.maximum(computed - w + 1, 0)
             token_layers += n * int(np.maximum(held - first, 0).sum())
         return float(token_layers) * self.config.model.kv_bytes_per_layer_token
-
-    def _release_children(self, index: int) -> None:
-        for child in self.children.get(index, ()):
-            heapq.heappush(self.pending, (self.now + self.reqs[child].think_s, child))
 
     def finish(self) -> SimTrace:
         """Check the allocator is whole and empty, then fill the per-request arrays."""
