@@ -66,6 +66,17 @@ def test_plan_json(capsys) -> None:
     assert all("max_concurrent" in a for a in data["allocators"].values()), "max_concurrent per allocator"
 
 
+@pytest.mark.parametrize("flags", [["--eviction", "slru"], ["--eviction", "all"], ["--partial-reuse"]])
+def test_plan_refuses_cache_policy_flags_it_cannot_honour(flags: list[str], capsys) -> None:
+    """plan counts live requests at one moment: no block is evicted or copied there, so it refuses the
+    cache-policy flags in one line (it used to accept and ignore --eviction), and still plans without them."""
+    assert main(["plan", "--workload", "fixed", "--num-requests", "10", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"pagedkv plan: error: {flags[0]}") and "pagedkv simulate" in captured.err
+    assert main(["plan", "--workload", "fixed", "--num-requests", "10", "--json"]) == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -1,7 +1,10 @@
 """`pagedkv plan`: the capacity planner (no simulation): KV budget, bytes per token and per block, and how
 many concurrent requests fit with each allocator for a model, GPU, max_model_len and workload. It models
 no time: the default workload plans in about a second, a 12,000-request Mooncake trace in a few (most of it
-building the requests; docs/benchmarks.md has the figures). `--list` prints the known models and GPUs."""
+building the requests; docs/benchmarks.md has the figures). `--list` prints the known models and GPUs.
+
+It counts the requests live at one moment, so nothing in it evicts or copies a cached block: `--eviction` and
+`--partial-reuse` (prefix-cache policies over time, `pagedkv simulate`'s) are refused, not ignored."""
 
 from __future__ import annotations
 
@@ -10,14 +13,14 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pagedkv.core.errors import PagedKVError
+from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import OneLineParser
 from pagedkv.sim.options import (
     add_common_arguments,
     catalog_from,
     check_workload,
-    dropped_warning,
     sim_config_from,
+    warn_dropped,
     workload_from,
 )
 
@@ -36,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         return _print_catalog(args)
     try:
+        _refuse_cache_policy(args)
         config = sim_config_from(args)
-        model = config.model
         budget = config.budget()
         spec = workload_from(args)
         check_workload(spec, config.max_model_len)
@@ -49,14 +52,7 @@ def run(args: argparse.Namespace) -> int:
     except PagedKVError as exc:
         print(f"pagedkv plan: error: {exc}", file=sys.stderr)
         return 2
-    warning = dropped_warning(
-        workload.num_dropped,
-        len(workload.requests) + workload.num_dropped,
-        config.max_model_len,
-        model.max_model_len,
-    )
-    if warning:
-        print(f"pagedkv plan: {warning}", file=sys.stderr)
+    warn_dropped("plan", workload, config)
     plan["dropped"] = workload.num_dropped
     if args.json:
         print(json.dumps(plan, indent=2))
@@ -67,6 +63,16 @@ def run(args: argparse.Namespace) -> int:
 
             print(hybrid_text(plan["kv_groups"], plan["allocators"]["paged"]))
     return 0
+
+
+def _refuse_cache_policy(args: argparse.Namespace) -> None:
+    """The plan has no place where a cached block is evicted or copied: refuse those flags (one line)."""
+    given = [f for f, v in (("--eviction", args.eviction), ("--partial-reuse", args.partial_reuse)) if v]
+    if given:
+        raise InvalidArgumentError(
+            f"{' and '.join(given)}: plan counts the requests live at one moment, where no cached block is "
+            "evicted or copied; compare cache policies over time with pagedkv simulate"
+        )
 
 
 def _print_catalog(args: argparse.Namespace) -> int:
