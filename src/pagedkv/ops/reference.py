@@ -19,6 +19,9 @@ longest sequence (and, with a window, not below the earliest visible key) are vi
 shorter sequence's end are clamped to its own last block (table entries beyond `seq_lens` are never read),
 masked, and their V rows zeroed.
 
+Attention sinks (`AttentionOptions.sinks`, gpt-oss): after a query chunk's last tile each row's denominator
+gains exp(sink - m), m the row's running max that the denominator is relative to; the output gains nothing.
+
 Numerics: float32 throughout (half inputs are upcast after the gather), output cast to the query dtype.
 Exponents are floored at -87 (weight 1.6e-38 instead of 0 for masked keys: below float32 resolution next
 to the row max's weight 1, and it keeps CPU exp off its slow denormal path). The tile width and the query

@@ -33,6 +33,10 @@ once, so the grid size needs no host sync. Block sizes that are not a power of t
 the block size is then a runtime value and the table is read per key position (correct for any size, one
 compile for all of them).
 
+Attention sinks (`HAS_SINKS`, gpt-oss): each query head's sink logit joins the softmax's denominator at the
+end, as 2^(sink * log2(e) - m) against the row's running max m, when the rows are stored (or, with
+splits, once in `_merge_splits_kernel` against the max over the splits); it adds no value.
+
 Numerics: float32 scores and accumulation; P is rounded to the value dtype before the P.V dot (as
 FlashAttention does) for half caches (under the interpreter, whose bfloat16 dot is broken, bfloat16
 operands are upcast to float32 after that rounding); float32 caches use IEEE float32 dots (no TF32). fp8 (e4m3) caches are
