@@ -33,6 +33,9 @@ def test_figures_and_the_simulators_prediction_of_a_run() -> None:
     prompts = 2 * 21 + 2 * 31
     assert s["prefix_hit_rate"] == pytest.approx((16 + 24 + 24) / prompts)
     assert s["requests_per_replica"] == [4] and s["imbalance"] == 1.0 and s["tokens_per_s"] == 8.0
+    run.replicas = 2  # a replica that served nothing counts: everything on one of two is 2x the mean
+    assert run.summary()["requests_per_replica"] == [4, 0] and run.summary()["imbalance"] == 2.0
+    run.replicas = 0
     args = argparse.ArgumentParser()
     add_arguments(args)
     ns = args.parse_args(["--replicas", "2"])

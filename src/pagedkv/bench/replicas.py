@@ -122,6 +122,7 @@ class RouterRun:
     wall_s: float = 0.0
     load: tuple[float, float] = (math.nan, math.nan)  # 1-minute load average before and after the run
     decisions: dict[str, int] = field(default_factory=dict)  # pagedkv's: decisions, fallbacks
+    replicas: int = 0  # replicas deployed (those that served nothing count too)
 
     def summary(self) -> dict[str, Any]:
         ttft = np.array([t.ttft_s for t in self.turns])
@@ -129,6 +130,7 @@ class RouterRun:
         for t in self.turns:
             per[t.replica] = per.get(t.replica, 0) + 1
         counts = sorted(per.values(), reverse=True)
+        counts += [0] * (self.replicas - len(counts))
         where = {(t.conversation, t.turn): t.replica for t in self.turns}
         later = [t for t in self.turns if t.turn > 0]
         stayed = sum(where.get((t.conversation, t.turn - 1)) == t.replica for t in later)
@@ -263,6 +265,7 @@ def measure(
         time.sleep(1.0)  # routing stats (the replicas' event endpoints) reach this process's handle
         before = os.getloadavg()[0]
         run = asyncio.run(_drive(app.replicas, trace, spec, router))
+        run.replicas = args.replicas
         run.load = (before, os.getloadavg()[0])
         run.decisions = _decisions(app.replicas)
         print(f"  {router}: {_round_line(run.summary())}", flush=True)
