@@ -14,11 +14,11 @@ import sys
 from collections.abc import Sequence
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
-from pagedkv.engine.cli_args import OneLineParser
 from pagedkv.sim.options import (
     add_common_arguments,
     catalog_from,
     check_workload,
+    command_main,
     sim_config_from,
     warn_dropped,
     workload_from,
@@ -97,9 +97,7 @@ def _print_catalog(args: argparse.Namespace) -> int:
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """`pagedkv plan` as a function."""
-    parser = OneLineParser(prog="pagedkv plan")
-    add_arguments(parser)
-    return run(parser.parse_args(list(argv) if argv is not None else None))
+    return command_main("pagedkv plan", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
-    OneLineParser,
     int_at_least,
     nonnegative_float,
     output_file,
@@ -27,6 +26,7 @@ from pagedkv.sim.options import (
     add_common_arguments,
     catalog_from,
     check_workload,
+    command_main,
     sim_config_from,
     warn_dropped,
     workload_from,
@@ -210,9 +210,7 @@ def _print_report(args: argparse.Namespace, report: Any) -> None:
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     """`pagedkv simulate` as a function: `simulate_main(["--plot", "out.png"])` (for the demo)."""
-    parser = OneLineParser(prog="pagedkv simulate")
-    add_arguments(parser)
-    return run(parser.parse_args(list(argv) if argv is not None else None))
+    return command_main("pagedkv simulate", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

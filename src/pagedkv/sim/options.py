@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable, Sequence
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.cli_args import (
     MAX_TOKENS,
+    OneLineParser,
     add_block_size,
     add_scheduler_arguments,
     check_fits_memory,
@@ -279,6 +281,19 @@ def check_workload(spec: WorkloadSpec, max_model_len: int) -> None:
     check_fits_memory(
         int(8 * tokens), f"a workload of {spec.num_requests:,} requests", "lower --num-requests or the lengths"
     )
+
+
+def command_main(
+    prog: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: Sequence[str] | None,
+) -> int:
+    """A command as a function (`simulate_main([...])`): parse `argv` (None: the process's) with one-line
+    errors, then run it."""
+    parser = OneLineParser(prog=prog)
+    add_arguments(parser)
+    return run(parser.parse_args(list(argv) if argv is not None else None))
 
 
 def warn_dropped(command: str, workload: Workload, config: SimConfig) -> None:
