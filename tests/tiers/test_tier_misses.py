@@ -112,3 +112,26 @@ def test_the_server_metric_reports_tier_misses(tmp_path: Path) -> None:
     text = metrics.exposition().decode()
     assert f'pagedkv:prefix_cache_miss_tokens_total{{model_name="m",reason="tier"}} {float(tier)}' in text
     engine.close()
+
+
+@pytest.mark.parametrize(("family", "num_blocks"), [("gemma2", 36), ("mistral", 12)])
+def test_the_hybrid_allocator_counts_lost_tier_tokens_too(tmp_path: Path, family: str, num_blocks: int) -> None:
+    """With `allocator="hybrid"` (a block has one copy per KV cache group in the tiers) the same loss counts
+    once per block, under `tier`, in the hybrid manager's own counter; outputs as without tiers."""
+    def hybrid(**tiers: Any) -> Engine:
+        config = EngineConfig(num_blocks=num_blocks, block_size=BS, allocator="hybrid", **tiers)
+        return Engine(tiny_model(family, 0), None, config)
+
+    reference, _ = rounds(hybrid())
+    engine = hybrid(disk_path=str(tmp_path), disk_bytes=64 * 4096)
+    outs, missed = rounds(engine, corrupt_disk)
+    stats, misses = engine.stats.tiers, engine.stats.cache_misses
+    assert outs == reference
+    assert misses is engine.manager.misses and stats is not None
+    lost_loads = stats.losses["checksum"] + stats.losses["header"]
+    assert lost_loads > 0 and stats.cached_tokens["DISK"] == 0, stats.as_dict()
+    groups = engine.manager.num_groups
+    assert 0 < misses.tokens["tier"] <= missed and misses.tokens["tier"] % BS == 0, (misses.tokens, missed)
+    assert misses.tokens["tier"] == BS * lost_loads // groups, "a block counts once, not once per group's copy"
+    assert misses.lookups["tier"] == 2 and misses.tokens["evicted"] > 0, misses.tokens
+    engine.close()

@@ -34,6 +34,8 @@ Per group g and sequence, the table is a run of leading null entries, then real 
   `PagedKVManager` (a block is written in place only when its writer is its sole holder and it has no
   key). A rollback may not go back past a block a group has already released (`InvalidArgumentError`).
 - Tier hits per group (`fetch_blocks`, `hybrid_fetch.py`): a block is fetched when every group's copy is.
+- Miss reasons (`misses`, `stats.miss_tokens`; `hybrid_misses.py`): `PagedKVManager`'s reasons, for the
+  first block after the hit in the first group that limited it.
 - Retention as `PagedKVManager`'s: `pin` holds the blocks a cached prefix's hit needs in every group until
   `unpin`; `bump_epoch` makes every published key unmatchable; salts and extra keys qualify every group.
 - `check_invariants` checks the pool, every group's table, reference counts over all groups, null
@@ -53,8 +55,10 @@ from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_gro
 from pagedkv.core.hybrid_check import check_hybrid
 from pagedkv.core.hybrid_fetch import HybridFetch
 from pagedkv.core.hybrid_growth import HybridGrowth
+from pagedkv.core.hybrid_misses import HybridMisses
 from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
 from pagedkv.core.manager import PinHandle
+from pagedkv.core.misses import MissCounter
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, Key, key_function
 from pagedkv.core.protocol import Admission, CSRPages, ManagerStats
@@ -77,7 +81,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 OUT_OF_WINDOW_PRIORITY = -(2**62)  # released as the window passed: evicted before anything else cached
 
 
-class HybridKVManager(HybridGrowth, HybridFetch, HybridLifecycle):
+class HybridKVManager(HybridGrowth, HybridFetch, HybridMisses, HybridLifecycle):
     """Per-group block tables over one pool; see the module docstring for the contract."""
 
     def __init__(
@@ -116,6 +120,7 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridLifecycle):
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = self._cow_copies = 0
         self._epoch = 0  # keys published under an earlier epoch match nothing (`bump_epoch`)
         self._origins = BlockOrigins(block_size)  # parent and tokens of published blocks, for event feeds
+        self.misses = MissCounter()  # why admitted prompt tokens missed the cache, live (`hybrid_misses.py`)
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -168,6 +173,7 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridLifecycle):
         return ManagerStats(
             self._admissions, self._preemptions, self._prompt_tokens, self._cached_tokens,
             self.pool.stats.evictions, self._cow_copies, 0, self.pool.num_in_use, self.num_blocks,
+            miss_lookups=dict(self.misses.lookups), miss_tokens=dict(self.misses.tokens),
         )  # fmt: skip
 
     def num_tokens(self, seq_id: int) -> int:
@@ -341,13 +347,15 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridLifecycle):
         if total + keep_free > self.pool.num_available:
             return None
         # --- commit (nothing below can fail) ---
+        miss = self._count_miss(tokens, keys, k) if self.enable_prefix_caching else None  # before evicting
         all_hits = np.concatenate(hits)
         if len(all_hits):
             self.pool.touch_hits(all_hits)
         ids = self.pool.allocate(sum(new)) if sum(new) else _EMPTY
         row = self._new_row()
         seq = self.seqs[row] = SeqState(
-            tokens.tolist(), k * bs, priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n
+            tokens.tolist(), k * bs, priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n,
+            miss=miss,
         )
         for g, t in enumerate(self.tables):
             lo = k - len(hits[g])

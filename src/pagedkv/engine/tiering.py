@@ -30,7 +30,7 @@ compute, and the prompt's last token is always computed. A failed or short load 
 chunk to be computed. A request's tier hits are counted at its first admission, like the device's
 (`RequestOutput.num_cached_tokens_by_tier`). Blocks a tier held and lost (a failed load, or a key the store
 remembers it dropped or failed to write: `LoadPlan.num_lost`) count under the miss reason `tier` in the
-manager's `misses` (the engine's `stats.cache_misses`; paged allocator only).
+manager's `misses` (the engine's `stats.cache_misses`; both allocators keep one).
 
 With the hybrid allocator (`HybridKVManager`) a block has one copy per KV cache group: the tiers store
 each under its group-qualified key (`pagedkv.core.group_keys`), a fetch asks for every group's key of a
@@ -168,11 +168,10 @@ class EngineTiering:
 
     def _count_lost(self, served: int, lost: int) -> None:
         """The whole blocks after the `served` keys that a tier held and lost (`LoadPlan.num_lost`): their
-        tokens count under the miss reason `tier` (`pagedkv.core.misses`; the hybrid manager keeps no miss
-        reasons)."""
+        tokens count under the miss reason `tier` (`pagedkv.core.misses`), in the manager's counter."""
         per = self._keys_per_block
         blocks = (served + lost) // per - served // per
-        if blocks and isinstance(self.manager, PagedKVManager):
+        if blocks:
             self.manager.misses.count_tier(blocks * self.block_size)
 
     def before_forward(self, out: SchedulerOutput) -> None:
