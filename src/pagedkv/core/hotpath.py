@@ -256,8 +256,8 @@ class PythonBackend:
         """Eviction: drop the keys of blocks `ids` from `key_of`, and from the index where it maps to them;
         `prefix` is the tuple (index, key_of, keyed) (`IndexArrays`). `keyed` is left to the owner, who
         clears it for all `ids` in one numpy call. With a bitmap `dropped` (a writable 1-D array of 1-byte
-        items, its length a power of two), each dropped key sets `dropped[hash(key) & (len - 1)] = 1`: the
-        prefix index's memory of evicted keys. TypeError if `prefix` is not a 3-tuple or `dropped` is not
+        items, its length a power of two), each dropped key sets bit `s % 8` of `dropped[s // 8]`, where
+        `s = hash(key) & (8 * len - 1)`: the prefix index's memory of evicted keys. TypeError if `prefix` is not a 3-tuple or `dropped` is not
         such a bitmap (checked before anything changes)."""
         if not (isinstance(prefix, tuple) and len(prefix) == 3):
             raise TypeError("forget_keys: prefix must be a tuple (index, key_of, keyed)")
@@ -271,7 +271,7 @@ class PythonBackend:
                 view.nbytes & (view.nbytes - 1)
             ):
                 raise TypeError("forget_keys: dropped must be a writable 1-D array of 1-byte items, its length a power of two")
-            mask = view.nbytes - 1
+            mask = 8 * view.nbytes - 1
         index, key_of, _ = prefix
         block_ids = _as_list(ids)
         if block_ids and not (min(block_ids) >= 0 and max(block_ids) < len(key_of)):
@@ -282,7 +282,8 @@ class PythonBackend:
                 if index.get(key) == block_id:
                     del index[key]
                 if dropped is not None:
-                    dropped[hash(key) & mask] = 1
+                    slot = hash(key) & mask
+                    dropped[slot >> 3] |= 1 << (slot & 7)
                 key_of[block_id] = None
 
     @staticmethod

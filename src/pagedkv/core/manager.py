@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core.copies import CopyLedger, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.misses import MissCounter
@@ -48,7 +49,7 @@ from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
 from pagedkv.core.prefix_cache import PrefixCache
 from pagedkv.core.prefix_index import CacheEvent, PrefixIndex
-from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource, ManagerStats
+from pagedkv.core.protocol import Admission, BlockFill, BlockSource, ManagerStats
 from pagedkv.core.swap import SwapMixin
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
@@ -69,16 +70,11 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 PARTIAL_REUSE_MIN_TOKENS = 1  # a block copy costs less than recomputing one token (docs/cache-policy.md)
 
 
-class _Lookup(NamedTuple):
-    """What the cache holds of a prompt: full-block hits, and a block to copy `reuse` tokens from (partial
-    reuse; `src` -1 and `reuse` 0 when none)."""
-
-    hits: IntArray
-    src: int
-    reuse: int
-
-
-_NO_LOOKUP = _Lookup(_EMPTY, -1, 0)
+# What the cache holds of a prompt: (hits, src, reuse): its full-block hits, and a block to copy `reuse`
+# tokens from (partial reuse; src -1 and reuse 0 when none). A plain tuple: built on every admission, where
+# a NamedTuple's constructor is one more Python call.
+_Lookup = tuple[IntArray, int, int]
+_NO_LOOKUP: _Lookup = (_EMPTY, -1, 0)
 
 
 class PinHandle(NamedTuple):
@@ -110,7 +106,7 @@ def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) 
     return move
 
 
-class PagedKVManager(SwapMixin, TableViews):
+class PagedKVManager(PoolQueries, SwapMixin, TableViews):
     def __init__(
         self,
         num_blocks: int,
@@ -148,10 +144,7 @@ class PagedKVManager(SwapMixin, TableViews):
             verify_hits=verify_hits, native=native, partial_reuse=as_flag(partial_reuse, "partial_reuse"),
         )  # fmt: skip
         self._hot = self.prefix.hot  # the stateless backend of the growth loops (`hotpath.py`)
-        self._copies_src: list[IntArray] = []
-        self._copies_dst: list[IntArray] = []
-        self._pending: dict[int, int] = {}  # destination of a copy not handed out yet -> its source
-        self._held = np.zeros(self.pool.num_blocks, dtype=bool)  # blocks a pending copy holds a reference on
+        self.copies = CopyLedger(self.pool)  # copies not handed out yet, both ends held (copies.py)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = 0
         self._cow_copies = self._partial_hits = 0
 
@@ -171,19 +164,6 @@ class PagedKVManager(SwapMixin, TableViews):
     def misses(self) -> MissCounter:
         """Why admitted prompt tokens missed the cache, live (`misses.py`; the prefix cache's)."""
         return self.prefix.misses
-
-    @property
-    def num_blocks(self) -> int:
-        """Usable blocks (the null block excluded)."""
-        return self.pool.num_usable_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_available
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_in_use
 
     @property
     def stats(self) -> ManagerStats:
@@ -212,8 +192,8 @@ class PagedKVManager(SwapMixin, TableViews):
         """How many leading tokens of `token_ids` an admission would take from the cache now."""
         tokens = as_tokens(token_ids)
         keys = self._keys(tokens, salt, keys)
-        found = self._lookup(tokens, keys)
-        return len(found.hits) * self._block_size + found.reuse
+        hits, _, reuse = self._lookup(tokens, keys)
+        return len(hits) * self._block_size + reuse
 
     def _lookup(self, tokens: npt.NDArray[np.int32], keys: BlockKeys) -> _Lookup:
         """The prompt's cached full blocks, then (with partial reuse) a block sharing the next tokens."""
@@ -221,11 +201,11 @@ class PagedKVManager(SwapMixin, TableViews):
             return _NO_LOOKUP
         hits = np.array(self.prefix.match(tokens, keys, (len(tokens) - 1) // self._block_size), dtype=np.int64)
         if not self.prefix.partial_reuse:
-            return _Lookup(hits, -1, 0)
+            return hits, -1, 0
         src, reuse = self.prefix.partial_match(tokens, keys, len(hits), PARTIAL_REUSE_MIN_TOKENS)
-        if src in self._pending:  # its KV is not all there before the copies run (a caller publishing early)
-            return _Lookup(hits, -1, 0)
-        return _Lookup(hits, src, reuse)
+        if src in self.copies.pending:  # its KV is not all there before the copies run (a caller publishing early)
+            return hits, -1, 0
+        return hits, src, reuse
 
     def _keys(self, tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
         """The request's keys (checked, and bound to these tokens), or fresh ones for `salt`."""
@@ -243,10 +223,10 @@ class PagedKVManager(SwapMixin, TableViews):
         return self._blocks_short(len(tokens), 0, self._lookup(tokens, keys)) <= 0
 
     def _blocks_short(self, n: int, lookahead: int, found: _Lookup) -> int:
-        hits = found.hits
+        hits, src, reuse = found
         need = -(-(n + lookahead) // self._block_size) - len(hits)
         cached_hits = int(np.count_nonzero(self.pool.ref[hits] == 0)) if len(hits) else 0
-        if found.reuse and self.pool.ref[found.src] == 0:
+        if reuse and self.pool.ref[src] == 0:
             cached_hits += 1  # holding the copy's source takes it out of the eviction order
         return need - (self.pool.num_available - cached_hits)
 
@@ -282,12 +262,13 @@ class PagedKVManager(SwapMixin, TableViews):
             return None
         # --- commit (nothing below can fail) ---
         row = self._commit_admission(tokens, keys, found, n + num_lookahead, priority)
-        cached = len(found.hits) * bs + found.reuse
+        num_hits = len(found[0])
+        cached = num_hits * bs + found[2]
         self._admissions += 1
         self._prompt_tokens += n
         self._cached_tokens += cached
         if self.enable_prefix_caching:
-            self.prefix.count_miss(tokens, keys, len(found.hits), cached)  # why the rest was not cached (misses.py)
+            self.prefix.count_miss(tokens, keys, num_hits, cached)  # why the rest was not cached (misses.py)
         return Admission(row, cached)
 
     def _commit_admission(
@@ -295,32 +276,26 @@ class PagedKVManager(SwapMixin, TableViews):
     ) -> int:
         """`admit` once it fits: take the hits, hold a partial copy's source, allocate the rest; the new row."""
         pool, t, bs = self.pool, self.tables, self._block_size
-        hits, n = found.hits, len(tokens)
-        h = len(hits)
+        hits, src, reuse = found
+        n, h = len(tokens), len(hits)
         if h:
             pool.touch_hits(hits)
-        if found.reuse and not self._held[found.src]:  # held before allocating: it must not be evicted
-            self._held[found.src] = True
-            pool.touch_hits(np.array([found.src], dtype=np.int64))
+        if reuse:  # held before allocating: it must not be evicted
+            self.copies.hold_source(src)
         new = pool.allocate(-(-num_slots // bs) - h)
-        row = t.start_row(np.concatenate([hits, new]) if h else new, n, h * bs + found.reuse, h, priority)
+        row = t.start_row(np.concatenate([hits, new]) if h else new, n, h * bs + reuse, h, priority)
         # the keys follow the row in both settings, so rollback truncates the tokens they remember
         self.prefix.attach(row, keys)
         if self.enable_prefix_caching:
             self.prefix.write_tokens(new, tokens[h * bs :])
-        if found.reuse:
-            self._partial_copy(found.src, int(new[0]))
+        if reuse:
+            self._partial_copy(src, int(new[0]))
         return row
 
     def _partial_copy(self, src: int, dst: int) -> None:
         """Partial reuse: the sequence's fresh block `dst` starts as a copy of cached block `src` (held since
         `_commit_admission`); both stay held until `take_copies` hands the copy out."""
-        self._held[dst] = True
-        self.pool.share(np.array([dst], dtype=np.int64))
-        src = self._pending.get(src, src)  # a pending destination holds its source's KV until the copies run
-        self._pending[dst] = src
-        self._copies_src.append(np.array([src], dtype=np.int64))
-        self._copies_dst.append(np.array([dst], dtype=np.int64))
+        self.copies.record(np.array([src], dtype=np.int64), np.array([dst], dtype=np.int64))
         self._partial_hits += 1
 
     # --- growth ---------------------------------------------------------------------------------
@@ -414,32 +389,8 @@ class PagedKVManager(SwapMixin, TableViews):
         pool.unshare(src)  # someone else still holds each src: no state change
         if self.enable_prefix_caching:
             self.prefix.copy_tokens(dst, src)
-        pending = self._pending
-        if pending:  # a pending destination holds its source's KV until the copies run: copy from the source
-            src = np.array([pending.get(b, b) for b in src.tolist()], dtype=np.int64)
-        pending.update(zip(dst.tolist(), src.tolist()))
-        moved = np.unique(np.concatenate([src, dst]))
-        hold = moved[~self._held[moved]]
-        self._held[hold] = True  # neither end is reused before `take_copies` hands the copy out
-        pool.share(hold)
-        self._copies_src.append(src)
-        self._copies_dst.append(dst)
+        self.copies.record(src, dst)  # neither end is reused before `take_copies` hands the copy out
         self._cow_copies += len(rows)
-
-    def take_copies(self) -> BlockMoves:
-        """The copy-on-write copies recorded since the last call, `src[i] -> dst[i]` (distinct destinations,
-        no destination is a source). Run them after this step's swaps and before the next forward
-        (`protocol.py`). Their blocks, held until now, become reusable."""
-        if not self._copies_src:
-            return BlockMoves(_EMPTY, _EMPTY)
-        out = BlockMoves(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
-        self._copies_src.clear()
-        self._copies_dst.clear()
-        self._pending.clear()
-        held = np.flatnonzero(self._held)
-        self._held[held] = False
-        self.pool.release(held[::-1])
-        return out
 
     def fetch_blocks(
         self, seq_id: int, start: int, end: int, source: BlockSource, tag: object = None
@@ -598,8 +549,7 @@ class PagedKVManager(SwapMixin, TableViews):
         keys = tuple((r, tuple(k.keys)) for r, k in enumerate(self.prefix.by_row) if k is not None)
         host = self.host_pool.snapshot() if self.host_pool else ()
         return (self.pool.snapshot(), host, t.table.tobytes(), rows, keys, self.block_tokens.tobytes(),
-                self.epoch, self.stats, len(self._copies_src), tuple(self._pending.items()),
-                self._held.tobytes())  # fmt: skip
+                self.epoch, self.stats, self.copies.snapshot())  # fmt: skip
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
@@ -612,7 +562,8 @@ class PagedKVManager(SwapMixin, TableViews):
         refs = np.bincount(t.table[held], minlength=pool.num_blocks)
         if pool.has_null_block:
             refs[NULL_BLOCK_ID] = 1
-        expected = refs + pool.pins + self._held
+        held_by_copies = self.copies.held
+        expected = refs + pool.pins + held_by_copies
         if not np.array_equal(expected, pool.ref):
             bad = np.nonzero(expected != pool.ref)[0][:8].tolist()
             raise InvariantError(f"manager: ref counts differ from table references + pins + pending copies at blocks {bad}")
@@ -624,10 +575,9 @@ class PagedKVManager(SwapMixin, TableViews):
             raise InvariantError("manager: a keyed block is partial in a sequence that may write into it")
         # ... and a sequence not marked copy-before-write writes its partial blocks in place: they are its own.
         in_place = partial & ~t.cow_risk[:, None]
-        if (pool.ref[t.table[in_place]] - self._held[t.table[in_place]] != 1).any():
+        if (pool.ref[t.table[in_place]] - held_by_copies[t.table[in_place]] != 1).any():
             raise InvariantError("manager: a sequence writes in place into a block it shares")
-        if set(self._pending) != set(np.concatenate(self._copies_dst).tolist() if self._copies_dst else []):
-            raise InvariantError("manager: pending copies disagree with the copies not handed out")
+        self.copies.check("manager")
         if (t.num_published > t.num_computed // bs).any():
             raise InvariantError("manager: more blocks published than computed")
         if any(k is not None and not t.alive[r] for r, k in enumerate(self.prefix.by_row)):

@@ -168,10 +168,13 @@ class PrefixCache:
     def count_miss(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int) -> None:
         """Count an admission's missed tokens (all but the last, less the `num_cached` reused) under the
         reason of its first missing block; `num_hits` full blocks hit, and `match` computed the next key."""
-        self.misses.seen(keys.salt, keys.extra)
+        misses = self.misses
+        misses.seen(keys.salt, keys.extra)
         missed = len(tokens) - 1 - num_cached
-        if missed > 0:
-            self.misses.count(self.miss_reason(tokens, keys, num_hits), missed)
+        if missed > 0:  # `MissCounter.count`, inline: this runs on every admission
+            reason = self.miss_reason(tokens, keys, num_hits)
+            misses.lookups[reason] += 1
+            misses.tokens[reason] += missed
 
     def miss_reason(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int) -> str:
         """Why block `num_hits` of `tokens` did not hit (a query; see `misses.py`)."""
@@ -183,13 +186,14 @@ class PrefixCache:
         if len(keys.keys) <= num_hits + 1:  # defensive: match stops after computing the missing key
             return "no_key"
         key = keys.keys[num_hits + 1]
-        if self.index.lookup(key) is not None:
+        if key in self.index.index:
             return "verify"  # in the index, refused by verify_hits
         if self.index.was_evicted(key):
             return "evicted"
-        if num_hits == 0:
+        contexts = self.misses.contexts
+        if num_hits == 0 and (self.epoch or len(contexts) > 1):  # else no other salt nor epoch to try
             first = tokens[: self.block_size]
-            for salt, extra in self.misses.contexts:
+            for salt, extra in contexts:
                 if (salt, extra) != (keys.salt, keys.extra) and self._known(first, keys, salt, extra, self.epoch):
                     return "salt"
             for epoch in range(self.epoch - 1, max(self.epoch - 1 - EPOCHS_BACK, -1), -1):

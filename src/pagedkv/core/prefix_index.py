@@ -12,10 +12,11 @@ key, the indexed blocks that follow it (`children`), so an admission whose promp
 can find a cached sibling sharing the block's first tokens; entries leave with their block's key.
 
 It also remembers the keys it evicted lately, as two bitmaps indexed by the key's hash (a generation
-each of `num_blocks` evictions; 64 bytes per block, at most 16 MiB each), so a lookup can tell "evicted
-earlier" from "never cached" (`was_evicted`, for the miss reasons of `misses.py`). A bitmap can answer
-yes for a key never evicted (another key with the same hash bits): with at most `num_blocks` marks in
-64 x `num_blocks` bytes, at most about 3% of cold misses are counted as evicted.
+each of `num_blocks` evictions; 64 bits per block, at most 2 MiB each: bits, not bytes, so the one eviction
+writes to stays in cache), so a lookup can tell "evicted earlier" from "never cached" (`was_evicted`, for
+the miss reasons of `misses.py`). A bitmap can answer yes for a key never evicted (another key with the
+same hash bits): with at most `num_blocks` marks in 64 x `num_blocks` bits, at most about 3% of cold
+misses are counted as evicted.
 
 Invariant: `index[key] == b` if and only if `key_of[b] == key`; no entry is ever stale, because eviction
 (`forget`), unpublishing (`remove`) and `clear` drop a key the moment its block stops holding it. A block
@@ -67,10 +68,11 @@ class PrefixIndex:
         self.events: list[CacheEvent] = []
         self._hot = hot
         self.arrays = hotpath.IndexArrays(self.index, self.key_of, self.keyed)  # never reassigned: one value
-        size = 1 << max(16, min(24, (64 * num_blocks - 1).bit_length()))
+        slots = 1 << max(16, min(24, (64 * num_blocks - 1).bit_length()))  # bits
         # bytearrays, not numpy: `was_evicted` reads one byte from Python (30 ns, not 500)
-        self._evicted = bytearray(size)  # keys evicted lately, by hash: the newer generation ...
-        self._evicted_before = bytearray(size)  # ... and the one before it
+        self._evicted = bytearray(slots >> 3)  # keys evicted lately, by hash: the newer generation ...
+        self._evicted_before = bytearray(slots >> 3)  # ... and the one before it
+        self._slot_mask = slots - 1
         self._evicted_count = 0  # evictions marked in the newer generation
         self._evicted_capacity = max(num_blocks, 1024)
         self.children: dict[Key, list[int]] | None = None  # parent key -> indexed blocks after it (partial reuse)
@@ -92,8 +94,8 @@ class PrefixIndex:
     def was_evicted(self, key: Key) -> bool:
         """Whether `key` was (probably: see the module docstring) among the last `num_blocks` or more keys
         evicted; it may be cached again since."""
-        i = hash(key) & (len(self._evicted) - 1)
-        return bool(self._evicted[i] or self._evicted_before[i])
+        i = hash(key) & self._slot_mask
+        return bool((self._evicted[i >> 3] | self._evicted_before[i >> 3]) >> (i & 7) & 1)
 
     def all_keys(self) -> list[Key]:
         """Every key in the index (a copy)."""

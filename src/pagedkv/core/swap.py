@@ -19,6 +19,7 @@ from pagedkv.core.pool import BlockPool
 from pagedkv.core.protocol import BlockMoves
 
 if TYPE_CHECKING:
+    from pagedkv.core.copies import CopyLedger
     from pagedkv.core.prefix_cache import PrefixCache
     from pagedkv.core.table import BlockTables
 
@@ -37,7 +38,7 @@ class SwapMixin:
     prefix: PrefixCache
     enable_prefix_caching: bool
     _block_size: int
-    _pending: dict[int, int]
+    copies: CopyLedger
 
     @property
     def supports_swap(self) -> bool:
@@ -60,9 +61,7 @@ class SwapMixin:
         host_ids = host.allocate(count)
         if self.enable_prefix_caching:
             self.host_block_tokens[host_ids] = self.prefix.block_tokens[blocks[:count]]
-        src = blocks[:count]
-        if self._pending:  # a block a pending copy has not filled yet: read its source, which holds that KV
-            src = np.array([self._pending.get(b, b) for b in src.tolist()], dtype=np.int64)
+        src = self.copies.source_of(blocks[:count])  # a pending copy's destination: its source holds that KV
         self.pool.release(blocks[::-1], int(t.priority[row]))
         t.move_row(row, host_ids, to_host=True)
         return BlockMoves(src, host_ids)

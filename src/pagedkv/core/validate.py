@@ -8,8 +8,6 @@ never a bool, and lies where int64 arithmetic on it cannot wrap: counts and leng
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import numpy.typing as npt
 
@@ -81,14 +79,10 @@ def as_priority(value: object) -> int:
     return as_int(value, "priority", minimum=-(2**63), maximum=2**63 - 1)
 
 
-class AdmitArgs(NamedTuple):
-    """`admit`'s scalar arguments once checked (the block arithmetic on them is each manager's own)."""
-
-    tokens: npt.NDArray[np.int32]
-    max_new_tokens: int
-    num_lookahead: int
-    keep_free: int
-    priority: int
+# `admit`'s scalar arguments once checked: (tokens, max_new_tokens, num_lookahead, keep_free, priority); the
+# block arithmetic on them is each manager's own. A plain tuple: callers unpack it at once, and a NamedTuple's
+# constructor is one more Python call on every admission.
+AdmitArgs = tuple[npt.NDArray[np.int32], int, int, int, int]
 
 
 def as_admission(
@@ -96,7 +90,7 @@ def as_admission(
 ) -> AdmitArgs:
     """Every manager's `admit` checks, in one order (so equal misuse is refused with equal words by each)."""
     tokens = as_tokens(token_ids)
-    return AdmitArgs(
+    return (
         tokens,
         as_count(max_new_tokens, "max_new_tokens"),
         as_count(num_lookahead, "num_lookahead"),

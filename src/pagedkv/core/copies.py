@@ -1,0 +1,129 @@
+"""The copy ledger: block copies a paged manager recorded and has not handed out yet, and the pool queries
+every manager over a `BlockPool` answers alike.
+
+A copy src -> dst is recorded when a writer moves off a shared block (copy-on-write) or a prompt starts
+from a cached block's leading tokens (partial reuse); the storage layer performs the copies handed out by
+`take` before the next forward pass (`protocol.py`, the order of a step's block moves). Until then:
+
+- both ends are held, one reference each (`held`), so no allocation, swap-in or later copy reuses them;
+- a copy whose source is itself a pending destination copies from that one's source instead (`pending`
+  maps each destination to its source), since the destination holds nothing before the copies run;
+- `take` hands out every copy recorded, in order, and releases the holds (tail first).
+
+Invariant (`check`): `pending`'s keys are exactly the destinations recorded; `held` blocks hold one
+reference each in the pool on top of the tables' (the managers' `check_invariants` count it). The ledger
+changes reference counts only through the pool's verbs (`share`, `touch_hits`, `release`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.core.errors import InvariantError
+from pagedkv.core.pool import BlockPool
+from pagedkv.core.protocol import BlockMoves
+
+IntArray = npt.NDArray[np.int64]
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class CopyLedger:
+    """Pending copies over `pool`; see the module docstring for the contract."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.src: list[IntArray] = []
+        self.dst: list[IntArray] = []
+        self.pending: dict[int, int] = {}  # destination of a copy not handed out yet -> its source
+        self.held = np.zeros(pool.num_blocks, dtype=bool)  # blocks a pending copy holds a reference on
+
+    def source_of(self, block_ids: IntArray) -> IntArray:
+        """The blocks holding the KV of `block_ids` until the copies run (a pending destination reads its
+        source)."""
+        pending = self.pending
+        if not pending:
+            return block_ids
+        return np.array([pending.get(b, b) for b in block_ids.tolist()], dtype=np.int64)
+
+    def hold_source(self, block_id: int) -> None:
+        """Hold a (possibly cached-free) block that a copy recorded later will read: it must not be evicted
+        in between."""
+        if not self.held[block_id]:
+            self.held[block_id] = True
+            self.pool.touch_hits(np.array([block_id], dtype=np.int64))
+
+    def record(self, src: IntArray, dst: IntArray) -> None:
+        """Copies src[i] -> dst[i] (fresh, distinct destinations): both ends held until `take`."""
+        src = self.source_of(src)
+        self.pending.update(zip(dst.tolist(), src.tolist()))
+        moved = np.unique(np.concatenate([src, dst]))
+        hold = moved[~self.held[moved]]
+        self.held[hold] = True
+        self.pool.share(hold)
+        self.src.append(src)
+        self.dst.append(dst)
+
+    def take(self) -> BlockMoves:
+        """The copies recorded since the last call, `src[i] -> dst[i]` (distinct destinations, no destination
+        is a source); their blocks, held until now, become reusable."""
+        if not self.src:
+            return BlockMoves(_EMPTY, _EMPTY)
+        out = BlockMoves(np.concatenate(self.src), np.concatenate(self.dst))
+        self.src.clear()
+        self.dst.clear()
+        self.pending.clear()
+        held = np.flatnonzero(self.held)
+        self.held[held] = False
+        self.pool.release(held[::-1])
+        return out
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (len(self.src), tuple(self.pending.items()), self.held.tobytes())
+
+    def check(self, owner: str) -> None:
+        if set(self.pending) != set(np.concatenate(self.dst).tolist() if self.dst else []):
+            raise InvariantError(f"{owner}: pending copies disagree with the copies not handed out")
+
+
+class PoolQueries:
+    """The pool-backed queries and the copy hand-out of both paged managers (`manager.py`, `hybrid.py`)."""
+
+    pool: BlockPool
+    copies: CopyLedger
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self.pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_available
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_in_use
+
+    def take_copies(self) -> BlockMoves:
+        """The copies recorded since the last call, `src[i] -> dst[i]` (distinct destinations, no destination
+        is a source). Run them after this step's swaps and before the next forward (`protocol.py`). Their
+        blocks, held until now, become reusable."""
+        return self.copies.take()
+
+    # the ledger's structures by their older names (read them; the ledger writes them)
+    @property
+    def _held(self) -> npt.NDArray[np.bool_]:
+        return self.copies.held
+
+    @property
+    def _pending(self) -> dict[int, int]:
+        return self.copies.pending
+
+    @property
+    def _copies_dst(self) -> list[IntArray]:
+        return self.copies.dst
+
+    @property
+    def _copies_src(self) -> list[IntArray]:
+        return self.copies.src
