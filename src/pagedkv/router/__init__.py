@@ -26,10 +26,6 @@ from pagedkv.router.policy import (
     request_hashes,
 )
 
-# The old name, kept only for sim/replicas.py until its own rework (issue #21); core.prefix_index.PrefixIndex
-# is the device's key <-> block index, this one is which replica holds which hash. New code: ReplicaIndex.
-PrefixIndex = ReplicaIndex
-
 __all__ = [
     "LIVE_WEIGHTS", "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
     "RoundRobin", "Router", "make_policy", "request_hashes",
