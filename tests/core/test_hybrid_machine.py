@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
+from machine_rules import SequenceRules
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.group import KVGroupSpec
@@ -23,16 +24,15 @@ PREFIXES = ([1] * 9, [2, 1] * 9, [1, 2, 3] * 6, [3] * 25)
 GROUPS = (KVGroupSpec(), KVGroupSpec("sliding", 6), KVGroupSpec("chunked", 8), KVGroupSpec("sliding", 3))
 
 
-class HybridMachine(RuleBasedStateMachine):
+class HybridMachine(SequenceRules):
+    """Fork and free come from `machine_rules.SequenceRules`."""
+
     def __init__(self) -> None:
         super().__init__()
         self.m = HybridKVManager(36, BS, GROUPS, num_host_blocks=24, record_events=True)
         self.kv: dict[int, tuple[int, int]] = {}  # device slot -> (position, token id)
         self.host: dict[int, tuple[int, int]] = {}
         self.tokens: dict[int, list[int]] = {}
-
-    def _live(self) -> list[int]:
-        return [s for s in self.tokens if not self.m.is_swapped(s)]
 
     def _copies(self) -> None:
         src, dst = self.m.take_copies()
@@ -85,13 +85,6 @@ class HybridMachine(RuleBasedStateMachine):
             assert self.m.snapshot() == before, "a refused append changed state"
 
     @precondition(lambda self: self._live())
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        s = data.draw(st.sampled_from(self._live()))
-        child = self.m.fork(s)
-        self.tokens[child] = list(self.tokens[s])
-
-    @precondition(lambda self: self._live())
     @rule(data=st.data(), n=st.integers(0, 6))
     def rollback(self, data: st.DataObject, n: int) -> None:
         s = data.draw(st.sampled_from(self._live()))
@@ -102,16 +95,6 @@ class HybridMachine(RuleBasedStateMachine):
             assert self.m.snapshot() == before, "a refused rollback changed state"
             return
         del self.tokens[s][len(self.tokens[s]) - min(n, len(self.tokens[s])) :]
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), preempt=st.booleans())
-    def free(self, data: st.DataObject, preempt: bool) -> None:
-        s = data.draw(st.sampled_from(sorted(self.tokens)))
-        if preempt and not self.m.is_swapped(s):
-            assert self.m.preempt(s) == len(self.tokens[s])
-        else:
-            self.m.free(s)
-        del self.tokens[s]
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
+from machine_rules import SequenceRules
 
 from pagedkv.core import BlockKeys, PagedKVManager, PinError, PinHandle
 
@@ -25,7 +26,9 @@ BS = 4
 VOCAB = 3  # tiny vocabulary: prompts collide often, so prefix sharing is exercised
 
 
-class ManagerMachine(RuleBasedStateMachine):
+class ManagerMachine(SequenceRules):
+    """Fork and free come from `machine_rules.SequenceRules`."""
+
     record_events = True  # with events off, evicted keys are dropped lazily: both paths are checked
     hash_fn = "sha256"
     native: bool | None = None  # the C hot path when built
@@ -42,9 +45,6 @@ class ManagerMachine(RuleBasedStateMachine):
         self.keys: dict[int, BlockKeys] = {}
         self.pins: list[PinHandle] = []
         self.indexed: set[object] = set()  # keys the event stream says are cached
-
-    def _live(self) -> list[int]:
-        return [s for s in self.tokens if not self.m.is_swapped(s)]
 
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=14), salt=st.sampled_from([b"", b"t2"]))
     def admit(self, prompt: list[int], salt: bytes) -> None:
@@ -86,28 +86,11 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        s = data.draw(st.sampled_from(self._live()))
-        child = self.m.fork(s)
-        self.tokens[child] = list(self.tokens[s])
-
-    @precondition(lambda self: self._live())
-    @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
         s = data.draw(st.sampled_from(self._live()))
         n = data.draw(st.integers(0, len(self.tokens[s]) - 1))
         self.m.rollback(s, n)
         del self.tokens[s][len(self.tokens[s]) - n :]
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), preempt=st.booleans())
-    def free(self, data: st.DataObject, preempt: bool) -> None:
-        s = data.draw(st.sampled_from(sorted(self.tokens)))
-        if preempt and not self.m.is_swapped(s):
-            assert self.m.preempt(s) == len(self.tokens[s])
-        else:
-            self.m.free(s)
-        del self.tokens[s]
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())

@@ -160,10 +160,7 @@ class ContiguousKVManager(TableViews):
         if hole is None:
             return None
         start = self.runs.take(hole, need)
-        row = self.tables.new_row()
-        self.tables.set_blocks(row, np.arange(start, start + need, dtype=np.int64))
-        self.tables.num_tokens[row] = n
-        self.tables.priority[row] = priority
+        row = self.tables.start_row(np.arange(start, start + need, dtype=np.int64), n, 0, 0, priority)
         self._admissions += 1
         self._prompt_tokens += n
         return Admission(row, 0)
@@ -193,10 +190,10 @@ class ContiguousKVManager(TableViews):
     def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
         t = self.tables
         rows = t.rows(seq_ids)
-        if num_computed_tokens is None:
-            t.num_computed[rows] = t.num_tokens[rows]
-        else:
-            t.num_computed[rows] = as_computed(num_computed_tokens, t.num_computed[rows], t.num_tokens[rows])
+        given = None
+        if num_computed_tokens is not None:
+            given = as_computed(num_computed_tokens, t.num_computed[rows], t.num_tokens[rows])
+        t.set_computed(rows, given)
 
     def free(self, seq_id: int) -> None:
         t = self.tables
@@ -222,9 +219,7 @@ class ContiguousKVManager(TableViews):
         if hole is None:
             return None
         start = self.runs.take(hole, need)
-        child = t.new_row()
-        t.set_blocks(child, np.arange(start, start + need, dtype=np.int64))
-        t.num_tokens[child], t.num_computed[child] = t.num_tokens[row], t.num_computed[row]
+        child = t.copy_row(row, np.arange(start, start + need, dtype=np.int64))
         pending = self._pending
         # a block still waiting for its own copy holds its source's KV: copy from that source
         src = [pending.get(b, b) for b in t.blocks_of(row).tolist()]
