@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core.copies import CopyLedger, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_groups, group_events, group_key
@@ -81,7 +82,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 OUT_OF_WINDOW_PRIORITY = -(2**62)  # released as the window passed: evicted before anything else cached
 
 
-class HybridKVManager(HybridGrowth, HybridFetch, HybridMisses, HybridLifecycle):
+class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, HybridLifecycle):
     """Per-group block tables over one pool; see the module docstring for the contract."""
 
     def __init__(
@@ -113,10 +114,7 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridMisses, HybridLifecycle):
         self.evict_out_of_window_first = evict_out_of_window_first
         self.seqs: dict[int, SeqState] = {}
         self.group_of = np.full(num_blocks, -1, dtype=np.int64)  # the group a block was last allocated to
-        self._copies_src: list[IntArray] = []
-        self._copies_dst: list[IntArray] = []
-        self._pending: dict[int, int] = {}
-        self._held = np.zeros(num_blocks, dtype=bool)
+        self.copies = CopyLedger(self.pool)  # copies not handed out yet, both ends held (copies.py)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = self._cow_copies = 0
         self._epoch = 0  # keys published under an earlier epoch match nothing (`bump_epoch`)
         self._origins = BlockOrigins(block_size)  # parent and tokens of published blocks, for event feeds
@@ -131,19 +129,6 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridMisses, HybridLifecycle):
     @property
     def block_size(self) -> int:
         return self._block_size
-
-    @property
-    def num_blocks(self) -> int:
-        """Usable blocks (the null block excluded)."""
-        return self.pool.num_usable_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_available
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_in_use
 
     @property
     def num_sequences(self) -> int:
@@ -505,7 +490,7 @@ class HybridKVManager(HybridGrowth, HybridFetch, HybridMisses, HybridLifecycle):
         seqs = tuple(sorted((r, repr(s)) for r, s in self.seqs.items()))
         host = self.host_pool.snapshot() if self.host_pool else ()
         return (self.pool.snapshot(), host, rows, seqs, self.group_of.tobytes(), self.stats,
-                len(self._copies_src), tuple(self._pending.items()), self._held.tobytes())  # fmt: skip
+                self.copies.snapshot())  # fmt: skip
 
     def check_invariants(self) -> None:
         check_hybrid(self)

@@ -17,10 +17,10 @@ import numpy.typing as npt
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.manager import _writers_to_move
 from pagedkv.core.pool import BlockPool
-from pagedkv.core.protocol import BlockMoves
 from pagedkv.core.validate import as_count, as_index_array, as_token_matrix
 
 if TYPE_CHECKING:
+    from pagedkv.core.copies import CopyLedger
     from pagedkv.core.hybrid_state import SeqState
     from pagedkv.core.table import BlockTables
 
@@ -36,10 +36,7 @@ class HybridGrowth:
     seqs: dict[int, SeqState]
     group_of: IntArray
     _block_size: int
-    _copies_src: list[IntArray]
-    _copies_dst: list[IntArray]
-    _pending: dict[int, int]
-    _held: npt.NDArray[np.bool_]
+    copies: CopyLedger
     _cow_copies: int
 
     @property
@@ -150,28 +147,5 @@ class HybridGrowth:
     def _copy_on_write(self, src: IntArray, dst: IntArray) -> None:
         """Record copies src -> dst (a writer moved off shared blocks); both ends held until `take_copies`."""
         self.pool.unshare(src)
-        pending = self._pending
-        if pending:
-            src = np.array([pending.get(b, b) for b in src.tolist()], dtype=np.int64)
-        pending.update(zip(dst.tolist(), src.tolist()))
-        moved = np.unique(np.concatenate([src, dst]))
-        hold = moved[~self._held[moved]]
-        self._held[hold] = True
-        self.pool.share(hold)
-        self._copies_src.append(src)
-        self._copies_dst.append(dst)
+        self.copies.record(src, dst)
         self._cow_copies += len(dst)
-
-    def take_copies(self) -> BlockMoves:
-        """Copy-on-write copies since the last call (see `PagedKVManager.take_copies`)."""
-        if not self._copies_src:
-            return BlockMoves(_EMPTY, _EMPTY)
-        out = BlockMoves(np.concatenate(self._copies_src), np.concatenate(self._copies_dst))
-        self._copies_src.clear()
-        self._copies_dst.clear()
-        self._pending.clear()
-        held = np.flatnonzero(self._held)
-        self._held[held] = False
-        self.pool.release(held[::-1])
-        return out
-

@@ -23,6 +23,7 @@ from pagedkv.core.protocol import BlockMoves
 from pagedkv.core.validate import as_count
 
 if TYPE_CHECKING:
+    from pagedkv.core.copies import CopyLedger
     from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
@@ -72,7 +73,7 @@ class HybridLifecycle:
     groups: tuple[KVGroupSpec, ...]
     seqs: dict[int, SeqState]
     group_of: IntArray
-    _pending: dict[int, int]
+    copies: CopyLedger
     _block_size: int
     _preemptions: int
 
@@ -182,8 +183,7 @@ class HybridLifecycle:
             lo = seq.released[g]
             src = t.table[row, lo : lo + counts[g]].astype(np.int64)
             dst = host.allocate(counts[g]) if counts[g] else np.zeros(0, np.int64)
-            if self._pending:  # a pending copy's destination: read its source, which holds that KV
-                src = np.array([self._pending.get(x, x) for x in src.tolist()], dtype=np.int64)
+            src = self.copies.source_of(src)  # a pending copy's destination: read its source, which holds that KV
             self.pool.release(self._real(g, row)[::-1], seq.priority)
             t.table[row, lo : t.num_blocks[row]] = NULL_BLOCK_ID
             t.swapped[row], t.on_device[row], t.cow_risk[row] = True, False, False
