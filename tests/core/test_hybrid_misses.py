@@ -149,7 +149,7 @@ def _reason_of(before: dict[str, int], after: dict[str, int]) -> tuple[str, int]
 def test_one_full_group_counts_as_the_paged_manager_does() -> None:
     """A hybrid manager with one full group and a `PagedKVManager` on the same workload (same pool, no
     partial reuse) miss the same tokens admission by admission, for the same reason but where the
-    evicted-keys bitmap (keyed by `hash(key)`, and the hybrid's keys carry their group) answers
+    evicted-keys bitmap (a slot per key, and the hybrid's keys carry their group) answers
     differently: a few percent of cold misses (`prefix_index.py`)."""
     rng = np.random.default_rng(1)
     h = HybridKVManager(16, BS, (FULL,))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from native_support import REF, SETTINGS, native
 from test_native_batch import copy_forget, forget_cases, outcome
 
 from pagedkv.core import BlockKeys, PagedKVManager
+from pagedkv.core.hotpath import evicted_slot
 from pagedkv.core.misses import MISS_REASONS
 
 BS = 4
@@ -132,7 +134,7 @@ def test_forget_keys_remembers_dropped_keys_alike_in_both_backends(case: dict[st
         got.append((result, dropped.tolist(), [id(k) for k in c["key_of"]]))
         if result is None:  # every key the ids held is marked
             held = [case["key_of"][b] for b in np.asarray(case["ids"], dtype=np.int64).tolist()]
-            slots = [hash(k) & (8 * 64 - 1) for k in held if k is not None]  # one bit per slot
+            slots = [evicted_slot(k) & (8 * 64 - 1) for k in held if k is not None]  # one bit per slot
             assert all(dropped[s >> 3] >> (s & 7) & 1 for s in slots)
         else:
             assert dropped.tolist() == [int(i == 5) for i in range(64)]
@@ -141,3 +143,20 @@ def test_forget_keys_remembers_dropped_keys_alike_in_both_backends(case: dict[st
         for bad in ([], np.zeros(6, np.uint8), np.zeros(8, np.int64), np.zeros(8, np.uint8)[::2], {}):
             with pytest.raises(TypeError, match="dropped"):
                 backend.forget_keys(({b"a": 0}, [b"a"], None), [0], bad)
+
+
+def test_the_evicted_slot_does_not_depend_on_the_hash_seed() -> None:
+    """`hash()` of bytes is salted per process: the memory of evicted keys reads the key's own bytes, so a
+    replay's miss reasons are the same in every process (two interpreters, two seeds)."""
+    import subprocess
+    import sys
+
+    code = "from pagedkv.core.hotpath import evicted_slot; print([evicted_slot(bytes([i]) * 33) for i in range(8)])"
+    outs = {
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                       capture_output=True, text=True, check=True).stdout  # fmt: skip
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1
+    key = bytes(range(32))
+    assert evicted_slot(key) != evicted_slot(key + b"\x01"), "a hybrid key's group moves its slot"

@@ -137,6 +137,17 @@ def _as_bytes(data: Any) -> bytes:
     return data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
 
 
+def evicted_slot(key: Any) -> int:
+    """Where the memory of evicted keys keeps `key`: for a bytes key its first 8 bytes read little-endian
+    xor its last 8 read big-endian (keys are digests, so the low bits are uniform, and a hybrid key's last
+    byte, its group, lands in the low bits too), else `hash(key)` (an int key's hash is itself). Python
+    salts `hash()` of bytes per process, so the slot must not use it: a run's miss reasons would change with
+    PYTHONHASHSEED."""
+    if isinstance(key, bytes):
+        return int.from_bytes(key[:8], "little") ^ int.from_bytes(key[-8:], "big")
+    return hash(key)
+
+
 def _as_list(values: Any) -> list[int]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
@@ -257,7 +268,7 @@ class PythonBackend:
         `prefix` is the tuple (index, key_of, keyed) (`IndexArrays`). `keyed` is left to the owner, who
         clears it for all `ids` in one numpy call. With a bitmap `dropped` (a writable 1-D array of 1-byte
         items, its length a power of two), each dropped key sets bit `s % 8` of `dropped[s // 8]`, where
-        `s = hash(key) & (8 * len - 1)`: the prefix index's memory of evicted keys. TypeError if `prefix` is not a 3-tuple or `dropped` is not
+        `s = evicted_slot(key) & (8 * len - 1)`: the prefix index's memory of evicted keys. TypeError if `prefix` is not a 3-tuple or `dropped` is not
         such a bitmap (checked before anything changes)."""
         if not (isinstance(prefix, tuple) and len(prefix) == 3):
             raise TypeError("forget_keys: prefix must be a tuple (index, key_of, keyed)")
@@ -282,7 +293,7 @@ class PythonBackend:
                 if index.get(key) == block_id:
                     del index[key]
                 if dropped is not None:
-                    slot = hash(key) & mask
+                    slot = evicted_slot(key) & mask
                     dropped[slot >> 3] |= 1 << (slot & 7)
                 key_of[block_id] = None
 

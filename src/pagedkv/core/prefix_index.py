@@ -94,7 +94,7 @@ class PrefixIndex:
     def was_evicted(self, key: Key) -> bool:
         """Whether `key` was (probably: see the module docstring) among the last `num_blocks` or more keys
         evicted; it may be cached again since."""
-        i = hash(key) & self._slot_mask
+        i = hotpath.evicted_slot(key) & self._slot_mask
         return bool((self._evicted[i >> 3] | self._evicted_before[i >> 3]) >> (i & 7) & 1)
 
     def all_keys(self) -> list[Key]:
