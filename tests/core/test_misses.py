@@ -160,3 +160,22 @@ def test_the_evicted_slot_does_not_depend_on_the_hash_seed() -> None:
     assert len(outs) == 1
     key = bytes(range(32))
     assert evicted_slot(key) != evicted_slot(key + b"\x01"), "a hybrid key's group moves its slot"
+
+
+def test_a_tier_loss_moves_tokens_from_the_admissions_reason_and_never_more_than_it_missed() -> None:
+    m = PagedKVManager(num_blocks=16, block_size=BS)
+    a = m.admit(toks(0, 13))
+    assert a is not None and m.stats.miss_tokens["no_key"] == 12
+    m.count_tier_miss(a.seq_id, 4)
+    m.count_tier_miss(a.seq_id, 4)
+    st = m.stats
+    assert (st.miss_tokens["no_key"], st.miss_tokens["tier"]) == (4, 8)
+    assert (st.miss_lookups["no_key"], st.miss_lookups["tier"]) == (0, 1), "the lookup moves once"
+    m.count_tier_miss(a.seq_id, 100)  # at most what the admission missed
+    assert (m.stats.miss_tokens["no_key"], m.stats.miss_tokens["tier"]) == (0, 12)
+    assert sum(m.stats.miss_tokens.values()) + m.stats.cached_tokens + m.stats.admissions == m.stats.prompt_tokens
+    m.free(a.seq_id)
+    b = m.admit(toks(100, 1))  # one token: nothing missed, nothing to move
+    assert b is not None
+    m.count_tier_miss(b.seq_id, 4)
+    assert m.stats.miss_tokens["tier"] == 12

@@ -1,5 +1,6 @@
 """The miss reason `tier` (issue #25): prompt tokens a tier held and lost are counted under `tier` in the
-engine's `stats.cache_misses`, and so in the server's `pagedkv:prefix_cache_miss_tokens_total{reason="tier"}`.
+engine's `stats.cache_misses`, and so in the server's `pagedkv:prefix_cache_miss_tokens_total{reason="tier"}`:
+moved there from the admission's own reason, so the reasons still add up to the misses.
 
 Three rounds on a paged engine whose device pool cannot keep round 1's prompts: round 2 pushes them into
 the tier, round 3 re-sends them with a new suffix. Lost: a disk tier whose file is overwritten behind the
@@ -51,6 +52,14 @@ def make(tmp_path: Path | None = None, **tiers: Any) -> Engine:
     return Engine(tiny_model("llama", 0), None, config)
 
 
+def assert_reasons_partition_the_misses(engine: Engine) -> None:
+    """A tier's loss moves tokens from the admission's reason to `tier`: the reasons still add up (a
+    Prometheus sum over `reason` is the total), and none goes negative."""
+    st = engine.manager.stats
+    assert sum(st.miss_tokens.values()) + st.cached_tokens + st.admissions == st.prompt_tokens, st
+    assert min(st.miss_tokens.values()) >= 0 and min(st.miss_lookups.values()) >= 0, st
+
+
 def corrupt_disk(engine: Engine) -> None:
     """Overwrite the disk tier's file in place (its entries stay indexed; every read fails its checksum)."""
     (disk,) = [t for t in engine.tiering.store.local if t.medium == "DISK"]
@@ -76,6 +85,7 @@ def test_a_corrupted_disk_tier_counts_its_lost_tokens_under_tier(tmp_path: Path,
     assert misses.tokens["tier"] == BS * lost_loads, (misses.tokens, stats.as_dict())
     assert 0 < misses.tokens["tier"] <= missed
     assert misses.lookups["tier"] == 2, "one lookup per re-sent prompt met the loss"
+    assert_reasons_partition_the_misses(engine)
     engine.close()
 
 
@@ -86,6 +96,7 @@ def test_blocks_that_fell_off_a_small_host_tier_count_under_tier(reference: list
     assert outs == reference
     assert stats.losses["evicted"] > 0, stats.as_dict()
     assert 0 < misses.tokens["tier"] <= missed and misses.tokens["tier"] % BS == 0, misses.tokens
+    assert_reasons_partition_the_misses(engine)
     engine.close()
 
 
@@ -95,6 +106,7 @@ def test_a_tier_that_keeps_everything_counts_nothing_under_tier(reference: list[
     assert outs == reference
     assert engine.stats.tiers.cached_tokens["CPU"] > 0
     assert engine.stats.cache_misses.tokens["tier"] == 0
+    assert_reasons_partition_the_misses(engine)
     engine.close()
 
 
@@ -134,4 +146,5 @@ def test_the_hybrid_allocator_counts_lost_tier_tokens_too(tmp_path: Path, family
     assert 0 < misses.tokens["tier"] <= missed and misses.tokens["tier"] % BS == 0, (misses.tokens, missed)
     assert misses.tokens["tier"] == BS * lost_loads // groups, "a block counts once, not once per group's copy"
     assert misses.lookups["tier"] == 2 and misses.tokens["evicted"] > 0, misses.tokens
+    assert_reasons_partition_the_misses(engine)
     engine.close()

@@ -14,8 +14,8 @@ reason (`no_key`, `evicted`, or, when nothing hit, `salt` / `epoch` by checking 
 first block under the other contexts and epochs). A windowed group that released block k and let it be
 evicted therefore reports `evicted`, though a full group may still hold its own copy.
 
-Each admission's (reason, tokens) is also kept on its sequence (`SeqState.miss`), for a caller that later
-moves tokens to another reason (a tier loss) by sequence.
+Each admission's miss record (reason, tokens, of which not moved yet) is kept on its sequence (`SeqState.miss`):
+a tier loss moves tokens from that reason to `tier` by sequence (`count_tier_miss`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pagedkv.core.prefix import BlockKeys, Key, KeyFunction
 
 if TYPE_CHECKING:
     from pagedkv.core.group import KVGroupSpec
+    from pagedkv.core.hybrid_state import SeqState
     from pagedkv.core.prefix_index import PrefixIndex
 
 
@@ -41,12 +42,14 @@ class HybridMisses:
     index: PrefixIndex
     key_fn: KeyFunction
     misses: MissCounter
+    seqs: dict[int, SeqState]
     _block_size: int
     _epoch: int
 
-    def _count_miss(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, k: int) -> tuple[str, int] | None:
+    def _count_miss(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, k: int) -> tuple[str, int, int] | None:
         """Count an admission that hit `k` whole blocks (its keys computed up to its last full block before
-        the last token): (reason, missed tokens), or None when nothing was missed."""
+        the last token): its miss record (reason, missed tokens, of which not moved to `tier` yet:
+        `MissCounter.move_to_tier`), or None when nothing was missed."""
         misses = self.misses
         misses.seen(keys.salt, keys.extra)
         missed = len(tokens) - 1 - k * self._block_size
@@ -54,7 +57,14 @@ class HybridMisses:
             return None
         reason = self.miss_reason(tokens, keys, k)
         misses.count(reason, missed)
-        return reason, missed
+        return reason, missed, missed
+
+    def count_tier_miss(self, seq_id: int, num_tokens: int) -> None:
+        """`num_tokens` that `seq_id`'s admission missed were lost by a tier below the device too (the
+        engine's tiering says so): they move to the miss reason `tier` (`PagedKVManager.count_tier_miss`)."""
+        seq = self.seqs[seq_id]
+        if seq.miss is not None:
+            seq.miss = self.misses.move_to_tier(seq.miss, num_tokens)
 
     def miss_reason(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, k: int) -> str:
         """Why a hit of `tokens` stopped at `k` blocks (a query; see the module docstring)."""

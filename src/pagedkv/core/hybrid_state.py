@@ -44,7 +44,7 @@ class SeqState:
     released: list[int] = field(default_factory=list)
     published: list[int] = field(default_factory=list)
     host: list[IntArray] | None = None  # while swapped: host blocks of table columns [released, ...)
-    miss: tuple[str, int] | None = None  # the admission's miss reason and missed tokens (`hybrid_misses.py`)
+    miss: tuple[str, int, int] | None = None  # the admission's miss record (`hybrid_misses.py`)
 
     def __post_init__(self) -> None:
         self.released = [0] * self.num_groups

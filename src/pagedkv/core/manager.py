@@ -147,6 +147,7 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         self.copies = CopyLedger(self.pool)  # copies not handed out yet, both ends held (copies.py)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = 0
         self._cow_copies = self._partial_hits = 0
+        self._admission_misses: dict[int, tuple[str, int, int]] = {}  # live row -> its admission's miss record
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -267,8 +268,9 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         self._admissions += 1
         self._prompt_tokens += n
         self._cached_tokens += cached
-        if self.enable_prefix_caching:
-            self.prefix.count_miss(tokens, keys, num_hits, cached)  # why the rest was not cached (misses.py)
+        # why the rest was not cached (misses.py)
+        if self.enable_prefix_caching and (miss := self.prefix.count_miss(tokens, keys, num_hits, cached)):
+            self._admission_misses[row] = miss
         return Admission(row, cached)
 
     def _commit_admission(
@@ -446,7 +448,15 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         else:
             self.pool.release(blocks, int(t.priority[row]))
         self.prefix.detach(row)
+        self._admission_misses.pop(row, None)
         t.drop_row(row)
+
+    def count_tier_miss(self, seq_id: int, num_tokens: int) -> None:
+        """`num_tokens` that `seq_id`'s admission missed were lost by a tier below the device too (the
+        engine's tiering says so): they move to the miss reason `tier` (`MissCounter.move_to_tier`)."""
+        row = self.tables.row(seq_id)
+        if (miss := self._admission_misses.get(row)) is not None:
+            self._admission_misses[row] = self.prefix.misses.move_to_tier(miss, num_tokens)
 
     def preempt(self, seq_id: int) -> int:
         """Free a running sequence to make room (recompute later); returns how many tokens it held."""

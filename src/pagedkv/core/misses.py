@@ -15,9 +15,13 @@ counted under the reason of the first block that did not hit:
     salt           the same first block is cached (or was recently) under another salt (tenant)
     epoch          the same first block was cached under an earlier epoch (bump_epoch, weights changed)
     verify         the key is cached but verify_hits found other content (a hash collision)
-    tier           lost in a tier below the device too (counted by the engine's tiering, `count_tier`)
+    tier           the device missed them and a tier below it held them and lost them (a failed load, a
+                   block that fell off the last tier, a failed write): the engine's tiering moves those
+                   tokens from the admission's own reason to `tier` (`move_to_tier`), so the reasons
+                   still partition the misses
 
-So `sum(miss_tokens) + cached_tokens + admissions == prompt_tokens` (admissions with prefix caching on).
+So `sum(miss_tokens) + cached_tokens + admissions == prompt_tokens` (admissions with prefix caching on), with
+tiers too: a sum over the reasons (Prometheus' `reason` label) is the total.
 Salt and epoch are checked only when the first block misses (blocks after a hit share its salt and
 epoch), against the last `RECENT_CONTEXTS` salts seen and the two previous epochs: a few extra hashes on a
 cold miss, none on a hit.
@@ -45,10 +49,21 @@ class MissCounter:
         self.lookups[reason] += 1
         self.tokens[reason] += num_tokens
 
-    def count_tier(self, num_tokens: int) -> None:
-        """A caller below the manager (the engine's tiering) found blocks the device missed gone from its
-        tiers too: those tokens' reason becomes `tier`."""
-        self.count("tier", num_tokens)
+    def move_to_tier(self, admission: tuple[str, int, int], num_tokens: int) -> tuple[str, int, int]:
+        """A caller below the manager (the engine's tiering) found `num_tokens` of an admission's missed
+        tokens gone from its tiers too: they move from the admission's reason to `tier`. `admission` is the
+        manager's record of it, (reason, missed tokens, of which not moved yet); at most those move, and the
+        lookup moves with the first. Returns the record after the move."""
+        reason, missed, left = admission
+        n = min(num_tokens, left)
+        if n <= 0:
+            return admission
+        self.tokens[reason] -= n
+        self.tokens["tier"] += n
+        if left == missed:
+            self.lookups[reason] -= 1
+            self.lookups["tier"] += 1
+        return reason, missed, left - n
 
     def seen(self, salt: bytes, extra: bytes) -> None:
         """Remember a request's context for the salt check."""

@@ -165,16 +165,21 @@ class PrefixCache:
                 del hits[int(np.argmin(same)) :]
         return hits
 
-    def count_miss(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int) -> None:
+    def count_miss(
+        self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int
+    ) -> tuple[str, int, int] | None:
         """Count an admission's missed tokens (all but the last, less the `num_cached` reused) under the
-        reason of its first missing block; `num_hits` full blocks hit, and `match` computed the next key."""
+        reason of its first missing block; `num_hits` full blocks hit, and `match` computed the next key.
+        Returns the admission's miss record (reason, missed, missed: `MissCounter.move_to_tier`), or None."""
         misses = self.misses
         misses.seen(keys.salt, keys.extra)
         missed = len(tokens) - 1 - num_cached
-        if missed > 0:  # `MissCounter.count`, inline: this runs on every admission
-            reason = self.miss_reason(tokens, keys, num_hits)
-            misses.lookups[reason] += 1
-            misses.tokens[reason] += missed
+        if missed <= 0:
+            return None
+        reason = self.miss_reason(tokens, keys, num_hits)  # `MissCounter.count`, inline: on every admission
+        misses.lookups[reason] += 1
+        misses.tokens[reason] += missed
+        return reason, missed, missed
 
     def miss_reason(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int) -> str:
         """Why block `num_hits` of `tokens` did not hit (a query; see `misses.py`)."""

@@ -157,7 +157,8 @@ class EngineTiering:
         k, per = plan.num_blocks, self._keys_per_block
         if k < len(keys):
             self._miss_at[rid] = (tries, first_block + k // per)
-            self._count_lost(k, plan.num_lost)
+            if tag.seq_id is not None:  # admitted: the scheduler fetches for a request it placed
+                self._count_lost(tag.seq_id, k, plan.num_lost)
         if k:
             store.complete_load(plan, self.block_size, per)  # a block's tokens once, not once per group
             if tries == 0 and not tag.output_token_ids:  # a first admission, not a fork child
@@ -166,13 +167,14 @@ class EngineTiering:
                     counts[medium] += self.block_size
         return k, rows
 
-    def _count_lost(self, served: int, lost: int) -> None:
+    def _count_lost(self, seq_id: int, served: int, lost: int) -> None:
         """The whole blocks after the `served` keys that a tier held and lost (`LoadPlan.num_lost`): their
-        tokens count under the miss reason `tier` (`pagedkv.core.misses`), in the manager's counter."""
+        tokens move from the admission's miss reason to `tier` (`pagedkv.core.misses`), in the manager's
+        counter, so the reasons still add up to the misses."""
         per = self._keys_per_block
         blocks = (served + lost) // per - served // per
         if blocks:
-            self.manager.misses.count_tier(blocks * self.block_size)
+            self.manager.count_tier_miss(seq_id, blocks * self.block_size)
 
     def before_forward(self, out: SchedulerOutput) -> None:
         self._sync()
