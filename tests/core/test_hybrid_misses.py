@@ -1,6 +1,7 @@
 """Miss reasons of `HybridKVManager` (issue #25 over issue #24's groups): every admission's uncached tokens
 are counted under why they missed, by the first block after the hit in the group that limited it, and the
-counts add up as `PagedKVManager`'s do."""
+counts add up as `PagedKVManager`'s do. The scenarios both managers share (short prompt, cold / partial / hit,
+evicted, salt, epoch, a miss after hits) run on both in `test_misses.py`."""
 
 from __future__ import annotations
 
@@ -31,55 +32,6 @@ def run(m: HybridKVManager, prompt: list[int], salt: bytes = b"") -> int:
 
 def tokens_of(m: HybridKVManager) -> dict[str, int]:
     return {r: n for r, n in m.stats.miss_tokens.items() if n}
-
-
-@pytest.fixture(params=["full", "full+sliding", "sliding", "full+chunked"])
-def m(request: pytest.FixtureRequest) -> HybridKVManager:
-    groups = {"full": (FULL,), "full+sliding": (FULL, SLIDE8), "sliding": (SLIDE8,), "full+chunked": (FULL, CHUNK8)}
-    return HybridKVManager(17, BS, groups[request.param])
-
-
-def test_a_prompt_shorter_than_a_block(m: HybridKVManager) -> None:
-    run(m, toks(0, 3))
-    run(m, toks(0, 3))
-    assert tokens_of(m) == {"short_prompt": 4} and m.stats.miss_lookups["short_prompt"] == 2
-
-
-def test_cold_then_partial_block_then_hit(m: HybridKVManager) -> None:
-    run(m, toks(0, 10))  # cold: 9 of 10 tokens missed (the last is always computed)
-    assert tokens_of(m) == {"no_key": 9}
-    assert run(m, toks(0, 10)) == 8  # both full blocks hit; token 8 lies in a partial block
-    assert tokens_of(m) == {"no_key": 9, "partial_block": 1}
-    assert run(m, toks(0, 9)) == 8  # nothing missed but the last token
-    assert tokens_of(m) == {"no_key": 9, "partial_block": 1}
-    assert m.stats.miss_lookups["no_key"] == 1 and m.misses.tokens == m.stats.miss_tokens
-
-
-def test_evicted_earlier(m: HybridKVManager) -> None:
-    run(m, toks(0, 9))
-    run(m, toks(100, 16 * BS // m.num_groups))  # the whole pool over the groups: evicts the first prompt's
-    assert m.stats.evictions >= 2
-    run(m, toks(0, 9))
-    assert m.stats.miss_tokens["evicted"] == 8
-
-
-def test_a_different_salt(m: HybridKVManager) -> None:
-    run(m, toks(0, 9), salt=b"tenant-a")
-    run(m, toks(0, 9), salt=b"tenant-b")
-    assert m.stats.miss_tokens["salt"] == 8
-
-
-def test_invalidated_by_an_epoch(m: HybridKVManager) -> None:
-    run(m, toks(0, 9))
-    m.bump_epoch()
-    run(m, toks(0, 9))
-    assert m.stats.miss_tokens["epoch"] == 8 and m.stats.miss_tokens["no_key"] == 8
-
-
-def test_a_miss_after_some_hits_is_counted_from_the_first_missing_block(m: HybridKVManager) -> None:
-    run(m, toks(0, 9))
-    assert run(m, toks(0, 4) + toks(50, 9)) == 4
-    assert m.stats.miss_tokens["no_key"] == 8 + 8
 
 
 def test_the_sliding_group_limits_the_hit_when_its_copy_was_evicted() -> None:

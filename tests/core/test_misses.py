@@ -12,7 +12,9 @@ from native_support import REF, SETTINGS, native
 from test_native_batch import copy_forget, forget_cases, outcome
 
 from pagedkv.core import BlockKeys, PagedKVManager
+from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.hotpath import evicted_slot
+from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.misses import MISS_REASONS
 
 BS = 4
@@ -22,31 +24,40 @@ def toks(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def run(m: PagedKVManager, prompt: list[int], salt: bytes = b"", keys: BlockKeys | None = None) -> int:
+Manager = PagedKVManager | HybridKVManager
+FULL, SLIDE8, CHUNK8 = KVGroupSpec(), KVGroupSpec("sliding", 8), KVGroupSpec("chunked", 8)
+HYBRID = {"full": (FULL,), "full+sliding": (FULL, SLIDE8), "sliding": (SLIDE8,), "full+chunked": (FULL, CHUNK8)}
+
+
+def run(m: Manager, prompt: list[int], salt: bytes = b"", keys: BlockKeys | None = None) -> int:
     """Admit, compute, free; returns the cached tokens."""
-    a = m.admit(prompt, salt=salt, keys=keys)
+    a = m.admit(prompt, salt=salt, keys=keys) if keys is not None else m.admit(prompt, salt=salt)
     assert a is not None
     m.mark_computed([a.seq_id])
     m.free(a.seq_id)
     return a.num_cached_tokens
 
 
-def tokens_of(m: PagedKVManager) -> dict[str, int]:
+def tokens_of(m: Manager) -> dict[str, int]:
     return {r: n for r, n in m.stats.miss_tokens.items() if n}
 
 
-@pytest.fixture(params=["sha256", "fast"])
-def m(request: pytest.FixtureRequest) -> PagedKVManager:
+@pytest.fixture(params=["sha256", "fast", *(f"hybrid:{g}" for g in HYBRID)])
+def m(request: pytest.FixtureRequest) -> Manager:
+    """The paged manager (both key functions) and the hybrid one over four group sets: the same scenarios,
+    the same reasons (`HybridKVManager` counts by the first block after the hit in the group that lacks it)."""
+    if request.param.startswith("hybrid:"):
+        return HybridKVManager(17, BS, HYBRID[request.param.removeprefix("hybrid:")])
     return PagedKVManager(num_blocks=9, block_size=BS, hash_fn=request.param)
 
 
-def test_a_prompt_shorter_than_a_block(m: PagedKVManager) -> None:
+def test_a_prompt_shorter_than_a_block(m: Manager) -> None:
     run(m, toks(0, 3))
     run(m, toks(0, 3))
     assert tokens_of(m) == {"short_prompt": 4} and m.stats.miss_lookups["short_prompt"] == 2
 
 
-def test_cold_then_partial_block_then_hit(m: PagedKVManager) -> None:
+def test_cold_then_partial_block_then_hit(m: Manager) -> None:
     run(m, toks(0, 10))  # cold: 9 of 10 tokens missed (the last is always computed)
     assert tokens_of(m) == {"no_key": 9}
     assert run(m, toks(0, 10)) == 8  # both full blocks hit; token 8 lies in a partial block
@@ -55,28 +66,29 @@ def test_cold_then_partial_block_then_hit(m: PagedKVManager) -> None:
     assert tokens_of(m) == {"no_key": 9, "partial_block": 1}
 
 
-def test_evicted_earlier(m: PagedKVManager) -> None:
+def test_evicted_earlier(m: Manager) -> None:
     run(m, toks(0, 9))
-    run(m, toks(100, 32))  # 8 blocks, the whole pool: evicts the first prompt's blocks
+    groups = m.num_groups if isinstance(m, HybridKVManager) else 1
+    run(m, toks(100, m.num_blocks * BS // groups))  # the whole pool: evicts the first prompt's blocks
     assert m.stats.evictions >= 2
     run(m, toks(0, 9))
     assert m.stats.miss_tokens["evicted"] == 8
 
 
-def test_a_different_salt(m: PagedKVManager) -> None:
+def test_a_different_salt(m: Manager) -> None:
     run(m, toks(0, 9), salt=b"tenant-a")
     run(m, toks(0, 9), salt=b"tenant-b")
     assert m.stats.miss_tokens["salt"] == 8
 
 
-def test_invalidated_by_an_epoch(m: PagedKVManager) -> None:
+def test_invalidated_by_an_epoch(m: Manager) -> None:
     run(m, toks(0, 9))
     m.bump_epoch()
     run(m, toks(0, 9))
     assert m.stats.miss_tokens["epoch"] == 8 and m.stats.miss_tokens["no_key"] == 8
 
 
-def test_a_miss_after_some_hits_is_counted_from_the_first_missing_block(m: PagedKVManager) -> None:
+def test_a_miss_after_some_hits_is_counted_from_the_first_missing_block(m: Manager) -> None:
     run(m, toks(0, 9))
     assert run(m, toks(0, 4) + toks(50, 9)) == 4
     assert m.stats.miss_tokens["no_key"] == 8 + 8
