@@ -7,31 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_misses import BS, CHUNK8, FULL, SLIDE8, run, tokens_of, toks
 
 from pagedkv.core import PagedKVManager
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.misses import MISS_REASONS
-
-BS = 4
-FULL, SLIDE8, CHUNK8 = KVGroupSpec(), KVGroupSpec("sliding", 8), KVGroupSpec("chunked", 8)
-
-
-def toks(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
-
-
-def run(m: HybridKVManager, prompt: list[int], salt: bytes = b"") -> int:
-    """Admit, compute, free; returns the cached tokens."""
-    a = m.admit(prompt, salt=salt)
-    assert a is not None
-    m.mark_computed([a.seq_id])
-    m.free(a.seq_id)
-    return a.num_cached_tokens
-
-
-def tokens_of(m: HybridKVManager) -> dict[str, int]:
-    return {r: n for r, n in m.stats.miss_tokens.items() if n}
 
 
 def test_the_sliding_group_limits_the_hit_when_its_copy_was_evicted() -> None:

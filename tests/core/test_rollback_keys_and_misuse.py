@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.core import PagedKVManager, PinHandle
 from pagedkv.core.errors import InvalidArgumentError, PinError
-from pagedkv.core.manager import PagedKVManager, PinHandle
 from pagedkv.core.prefix import BlockKeys
 
 

@@ -8,6 +8,7 @@ typed errors.
 """
 
 from pagedkv.core.contiguous import ContiguousKVManager
+from pagedkv.core.copies import PinHandle
 from pagedkv.core.errors import (
     CapacityError,
     InvalidArgumentError,
@@ -17,7 +18,7 @@ from pagedkv.core.errors import (
     PinError,
     UnknownSequenceError,
 )
-from pagedkv.core.manager import PagedKVManager, PinHandle
+from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.pool import CacheEvent
 from pagedkv.core.prefix import BlockKeys
 from pagedkv.core.protocol import Admission, BlockMoves, CSRPages, KVManager, ManagerStats

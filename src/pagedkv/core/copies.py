@@ -17,15 +17,27 @@ changes reference counts only through the pool's verbs (`share`, `touch_hits`, `
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.errors import InvariantError
+from pagedkv.core.errors import InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.pool import BlockPool
 from pagedkv.core.protocol import BlockMoves
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class PinHandle(NamedTuple):
+    """The blocks a `pin` call pinned; give it back to `unpin`."""
+
+    block_ids: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 class CopyLedger:
@@ -87,7 +99,7 @@ class CopyLedger:
 
 
 class PoolQueries:
-    """The pool-backed queries and the copy hand-out of both paged managers (`manager.py`, `hybrid.py`)."""
+    """The pool-backed queries, `unpin` and the copy hand-out of both paged managers (`manager.py`, `hybrid.py`)."""
 
     pool: BlockPool
     copies: CopyLedger
@@ -104,6 +116,19 @@ class PoolQueries:
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_in_use
+
+    def unpin(self, handle: PinHandle) -> None:
+        """Release a prefix `pin` returned (its blocks become evictable again once no pin holds them)."""
+        if not isinstance(handle, PinHandle) or not isinstance(handle.block_ids, tuple):
+            raise InvalidArgumentError("unpin takes the PinHandle that pin returned")
+        size = self.pool.num_blocks
+        ids = handle.block_ids
+        if not all(isinstance(b, int | np.integer) and not isinstance(b, bool) and 0 <= b < size for b in ids):
+            raise InvalidArgumentError(f"unpin: block ids must be ints in [0, {size}); pass the PinHandle pin returned")
+        if (np.bincount(np.asarray(ids, dtype=np.int64), minlength=size) > self.pool.pins).any():
+            raise PinError("these blocks are not pinned (unpinned twice, or reset since?)")
+        for block_id in reversed(ids):
+            self.pool.unpin(block_id)
 
     def take_copies(self) -> BlockMoves:
         """The copies recorded since the last call, `src[i] -> dst[i]` (distinct destinations, no destination

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.copies import CopyLedger, PoolQueries
+from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_groups, group_events, group_key
@@ -58,7 +58,6 @@ from pagedkv.core.hybrid_fetch import HybridFetch
 from pagedkv.core.hybrid_growth import HybridGrowth
 from pagedkv.core.hybrid_misses import HybridMisses
 from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
-from pagedkv.core.manager import PinHandle
 from pagedkv.core.misses import MissCounter
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys, Key, key_function
@@ -455,18 +454,6 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         for block_id in ids:
             self.pool.pin(block_id)
         return PinHandle(ids)
-
-    def unpin(self, handle: PinHandle) -> None:
-        if not isinstance(handle, PinHandle) or not isinstance(handle.block_ids, tuple):
-            raise InvalidArgumentError("unpin takes the PinHandle that pin returned")
-        size = self.pool.num_blocks
-        ids = handle.block_ids
-        if not all(isinstance(b, int | np.integer) and not isinstance(b, bool) and 0 <= b < size for b in ids):
-            raise InvalidArgumentError(f"unpin: block ids must be ints in [0, {size}); pass the PinHandle pin returned")
-        if (np.bincount(np.asarray(ids, dtype=np.int64), minlength=size) > self.pool.pins).any():
-            raise PinError("these blocks are not pinned (unpinned twice, or reset since?)")
-        for block_id in reversed(ids):
-            self.pool.unpin(block_id)
 
     @property
     def epoch(self) -> int:

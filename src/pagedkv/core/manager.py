@@ -36,12 +36,10 @@ KV until the next forward pass.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.copies import CopyLedger, PoolQueries
+from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.misses import MissCounter
@@ -75,16 +73,6 @@ PARTIAL_REUSE_MIN_TOKENS = 1  # a block copy costs less than recomputing one tok
 # a NamedTuple's constructor is one more Python call.
 _Lookup = tuple[IntArray, int, int]
 _NO_LOOKUP: _Lookup = (_EMPTY, -1, 0)
-
-
-class PinHandle(NamedTuple):
-    """The blocks a `pin` call pinned; give it back to `unpin`."""
-
-    block_ids: tuple[int, ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
 
 
 def _writers_to_move(rows: IntArray, src: IntArray, ref: npt.NDArray[np.int32]) -> npt.NDArray[np.bool_]:
@@ -520,19 +508,6 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         for block_id in hits:
             self.pool.pin(block_id)
         return PinHandle(tuple(hits))
-
-    def unpin(self, handle: PinHandle) -> None:
-        if not isinstance(handle, PinHandle) or not isinstance(handle.block_ids, tuple):
-            raise InvalidArgumentError("unpin takes the PinHandle that pin returned")
-        size = self.pool.num_blocks
-        ids = handle.block_ids
-        if not all(isinstance(b, int | np.integer) and not isinstance(b, bool) and 0 <= b < size for b in ids):
-            raise InvalidArgumentError(f"unpin: block ids must be ints in [0, {size}); pass the PinHandle pin returned")
-        need = np.bincount(np.asarray(handle.block_ids, dtype=np.int64), minlength=size)
-        if (need > self.pool.pins).any():
-            raise PinError("these blocks are not pinned (unpinned twice, or reset since?)")
-        for block_id in reversed(handle.block_ids):
-            self.pool.unpin(block_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many keys were dropped. Running sequences are unaffected."""
