@@ -121,7 +121,7 @@ class RouterRun:
     turns: list[Turn] = field(default_factory=list)
     wall_s: float = 0.0
     load: tuple[float, float] = (math.nan, math.nan)  # 1-minute load average before and after the run
-    decisions: dict[str, int] = field(default_factory=dict)  # pagedkv's: decisions, fallbacks
+    decisions: dict[str, float] = field(default_factory=dict)  # pagedkv's: counts and ranking time
     replicas: int = 0  # replicas deployed (those that served nothing count too)
 
     def summary(self) -> dict[str, Any]:
@@ -227,10 +227,10 @@ def router_settings(router: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"class": f"{cls.__module__}:{cls.__qualname__}", "given": given, "effective": {**defaults, **given}}
 
 
-def _decisions(handle: Any) -> dict[str, int]:
+def _decisions(handle: Any) -> dict[str, float]:
     """The handle's pagedkv router's counts (decisions, load-imbalance fallbacks, requests Ray placed elsewhere
-    than the first of their ranking), read through Ray's private
-    attributes (2.60): empty for Ray's routers or another Ray."""
+    than the first of their ranking) and its time ranking (`ranking_ms`, in this process, beside the callers),
+    read through Ray's private attributes (2.60): empty for Ray's routers or another Ray."""
     router = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
     live = getattr(router, "live", None)
     if live is None:
@@ -238,6 +238,7 @@ def _decisions(handle: Any) -> dict[str, int]:
     return {
         "decisions": int(router.decisions), "fallbacks": int(router.fallbacks),
         "displaced": int(getattr(router, "displaced", 0)),
+        "ranking_ms": round(1e3 * float(getattr(router, "busy_s", 0.0)), 1),
     }  # fmt: skip
 
 

@@ -13,6 +13,12 @@ replica (see `pagedkv.events.publisher`); a replica whose replay socket does not
 again, when its whole history is replayed from its publisher (or, if that is gone, what follows a synthetic
 clear). `remove` forgets a replica for good (Ray replaced it).
 
+The periodic check that `poll` runs every `sync_interval_s` syncs only the streams that delivered nothing
+since the previous one: a stream that delivered is alive, and a batch it lost shows as a gap in its next
+one, which `poll` replays at once. A sync is a round trip to the replica, made while the caller waits (the
+router's decisions wait with it): measured in `pagedkv bench replicas` at 4 replicas on a loaded 2-core
+machine, 50 ms a check on average, up to 126 ms, once a second. `check()` called directly syncs every stream.
+
 Not thread-safe: one owner calls every method (the router's event loop).
 """
 
@@ -38,6 +44,7 @@ class StreamState:
     replay_endpoint: str | None
     down: bool = False
     batches: int = 0
+    heard: bool = False  # delivered a batch since the last periodic check
 
 
 class EventStreams:
@@ -99,16 +106,20 @@ class EventStreams:
             except ReplicaUnresponsiveError:  # a gap whose replay did not answer
                 self._down(replica)
         if self._clock() - self._last_check >= self._interval:
-            n += self.check()
+            n += self.check(silent_only=True)
         return n
 
-    def check(self) -> int:
+    def check(self, *, silent_only: bool = False) -> int:
         """Sync every stream through its replay socket: tail losses and idle restarts are applied, a replica
-        that does not answer is dropped from the index and marked down, one that answers again is rebuilt."""
+        that does not answer is dropped from the index and marked down, one that answers again is rebuilt.
+        `silent_only` (the periodic check): only the streams that delivered nothing since the last check."""
         self._last_check = self._clock()
         n = 0
         for replica, sub in self._subs.items():
             state = self.state[replica]
+            heard, state.heard = state.heard, False
+            if silent_only and heard and not state.down:
+                continue
             try:
                 if state.down:
                     sub.next_seq = None  # rebuild from the publisher's history (or a synthetic clear)
@@ -118,6 +129,7 @@ class EventStreams:
                 continue
             state.down = False
             n += self._apply(replica, batches)
+            state.heard = False  # what the sync brought does not prove the stream alive until the next check
         return n
 
     def subscriber(self, replica: Hashable) -> EventSubscriber:
@@ -130,7 +142,9 @@ class EventStreams:
     def _apply(self, replica: Hashable, batches: list[tuple[int, EventBatch]]) -> int:
         for _, batch in batches:
             self.index.apply(replica, batch)
-        self.state[replica].batches += len(batches)
+        state = self.state[replica]
+        state.batches += len(batches)
+        state.heard = state.heard or bool(batches)
         return len(batches)
 
     def _down(self, replica: Hashable) -> None:

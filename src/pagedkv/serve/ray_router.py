@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 from ray.serve.request_router import (
@@ -88,6 +89,7 @@ class PagedKVRequestRouter(RequestRouter):
         self.decisions = 0
         self.fallbacks = 0
         self.displaced = 0  # requests Ray placed on another replica than the first of their ranking
+        self.busy_s = 0.0  # time spent ranking (in the process that holds the handle, beside the callers)
         self._first: dict[str, ReplicaID] = {}
 
     async def choose_replicas(
@@ -102,6 +104,7 @@ class PagedKVRequestRouter(RequestRouter):
             if named:
                 return [named]
             return [[random.choice(candidate_replicas)]]  # other calls: spread, not all on the first
+        began = time.perf_counter()
         for r in candidate_replicas:
             self.live.observe(r.replica_id, r.routing_stats)
         by_id = {r.replica_id: r for r in candidate_replicas}
@@ -113,6 +116,7 @@ class PagedKVRequestRouter(RequestRouter):
         self.decisions += 1
         self.fallbacks += ranking.fallback
         self._first[rid] = ranking.order[0]
+        self.busy_s += time.perf_counter() - began
         return [[by_id[rid]] for rid in ranking.order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
