@@ -59,21 +59,29 @@ def test_prefix_then_load_then_the_imbalance_fallback(tmp_path) -> None:
         prompt = doc + [7, 8, 9]
         ranking = router.rank(["a", "b"], prompt)
         assert ranking.order == ["b", "a"] and ranking.matches["b"].gpu == 6 and not ranking.fallback
-        # b gets busy with what this router sent it: 15 blocks of queued work outweigh 6 blocks to compute on a
-        # and 6 more for computing blocks b already holds (the live router's duplicate charge)
+        # b gets busy with what this router sent it. The prompt's prefix on b is its own (in no request in flight
+        # there, as a conversation's history): it stays while b's requests in flight exceed a's by no more than
+        # the threshold, whatever the queued blocks say (15 here, against 6 to compute on a and 6 more for
+        # computing blocks b already holds: the live router's duplicate charge)
         for i in range(3):
             router.predict(f"q{i}", router.rank(["a", "b"], list(range(500 + 10 * i, 517 + 10 * i))))
             router.routed(f"q{i}", "b")
         busy = router.rank(["a", "b"], prompt)
-        assert busy.loads["b"] == 15.0 and busy.order[0] == "a"
+        assert busy.loads["b"] == 15.0 and busy.order[0] == "b" and not busy.fallback
+        # one more: 4 requests against 0 is past the threshold, and the cost decides: 20 blocks of queued work
+        # outweigh the 12
+        router.predict("q3", router.rank(["a", "b"], list(range(540, 557))))
+        router.routed("q3", "b")
+        busy = router.rank(["a", "b"], prompt)
+        assert busy.loads["b"] == 20.0 and busy.order[0] == "a" and not busy.fallback
         b.serve(list(range(500, 517)))  # q0's prefill is done: its events show its last block on b's GPU
         wait_for(router, "b", 10)
-        assert router.rank(["a", "b"], prompt).loads["b"] == 1.0 + 5.0 + 5.0  # q0 running, q1 and q2 to prefill
-        for i in range(3):
+        assert router.rank(["a", "b"], prompt).loads["b"] == 1.0 + 3 * 5.0  # q0 running, q1 to q3 to prefill
+        for i in range(4):
             router.completed(f"q{i}")
         assert router.rank(["a", "b"], prompt).order[0] == "b"
-        # other routers' requests, seen through b's stats: 5 in flight against a's 0 > threshold 3; the prompt's
-        # prefix on b is in no request in flight there (a conversation's own history): it stays
+        # other routers' requests, seen through b's stats: 5 in flight against a's 0 > threshold 3, so the cost
+        # decides; b holds the whole prefix (cost 5, its queue) against 12 on a: it stays
         router.observe("b", b.stats(running=4, waiting=1))
         private = router.rank(["a", "b"], prompt)
         assert not private.fallback and private.order == ["b", "a"]

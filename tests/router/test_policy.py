@@ -159,3 +159,21 @@ def test_the_duplicate_charge_keeps_a_history_where_it_is_and_leaves_fresh_promp
     # held elsewhere only in part: only that part is charged twice
     assert live.costs(23, [PrefixMatch(gpu=16), PrefixMatch(gpu=22)], [0.0, 0.0]) == [7 + 6, 1]
     assert CostWeights() == CostWeights(duplicate_weight=0.0)  # the simulator's default: no duplicate charge
+
+
+def test_a_turn_stays_with_its_history_until_its_replica_is_past_the_threshold() -> None:
+    """A conversation's turn whose history only replica 0 holds (`sticky`): it stays there whatever the
+    queued blocks say while replica 0's requests in flight exceed the least loaded's by no more than the
+    threshold; past it the cost decides (here: the queue outweighs the history, and it moves). Without
+    `sticky` the same figures go by cost, and a prefix many requests share goes by the fallback."""
+    live = CostPolicy(LIVE_WEIGHTS)
+    turn = [PrefixMatch(gpu=7), PrefixMatch(gpu=4)]
+    assert live.rank(8, turn, [30.0, 0.0])[0] == [1, 0]  # cost: 1 + 30 against 4 + 3 + 0
+    assert live.rank(8, turn, [30.0, 0.0], requests=[6, 0], imbalance_threshold=8, sticky=0) == ([0, 1], False)
+    assert live.rank(8, turn, [30.0, 0.0], requests=[8, 0], imbalance_threshold=8, sticky=0) == ([0, 1], False)
+    assert live.rank(8, turn, [30.0, 0.0], requests=[9, 0], imbalance_threshold=8, sticky=0) == ([1, 0], False)
+    assert live.rank(8, turn, [30.0, 0.0], sticky=0) == ([0, 1], False)  # no requests: the history decides
+    # the other replica's load does not make the holder heavy: only the holder's own lead counts
+    assert live.rank(8, turn + [PrefixMatch()], [3.0, 0.0, 90.0], requests=[2, 0, 20], imbalance_threshold=8,
+                     sticky=0) == ([0, 1, 2], False)  # fmt: skip
+    assert live.rank(8, turn, [30.0, 0.0], requests=[9, 0], imbalance_threshold=8) == ([1, 0], True)

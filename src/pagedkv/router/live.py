@@ -26,11 +26,19 @@ Ray every `request_routing_stats_period_s`) add the requests other routers sent:
 (Not the report's count itself: up to a period old, at tens of requests a second it counted requests long
 finished, and a replica looked busier than it was until the next report.)
 
-Load-imbalance fallback (`CostPolicy.rank`): when the most and least loaded candidates differ by more than `imbalance_threshold` requests in flight, the least loaded come
-first whatever they hold, except for a request whose longest held prefix is private (its deepest block is in
-no other request in flight on that replica: a conversation's own history, not a system prompt many requests
-share now). Moving such a turn recomputes its whole history on the other replica; new conversations, which
-share a system prompt, are what the fallback moves, and they rebalance the fleet as conversations end.
+A conversation's history stays where it is (`CostPolicy.rank`'s `sticky`): a request whose longest held
+prefix is private to one replica (no other candidate holds as much, and its deepest block is in no other
+request in flight there: a conversation's own history, not a system prompt many requests share now) goes to
+that replica unless its requests in flight exceed the least loaded candidate's by more than
+`imbalance_threshold`; then the cost decides. Until 2026-12-01 the cost decided every such turn: a queue a
+few blocks longer moved 1-2.5% of later turns at 2 replicas in `pagedkv bench replicas` (turns 1 and 2, whose
+own history is short), each recomputing its history, for a queue difference that on those replicas was a few
+milliseconds of a step, within what the router's estimate of queued work can miss.
+
+Load-imbalance fallback (`CostPolicy.rank`): for any other request, when the most and least loaded candidates
+differ by more than `imbalance_threshold` requests in flight, the least loaded come first whatever they hold.
+New conversations, which share a system prompt, are what the fallback moves, and they rebalance the fleet as
+conversations end.
 
 Replica stats (`record_routing_stats` on the replica; plain JSON types):
 
@@ -179,10 +187,11 @@ class LiveRouter:
         for r in candidates:
             matches[r] = self._match(r, per[r]) if r in live else PrefixMatch()
         loads = {r: self._load(r) for r in candidates}
-        threshold = None if self._private(candidates, matches, per) else self.imbalance_threshold
+        holder = self._private(candidates, matches, per)
         positions, fallback = self.policy.rank(
             num_blocks, [matches[r] for r in candidates], [loads[r] for r in candidates],
-            [self._requests(r) for r in candidates], threshold,
+            [self._requests(r) for r in candidates], self.imbalance_threshold,
+            None if holder is None else candidates.index(holder),
         )  # fmt: skip
         order = [candidates[i] for i in positions]
         return Ranking(order, matches, loads, fallback, num_blocks, per)
@@ -302,16 +311,17 @@ class LiveRouter:
 
     def _private(
         self, candidates: Sequence[Hashable], matches: dict[Hashable, PrefixMatch], per: dict[Hashable, list[int]]
-    ) -> bool:
-        """Whether the longest prefix any candidate holds of the request is private there: its deepest block is
-        in the prompt of no other request this router has in flight on that replica (a conversation's own
-        history, not a system prompt many requests are sharing now)."""
+    ) -> Hashable | None:
+        """The candidate holding the longest prefix of the request, if that prefix is private there: no other
+        candidate holds as much, and its deepest block is in the prompt of no other request this router has
+        in flight on that replica (a conversation's own history, not a system prompt many requests are
+        sharing now); else None."""
         best = max(candidates, key=lambda r: matches[r].total)
         held = matches[best].total
-        if held == 0:
-            return False
+        if held == 0 or any(matches[r].total >= held for r in candidates if r != best):
+            return None
         rec = self._replicas.get(best)
-        return rec is None or rec.sharing.get(per[best][held - 1], 0) == 0
+        return best if rec is None or rec.sharing.get(per[best][held - 1], 0) == 0 else None
 
     def _requests(self, replica: Hashable) -> int:
         rec = self._replicas.get(replica, _Replica())

@@ -30,9 +30,11 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
   Charged in full, that work cancelled the blocks saved: a second request sharing only a system prompt
   with one still prefilling went to the idle replica and computed the prompt again. Where nothing is on its
   way (the simulator's index, an idle fleet) the cost is the formula above unchanged.
-- `rank` adds the load-imbalance fallback: when the replicas' requests in flight differ by more than a
-  threshold, the least loaded lead whatever they hold (a hot prefix, or one on its way, must not pile
-  everything onto one replica).
+- `rank` adds two rules over requests in flight. A request whose own history one replica holds (`sticky`,
+  the caller's judgement: `pagedkv.router.live` knows which prefixes requests in flight share) stays there
+  unless that replica's requests exceed the least loaded's by more than a threshold. Any other request: when
+  the replicas' requests differ by more than the threshold, the least loaded lead whatever they hold (a hot
+  prefix, or one on its way, must not pile everything onto one replica).
 
 Every policy's `choose(matches, loads)` takes one `PrefixMatch` and one load per replica, in replica order, and
 returns the chosen position; `Router` glues a policy to a `ReplicaIndex`.
@@ -175,19 +177,33 @@ class CostPolicy:
         loads: Sequence[float],
         requests: Sequence[int] | None = None,
         imbalance_threshold: int | None = None,
+        sticky: int | None = None,
     ) -> tuple[list[int], bool]:
-        """Every position, best first, and whether the load-imbalance fallback decided: when the replicas'
-        requests in flight differ by more than `imbalance_threshold`, the least loaded come first whatever
-        they hold (a hot prefix must not pile everything onto one replica); otherwise `choose`, then the rest
-        by cost. Without `requests` or a threshold this is `choose` followed by the rest."""
+        """Every position, best first, and whether the load-imbalance fallback decided.
+
+        - `sticky` (the position holding the request's own history, e.g. a conversation's earlier turns):
+          it comes first unless its requests in flight exceed the least loaded's by more than
+          `imbalance_threshold`; then `choose` decides (the history is recomputed elsewhere only if that
+          costs less). Moving a turn for a smaller gap trades a history's recomputation, and the cache hit
+          that is sure, for a queue difference the router only estimates.
+        - otherwise, when the replicas' requests in flight differ by more than `imbalance_threshold`, the least
+          loaded come first whatever they hold (a hot prefix must not pile everything onto one replica);
+        - otherwise `choose`.
+
+        The rest follow by cost. Without `requests` or a threshold: `sticky` if given, else `choose`, then the
+        rest."""
         n = len(matches)
-        if (
-            requests is not None
-            and imbalance_threshold is not None
-            and max(requests) - min(requests) > imbalance_threshold
-        ):
+        heavy = False  # the sticky replica, or else the most loaded, past the threshold
+        if requests is not None and imbalance_threshold is not None:
+            top = requests[sticky] if sticky is not None else max(requests)
+            heavy = top - min(requests) > imbalance_threshold
+        if sticky is not None and not heavy:
+            first = sticky
+        elif sticky is None and heavy:
+            assert requests is not None, "policy: the imbalance fallback without requests"
             return sorted(range(n), key=lambda i: (requests[i], loads[i])), True
-        first = self.choose(num_blocks, matches, loads)
+        else:
+            first = self.choose(num_blocks, matches, loads)
         costs = self.costs(num_blocks, matches, loads)
         return [first] + sorted(
             (i for i in range(n) if i != first), key=lambda i: (costs[i], loads[i])
