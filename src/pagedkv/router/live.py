@@ -46,6 +46,11 @@ Replica stats (`record_routing_stats` on the replica; plain JSON types):
      "block_size": int, "hash_fn": "sha256" | "vllm", "free_blocks": int, "num_blocks": int,
      "num_running": int, "num_waiting": int, "epoch": int}
 
+Decisions never wait for the streams' periodic check (a round trip to each replica silent for
+`sync_interval_s`, `pagedkv.router.streams`): `rank` only applies the batches that have arrived, and the check
+runs when a request completes. In `pagedkv bench replicas` (4 replicas, before 2026-12-01's change) the
+opening burst's first decision, after a quiet second, waited 16 ms for one to every replica.
+
 A replica whose `kv_events` endpoint changes (Ray restarted it elsewhere) is re-followed from scratch; one
 that leaves the candidate set for good is forgotten (`forget`). Not thread-safe: one event loop owns it.
 """
@@ -167,7 +172,7 @@ class LiveRouter:
     ) -> Ranking:
         if not candidates:
             raise InvalidArgumentError("no candidate replicas")
-        self.streams.poll()
+        self.streams.poll(sync=False)  # the periodic check runs when a request completes, not in a decision
         live = set(self.streams.live())
         salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
         by_keys: dict[tuple[Any, ...], list[int]] = {}  # replicas agree on these normally: one hashing
@@ -241,10 +246,13 @@ class LiveRouter:
             self._drop(request_id, entry)
 
     def completed(self, request_id: Hashable) -> None:
+        """The request has finished; the streams' periodic check runs here when it is due (not in `rank`:
+        see the module docstring)."""
         self._predicted.pop(request_id, None)
         entry = self._inflight.get(request_id)
         if entry is not None:
             self._drop(request_id, entry)
+        self.streams.poll()
 
     # --- internals -------------------------------------------------------------------------------
 

@@ -95,8 +95,9 @@ class EventStreams:
         self.state.pop(replica, None)
         self.index.clear(replica)
 
-    def poll(self) -> int:
-        """Apply every batch that has arrived; returns how many. Calls `check()` when it is due."""
+    def poll(self, *, sync: bool = True) -> int:
+        """Apply every batch that has arrived; returns how many. With `sync`, runs the periodic check when it
+        is due (a caller about to decide passes False: a decision does not wait for a round trip)."""
         n = 0
         for replica, sub in self._subs.items():
             if self.state[replica].down:
@@ -105,7 +106,7 @@ class EventStreams:
                 n += self._apply(replica, sub.poll(0))
             except ReplicaUnresponsiveError:  # a gap whose replay did not answer
                 self._down(replica)
-        if self._clock() - self._last_check >= self._interval:
+        if sync and self._clock() - self._last_check >= self._interval:
             n += self.check(silent_only=True)
         return n
 
