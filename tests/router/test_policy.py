@@ -122,9 +122,11 @@ def test_cost_rank_is_choose_then_cost_order_and_the_imbalance_fallback_override
     order, fallback = policy.rank(8, matches, [0.0, 0.0, 0.0])
     assert order == [0, 2, 1] and not fallback
     # replica 0 holds the prefix but has 10 requests in flight against 0 and 1: past a threshold of 8, the
-    # least loaded lead whatever they hold
+    # replicas within it lead whatever 0 holds, by cost among them (2 holds 2 blocks: 6 + 1 against 8 + 0)
     order, fallback = policy.rank(8, matches, [3.0, 0.0, 1.0], requests=[10, 0, 1], imbalance_threshold=8)
-    assert order == [1, 2, 0] and fallback
+    assert order == [2, 1, 0] and fallback
+    order, fallback = policy.rank(8, matches, [3.0, 0.0, 1.0], requests=[10, 0, 9], imbalance_threshold=8)
+    assert order == [1, 2, 0] and fallback  # 2 is past the threshold too: the heavy follow, least loaded first
     order, fallback = policy.rank(8, matches, [3.0, 0.0, 1.0], requests=[8, 0, 1], imbalance_threshold=8)
     assert order[0] == 0 and not fallback
 

@@ -36,7 +36,8 @@ own history is short), each recomputing its history, for a queue difference that
 milliseconds of a step, within what the router's estimate of queued work can miss.
 
 Load-imbalance fallback (`CostPolicy.rank`): for any other request, when the most and least loaded candidates
-differ by more than `imbalance_threshold` requests in flight, the least loaded come first whatever they hold.
+differ by more than `imbalance_threshold` requests in flight, those within the threshold of the least loaded
+come first, by cost among them, whatever the others hold.
 New conversations, which share a system prompt, are what the fallback moves, and they rebalance the fleet as
 conversations end.
 

@@ -33,8 +33,9 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
 - `rank` adds two rules over requests in flight. A request whose own history one replica holds (`sticky`,
   the caller's judgement: `pagedkv.router.live` knows which prefixes requests in flight share) stays there
   unless that replica's requests exceed the least loaded's by more than a threshold. Any other request: when
-  the replicas' requests differ by more than the threshold, the least loaded lead whatever they hold (a hot
-  prefix, or one on its way, must not pile everything onto one replica).
+  the replicas' requests differ by more than the threshold, those within it of the least loaded lead, by
+  cost among them, whatever the others hold (a hot prefix, or one on its way, must not pile everything onto
+  one replica).
 
 Every policy's `choose(matches, loads)` takes one `PrefixMatch` and one load per replica, in replica order, and
 returns the chosen position; `Router` glues a policy to a `ReplicaIndex`.
@@ -186,25 +187,29 @@ class CostPolicy:
           `imbalance_threshold`; then `choose` decides (the history is recomputed elsewhere only if that
           costs less). Moving a turn for a smaller gap trades a history's recomputation, and the cache hit
           that is sure, for a queue difference the router only estimates.
-        - otherwise, when the replicas' requests in flight differ by more than `imbalance_threshold`, the least
-          loaded come first whatever they hold (a hot prefix must not pile everything onto one replica);
+        - otherwise, when the replicas' requests in flight differ by more than `imbalance_threshold`, those
+          within the threshold of the least loaded come first, by cost, whatever the others hold (a hot
+          prefix must not pile everything onto one replica);
         - otherwise `choose`.
 
         The rest follow by cost. Without `requests` or a threshold: `sticky` if given, else `choose`, then the
         rest."""
         n = len(matches)
-        heavy = False  # the sticky replica, or else the most loaded, past the threshold
+        costs = self.costs(num_blocks, matches, loads)
+        heavy = [False] * n  # past the threshold: more requests in flight than the least loaded's + threshold
         if requests is not None and imbalance_threshold is not None:
-            top = requests[sticky] if sticky is not None else max(requests)
-            heavy = top - min(requests) > imbalance_threshold
-        if sticky is not None and not heavy:
+            least = min(requests)
+            heavy = [r - least > imbalance_threshold for r in requests]
+        if sticky is not None and not heavy[sticky]:
             first = sticky
-        elif sticky is None and heavy:
+        elif sticky is None and any(heavy):
+            # the fallback: the replicas within the threshold lead, by cost among them (one may hold the
+            # prefix too); the heavy ones follow, least loaded first
+            light = sorted((i for i in range(n) if not heavy[i]), key=lambda i: (costs[i], loads[i]))
             assert requests is not None, "policy: the imbalance fallback without requests"
-            return sorted(range(n), key=lambda i: (requests[i], loads[i])), True
+            return light + sorted((i for i in range(n) if heavy[i]), key=lambda i: (requests[i], loads[i])), True
         else:
             first = self.choose(num_blocks, matches, loads)
-        costs = self.costs(num_blocks, matches, loads)
         return [first] + sorted(
             (i for i in range(n) if i != first), key=lambda i: (costs[i], loads[i])
         ), False
