@@ -21,7 +21,7 @@ from pagedkv.bench import allocator
 from pagedkv.core import PagedKVManager, hotpath
 from pagedkv.workloads.traces import default_trace_path, load_trace
 
-FUNCTIONS = ("match", "publish_rows", "forget_keys", "check_rows", "growth", "grow", "publish_computed", "take_live")
+FUNCTIONS = ("match", "publish_rows", "forget_keys", "check_rows", "growth", "grow", "publish_computed", "take_live", "release_refs")
 
 
 class Mixed:

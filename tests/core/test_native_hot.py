@@ -1,4 +1,4 @@
-"""The C extension's `publish_computed` and `take_live` against their specification, `hotpath.PythonBackend`.
+"""The C extension's `publish_computed`, `take_live` and `release_refs` against their specification, `hotpath.PythonBackend`.
 
 `publish_computed` (a whole `mark_computed`) is checked on random realistic batches -- rows sharing token
 content (colliding keys, so blocks stay private), prefix blocks shared between rows, index entries that are
@@ -7,7 +7,8 @@ counts below the token counts, rows without keys or with keys of an old epoch, r
 -- against both the Python reference (written for speed: numpy row selection, bulk inserts) and a naive
 model that calls `PythonBackend.publish_rows` row by row. `take_live` (eviction's scan of a lazily deleted
 FIFO queue) is checked on queues built by simulating pushes and hits, against the reference and a plain
-loop. Invalid inputs must raise before anything changes.
+loop; `release_refs` (the pool's release) against the reference and a one-block-at-a-time model. Invalid
+inputs must raise before anything changes.
 """
 
 from __future__ import annotations
@@ -635,3 +636,94 @@ def test_take_live_ignores_ids_outside_head_and_tail() -> None:
         case["queue_ids"] = np.array([99, 1, 2, 1, -7], dtype=np.int64)
         assert take(backend.take_live, {**case, "head": 1, "tail": 4}) == (4, 2)
         assert case["out"].tolist() == [2, 1, -1]
+
+
+# --------------------------------------------------------------------------------------------- release_refs
+
+
+@st.composite
+def release_cases(draw: st.DrawFn) -> dict[str, Any]:
+    """A pool's reference counts and key flags, a free stack with `top` entries, and distinct held ids."""
+    num_blocks = draw(st.integers(1, 24))
+    ref = np.array(draw(st.lists(st.integers(0, 3), min_size=num_blocks, max_size=num_blocks)), np.int32)
+    keyed = np.array(draw(st.lists(st.booleans(), min_size=num_blocks, max_size=num_blocks)), bool)
+    held = [b for b in range(num_blocks) if ref[b] > 0]
+    ids = draw(st.permutations(held)) if held else []
+    ids = np.array(ids[: draw(st.integers(0, len(ids)))], np.int64)
+    size = draw(st.integers(0, num_blocks + 4))
+    stack = np.array(draw(st.lists(st.integers(-1, 99), min_size=size, max_size=size)), np.int64)
+    top = draw(st.integers(0, size))
+    out = np.full(len(ids) + draw(st.integers(0, 3)), -7, np.int64)
+    return {"ref": ref, "keyed": keyed, "ids": ids, "stack": stack, "top": top, "out": out}
+
+
+RR_ORDER = ("ref", "keyed", "ids", "stack", "top", "out")
+
+
+def release(fn: Any, case: dict[str, Any]) -> Any:
+    return fn(*(case[name] for name in RR_ORDER))
+
+
+def naive_release(case: dict[str, Any]) -> tuple[int, int]:
+    """One block at a time: the unkeyed ones that reach zero are pushed so the first released ends on top."""
+    ref, keyed, stack, out = case["ref"], case["keyed"], case["stack"], case["out"]
+    plain, kept = [], 0
+    for b in case["ids"].tolist():
+        ref[b] -= 1
+        if ref[b] == 0 and keyed[b]:
+            out[kept] = b
+            kept += 1
+        elif ref[b] == 0:
+            plain.append(b)
+    top = case["top"]
+    if top + len(plain) > len(stack):
+        raise ValueError("no room")
+    stack[top : top + len(plain)] = plain[::-1]
+    return top + len(plain), kept
+
+
+def rr_state(case: dict[str, Any]) -> list[list[Any]]:
+    return [case[name].tolist() for name in ("ref", "keyed", "stack", "out")]
+
+
+@SETTINGS
+@given(case=release_cases())
+def test_release_refs_matches_reference_and_model(case: dict[str, Any]) -> None:
+    ours, ref, model = copy.deepcopy(case), copy.deepcopy(case), copy.deepcopy(case)
+    try:
+        expected: Any = naive_release(model)
+    except ValueError:  # no room: both refuse, changing nothing
+        for backend, state in ((REF, ref), (native, ours)):
+            with pytest.raises(ValueError, match="no room on the free stack"):
+                release(backend.release_refs, state)
+            assert rr_state(state) == rr_state(case)
+        return
+    assert release(REF.release_refs, ref) == expected
+    got = release(native.release_refs, ours)
+    assert got == expected and all(type(x) is int for x in got)
+    assert rr_state(ours) == rr_state(model) == rr_state(ref)
+
+
+RR_INVALID: list[Any] = [
+    ("id out of range", {"ids": np.array([0, 3], np.int64)}, IndexError, "out of range"),
+    ("negative id", {"ids": np.array([-1], np.int64)}, IndexError, "out of range"),
+    ("a block not held", {"ids": np.array([1, 2], np.int64)}, ValueError, "holds no reference"),
+    ("out too short", {"out": np.zeros(0, np.int64)}, ValueError, "len\\(out\\)"),
+    ("top past the stack", {"top": 5}, ValueError, "0 <= top"),
+    ("negative top", {"top": -1}, ValueError, "0 <= top"),
+    ("a full stack", {"top": 4}, ValueError, "no room"),
+]
+
+
+@pytest.mark.parametrize(("what", "change", "error", "words"), RR_INVALID, ids=[c[0] for c in RR_INVALID])
+def test_release_refs_refuses_before_changing_anything(what: str, change: dict[str, Any], error: type, words: str) -> None:
+    for backend in (native, REF):
+        case = {
+            "ref": np.array([1, 1, 0], np.int32), "keyed": np.array([False, True, False]),
+            "ids": np.array([0], np.int64), "stack": np.zeros(4, np.int64), "top": 0, "out": np.zeros(2, np.int64),
+            **change,
+        }  # fmt: skip
+        before = rr_state(case)
+        with pytest.raises(error, match=words):
+            release(backend.release_refs, case)
+        assert rr_state(case) == before, what

@@ -196,7 +196,8 @@ def test_at_run_time_only_the_pool_writes_reference_counts_and_only_the_index_wr
     _watch(m)
     _workload(m)
     assert m.pool.ref.__class__ is _WatchedArray and m.pool.prefix_index.key_of.__class__ is _WatchedList
-    assert WRITERS["ref"] == {"pagedkv.core.pool"}, WRITERS
+    # the pool, and `hotpath.release_refs` that only the pool calls (its release loop in one pass)
+    assert "pagedkv.core.pool" in WRITERS["ref"] and WRITERS["ref"] <= {"pagedkv.core.pool", "pagedkv.core.hotpath"}, WRITERS
     index_owners = {"pagedkv.core.prefix_index", "pagedkv.core.hotpath"}
     assert WRITERS["keyed"] and WRITERS["key_of"] and WRITERS["index"], WRITERS  # the workload wrote them all
     assert WRITERS["keyed"] | WRITERS["key_of"] | WRITERS["index"] <= index_owners, WRITERS

@@ -872,10 +872,19 @@ static PyObject *native_forget_keys(PyObject *Py_UNUSED(module), PyObject *const
                 const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(key);
                 Py_ssize_t n = PyBytes_GET_SIZE(key), head = n < 8 ? n : 8, from = n > 8 ? n - 8 : 0;
                 uint64_t lo = 0, hi = 0;
-                for (Py_ssize_t j = head - 1; j >= 0; j--)
-                    lo = (lo << 8) | p[j];
-                for (Py_ssize_t j = from; j < n; j++)
-                    hi = (hi << 8) | p[j];
+#if PY_LITTLE_ENDIAN && defined(__GNUC__)
+                if (n >= 8) { /* digests: two unaligned loads */
+                    memcpy(&lo, p, 8);
+                    memcpy(&hi, p + n - 8, 8);
+                    hi = __builtin_bswap64(hi);
+                } else
+#endif
+                {
+                    for (Py_ssize_t j = head - 1; j >= 0; j--)
+                        lo = (lo << 8) | p[j];
+                    for (Py_ssize_t j = from; j < n; j++)
+                        hi = (hi << 8) | p[j];
+                }
                 slot = (Py_uhash_t)(lo ^ hi) & mask;
             } else {
                 Py_hash_t h = PyObject_Hash(key);
@@ -1356,6 +1365,83 @@ fail:
 }
 
 /*
+ * release_refs(ref, keyed, ids, stack, top, out) -> (top, kept)  (PythonBackend.release_refs)
+ *
+ * The pool's release: one reference less on each of `ids` (distinct: the caller's contract). A block that
+ * reaches zero without a key is pushed on the free stack above `top` (the first of `ids` ends on top);
+ * one with a key is written to out[kept++] for the eviction policy. Every check comes first: ids in range,
+ * each held, room on the stack and in `out`.
+ */
+static PyObject *native_release_refs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames)
+{
+    static const char *const names[] = {"ref", "keyed", "ids", "stack", "top", "out"};
+    const char *const fname = "release_refs";
+    PyObject *a[6];
+    Py_ssize_t top;
+    if (parse_args(fname, names, 6, 6, 6, args, nargs, kwnames, a) < 0 || get_ssize(a[4], &top) < 0)
+        return NULL;
+    Py_buffer v[4] = {{0}, {0}, {0}, {0}}; /* ref, stack, out, keyed */
+    I64s ids = {0};
+    if (int_array(fname, "ref", a[0], 1, 4, 1, &v[0]) < 0 || int_array(fname, "stack", a[3], 1, 8, 1, &v[1]) < 0 ||
+        int_array(fname, "out", a[5], 1, 8, 1, &v[2]) < 0 || i64s_get(fname, "ids", a[2], &ids) < 0)
+        goto fail;
+    if (PyObject_GetBuffer(a[1], &v[3], PyBUF_C_CONTIGUOUS) < 0) {
+        v[3].obj = NULL;
+        goto fail;
+    }
+    int32_t *ref = v[0].buf;
+    int64_t *stack = v[1].buf, *out = v[2].buf;
+    const uint8_t *keyed = v[3].buf;
+    Py_ssize_t nref = v[0].shape[0], nstack = v[1].shape[0];
+    if (v[3].itemsize != 1 || v[3].len < nref) {
+        PyErr_Format(PyExc_TypeError, "%s: keyed must be a 1-byte array as long as ref", fname);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < ids.len; i++) { /* checked first, in the reference's order: nothing changes */
+        if (ids.values[i] < 0 || ids.values[i] >= (int64_t)nref) {
+            PyErr_Format(PyExc_IndexError, "%s: block id out of range of ref", fname);
+            goto fail;
+        }
+    }
+    if (v[2].shape[0] < ids.len || top < 0 || top > nstack) {
+        PyErr_Format(PyExc_ValueError, "%s: needs len(out) >= len(ids) and 0 <= top <= len(stack)", fname);
+        goto fail;
+    }
+    Py_ssize_t plain = 0;
+    for (Py_ssize_t i = 0; i < ids.len; i++) {
+        int64_t b = ids.values[i];
+        if (ref[b] < 1) {
+            PyErr_Format(PyExc_ValueError, "%s: a block holds no reference", fname);
+            goto fail;
+        }
+        plain += ref[b] == 1 && !keyed[b];
+    }
+    if (top + plain > nstack) {
+        PyErr_Format(PyExc_ValueError, "%s: no room on the free stack", fname);
+        goto fail;
+    }
+    Py_ssize_t kept = 0, pushed = 0;
+    for (Py_ssize_t i = 0; i < ids.len; i++) {
+        int64_t b = ids.values[i];
+        if (--ref[b] != 0)
+            continue;
+        if (keyed[b])
+            out[kept++] = b;
+        else /* the first released lands on top: it is taken first */
+            stack[top + plain - 1 - pushed++] = b;
+    }
+    release_all(v, 4);
+    i64s_release(&ids);
+    return Py_BuildValue("(nn)", top + plain, kept);
+
+fail:
+    release_all(v, 4);
+    i64s_release(&ids);
+    return NULL;
+}
+
+/*
  * take_live(queue_ids, queue_stamps, head, tail, stamp, out, filled) -> (head, filled)
  * (PythonBackend.take_live)
  *
@@ -1465,6 +1551,9 @@ PyDoc_STRVAR(grow_doc,
 PyDoc_STRVAR(publish_computed_doc,
              "publish_computed(kind, prefix, seq_keys, epochs, epoch, rows, computed, tables, blocks) -> list[int]\n\n"
              "mark_computed's publishing for a batch; hotpath.PythonBackend.publish_computed in C.");
+PyDoc_STRVAR(release_refs_doc,
+             "release_refs(ref, keyed, ids, stack, top, out) -> (top, kept)\n\n"
+             "The pool's release in one pass; hotpath.PythonBackend.release_refs in C.");
 PyDoc_STRVAR(take_live_doc,
              "take_live(queue_ids, queue_stamps, head, tail, stamp, out, filled) -> (head, filled)\n\n"
              "Eviction's scan of one LRU queue; hotpath.PythonBackend.take_live in C.");
@@ -1485,6 +1574,8 @@ static PyMethodDef native_methods[] = {
     {"grow", (PyCFunction)(void (*)(void))native_grow, METH_FASTCALL | METH_KEYWORDS, grow_doc},
     {"publish_computed", (PyCFunction)(void (*)(void))native_publish_computed, METH_FASTCALL | METH_KEYWORDS,
      publish_computed_doc},
+    {"release_refs", (PyCFunction)(void (*)(void))native_release_refs, METH_FASTCALL | METH_KEYWORDS,
+     release_refs_doc},
     {"take_live", (PyCFunction)(void (*)(void))native_take_live, METH_FASTCALL | METH_KEYWORDS, take_live_doc},
     {"sha256", (PyCFunction)(void (*)(void))native_sha256, METH_FASTCALL | METH_KEYWORDS, sha256_doc},
     {"has_sha_ni", native_has_sha_ni, METH_NOARGS, has_sha_ni_doc},

@@ -23,7 +23,10 @@ median of 3 interleaved runs on a shared 2-core machine, so +-3% noise; measured
   (1.86x / 1.88x); the one place `num_computed` and `num_published` advance (`table.py` writes them
   only over a row's life), for every key function: `PrefixCache.publish` passes no key lists where it
   keys the blocks itself;
-- `take_live`: eviction's scan of an LRU queue with lazily deleted entries (1.19x / 1.14x).
+- `take_live`: eviction's scan of an LRU queue with lazily deleted entries (1.19x / 1.14x);
+- `release_refs`: the pool's `release`: drop a sequence's references, push the blocks that become free
+  and list those that become cached-free, in one pass (it replaced eight numpy calls per freed sequence,
+  about 3% of the allocator loop: docs/cache-policy.md).
 
 Two backends implement `Backend`: `PythonBackend` below, the specification (plain Python and numpy, also
 the fallback), and `pagedkv.core._native`, a small C extension with exactly these functions (and its own
@@ -108,6 +111,8 @@ class Backend(Protocol):
     def forget_keys(self, prefix: IndexArrays, ids: I64, dropped: Any = None) -> None: ...
 
     def check_rows(self, on_device: Flags, mark: I64, rows: I64) -> int: ...
+
+    def release_refs(self, ref: I32, keyed: Flags, ids: I64, stack: I64, top: int, out: I64) -> tuple[int, int]: ...
 
     def growth(self, rows: I64, num_tokens: I64, num_blocks: I64, k: int, block_size: int) -> tuple[int, int]: ...
 
@@ -378,6 +383,33 @@ class PythonBackend:
             filled += len(got)
             need -= len(got)
         return head, filled
+
+    @staticmethod
+    def release_refs(ref: Any, keyed: Any, ids: Any, stack: Any, top: int, out: Any) -> tuple[int, int]:
+        """The pool's `release`: drop one reference from each of `ids` (distinct block ids, the caller's
+        contract). A block reaching zero without a key goes on the free stack above `top`, the first of `ids`
+        on top (taken first); one with a key is written to `out` (in the order of `ids`) for the eviction
+        policy. Returns (the new top, how many were written to `out`). IndexError for an id out of range of
+        `ref`; ValueError if a block holds no reference, `out` is shorter than `ids`, `top` is not in
+        [0, len(stack)] or the stack has no room (all checked before anything changes)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < len(ref)):
+            raise IndexError("release_refs: block id out of range of ref")
+        if len(out) < len(ids) or not 0 <= top <= len(stack):
+            raise ValueError("release_refs: needs len(out) >= len(ids) and 0 <= top <= len(stack)")
+        held = ref[ids]
+        if len(ids) and int(held.min()) < 1:
+            raise ValueError("release_refs: a block holds no reference")
+        zero = ids[held == 1]
+        flagged = keyed[zero].astype(bool)
+        plain = zero[~flagged]
+        if top + len(plain) > len(stack):
+            raise ValueError("release_refs: no room on the free stack")
+        ref[ids] = held - 1
+        stack[top : top + len(plain)] = plain[::-1]
+        kept = zero[flagged]
+        out[: len(kept)] = kept
+        return top + len(plain), len(kept)
 
     @staticmethod
     def growth(rows: Any, num_tokens: Any, num_blocks: Any, k: int, block_size: int) -> tuple[int, int]:

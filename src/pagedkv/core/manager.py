@@ -429,7 +429,7 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         """Release a finished sequence's blocks (tail first); cached blocks stay hittable until evicted."""
         t = self.tables
         row = t.row(seq_id)
-        blocks = t.blocks_of(row)[::-1]
+        blocks = t.blocks_of(row, tail_first=True)
         if t.swapped[row]:
             assert self.host_pool is not None, "manager: a swapped sequence without a host pool"
             self.host_pool.release(blocks)

@@ -157,21 +157,15 @@ class BlockPool:
         A block reaching zero becomes cached-free (keyed: handed to the eviction policy; under LRU appended
         to its priority's order, so the first released is the first evicted) or free (no key).
         """
-        if len(block_ids) == 0:
+        n = len(block_ids)
+        if n == 0:
             return
-        ref = self.ref
-        ref[block_ids] -= 1
-        zero = block_ids[ref[block_ids] == 0]
-        if len(zero) == 0:
-            return
-        keyed = self.prefix_index.keyed[zero]
-        plain = zero[~keyed]
-        if len(plain):
-            top = self._top
-            self._stack[top : top + len(plain)] = plain[::-1]  # first released is taken first
-            self._top = top + len(plain)
-        if len(plain) != len(zero):
-            self.policy.release(zero[keyed], priority)
+        out = np.empty(n, dtype=np.int64)  # the blocks that become cached-free, in release order
+        self._top, kept = self._hot.release_refs(
+            self.ref, self.prefix_index.keyed, np.ascontiguousarray(block_ids, dtype=np.int64), self._stack, self._top, out
+        )
+        if kept:
+            self.policy.release(out[:kept], priority)
 
     # --- keys -----------------------------------------------------------------------------------------
 

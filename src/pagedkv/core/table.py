@@ -199,8 +199,10 @@ class BlockTables:
             raise InvalidArgumentError("seq_ids has duplicates; each sequence may appear once per call")
         return rows
 
-    def blocks_of(self, row: int) -> IntArray:
-        return self.table[row, : self.num_blocks[row]].astype(np.int64)
+    def blocks_of(self, row: int, *, tail_first: bool = False) -> IntArray:
+        """The row's block ids as a new int64 array, in order or (`tail_first`) reversed, as `release` takes them."""
+        blocks = self.table[row, : self.num_blocks[row]]
+        return (blocks[::-1] if tail_first else blocks).astype(np.int64)
 
     def set_blocks(self, row: int, block_ids: IntArray) -> None:
         n = len(block_ids)
