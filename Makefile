@@ -20,11 +20,14 @@ $(STAMP): pyproject.toml Makefile setup.py src/pagedkv/core/_native.c src/pagedk
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pagedkv.demo
 
+# One pytest worker per core (pytest-xdist); a test file stays on one worker (`loadfile`), so module-scoped
+# fixtures (a Ray cluster, a server, a converted model) start once. `make test TEST_WORKERS=0` runs serially.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
