@@ -19,12 +19,14 @@ bytes, is an `InvalidArgumentError` saying what is wrong and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,7 +194,32 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 def load_weights(source: ModelSource, *, dtype: str | None = None, tokenizer: Any = None) -> Any:
     """The model, on CPU, in eval mode. A GGUF source not yet cached is de-quantised and then saved (with
-    `tokenizer`, when given) into its cache folder for the next load."""
+    `tokenizer`, when given) into its cache folder for the next load. One process at a time converts a given
+    file (a lock beside its cache folder): another that asks meanwhile waits, then reads the cache."""
+    if source.gguf_file is None or source.cached or source.cache_folder is None:
+        return _load_weights(source, dtype, tokenizer)
+    with _conversion_lock(source.cache_folder):
+        return _load_weights(source, dtype, tokenizer)  # `source.cached` is read again: the winner's copy
+
+
+@contextlib.contextmanager
+def _conversion_lock(cache_folder: Path) -> Iterator[None]:
+    """An exclusive `flock` on `<cache folder>.lock` (parallel test workers, two servers starting at once).
+    Where the cache folder cannot be written, or there is no `fcntl`, no lock: each process converts."""
+    try:
+        import fcntl
+
+        cache_folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = cache_folder.with_name(cache_folder.name + ".lock").open("a")
+    except (ImportError, OSError):
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _load_weights(source: ModelSource, dtype: str | None, tokenizer: Any) -> Any:
     _offline()
     import torch
     from transformers import AutoModelForCausalLM
@@ -236,7 +263,10 @@ def _save_conversion(source: ModelSource, model: Any, tokenizer: Any) -> None:
             bar.update(1)
         (tmp / DIGEST_FILE).write_text(f"{_dtype_of(model)} {digest}\n")
         (tmp / _COMPLETE).write_text(f"{source.folder / (source.gguf_file or '')}\n")
-        if target.exists():  # an incomplete earlier attempt, or another process won the race
+        if (target / _COMPLETE).is_file():  # another process (without the lock) won the race: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        if target.exists():  # an incomplete earlier attempt
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     except OSError as err:
