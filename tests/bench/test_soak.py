@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
+import pagedkv.bench.soak as soak_module
 import pagedkv.core.manager as manager_module
 import pagedkv.core.prefix as prefix_module
 from pagedkv.bench.soak import run_soak
@@ -190,8 +192,25 @@ def test_soak_catches_injected_module_bug(bug: Any, monkeypatch: pytest.MonkeyPa
     _caught(run_soak(100_000, seed=1, kinds=PAGED, shrink_s=2.0), bug.__name__)
 
 
-def test_reproduction_is_python_that_fails_the_same_way() -> None:
-    result = run_soak(100_000, seed=1, patch=skip_unpublish_on_write, kinds=PAGED, shrink_s=5.0)
+class _ReplayClock:
+    """`time` for the shrinker, with a monotonic clock that moves 20 ms per reading instead of with the wall:
+    the shrinker reads it once per trial replay, so its budget becomes a number of replays (120 for 2.4 s)
+    and a loaded machine (parallel test workers) cannot cut the shrinking short."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 0.02
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_reproduction_is_python_that_fails_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(soak_module, "time", _ReplayClock())
+    result = run_soak(100_000, seed=1, patch=skip_unpublish_on_write, kinds=PAGED, shrink_s=2.4)
     _caught(result, "skip_unpublish_on_write")
     assert result.message is not None and result.message.startswith("check_invariants")
     lines = result.reproduction or []
