@@ -230,16 +230,16 @@ def test_policy_objects_and_bad_names() -> None:
 _settings = settings(max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _machine(policy: str) -> type[ManagerMachine]:
+def _machine(policy: str, max_examples: int = 120) -> type[ManagerMachine]:
     cls = type(f"{policy.upper()}Machine", (ManagerMachine,), {"eviction": policy})
-    cls.TestCase.settings = _settings
+    cls.TestCase.settings = settings(_settings, max_examples=max_examples)
     return cls
 
 
 TestSLRUMachine = _machine("slru").TestCase
 TestLFUMachine = _machine("lfu").TestCase
 TestPriorityMachine = _machine("priority").TestCase
-TestCostMachine = _machine("cost").TestCase
+TestCostMachine = _machine("cost", max_examples=60).TestCase  # the slowest policy to run: half the examples
 
 
 # --- the soak draws every policy ------------------------------------------------------------------------------
