@@ -11,7 +11,7 @@ runs in-process anywhere an ASGI server does. With `manage_engine=True` the app'
 loop and shuts it down after the server has drained; a host that manages the loop itself passes False.
 
 Bodies are read by the app with a size cap (`max_body_bytes`: 413 beyond it, the rest of the body is read and
-dropped so the client gets the answer) and parsed by `pagedkv.serve.protocol`; every error is an OpenAI body
+dropped so the client gets the answer) and parsed by `pagedkv.serve.bodies`; every error is an OpenAI body
 (`pagedkv.serve.errors`).
 """
 

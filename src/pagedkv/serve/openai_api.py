@@ -1,6 +1,6 @@
 """POST /v1/completions and /v1/chat/completions: OpenAI request in, OpenAI response (or SSE stream) out.
 
-Each handler: parse the body strictly (`protocol`), check the model, encode the prompts (the chat template for
+Each handler: parse the body strictly (`bodies`), check the model, encode the prompts (the chat template for
 chat), map the fields onto `SamplingParams`, submit every prompt at once (`streams.submit`: 400 / 429 / 503
 before anything runs), then either wait for the ends (aborting if the client leaves) or stream
 `data: {chunk}` events and `data: [DONE]` through starlette's `StreamingResponse`.
@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedkv.core.errors import PagedKVError
 from pagedkv.engine.outputs import RequestOutput, TokenLogprobs
 from pagedkv.serve.async_engine import AsyncEngine
+from pagedkv.serve.bodies import ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
 from pagedkv.serve.errors import APIError, bad_request, internal_error
-from pagedkv.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
 from pagedkv.serve.streams import (
     ClientGone,
     DeltaTracker,

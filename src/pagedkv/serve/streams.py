@@ -24,8 +24,8 @@ from pagedkv.core.errors import CapacityError, InvalidArgumentError, PagedKVErro
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerOverloadedError
+from pagedkv.serve.bodies import engine_refusal
 from pagedkv.serve.errors import APIError, unavailable
-from pagedkv.serve.protocol import engine_refusal
 
 
 class ClientGone(Exception):
