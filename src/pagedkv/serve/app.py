@@ -12,7 +12,7 @@ loop and shuts it down after the server has drained; a host that manages the loo
 
 Bodies are read by the app with a size cap (`max_body_bytes`: 413 beyond it, the rest of the body is read and
 dropped so the client gets the answer) and parsed by `pagedkv.serve.bodies`; every error is an OpenAI body
-(`pagedkv.serve.errors`).
+(`pagedkv.serve.error_bodies`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedkv.serve.async_engine import AsyncEngine
-from pagedkv.serve.errors import APIError, install_handlers, unavailable
+from pagedkv.serve.error_bodies import APIError, install_handlers, unavailable
 from pagedkv.serve.metrics import ServerMetrics
 from pagedkv.serve.openai_api import ServerContext, create_chat_completion, create_completion
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.params import MAX_LOGPROBS, SamplingParams
-from pagedkv.serve.errors import APIError, bad_request
+from pagedkv.serve.error_bodies import APIError, bad_request
 
 MAX_N = 128
 MAX_STOP = 16

@@ -27,7 +27,7 @@ from pagedkv.core.errors import PagedKVError
 from pagedkv.engine.outputs import RequestOutput, TokenLogprobs
 from pagedkv.serve.async_engine import AsyncEngine
 from pagedkv.serve.bodies import ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
-from pagedkv.serve.errors import APIError, bad_request, internal_error
+from pagedkv.serve.error_bodies import APIError, bad_request, internal_error
 from pagedkv.serve.streams import (
     ClientGone,
     DeltaTracker,

@@ -25,7 +25,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerOverloadedError
 from pagedkv.serve.bodies import engine_refusal
-from pagedkv.serve.errors import APIError, unavailable
+from pagedkv.serve.error_bodies import APIError, unavailable
 
 
 class ClientGone(Exception):
