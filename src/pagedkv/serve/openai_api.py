@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: OpenAI request in, OpenAI response (or SSE stream) out.
 
 Each handler: parse the body strictly (`bodies`), check the model, encode the prompts (the chat template for
-chat), map the fields onto `SamplingParams`, submit every prompt at once (`streams.submit`: 400 / 429 / 503
+chat), map the fields onto `SamplingParams`, submit every prompt at once (`fanout.submit`: 400 / 429 / 503
 before anything runs), then either wait for the ends (aborting if the client leaves) or stream
 `data: {chunk}` events and `data: [DONE]` through starlette's `StreamingResponse`.
 
@@ -28,7 +28,7 @@ from pagedkv.engine.outputs import RequestOutput, TokenLogprobs
 from pagedkv.serve.async_engine import AsyncEngine
 from pagedkv.serve.bodies import ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
 from pagedkv.serve.error_bodies import APIError, bad_request, internal_error
-from pagedkv.serve.streams import (
+from pagedkv.serve.fanout import (
     ClientGone,
     DeltaTracker,
     choice_index,

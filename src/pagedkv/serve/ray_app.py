@@ -224,7 +224,7 @@ def _node_ip() -> str:
 
 
 class RemoteStream:
-    """One request's outputs streamed from a replica; the interface `pagedkv.serve.streams` expects."""
+    """One request's outputs streamed from a replica; the interface `pagedkv.serve.fanout` expects."""
 
     def __init__(self, gen: Any, request_id: str, on_final: Any) -> None:
         self._gen = gen
