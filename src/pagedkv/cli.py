@@ -24,7 +24,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("plan",): ("pagedkv.sim.commands_plan", "capacity planner: how many requests fit with each allocator"),
     ("generate",): ("pagedkv.engine.commands", "generate text with a real model served on pagedkv"),
-    ("serve",): ("pagedkv.serve.commands", "an OpenAI-compatible HTTP server of a model on pagedkv"),
+    ("serve",): ("pagedkv.serve.serve_command", "an OpenAI-compatible HTTP server of a model on pagedkv"),
     ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
     ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),
     ("bench", "e2e"): ("pagedkv.bench.e2e", "end-to-end serving throughput on a real model (CPU)"),

@@ -66,11 +66,11 @@ def run_replicas(args: Any) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """`pagedkv serve` under another name: its flags, `--replicas` included (kept for older scripts)."""
     from pagedkv.engine.cli_args import OneLineParser
-    from pagedkv.serve import commands
+    from pagedkv.serve import serve_command
 
     parser = OneLineParser(prog="python -m pagedkv.serve.ray_cli", description="pagedkv replicas on Ray Serve")
-    commands.add_arguments(parser)
-    return commands.run(parser.parse_args(argv))
+    serve_command.add_arguments(parser)
+    return serve_command.run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
