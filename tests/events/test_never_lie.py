@@ -13,7 +13,7 @@ from event_workload import gpu_hashes, make_replica, random_steps
 
 from pagedkv.events import GPU, AllBlocksCleared, EventBatch, decode_batch
 from pagedkv.events.publisher import EventSubscriber, ReplicaUnresponsiveError, ZmqEventPublisher
-from pagedkv.router.streams import EventStreams
+from pagedkv.router.event_streams import EventStreams
 
 
 class Replica:

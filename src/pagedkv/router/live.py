@@ -48,8 +48,8 @@ Replica stats (`record_routing_stats` on the replica; plain JSON types):
      "num_running": int, "num_waiting": int, "epoch": int}
 
 Decisions never wait for the streams' periodic check (a round trip to each replica silent for
-`sync_interval_s`, `pagedkv.router.streams`): `rank` only applies the batches that have arrived, and the check
-runs when a request completes. In `pagedkv bench replicas` (4 replicas, before 2026-12-01's change) the
+`sync_interval_s`, `pagedkv.router.event_streams`): `rank` only applies the batches that have arrived, and
+the check runs when a request completes. In `pagedkv bench replicas` (4 replicas, before 2026-12-01's change) the
 opening burst's first decision, after a quiet second, waited 16 ms for one to every replica.
 
 A replica whose `kv_events` endpoint changes (Ray restarted it elsewhere) is re-followed from scratch; one
@@ -65,9 +65,9 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.events.wire import GPU
+from pagedkv.router.event_streams import EventStreams
 from pagedkv.router.index import PrefixMatch, ReplicaIndex
 from pagedkv.router.policy import LIVE_WEIGHTS, CostPolicy, CostWeights, request_hashes
-from pagedkv.router.streams import EventStreams
 
 MAX_PREDICTED = 100_000
 

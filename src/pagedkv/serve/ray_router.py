@@ -9,8 +9,8 @@ Ray calls `choose_replicas(candidates, pending_request)` for each request; this 
 ranked by `pagedkv.router.live.LiveRouter` (one rank each, best first: Ray sends the request to the first
 that accepts it, i.e. is below `max_ongoing_requests`). The ranking is the cost policy of `pagedkv.router`
 over an index fed by every replica's KV events (ZMQ, vLLM's wire format, exact through gaps, restarts and
-dead replicas: `pagedkv.router.streams`), with a load-imbalance fallback. The replicas tell the router where
-their events are, which hashing they use and their load through `record_routing_stats` (see
+dead replicas: `pagedkv.router.event_streams`), with a load-imbalance fallback. The replicas tell the router
+where their events are, which hashing they use and their load through `record_routing_stats` (see
 `pagedkv.serve.ray_app.PagedKVReplica`); Ray refreshes those every `request_routing_stats_period_s`.
 
 A request is recognised by an argument having `prompt_token_ids` (a `ReplicaRequest`); a call with an argument

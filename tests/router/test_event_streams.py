@@ -7,7 +7,7 @@ import time
 
 from pagedkv import events as ev
 from pagedkv.events.publisher import ZmqEventPublisher
-from pagedkv.router.streams import EventStreams
+from pagedkv.router.event_streams import EventStreams
 
 BS = 4
 
