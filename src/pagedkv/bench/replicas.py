@@ -13,7 +13,9 @@ sent when the previous one has answered (closed loop). `--quick`: 32 conversatio
 requests, 3 s a router; TTFT p99 there is the burst's tail, noise between rounds). Requests go through the
 replicas' Ray handle, so the router under test decides each one. Routers: `pagedkv` (PagedKVRequestRouter, fed
 by KV events), `prefix-affinity` (Ray's PrefixCacheAffinityRouter, a text prefix tree of what it routed),
-`pow2` (Ray's default). Rounds are interleaved: round k starts with router k mod 3.
+`pow2` (Ray's default). Rounds are interleaved: round k starts with router k mod 3. Every router's replicas
+run the same engine configuration; `--no-hold-shared-prefix` turns the scheduler's shared-prefix hold off in
+all of them (and in the simulator), and the output prints the setting.
 
 Per router and round: prefix hit rate (cached prompt tokens / prompt tokens, as the engines report them; also
 for first turns alone, and the share of later turns served where the previous turn was), TTFT p50/p99 (send
@@ -52,16 +54,21 @@ BLOCK_SIZE = 4
 VOCAB_LOW, VOCAB_HIGH = 3, 128  # the tiny model's vocabulary, without pad/bos/eos
 
 
-def bench_engine(num_blocks: int, remote_url: str | None) -> Any:
-    """A replica's engine: the tiny seeded Llama with `num_blocks` blocks of 4 tokens, KV events on."""
+def bench_engine(num_blocks: int, remote_url: str | None, *, hold_shared_prefix: bool = True) -> Any:
+    """A replica's engine: the tiny seeded Llama with `num_blocks` blocks of 4 tokens, KV events on, the
+    engine's default scheduler but for `hold_shared_prefix` (the same for every router)."""
     import torch
 
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
+    from pagedkv.engine.scheduler import SchedulerConfig
     from pagedkv.hf.tiny import tiny_model
 
     torch.set_num_threads(1)
-    config = EngineConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, kv_events=True, remote_url=remote_url)
+    config = EngineConfig(
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, kv_events=True, remote_url=remote_url,
+        scheduler=SchedulerConfig(hold_shared_prefix=hold_shared_prefix),
+    )  # fmt: skip
     return Engine(tiny_model("llama", 0), None, config)
 
 
@@ -257,7 +264,8 @@ def measure(
     from pagedkv.serve.ray_app import ReplicaSet, running
 
     replicas = ReplicaSet(
-        replicas=args.replicas, engine=functools.partial(bench_engine, args.num_blocks), remote_url=args.remote_url,
+        replicas=args.replicas, remote_url=args.remote_url,
+        engine=functools.partial(bench_engine, args.num_blocks, hold_shared_prefix=_hold(args)),
         router=router, num_cpus=args.replica_cpus, stats_period_s=STATS_PERIOD_S,
         router_kwargs=router_kwargs(router, args),
     )  # fmt: skip
@@ -273,11 +281,16 @@ def measure(
         return run
 
 
+def _hold(args: argparse.Namespace) -> bool:
+    """`--hold-shared-prefix`: the replicas' scheduler setting, and the simulator's."""
+    return bool(getattr(args, "hold_shared_prefix", True))
+
+
 def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
     """The simulator's hit rate for the same requests over the same replicas under the cost policy."""
     from pagedkv.sim.catalog import Catalog
     from pagedkv.sim.replicas import ReplicaSimulation, TierConfig
-    from pagedkv.sim.simulator import SimConfig
+    from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig
     from pagedkv.sim.workload import Workload, WorkloadSpec
     from pagedkv.workloads.generators import GeneratedRequest
 
@@ -292,7 +305,8 @@ def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
         previous[t.conversation] = index
     catalog = Catalog.builtin()
     config = SimConfig(
-        catalog.model("smollm2-135m"), catalog.gpu("h100"), block_size=BLOCK_SIZE, max_model_len=2048
+        catalog.model("smollm2-135m"), catalog.gpu("h100"), block_size=BLOCK_SIZE, max_model_len=2048,
+        scheduler=dataclasses.replace(SIM_SCHEDULER, hold_shared_prefix=_hold(args)),
     )
     workload = Workload(WorkloadSpec(source="multi-turn", num_requests=len(requests)), requests, 0, 0)
     tiers = TierConfig(remote_tier=args.remote_url is not None)
@@ -337,6 +351,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per replica (4 tokens each)")
     p.add_argument("--remote-url", default=None, help="a shared Redis tier for the replicas")
     p.add_argument("--replica-cpus", type=float, default=0.5)
+    p.add_argument(
+        "--hold-shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+        help="every replica's scheduler holds a request back a step when one admitted in the same step computes "
+        "its first uncached block (SchedulerConfig.hold_shared_prefix; default: on, the engine's default)",
+    )  # fmt: skip
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster (default: all)")
     p.add_argument(
         "--repeat", type=int, default=1, help="rounds, each starting with the next router (medians)"
@@ -420,7 +439,8 @@ def summarize(spec: TraceSpec, args: argparse.Namespace, runs: dict[str, list[Ro
         row["hit_rate_range"] = [min(e["prefix_hit_rate"] for e in each), max(e["prefix_hit_rate"] for e in each)]
         rows.append(row)
     common = {"replicas": args.replicas, "replica_cpus": args.replica_cpus, "num_blocks": args.num_blocks,
-              "block_size": BLOCK_SIZE, "stats_period_s": STATS_PERIOD_S, "remote_url": args.remote_url}  # fmt: skip
+              "block_size": BLOCK_SIZE, "stats_period_s": STATS_PERIOD_S, "remote_url": args.remote_url,
+              "hold_shared_prefix": _hold(args)}  # fmt: skip
     result: dict[str, Any] = {"trace": asdict(spec), "replicas": args.replicas, "repeat": args.repeat,
                               "common": common, "cost_weights": asdict(weights(args)), "routers": rows}  # fmt: skip
     if runs.get("pagedkv"):

@@ -138,8 +138,9 @@ def add_scheduler_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: SchedulerConfig | None = None,
     *, preemption: bool = False,
 ) -> None:  # fmt: skip
-    """The scheduler's flags (batch limit, token budget, growth reserve, optionally preemption), with the
-    defaults of `defaults` (the engine's `SchedulerConfig()` unless a command models another scheduler)."""
+    """The scheduler's flags (batch limit, token budget, growth reserve, the shared-prefix hold, optionally
+    preemption), with the defaults of `defaults` (the engine's `SchedulerConfig()` unless a command models
+    another scheduler)."""
     d = defaults or SchedulerConfig()
     parser.add_argument(
         "--max-num-seqs", type=positive_int, default=d.max_num_seqs,
@@ -158,6 +159,12 @@ def add_scheduler_arguments(
         help="growth reserve: admission keeps free the blocks each running request needs for this many more "
         f"tokens (default: {d.admission_lookahead}; 0 = greedy)",
     )  # fmt: skip
+    parser.add_argument(
+        "--hold-shared-prefix", action=argparse.BooleanOptionalAction, default=d.hold_shared_prefix,
+        help="hold a waiting request back one step when a request admitted in the same step computes its first "
+        f"uncached block, so that it hits that block instead of computing it again (default: "
+        f"{'on' if d.hold_shared_prefix else 'off'})",
+    )  # fmt: skip
     if preemption:
         parser.add_argument(
             "--preemption", choices=("recompute", "swap"), default=d.preemption_mode,
@@ -173,6 +180,8 @@ def scheduler_from(args: argparse.Namespace, **overrides: object) -> SchedulerCo
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "admission_lookahead": args.admission_lookahead,
     }
+    if getattr(args, "hold_shared_prefix", None) is not None:
+        fields["hold_shared_prefix"] = args.hold_shared_prefix
     if getattr(args, "preemption", None) is not None:
         fields["preemption_mode"] = args.preemption
     fields.update(overrides)

@@ -17,6 +17,27 @@ budget (`max_num_batched_tokens`) over the requests:
      reserve), so that new prompts do not take the blocks the running ones are about to need and force a
      preemption a few steps later; with nothing running nothing is reserved, so an idle engine always
      admits.
+  5. with `hold_shared_prefix` (SGLang's in-batch prefix caching), a waiting request whose first uncached
+     full block is one that a request admitted earlier in the same step computes is held back to the next
+     step, where it finds that block published (see "Holding back a shared prefix" below).
+
+Holding back a shared prefix: blocks are published when the step's forward has written them
+(`mark_computed`), so two requests admitted in one step that share an uncached prefix both compute it.
+While admitting, the scheduler keeps the content keys of the uncached full blocks that this step's
+admissions complete (their `BlockKeys` after the admission's lookup: `keys[i + 1]` is block i's key). Before
+admitting a request it asks the manager how many leading tokens would hit (`match_prefix`, a query); the key
+of its first missing block is then in its own `BlockKeys`, and if that key is in the step's set the request
+waits. A held request keeps its place in the queue and the requests behind it are still considered (SGLang
+deprioritises such requests the same way; stopping there would hold a burst of 32 requests sharing 4 system
+prompts to one request a step). Bounds: a request is held at most once per admission (the next step
+admits it whatever the set holds), and a request is held only when another was admitted in the same step
+(the set is empty otherwise), so the hold costs a request at most one step and never stalls the engine.
+Two requests that share a prefix contain the same key chain up to their first difference, so a later
+request's first missing key equals an earlier admission's first missing key exactly when the earlier one
+computes that block: keeping the keys the admission's lookup produced suffices. Not covered: the block of
+an earlier prompt's last token when it is full (its key is not computed at admission), and blocks a request
+admitted in an earlier step is still computing over several chunks. Managers without `match_prefix` (the
+contiguous one) hold nothing.
 
 Without chunked prefill a new prompt runs in one step, so a prompt longer than `max_num_batched_tokens`
 is rejected at admission, whatever the prefix cache holds (the answer must not depend on it). A request
@@ -39,12 +60,13 @@ import heapq
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError
+from pagedkv.core.prefix import BlockKeys, Key
 from pagedkv.core.protocol import BlockFill, BlockMoves, BlockSource, KVManager
 from pagedkv.engine.request import FINISH_REASONS, Request, RequestStatus
 
@@ -52,6 +74,15 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 PreemptionMode = Literal["recompute", "swap"]
+
+
+@runtime_checkable
+class PrefixMatcher(Protocol):
+    """A manager with a prefix cache answers this query (the paged and hybrid managers): how many leading
+    tokens of `token_ids` an admission would take from the cache now. It leaves the keys of the blocks it
+    looked at in `keys` (up to and including the first missing one)."""
+
+    def match_prefix(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -66,6 +97,11 @@ class SchedulerConfig:
     `admission_headroom` is the fraction of blocks that must be free (free or evictable) at the start of a
     step for it to admit a new request beyond the first one scheduled, transformers' `safety_margin` (whose
     default is 0.15).
+
+    `hold_shared_prefix` (default on since 2026-12-01) holds a waiting request back one step when its first
+    uncached block is one that a request admitted earlier in the same step computes, so that it hits that
+    block instead of computing it again (SGLang's in-batch prefix caching; the module docstring has the
+    rule and its bounds). It changes when a request starts, never what it generates.
 
     `admission_lookahead` is the growth reserve: a new request is admitted only if the blocks every running
     request (and each one admitted before it in the step) would take to grow by that many tokens, fewer
@@ -85,6 +121,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     admission_headroom: float = 0.0
     admission_lookahead: int = 16
+    hold_shared_prefix: bool = True
 
     def __post_init__(self) -> None:
         for name, least in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("admission_lookahead", 0)):
@@ -93,6 +130,8 @@ class SchedulerConfig:
                 raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not isinstance(self.hold_shared_prefix, bool):
+            raise InvalidArgumentError(f"hold_shared_prefix must be a bool, got {self.hold_shared_prefix!r}")
         h = self.admission_headroom
         if isinstance(h, bool) or not isinstance(h, int | float) or not 0.0 <= h < 1.0:
             raise InvalidArgumentError(f"admission_headroom must be a fraction in [0, 1), got {h!r}")
@@ -183,6 +222,12 @@ class Scheduler:
         self._inflight: dict[str, int] = {}  # request id -> end of its chunk in the step being run
         self._forked: list[Request] = []  # children forked during the step being run
         self._stalled = False  # a prefill chunk found no slots this step (hybrid managers, `_reserved`)
+        # `hold_shared_prefix`: the query it needs (None: off, or a manager without a prefix cache), and the
+        # requests held back since they were last admitted (never held twice in a row)
+        self._matcher: PrefixMatcher | None = None
+        if self.config.hold_shared_prefix and isinstance(manager, PrefixMatcher):
+            self._matcher = manager
+        self._held: set[str] = set()
 
     # --- queue ----------------------------------------------------------------------------------
 
@@ -327,6 +372,8 @@ class Scheduler:
         admission headroom, only while nothing else is scheduled) and the growth reserve stays free; requests
         that can never be served are finished as rejected and the step goes on."""
         reserve = self._growth_reserve(self.running) if self._waiting else 0  # no query when none waits
+        computing: set[Key] = set()  # keys of the uncached full blocks this step's admissions complete
+        held: list[Request] = []  # held back this step: back into the queue, in their places, at the end
         while (
             self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
             and not self.swapped and not out.preempted and (roomy or not out.scheduled)
@@ -340,6 +387,10 @@ class Scheduler:
                     f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget"
                 ))  # fmt: skip
                 out.rejected.append(request)
+                continue
+            if computing and self._holds(request, computing):
+                heapq.heappop(self._waiting)
+                held.append(request)
                 continue
             try:
                 per_chunk = {"chunk_tokens": budget} if getattr(self.manager, "reserves_chunks", False) else {}
@@ -365,6 +416,33 @@ class Scheduler:
             self._start(request, admission.seq_id, admission.num_cached_tokens, chunk, out)
             budget -= chunk
             reserve += self._growth_reserve([request])
+            if self._matcher is not None:
+                self._held.discard(request.request_id)
+                computing.update(self._computes(request, admission.num_cached_tokens, out.scheduled[-1].end))
+        for request in held:
+            self._push_waiting(request)
+
+    def _holds(self, request: Request, computing: set[Key]) -> bool:
+        """Hold `request` back this step: its first uncached full block is in `computing`, and it was not
+        held since it was last admitted (`hold_shared_prefix`; the module docstring)."""
+        if self._matcher is None or request.request_id in self._held:
+            return False
+        try:
+            num_cached = self._matcher.match_prefix(request.all_token_ids, salt=request.salt, keys=request.keys)
+        except InvalidArgumentError:
+            return False  # the admission reports it (as an error finish), not the hold
+        first_missing = num_cached // self.manager.block_size  # partial reuse's tokens do not make a block
+        keys = request.keys.keys  # keys[i + 1]: block i's; the lookup keyed up to its first missing block
+        if len(keys) <= first_missing + 1 or keys[first_missing + 1] not in computing:
+            return False
+        self._held.add(request.request_id)
+        return True
+
+    def _computes(self, request: Request, num_cached: int, end: int) -> list[Key]:
+        """The keys, as far as the admission's lookup computed them, of the uncached full blocks that this
+        step's chunk of a just-admitted `request` completes (published after the forward)."""
+        bs, keys = self.manager.block_size, request.keys.keys
+        return keys[num_cached // bs + 1 : min(end // bs, len(keys) - 1) + 1]
 
     def _growth_reserve(self, requests: list[Request]) -> int:
         """Blocks `requests` would take from the pool to grow by `admission_lookahead` tokens each, or by
@@ -509,6 +587,7 @@ class Scheduler:
             self.manager.free(request.seq_id)
             request.seq_id = None
             self._swapped_in.pop(request.request_id, None)
+        self._held.discard(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
