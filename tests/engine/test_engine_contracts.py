@@ -23,7 +23,7 @@ from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
-from pagedkv.hf.reference import reference_generate
+from pagedkv.hf.oracle import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 

@@ -17,7 +17,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
-from pagedkv.hf.reference import reference_generate
+from pagedkv.hf.oracle import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 

@@ -9,7 +9,7 @@ from pagedkv.core.errors import CapacityError
 from pagedkv.engine.config import EngineConfig, parse_bytes
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
-from pagedkv.hf.reference import reference_generate
+from pagedkv.hf.oracle import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 

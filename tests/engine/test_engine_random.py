@@ -33,7 +33,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import FINISH_REASONS
 from pagedkv.engine.scheduler import SchedulerConfig
-from pagedkv.hf.reference import reference_generate
+from pagedkv.hf.oracle import reference_generate
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2")

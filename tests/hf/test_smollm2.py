@@ -11,7 +11,7 @@ from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.loading import load_model
-from pagedkv.hf.reference import reference_generate
+from pagedkv.hf.oracle import reference_generate
 
 pytestmark = [
     pytest.mark.slow,

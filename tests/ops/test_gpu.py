@@ -83,7 +83,7 @@ def test_engine_greedy_on_cuda_matches_generate(family: str) -> None:
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.params import SamplingParams
-    from pagedkv.hf.reference import reference_generate
+    from pagedkv.hf.oracle import reference_generate
     from pagedkv.hf.tiny import tiny_model
 
     model = tiny_model(family).cuda()

@@ -13,7 +13,7 @@ as bits), `max_abs_diff`, and for generation whether the greedy tokens are ident
    `ops`: `pagedkv.ops.paged_attention`'s reference path) vs transformers' own forward with `DynamicCache`
    and `sdpa` (`eager` for models transformers runs on eager only, e.g. Gemma2), teacher-forced on the
    engine's tokens so both compute logits for the same positions; plus
-   whether `model.generate` (greedy, `pagedkv.hf.reference.reference_generate`) produces the same tokens.
+   whether `model.generate` (greedy, `pagedkv.hf.oracle.reference_generate`) produces the same tokens.
    Different kernels sum in a different order, so equality is not expected; the size of the difference is
    the figure. Families: every tiny model of `pagedkv.hf.tiny` (random weights, seeded) and SmolLM2-135M.
 3. `triton`: `pagedkv.ops.paged_attention` and `write_kv`, Triton kernels (under `TRITON_INTERPRET=1` on
@@ -109,7 +109,7 @@ def engine_logits(
 
 def reference_attention(model: Any) -> str:
     """ "sdpa" where transformers supports it for this model, else "eager" (e.g. Gemma2's soft-cap)."""
-    from pagedkv.hf.reference import attention_implementation
+    from pagedkv.hf.oracle import attention_implementation
 
     try:
         with attention_implementation(model, "sdpa"):
@@ -124,7 +124,7 @@ def transformers_logits(model: Any, prompt: Sequence[int], tokens: Sequence[int]
     import torch
     from transformers import DynamicCache
 
-    from pagedkv.hf.reference import attention_implementation
+    from pagedkv.hf.oracle import attention_implementation
 
     out_rows = []
     with torch.inference_mode(), attention_implementation(model, impl):
@@ -162,7 +162,7 @@ def tight_blocks(prompts: Sequence[Sequence[int]], new_tokens: int, block_size: 
 
 
 def check_vs_transformers(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
-    from pagedkv.hf.reference import reference_generate
+    from pagedkv.hf.oracle import reference_generate
 
     impl = reference_attention(model)
     reference_tokens = reference_generate(

@@ -260,7 +260,7 @@ def run_hf_static(
     import torch
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-    from pagedkv.hf.reference import model_eos
+    from pagedkv.hf.oracle import model_eos
 
     class _Clock(LogitsProcessor):  # called once per generated position, just before sampling it
         def __init__(self) -> None:
