@@ -14,8 +14,8 @@ import torch
 from pagedkv.core import PagedKVManager
 from pagedkv.hf.attention import forward_step, prepare_model
 from pagedkv.hf.cache import PagedKVCache
-from pagedkv.hf.metadata import build_step_batch
 from pagedkv.hf.oracle import reference_generate
+from pagedkv.hf.step_metadata import build_step_batch
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 

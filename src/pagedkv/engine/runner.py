@@ -8,8 +8,8 @@ it happen on tensors, in this order:
    anything writes them;
 2. copy-on-write block copies (`SchedulerOutput.copies`), then the tier hits' bytes (`SchedulerOutput.fills`);
    the scheduler's plan has one writer per device block (`SchedulerOutput.check_writes`);
-3. one packed forward over every scheduled chunk (`pagedkv.hf.metadata`), with the allocator's block tables
-   and slot mapping; the attention function writes the chunk's K/V and reads the pages;
+3. one packed forward over every scheduled chunk (`pagedkv.hf.step_metadata`), with the allocator's block
+   tables and slot mapping; the attention function writes the chunk's K/V and reads the pages;
 4. the logits of the chunks that end at their request's last known token (`produces_token`), one row each.
 
 The runner never changes allocator or request state; `Scheduler.update` does that with the sampled tokens.
@@ -26,7 +26,7 @@ import torch
 
 from pagedkv.hf.attention import forward_step
 from pagedkv.hf.cache import PagedKVCache
-from pagedkv.hf.metadata import StepBatch, build_step_batch
+from pagedkv.hf.step_metadata import StepBatch, build_step_batch
 from pagedkv.storage.block_rows import write_rows
 
 if TYPE_CHECKING:

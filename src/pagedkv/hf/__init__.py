@@ -5,7 +5,7 @@ The integration has three pieces, each in its own module:
 - `model_spec`: what the KV cache of a model looks like (layers, KV heads, head dim, dtype, sliding windows),
   read from its config, and a check that the model can be served at all (a clear error naming what is
   missing otherwise, never wrong output).
-- `metadata`: the per-step batch description (packed token ids, positions, slot mapping, block tables,
+- `step_metadata`: the per-step batch description (packed token ids, positions, slot mapping, block tables,
   sequence lengths) built from the allocator's numpy views.
 - `attention` + `cache`: an attention function registered with transformers under the name `"pagedkv"` and
   the `PagedKVCache` it writes into and reads from. Per-step metadata reaches it through the forward's
@@ -26,8 +26,8 @@ _EXPORTS = {
     "UnsupportedModelError": "pagedkv.hf.model_spec",
     "PagedKVCache": "pagedkv.hf.cache",
     "PagedStep": "pagedkv.hf.cache",
-    "StepBatch": "pagedkv.hf.metadata",
-    "build_step_batch": "pagedkv.hf.metadata",
+    "StepBatch": "pagedkv.hf.step_metadata",
+    "build_step_batch": "pagedkv.hf.step_metadata",
     "ATTENTION_NAME": "pagedkv.hf.attention",
     "register_attention": "pagedkv.hf.attention",
     "prepare_model": "pagedkv.hf.attention",

@@ -10,7 +10,7 @@ register `paged_attention_forward` as `"pagedkv"` and pass each step's `PagedSte
    layer's sliding window and soft-cap as the module passes them (transformers' semantics: a query at
    position p sees keys at positions > p - window) and its attention sinks (`s_aux`, gpt-oss), one call per
    attention group of the batch (on CPU: the decode sequences together, each prefill chunk alone; see
-   `pagedkv.hf.metadata`). The cache's `attention_backend` picks the implementation: `pagedkv.hf.sdpa`
+   `pagedkv.hf.step_metadata`). The cache's `attention_backend` picks the implementation: `pagedkv.hf.sdpa`
    (block gather + torch SDPA, the CPU default) where it applies, `pagedkv.ops.paged_attention` otherwise
    (soft-cap, sinks, CUDA, or "ops");
 3. returns `[1, T, num_heads, head_dim]`, the layout the module's output projection expects.
@@ -33,9 +33,9 @@ import torch
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.hf.cache import PagedKVCache, PagedStep
-from pagedkv.hf.metadata import StepBatch
 from pagedkv.hf.model_spec import ModelSpec, UnsupportedModelError, model_spec
 from pagedkv.hf.sdpa import paged_sdpa, sdpa_supports
+from pagedkv.hf.step_metadata import StepBatch
 
 if TYPE_CHECKING:
     from pagedkv.ops.validate import AttentionOptions

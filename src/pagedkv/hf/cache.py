@@ -31,9 +31,9 @@ import torch
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.group import LayerGroup, layers_per_block
-from pagedkv.hf.metadata import StepBatch
 from pagedkv.hf.model_spec import ModelSpec
 from pagedkv.hf.sdpa import SdpaPlan
+from pagedkv.hf.step_metadata import StepBatch
 from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.storage.kv import HostBlocks, KVStorage
 from pagedkv.storage.slots import check_write_args, scatter_kv

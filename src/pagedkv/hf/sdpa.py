@@ -2,7 +2,7 @@
 
 Same semantics as `pagedkv.ops.paged_attention` (causal; a query at position p sees keys at positions
 `<= p` and, with a window w, `> p - w`; GQA; `seq_lens` counts the new tokens, whose KV is already written),
-for the two shapes a CPU step is made of (see `pagedkv.hf.metadata`, attention groups):
+for the two shapes a CPU step is made of (see `pagedkv.hf.step_metadata`, attention groups):
 
 - a decode group: B sequences with one query each, cut into length buckets (`decode_buckets`: sequences
   of similar length together, so a short context is not padded to the longest one; the cut minimises the

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.hf.metadata import build_step_batch
+from pagedkv.hf.step_metadata import build_step_batch
 
 
 def test_packs_decode_and_prefill_chunks() -> None:
