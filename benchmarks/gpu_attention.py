@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.ops import paged_attention, write_kv
-from pagedkv.ops.contiguous import gather_kv
+from pagedkv.ops.contiguous_oracle import gather_kv
 from pagedkv.ops.plan import plan_attention
 from pagedkv.storage.slots import quantize_fp8
 

@@ -12,7 +12,7 @@ from ops_batch import make_batch
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import paged_attention
 from pagedkv.ops.attention import run_planned
-from pagedkv.ops.contiguous import sdpa_attention
+from pagedkv.ops.contiguous_oracle import sdpa_attention
 from pagedkv.ops.plan import plan_attention
 from pagedkv.ops.reference import paged_attention_reference
 from pagedkv.ops.validate import AttentionOptions, attention_options

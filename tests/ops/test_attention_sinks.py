@@ -1,9 +1,10 @@
 """Attention sinks (gpt-oss): a learned logit per query head in the softmax's denominator, no value.
 
-Each path that takes them agrees with the float64 contiguous oracle (`pagedkv.ops.contiguous.sdpa_attention`,
-which appends the sink as one more logit and drops it after the softmax): the reference op (decode, chunked
-prefill, query chunks, window, soft cap, GQA), the Triton kernel under the interpreter (with and without
-split-K, whose merge adds the sink), and the paths without them refuse them instead of ignoring them.
+Each path that takes them agrees with the float64 contiguous oracle
+(`pagedkv.ops.contiguous_oracle.sdpa_attention`, which appends the sink as one more logit and drops it after
+the softmax): the reference op (decode, chunked prefill, query chunks, window, soft cap, GQA), the Triton
+kernel under the interpreter (with and without split-K, whose merge adds the sink), and the
+paths without them refuse them instead of ignoring them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ops_batch import make_batch, random_lengths
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.hf.sdpa import sdpa_supports
 from pagedkv.ops import cpu_decode, paged_attention
-from pagedkv.ops.contiguous import sdpa_attention
+from pagedkv.ops.contiguous_oracle import sdpa_attention
 from pagedkv.ops.dispatch import triton_available
 from pagedkv.ops.plan import plan_attention
 from pagedkv.ops.validate import AttentionOptions

@@ -13,7 +13,7 @@ from ops_batch import make_batch, random_lengths
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import paged_attention
-from pagedkv.ops.contiguous import gather_kv, sdpa_attention
+from pagedkv.ops.contiguous_oracle import gather_kv, sdpa_attention
 from pagedkv.ops.validate import AttentionOptions
 
 # (atol, rtol) of paged reference vs contiguous SDPA, per dtype (outputs are O(1) for randn inputs).
