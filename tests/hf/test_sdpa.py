@@ -9,7 +9,7 @@ import torch
 from pagedkv import ops
 from pagedkv.hf.sdpa import SdpaPlan, decode_buckets, paged_sdpa, sdpa_supports
 from pagedkv.ops import cpu_decode
-from pagedkv.ops.validate import AttentionOptions
+from pagedkv.ops.options import AttentionOptions
 
 BS, NUM_BLOCKS, H, HKV, D = 4, 40, 4, 2, 8
 

@@ -13,9 +13,9 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import paged_attention
 from pagedkv.ops.attention import run_planned
 from pagedkv.ops.contiguous_oracle import sdpa_attention
+from pagedkv.ops.options import AttentionOptions, attention_options
 from pagedkv.ops.plan import plan_attention
 from pagedkv.ops.reference import paged_attention_reference
-from pagedkv.ops.validate import AttentionOptions, attention_options
 
 
 @pytest.mark.parametrize(

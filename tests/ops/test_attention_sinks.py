@@ -20,8 +20,8 @@ from pagedkv.hf.sdpa import sdpa_supports
 from pagedkv.ops import cpu_decode, paged_attention
 from pagedkv.ops.contiguous_oracle import sdpa_attention
 from pagedkv.ops.dispatch import triton_available
+from pagedkv.ops.options import AttentionOptions
 from pagedkv.ops.plan import plan_attention
-from pagedkv.ops.validate import AttentionOptions
 
 CASES = [
     # seed, num_seqs, max_len, max_q, block_size, group, window, soft_cap

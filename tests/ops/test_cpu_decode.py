@@ -12,7 +12,7 @@ from native_policy import require_native
 from pagedkv import ops
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import cpu_decode
-from pagedkv.ops.validate import AttentionOptions
+from pagedkv.ops.options import AttentionOptions
 
 require_native("pagedkv.ops._cpu_decode", cpu_decode.isa() is not None)
 

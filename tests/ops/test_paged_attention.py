@@ -14,7 +14,7 @@ from ops_batch import make_batch, random_lengths
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import paged_attention
 from pagedkv.ops.contiguous_oracle import gather_kv, sdpa_attention
-from pagedkv.ops.validate import AttentionOptions
+from pagedkv.ops.options import AttentionOptions
 
 # (atol, rtol) of paged reference vs contiguous SDPA, per dtype (outputs are O(1) for randn inputs).
 TOLERANCE = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}

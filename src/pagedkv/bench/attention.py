@@ -38,7 +38,7 @@ from pagedkv.engine.cli_args import (
 )
 from pagedkv.ops import cpu_decode, paged_attention
 from pagedkv.ops.contiguous_oracle import gather_kv
-from pagedkv.ops.validate import NO_OPTIONS
+from pagedkv.ops.options import NO_OPTIONS
 from pagedkv.storage.kv import torch_dtype
 from pagedkv.storage.spec import normalize_dtype_name
 

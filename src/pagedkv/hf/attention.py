@@ -38,7 +38,7 @@ from pagedkv.hf.sdpa import paged_sdpa, sdpa_supports
 from pagedkv.hf.step_metadata import StepBatch
 
 if TYPE_CHECKING:
-    from pagedkv.ops.validate import AttentionOptions
+    from pagedkv.ops.options import AttentionOptions
 
 ATTENTION_NAME = "pagedkv"
 STEP_KWARG = "pagedkv_step"
@@ -71,7 +71,7 @@ def paged_attention_forward(
     # [1, H, T, D] -> [T, H, D]
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     step.write(layer_idx, k, v)
-    from pagedkv.ops.validate import attention_options
+    from pagedkv.ops.options import attention_options
 
     options = attention_options(scaling, sliding_window, softcap, kwargs.get("s_aux"))  # transformers' spelling, once
     parts = [_attend_group(step, i, q, k, v, slot, options, kv_group) for i in range(len(batch.groups))]

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.ops import cpu_decode
-from pagedkv.ops.validate import AttentionOptions
+from pagedkv.ops.options import AttentionOptions
 
 # What one more bucket costs (a gather, an SDPA call, the query and output copies), in blocks of one sequence
 # read: on a CPU ~18 us a call and ~4-5 us a block of 16 tokens for a 9-head model, and replaying the decode

@@ -17,7 +17,7 @@ Contract (fixed; the hf integration and engine code against it):
   metadata; the call then skips validation, dispatch and metadata preparation (every layer of a forward
   shares one plan). Without it, each call plans for itself. Code that holds a plan calls
   `run_planned(plan, query, key_cache, value_cache, options)`, which takes the scalars as one
-  `AttentionOptions` (`pagedkv.ops.validate`), the spelling every backend below uses.
+  `AttentionOptions` (`pagedkv.ops.options`), the spelling every backend below uses.
 - The reference backend validates metadata values (raising `InvalidArgumentError`); the Triton backend
   checks shapes only, to stay free of host syncs.
 """
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from pagedkv.ops.dispatch import choose_backend
+from pagedkv.ops.options import AttentionOptions, attention_options
 from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.ops.reference import paged_attention_reference
-from pagedkv.ops.validate import AttentionOptions, attention_options
 from pagedkv.storage.slots import check_write_args, scatter_kv
 
 

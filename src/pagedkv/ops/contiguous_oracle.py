@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pagedkv.ops.validate import NO_OPTIONS, AttentionOptions
+from pagedkv.ops.options import NO_OPTIONS, AttentionOptions
 
 
 def gather_kv(

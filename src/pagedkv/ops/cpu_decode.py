@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.hotpath import load_extension
-from pagedkv.ops.validate import AttentionOptions
+from pagedkv.ops.options import AttentionOptions
 
 _NATIVE = load_extension("pagedkv.ops._cpu_decode")
 

@@ -28,7 +28,7 @@ import torch
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops.dispatch import choose_backend
 from pagedkv.ops.launch import LaunchConfig, choose_launch, choose_num_splits, num_tiles_upper_bound
-from pagedkv.ops.validate import (
+from pagedkv.ops.options import (
     AttentionShape,
     check_attention_metadata,
     check_attention_shapes,

@@ -42,8 +42,8 @@ import torch
 from pagedkv.storage.slots import FP8_DTYPE
 
 if TYPE_CHECKING:
+    from pagedkv.ops.options import AttentionOptions
     from pagedkv.ops.plan import AttentionPlan
-    from pagedkv.ops.validate import AttentionOptions
 
 # Tile sizing: ~12 MiB of float32 work per tile keeps the gathered K/V and the scores in the L3 of a CPU
 # while each matmul stays large enough to amortise its call (measured at batch 32 / context 2048).

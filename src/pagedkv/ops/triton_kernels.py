@@ -51,8 +51,8 @@ import triton
 import triton.language as tl
 
 from pagedkv.ops.launch import LaunchConfig
+from pagedkv.ops.options import AttentionOptions
 from pagedkv.ops.plan import AttentionPlan
-from pagedkv.ops.validate import AttentionOptions
 
 
 @triton.jit
