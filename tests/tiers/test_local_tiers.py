@@ -20,7 +20,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.tiers.disk import DiskTier
 from pagedkv.tiers.events import TierEvent
 from pagedkv.tiers.host import HostTier
-from pagedkv.tiers.slots import LruClock, SlotIndex
+from pagedkv.tiers.slot_index import LruClock, SlotIndex
 from pagedkv.tiers.store import TieredStore
 from pagedkv.tiers.value import MAX_KEY_BYTES, BlockLayout
 

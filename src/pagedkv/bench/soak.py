@@ -53,7 +53,7 @@ from pagedkv.core import (
 from pagedkv.core.prefix import Key
 from pagedkv.tiers.host import HostTier
 from pagedkv.tiers.keys import key_bytes
-from pagedkv.tiers.slots import LruClock
+from pagedkv.tiers.slot_index import LruClock
 from pagedkv.tiers.store import TieredStore
 from pagedkv.tiers.value import BlockLayout
 

@@ -31,7 +31,7 @@ from pagedkv.engine.cli_args import add_block_size, check_fits_memory, int_at_le
 from pagedkv.tiers.disk import DiskTier
 from pagedkv.tiers.host import HostTier
 from pagedkv.tiers.keys import model_fingerprint
-from pagedkv.tiers.slots import LruClock
+from pagedkv.tiers.slot_index import LruClock
 from pagedkv.tiers.tier import Tier
 from pagedkv.tiers.value import DTYPE_BYTES, MAX_KEY_BYTES, BlockLayout
 

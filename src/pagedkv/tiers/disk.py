@@ -16,7 +16,7 @@ import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.tiers.events import Medium
-from pagedkv.tiers.slots import LruClock
+from pagedkv.tiers.slot_index import LruClock
 from pagedkv.tiers.tier import LocalTier, Rows
 from pagedkv.tiers.value import MAX_KEY_BYTES, BlockLayout, CorruptValueError, header, unpack
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.tiers.events import Medium
-from pagedkv.tiers.slots import LruClock
+from pagedkv.tiers.slot_index import LruClock
 from pagedkv.tiers.tier import LocalTier, Rows
 from pagedkv.tiers.value import BlockLayout
 

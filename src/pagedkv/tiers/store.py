@@ -45,7 +45,7 @@ import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError, InvariantError
 from pagedkv.tiers.events import Medium, TierEvent
-from pagedkv.tiers.slots import LruClock
+from pagedkv.tiers.slot_index import LruClock
 from pagedkv.tiers.tier import LocalTier, Rows, Tier
 from pagedkv.tiers.value import BlockLayout
 

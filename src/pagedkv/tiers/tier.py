@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.tiers.events import Medium, TierEvent
-from pagedkv.tiers.slots import LruClock, SlotIndex
+from pagedkv.tiers.slot_index import LruClock, SlotIndex
 from pagedkv.tiers.value import BlockLayout
 
 Rows = npt.NDArray[np.uint8]
