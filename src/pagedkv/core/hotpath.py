@@ -25,8 +25,8 @@ median of 3 interleaved runs on a shared 2-core machine, so +-3% noise; measured
   keys the blocks itself;
 - `take_live`: eviction's scan of an LRU queue with lazily deleted entries (1.19x / 1.14x);
 - `release_refs`: the pool's `release`: drop a sequence's references, push the blocks that become free
-  and list those that become cached-free, in one pass (it replaced eight numpy calls per freed sequence,
-  about 3% of the allocator loop: docs/cache-policy.md).
+  and list those that become cached-free, in one pass (it replaced eight numpy calls per freed sequence:
+  7% of the allocator loop's instructions, `benchmarks/allocator_instructions.py`, docs/cache-policy.md).
 
 Two backends implement `Backend`: `PythonBackend` below, the specification (plain Python and numpy, also
 the fallback), and `pagedkv.core._native`, a small C extension with exactly these functions (and its own
