@@ -59,9 +59,10 @@ REALLOC_MODES = ("none", "doubling", "concat")
 REALLOC_MIN_CAPACITY = 16  # tokens: the first buffer of a doubling cache
 # The simulator's scheduler: `SchedulerConfig`'s defaults except a serving deployment's token budget of
 # 8192 per step (vLLM V1's default) and vLLM's greedy admission (no growth reserve, `admission_lookahead`
-# 0), what `pagedkv simulate` / `plan` and `SimConfig` have always used; `--admission-lookahead` models the
-# engine's reserve.
-SIM_SCHEDULER = SchedulerConfig(max_num_batched_tokens=8192, admission_lookahead=0)
+# 0; no request held back for a prefix another one computes in the same step, `hold_shared_prefix` off),
+# what `pagedkv simulate` / `plan` and `SimConfig` have always used; `--admission-lookahead` and
+# `--hold-shared-prefix` model the engine's defaults.
+SIM_SCHEDULER = SchedulerConfig(max_num_batched_tokens=8192, admission_lookahead=0, hold_shared_prefix=False)
 
 
 @dataclass(frozen=True)
