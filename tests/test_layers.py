@@ -76,7 +76,7 @@ def _module_name(path: Path) -> str:
 
 
 def _top(module: str) -> str | None:
-    """The first-level package under pagedkv (``pagedkv.sim.runner`` -> ``sim``), or None outside pagedkv."""
+    """The first-level package under pagedkv (``pagedkv.sim.run`` -> ``sim``), or None outside pagedkv."""
     parts = module.split(".")
     if parts[0] != "pagedkv" or len(parts) < 2:
         return None
@@ -156,7 +156,7 @@ def test_the_walk_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     """The checker itself can fail: an import inside a function and a relative one are both found."""
     pkg = tmp_path / "pagedkv" / "hf"
     pkg.mkdir(parents=True)
-    (pkg / "x.py").write_text("def f():\n    from pagedkv.engine import Engine\n    from ..sim import runner\n")
+    (pkg / "x.py").write_text("def f():\n    from pagedkv.engine import Engine\n    from ..sim import run\n")
     global SRC
     saved = SRC
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.core import InvalidArgumentError
 from pagedkv.sim.commands_simulate import simulate_main
-from pagedkv.sim.runner import run_simulation
+from pagedkv.sim.run import run_simulation
 from pagedkv.sim.workload import WorkloadSpec
 from pagedkv.workloads.generators import multi_tenant
 

@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
     requests = load_trace(path, limit=args.limit)
     names = ["paged", "contiguous"] if args.allocator == "both" else [args.allocator]
     repeats = args.repeat
-    from pagedkv.sim.runner import _Progress  # the simulator's bar: tqdm when installed, else a counter
+    from pagedkv.sim.run import _Progress  # the simulator's bar: tqdm when installed, else a counter
 
     bar = _Progress(len(requests) * len(names) * repeats, enabled=not args.no_progress)
     results = []

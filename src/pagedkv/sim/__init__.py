@@ -13,8 +13,8 @@ __all__ = ["plan_main", "run_simulation", "simulate_main"]
 
 
 def run_simulation(*args: Any, **kwargs: Any) -> Any:
-    """See `pagedkv.sim.runner.run_simulation`."""
-    from pagedkv.sim.runner import run_simulation as impl
+    """See `pagedkv.sim.run.run_simulation`."""
+    from pagedkv.sim.run import run_simulation as impl
 
     return impl(*args, **kwargs)
 

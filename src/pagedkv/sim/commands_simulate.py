@@ -102,7 +102,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
     """`--replicas N`: the table (or JSON) of every router; every replica runs the one `--eviction` policy
     given (default lru) and `--partial-reuse` if given, as `--allocators paged-prefix` would."""
     from pagedkv.sim.replicas import GB, GIB, TierConfig, run_replicas
-    from pagedkv.sim.runner import _Progress
+    from pagedkv.sim.run import _Progress
     from pagedkv.sim.workload import build_workload
 
     try:
@@ -133,7 +133,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.sim.runner import run_simulation
+    from pagedkv.sim.run import run_simulation
 
     try:
         _check_replica_flags(args)

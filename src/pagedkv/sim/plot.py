@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv.sim.runner import SimulationReport
+from pagedkv.sim.run import SimulationReport
 
 GIB = 1024**3  # as the budget arithmetic prints
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.sim.runner import SimulationReport
+from pagedkv.sim.run import SimulationReport
 
 if TYPE_CHECKING:
     from pagedkv.sim.replicas import ReplicaReport
