@@ -13,8 +13,8 @@ from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.sim.allocators import check_allocator
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
 from pagedkv.sim.hybrid import GroupedKV
-from pagedkv.sim.metrics import summarize
 from pagedkv.sim.run import run_simulation
+from pagedkv.sim.run_metrics import summarize
 from pagedkv.sim.simulator import Replay, SimConfig, simulate
 from pagedkv.sim.workload import WorkloadSpec, build_workload
 

@@ -11,8 +11,8 @@ from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantEr
 from pagedkv.router import request_hashes
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
 from pagedkv.sim.commands_simulate import simulate_main
-from pagedkv.sim.metrics import request_metrics, summarize
 from pagedkv.sim.replicas import GIB, ReplicaSimulation, TierConfig, run_replicas
+from pagedkv.sim.run_metrics import request_metrics, summarize
 from pagedkv.sim.simulator import Arrivals, Replay, SimConfig, simulate
 from pagedkv.sim.workload import WorkloadSpec, build_workload
 

@@ -10,9 +10,9 @@ from pagedkv.core.errors import CapacityError
 from pagedkv.sim.allocators import ALLOCATORS
 from pagedkv.sim.budget import activation_reserve_bytes
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
-from pagedkv.sim.metrics import summarize
 from pagedkv.sim.planner import plan_capacity
 from pagedkv.sim.run import run_simulation
+from pagedkv.sim.run_metrics import summarize
 from pagedkv.sim.simulator import SimConfig, simulate
 from pagedkv.sim.workload import WorkloadSpec, build_workload
 

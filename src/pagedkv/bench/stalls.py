@@ -319,7 +319,7 @@ def simulate_stalls(
     """Replay the first `num_requests` Azure conv requests (burst) per `SIM_RUNS` entry; per label the
     figures (decode-only steps: no more tokens scheduled than requests running) and the `SimTrace`."""
     from pagedkv.sim.catalog import Catalog
-    from pagedkv.sim.metrics import summarize as sim_summary
+    from pagedkv.sim.run_metrics import summarize as sim_summary
     from pagedkv.sim.simulator import SimConfig, simulate
     from pagedkv.sim.workload import WorkloadSpec, build_workload
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.sim.metrics import summarize
+from pagedkv.sim.run_metrics import summarize
 from pagedkv.sim.simulator import SimConfig, simulate
 from pagedkv.sim.workload import WorkloadSpec, build_workload
 

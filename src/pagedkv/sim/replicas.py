@@ -50,7 +50,7 @@ from pagedkv.core.manager import PagedKVManager
 from pagedkv.events import CPU, GPU, REMOTE, BlockRemoved, BlockStored, EventLog, ManagerFeed
 from pagedkv.router import ReplicaIndex, Router, request_hashes
 from pagedkv.sim.budget import KVBudget
-from pagedkv.sim.metrics import request_metrics
+from pagedkv.sim.run_metrics import request_metrics
 from pagedkv.sim.simulator import Arrivals, Replay, SimConfig, check_budget
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
@@ -349,8 +349,8 @@ class ReplicaSimulation:
     # --- metrics ---------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        """The fleet's metrics: `pagedkv.sim.metrics.request_metrics` over every replica's requests, hit rates
-        by tier, and what the router and tiers did."""
+        """The fleet's metrics: `pagedkv.sim.run_metrics.request_metrics` over every replica's requests, hit
+        rates by tier, and what the router and tiers did."""
         wl, reps = self.workload, self.replicas
         first = np.fmax.reduce([r.first_token for r in reps])  # each request ran on one replica (NaN elsewhere)
         finish = np.fmax.reduce([r.finish_time for r in reps])

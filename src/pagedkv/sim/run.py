@@ -16,7 +16,7 @@ from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator, hybrid_twin, is_hybrid_allocator
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.catalog import Catalog
-from pagedkv.sim.metrics import summarize
+from pagedkv.sim.run_metrics import summarize
 from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig, SimTrace, simulate
 from pagedkv.sim.workload import Workload, WorkloadSpec, build_workload
 
