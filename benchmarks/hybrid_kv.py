@@ -4,7 +4,7 @@
 
 1. Planner (no simulation): on an H100-80GB, concurrent requests of 8k-128k tokens and the KV a uniform
    allocator wastes on sliding layers, for Gemma-3-27B, Gemma-2-27B, gpt-oss-120b, Mistral-7B-v0.1 and
-   Ministral-8B (`pagedkv.sim.hybrid.context_rows`), plus the RFC #11382 waste at each model's context.
+   Ministral-8B (`pagedkv.sim.hybrid_kv.context_rows`), plus the RFC #11382 waste at each model's context.
 2. A real CPU engine run per tiny windowed family (random weights, `pagedkv.hf.tiny`): the same requests
    (prompts 3-8 windows long) through the uniform paged allocator and the hybrid one; greedy tokens must be
    identical; reports the peak blocks in use and the bytes they hold (a uniform block holds every layer, a
@@ -25,7 +25,7 @@ MODELS = ("gemma-3-27b", "gemma-2-27b", "gpt-oss-120b", "mistral-7b-v0.1", "mini
 def plan_rows() -> list[dict[str, Any]]:
     from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
     from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
-    from pagedkv.sim.hybrid import GroupedKV, context_rows
+    from pagedkv.sim.hybrid_kv import GroupedKV, context_rows
 
     out = []
     for name in MODELS:

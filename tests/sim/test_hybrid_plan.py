@@ -1,4 +1,4 @@
-"""Group-aware KV arithmetic (`pagedkv.sim.hybrid`): the RFC's waste figures from first principles, the
+"""Group-aware KV arithmetic (`pagedkv.sim.hybrid_kv`): the RFC's waste figures from first principles, the
 closed forms against brute force, the layer patterns of the catalog, and `pagedkv plan` side by side."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from pagedkv.cli import main
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.sim.catalog import BUILTIN_MODELS, ModelShape
-from pagedkv.sim.hybrid import GroupedKV
+from pagedkv.sim.hybrid_kv import GroupedKV
 
 
 def test_rfc_11382_waste_from_first_principles() -> None:

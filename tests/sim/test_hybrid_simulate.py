@@ -12,7 +12,7 @@ from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.sim.allocators import check_allocator
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
-from pagedkv.sim.hybrid import GroupedKV
+from pagedkv.sim.hybrid_kv import GroupedKV
 from pagedkv.sim.run import run_simulation
 from pagedkv.sim.run_metrics import summarize
 from pagedkv.sim.simulator import Replay, SimConfig, simulate

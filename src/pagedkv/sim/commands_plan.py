@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan_text(plan, budget.lines()))
         if "kv_groups" in plan and "paged" in plan["allocators"]:  # a hybrid model: uniform vs hybrid
-            from pagedkv.sim.hybrid import hybrid_text
+            from pagedkv.sim.hybrid_kv import hybrid_text
 
             print(hybrid_text(plan["kv_groups"], plan["allocators"]["paged"]))
     return 0

@@ -47,7 +47,7 @@ from pagedkv.core.errors import CapacityError
 from pagedkv.progress import Progress
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator
 from pagedkv.sim.budget import KVBudget
-from pagedkv.sim.hybrid import hybrid_plan
+from pagedkv.sim.hybrid_kv import hybrid_plan
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
 from pagedkv.workloads.traces import sm64
@@ -295,7 +295,7 @@ def plan_capacity(
         "allocators": result,
         "notes": notes,
         # a hybrid model (sliding layers): the same workload with one table per KV cache group, and the
-        # uniform vs hybrid KV at fixed contexts (pagedkv.sim.hybrid)
+        # uniform vs hybrid KV at fixed contexts (pagedkv.sim.hybrid_kv)
         **({"kv_groups": hybrid_plan(budget, p, o, max_num_seqs)} if budget.model.is_hybrid else {}),
     }
 

@@ -99,7 +99,7 @@ def simulate_text(report: SimulationReport) -> str:
         "",
         *table(report.results),
     ]
-    from pagedkv.sim.hybrid import hybrid_sim_lines  # a hybrid model: uniform vs hybrid, in bytes
+    from pagedkv.sim.hybrid_kv import hybrid_sim_lines  # a hybrid model: uniform vs hybrid, in bytes
 
     hybrid = hybrid_sim_lines(c.model, report.results, report.skipped)
     out += ["", *hybrid] if hybrid else []

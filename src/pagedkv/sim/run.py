@@ -95,7 +95,7 @@ class _Progress:
 
 def _variants(allocators: Sequence[str], evictions: Sequence[str], *, hybrid: bool = False) -> list[tuple[str, str, str]]:
     """(row name, allocator, eviction policy) of each run: `paged-prefix` once per policy when given; a
-    hybrid model (`hybrid`) adds each paged allocator's hybrid twin (uniform vs hybrid, sim/hybrid.py)."""
+    hybrid model (`hybrid`) adds each paged allocator's hybrid twin (uniform vs hybrid, sim/hybrid_kv.py)."""
     out: list[tuple[str, str, str]] = []
     for a in allocators:
         if a == "paged-prefix" and evictions:

@@ -49,7 +49,7 @@ from pagedkv.sim.allocators import (
 )
 from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.catalog import GPUSpec, ModelShape
-from pagedkv.sim.hybrid import HybridKVBudget, manager_groups
+from pagedkv.sim.hybrid_kv import HybridKVBudget, manager_groups
 from pagedkv.sim.step_time import StepTimeModel
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
@@ -117,7 +117,7 @@ class SimConfig:
         if act is None:
             sched = self.scheduler
             act = activation_reserve_bytes(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
-        # hybrid allocators: the same KV bytes in pages of one KV cache group's layers (sim/hybrid.py)
+        # hybrid allocators: the same KV bytes in pages of one KV cache group's layers (sim/hybrid_kv.py)
         cls = HybridKVBudget if is_hybrid_allocator(self.allocator) else KVBudget
         return cls(self.model, self.gpu, self.gpu_memory_utilization, self.block_size, act, self.tensor_parallel)
 
