@@ -26,7 +26,7 @@ from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.hf.reference import reference_generate
+from pagedkv.hf.oracle import reference_generate
 from pagedkv.hf.tiny import tiny_model
 
 BS = 4

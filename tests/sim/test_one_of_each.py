@@ -31,10 +31,12 @@ def test_the_scheduler_settings_are_declared_once() -> None:
         assert not own & SCHEDULER_FIELDS, f"{config.__name__} re-declares {sorted(own & SCHEDULER_FIELDS)}"
     assert EngineConfig(num_blocks=8).scheduler == SchedulerConfig(), "the engine uses the one default"
     assert SchedulerConfig().max_num_batched_tokens == 512 and SchedulerConfig().max_num_seqs == 256
-    # the simulator's explicit budget and vLLM's greedy admission, everything else the shared defaults
+    # the simulator's explicit budget and vLLM's greedy admission (no growth reserve, no shared-prefix hold),
+    # everything else the shared defaults
     assert _sim_config().scheduler == SIM_SCHEDULER
     assert SIM_SCHEDULER.max_num_batched_tokens == 8192 and SIM_SCHEDULER.admission_lookahead == 0
-    own = {"max_num_batched_tokens", "admission_lookahead"}
+    assert not SIM_SCHEDULER.hold_shared_prefix and SchedulerConfig().hold_shared_prefix
+    own = {"max_num_batched_tokens", "admission_lookahead", "hold_shared_prefix"}
     assert {n: getattr(SIM_SCHEDULER, n) for n in SCHEDULER_FIELDS - own} == {
         n: getattr(SchedulerConfig(), n) for n in SCHEDULER_FIELDS - own
     }
