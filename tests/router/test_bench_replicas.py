@@ -101,3 +101,25 @@ def test_conversations_run_at_most_concurrency_at_once_in_order_and_quick_runs_t
     assert (full.conversations, full.concurrency) == (TraceSpec().conversations, 8)
     with pytest.raises(InvalidArgumentError, match="--concurrency 0"):
         TraceSpec(concurrency=0)
+
+
+def test_the_bench_models_tiny_is_the_test_models_llama_and_small_is_bigger() -> None:
+    """`--model tiny` is `tiny_model("llama", 0)` (the figures before `--model` existed used it): the same
+    logits; `small` is the 3.2M-parameter Llama the default runs; anything else is a one-line error."""
+    import torch
+
+    from pagedkv.bench.replicas import BENCH_MODELS, bench_model
+    from pagedkv.hf.tiny import tiny_model
+
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(bench_model("tiny")(ids).logits, tiny_model("llama", 0)(ids).logits)
+        small = bench_model("small")
+        assert small(ids).logits.shape == (1, 40, 128)
+    assert sum(p.numel() for p in small.parameters()) == pytest.approx(3.2e6, rel=0.05)
+    assert set(BENCH_MODELS) == {"tiny", "small"}
+    with pytest.raises(InvalidArgumentError, match="unknown bench model 'huge'"):
+        bench_model("huge")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).model == "small"

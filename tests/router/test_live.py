@@ -13,6 +13,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.events import GPU, EventLog, ManagerFeed
 from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.router.live import LiveRouter
+from pagedkv.router.policy import CostWeights
 
 BS = 4
 
@@ -49,7 +50,8 @@ def wait_for(router: LiveRouter, replica: str, blocks: int) -> None:
 
 def test_prefix_then_load_then_the_imbalance_fallback(tmp_path) -> None:
     a, b = Replica(tmp_path, "a"), Replica(tmp_path, "b")
-    router = LiveRouter(imbalance_threshold=3, sync_interval_s=3600)
+    # a duplicate charge of 1 (the arithmetic below; the live default's is in test_policy)
+    router = LiveRouter(imbalance_threshold=3, sync_interval_s=3600, weights=CostWeights(duplicate_weight=1.0))
     try:
         for name, r in (("a", a), ("b", b)):
             router.observe(name, r.stats())

@@ -151,15 +151,17 @@ def test_blocks_on_their_way_are_neither_computed_nor_charged_again() -> None:
 def test_the_duplicate_charge_keeps_a_history_where_it_is_and_leaves_fresh_prompts_to_the_queues() -> None:
     """A conversation's next turn: 22 of its 23 blocks on a, whose queue is 40 against b's 16 (a moment's
     burst). Without the duplicate charge it moves (1 + 40 > 23 + 16) and b recomputes the whole history; with
-    it (`LIVE_WEIGHTS`) the 22 blocks a holds cost b twice. A prompt nobody holds goes by the queues alone."""
+    it (`LIVE_WEIGHTS`: duplicate_weight 3) the 22 blocks a holds cost b four times. A prompt nobody holds goes
+    by the queues alone."""
     history = [PrefixMatch(gpu=22), PrefixMatch()]
     assert CostPolicy().rank(23, history, [40.0, 16.0])[0] == [1, 0]
     live = CostPolicy(LIVE_WEIGHTS)
-    assert live.costs(23, history, [40.0, 16.0]) == [1 + 40.0, 23 + 22 + 16.0]
+    assert LIVE_WEIGHTS.duplicate_weight == 3.0
+    assert live.costs(23, history, [40.0, 16.0]) == [1 + 40.0, 23 + 3 * 22 + 16.0]
     assert live.rank(23, history, [40.0, 16.0])[0] == [0, 1]
     assert live.rank(23, [PrefixMatch(), PrefixMatch()], [40.0, 16.0])[0] == [1, 0]
     # held elsewhere only in part: only that part is charged twice
-    assert live.costs(23, [PrefixMatch(gpu=16), PrefixMatch(gpu=22)], [0.0, 0.0]) == [7 + 6, 1]
+    assert live.costs(23, [PrefixMatch(gpu=16), PrefixMatch(gpu=22)], [0.0, 0.0]) == [7 + 3 * 6, 1]
     assert CostWeights() == CostWeights(duplicate_weight=0.0)  # the simulator's default: no duplicate charge
 
 

@@ -54,22 +54,52 @@ BLOCK_SIZE = 4
 VOCAB_LOW, VOCAB_HIGH = 3, 128  # the tiny model's vocabulary, without pad/bos/eos
 
 
-def bench_engine(num_blocks: int, remote_url: str | None, *, hold_shared_prefix: bool = True) -> Any:
-    """A replica's engine: the tiny seeded Llama with `num_blocks` blocks of 4 tokens, KV events on, the
+# The replicas' model (`--model`), seeded random weights from a config, the same in every replica and for every
+# router. `tiny` (hidden 64, 2 layers): a forward is mostly fixed cost (prefill of 150 tokens 1.9 ms against
+# 1.3 ms for 30, one torch thread here), so TTFT measures Ray's and the router's overheads, not the prefill a
+# cache hit saves. `small` (hidden 256, 4 layers, 3.2M parameters): prefill grows with the tokens computed
+# (13.5 ms for 150 tokens, 5.6 ms for 30; a decode step of 16 sequences 4.0 ms), as on a real replica, so a
+# router's hits show in its TTFT.
+BENCH_MODELS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2},
+    "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 4},
+}  # fmt: skip
+
+
+def bench_model(name: str) -> Any:
+    """The replicas' model `name` (`BENCH_MODELS`): a Llama with seed-0 weights, vocabulary 128, EOS 2."""
+    if name not in BENCH_MODELS:
+        raise InvalidArgumentError(f"unknown bench model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
+    import torch
+    import transformers as tf
+
+    from pagedkv.hf.tiny import VOCAB
+
+    config = tf.LlamaConfig(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                            max_position_embeddings=2048, **BENCH_MODELS[name])  # fmt: skip
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def bench_engine(
+    num_blocks: int, remote_url: str | None, *, hold_shared_prefix: bool = True, model: str = "tiny"
+) -> Any:
+    """A replica's engine: the seeded bench `model` with `num_blocks` blocks of 4 tokens, KV events on, the
     engine's default scheduler but for `hold_shared_prefix` (the same for every router)."""
     import torch
 
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.scheduler import SchedulerConfig
-    from pagedkv.hf.tiny import tiny_model
 
     torch.set_num_threads(1)
     config = EngineConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, kv_events=True, remote_url=remote_url,
         scheduler=SchedulerConfig(hold_shared_prefix=hold_shared_prefix),
     )  # fmt: skip
-    return Engine(tiny_model("llama", 0), None, config)
+    return Engine(bench_model(model), None, config)
 
 
 @dataclass(frozen=True)
@@ -265,7 +295,9 @@ def measure(
 
     replicas = ReplicaSet(
         replicas=args.replicas, remote_url=args.remote_url,
-        engine=functools.partial(bench_engine, args.num_blocks, hold_shared_prefix=_hold(args)),
+        engine=functools.partial(
+            bench_engine, args.num_blocks, hold_shared_prefix=_hold(args), model=args.model
+        ),
         router=router, num_cpus=args.replica_cpus, stats_period_s=STATS_PERIOD_S,
         router_kwargs=router_kwargs(router, args),
     )  # fmt: skip
@@ -349,6 +381,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument("--quick", action="store_true", help="32 conversations, all at once (a smoke run)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per replica (4 tokens each)")
+    p.add_argument(
+        "--model", choices=tuple(BENCH_MODELS), default="small",
+        help="the replicas' seeded model: small (3.2M parameters, prefill grows with the tokens computed; "
+        "default) or tiny (0.1M, a forward is mostly fixed cost)",
+    )  # fmt: skip
     p.add_argument("--remote-url", default=None, help="a shared Redis tier for the replicas")
     p.add_argument("--replica-cpus", type=float, default=0.5)
     p.add_argument(
@@ -440,7 +477,8 @@ def summarize(spec: TraceSpec, args: argparse.Namespace, runs: dict[str, list[Ro
         rows.append(row)
     common = {"replicas": args.replicas, "replica_cpus": args.replica_cpus, "num_blocks": args.num_blocks,
               "block_size": BLOCK_SIZE, "stats_period_s": STATS_PERIOD_S, "remote_url": args.remote_url,
-              "hold_shared_prefix": _hold(args)}  # fmt: skip
+              "hold_shared_prefix": _hold(args), "model": args.model,
+              "model_config": BENCH_MODELS[args.model]}  # fmt: skip
     result: dict[str, Any] = {"trace": asdict(spec), "replicas": args.replicas, "repeat": args.repeat,
                               "common": common, "cost_weights": asdict(weights(args)), "routers": rows}  # fmt: skip
     if runs.get("pagedkv"):

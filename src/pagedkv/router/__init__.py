@@ -14,6 +14,7 @@ with the same `CostPolicy` the simulator (`pagedkv simulate --replicas`) runs.
 
 from pagedkv.router.index import PrefixMatch, ReplicaIndex
 from pagedkv.router.policy import (
+    LIVE_IMBALANCE_THRESHOLD,
     LIVE_WEIGHTS,
     POLICIES,
     CostPolicy,
@@ -27,6 +28,6 @@ from pagedkv.router.policy import (
 )
 
 __all__ = [
-    "LIVE_WEIGHTS", "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
+    "LIVE_IMBALANCE_THRESHOLD", "LIVE_WEIGHTS", "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
     "RoundRobin", "Router", "make_policy", "request_hashes",
 ]  # fmt: skip

@@ -67,7 +67,13 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.events.wire import GPU
 from pagedkv.router.event_streams import EventStreams
 from pagedkv.router.index import PrefixMatch, ReplicaIndex
-from pagedkv.router.policy import LIVE_WEIGHTS, CostPolicy, CostWeights, request_hashes
+from pagedkv.router.policy import (
+    LIVE_IMBALANCE_THRESHOLD,
+    LIVE_WEIGHTS,
+    CostPolicy,
+    CostWeights,
+    request_hashes,
+)
 
 MAX_PREDICTED = 100_000
 
@@ -114,7 +120,7 @@ class LiveRouter:
         self,
         *,
         weights: CostWeights | None = None,
-        imbalance_threshold: int = 8,
+        imbalance_threshold: int = LIVE_IMBALANCE_THRESHOLD,
         replay_timeout_ms: int = 2000,
         sync_interval_s: float = 1.0,
     ) -> None:

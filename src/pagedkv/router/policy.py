@@ -130,9 +130,20 @@ class CostWeights:
 
 
 # The live router's weights (`pagedkv.router.live`, Ray Serve's PagedKVRequestRouter, `pagedkv bench
-# replicas`): a block another replica already holds costs twice to compute again. The simulator's tables were
-# measured with `CostWeights()` (no duplicate charge) and keep them until they are measured again.
-LIVE_WEIGHTS = CostWeights(duplicate_weight=1.0)
+# replicas`): a block another replica already holds costs four times to compute again (duplicate_weight 3). At
+# 1 (until 2026-12-01) a replica a few prefills behind took new conversations whose system prompt only the
+# busier one held and computed the prompt again: 3 of 160 first turns a run at 2 replicas in `pagedkv bench
+# replicas`, the hit rate 0.1-0.2 points under the fleet's ceiling, for a queue difference of milliseconds
+# (docs/scale-out.md). The simulator's tables were measured with `CostWeights()` (no duplicate charge) and keep
+# them until they are measured again.
+LIVE_WEIGHTS = CostWeights(duplicate_weight=3.0)
+
+# The live router's load-imbalance threshold (requests in flight beyond the least loaded replica's), for a
+# conversation's turn to leave its history and for any other request to be sent by load alone. At 8 (until
+# 2026-12-01) the lockstep waves of `pagedkv bench replicas`'s closed-loop conversations crossed it every few
+# seconds: 1-2 later turns a run moved and recomputed their history, and new conversations computed a system
+# prompt again on the lighter replica.
+LIVE_IMBALANCE_THRESHOLD = 16
 
 
 class CostPolicy:

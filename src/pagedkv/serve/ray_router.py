@@ -2,7 +2,7 @@
 
     from ray.serve.config import RequestRouterConfig
     RequestRouterConfig(request_router_class="pagedkv.serve.ray_router:PagedKVRequestRouter",
-                        request_router_kwargs={"imbalance_threshold": 8},
+                        request_router_kwargs={"imbalance_threshold": 16},
                         request_routing_stats_period_s=1.0)
 
 Ray calls `choose_replicas(candidates, pending_request)` for each request; this router returns the candidates
@@ -42,7 +42,7 @@ from ray.serve.request_router import (
 )
 
 from pagedkv.router.live import LiveRouter
-from pagedkv.router.policy import LIVE_WEIGHTS, CostWeights
+from pagedkv.router.policy import LIVE_IMBALANCE_THRESHOLD, LIVE_WEIGHTS, CostWeights
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def request_of(pending: PendingRequest | None) -> Any:
 class PagedKVRequestRouter(RequestRouter):
     def initialize_state(
         self,
-        imbalance_threshold: int = 8,
+        imbalance_threshold: int = LIVE_IMBALANCE_THRESHOLD,
         compute_weight: float = LIVE_WEIGHTS.compute_weight,
         local_discount: float = LIVE_WEIGHTS.local_discount,
         remote_discount: float = LIVE_WEIGHTS.remote_discount,
