@@ -1,11 +1,12 @@
 """`pagedkv bench replicas`: the same multi-turn requests through three request routers on Ray Serve.
 
     pagedkv bench replicas [--replicas 2] [--conversations 160] [--turns 6] [--concurrency 32] [--repeat 3]
-                           [--routers pagedkv,prefix-affinity,pow2] [--quick] [--json OUT]
+                           [--routers pagedkv,prefix-affinity,pow2] [--model small|tiny] [--quick] [--json OUT]
 
-One local Ray cluster; for each router in turn a fresh application of N replicas (the tiny CPU model with
-`--num-blocks` blocks of 4 tokens, so CPU time goes to routing and caching, not to matmuls) and the same
-seeded trace: `--conversations` chats of `--turns` turns, conversation c opening with system prompt
+One local Ray cluster; for each router in turn a fresh application of N replicas (a seeded CPU model,
+`--model`: `small` by default, 3.2M parameters, whose prefill time grows with the tokens it computes as a real
+replica's does, or `tiny`, the test model, where a forward is mostly fixed cost and TTFT measures overheads;
+`--num-blocks` blocks of 4 tokens) and the same seeded trace: `--conversations` chats of `--turns` turns, conversation c opening with system prompt
 c % `--systems` (shared across conversations), every turn's prompt = the whole history (previous prompts and
 the model's actual answers) + a new user message. `--concurrency` conversations run at once (the first ones
 start together, before any replica holds a system prompt; each later one starts when one ends), each turn
