@@ -103,3 +103,74 @@ def test_device_only_events_and_config() -> None:
         EngineConfig(num_blocks=12, kv_events=True, enable_prefix_caching=False)
     with pytest.raises(InvalidArgumentError, match="kv_events"):
         EngineConfig(num_blocks=12, kv_events=1)
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+@pytest.mark.parametrize("hash_fn", ["sha256", "fast"])
+def test_tier_events_name_each_blocks_true_parent_and_tokens(hash_fn: str, seed: int, tmp_path: Path) -> None:
+    """A shadow of what a consumer should read: every block's parent and tokens come from the sequences
+    themselves (`request_hashes` over prompt + output). Every `BlockStored`, on the device and on the host
+    and disk tiers, names its first block's true parent (or none only where the chain begins there or no
+    medium holds the parent, then or after the batch) and carries the true tokens. Write-backs arrive tail first: they once
+    went out parentless, as if each began a chain; and with `hash_fn="fast"` (int keys, which the tiers hold
+    as bytes) the tiers' events carried neither parent nor tokens."""
+    from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
+    from pagedkv.router.policy import request_hashes
+
+    config = EngineConfig(
+        num_blocks=14, block_size=BS, host_blocks=10, disk_path=str(tmp_path), disk_bytes=12 * 2048,
+        kv_events=True, hash_fn=hash_fn,
+    )  # fmt: skip
+    engine = Engine(tiny_model("llama"), None, config)
+    rng = np.random.default_rng(seed)
+    truth: dict[int, tuple[int | None, list[int]]] = {}
+    held: dict[str, set[int]] = {}
+    checked = {GPU: 0, CPU: 0, DISK: 0}
+    parented = {CPU: 0, DISK: 0}
+    prompts: dict[str, list[int]] = {}
+    finals: dict[str, list[int]] = {}
+    batches = []
+    todo = workload(rng, 40)
+
+    def add_truth(tokens: list[int]) -> None:
+        """Every full block of `tokens` (a sequence so far), with its parent and tokens."""
+        hashes = request_hashes(tokens + [0], BS, hash_fn=hash_fn, epoch=engine.manager.epoch)
+        for i, h in enumerate(hashes):
+            truth[h] = (hashes[i - 1] if i else None, tokens[i * BS : (i + 1) * BS])
+
+    while todo or engine.has_unfinished():
+        for _ in range(int(rng.integers(0, 3))):
+            if todo:
+                prompt = todo.pop()
+                prompts[engine.add_request(prompt, PARAMS)] = prompt
+        for out in engine.step():
+            finals[out.request_id] = list(prompts[out.request_id]) + list(out.output_token_ids)
+        batches.append(engine.take_event_batch())  # one step's events
+    for tokens in finals.values():  # every block published is a prefix of a finished sequence
+        add_truth(tokens)
+    for batch in batches:
+        orphans = []  # parents the step's parentless stores left out: held nowhere then, nor after the step
+        for ev in batch.events if batch is not None else ():
+            if isinstance(ev, AllBlocksCleared):
+                held.clear()
+            elif isinstance(ev, BlockRemoved):
+                held.setdefault(ev.medium or GPU, set()).difference_update(ev.block_hashes)
+            elif isinstance(ev, BlockStored):
+                medium = ev.medium or GPU
+                first_parent = truth[ev.block_hashes[0]][0]
+                if ev.parent_block_hash is None:
+                    assert first_parent is None or all(first_parent not in s for s in held.values()), medium
+                    orphans.append((medium, first_parent))
+                else:
+                    assert ev.parent_block_hash == first_parent, medium
+                    parented[medium] = parented.get(medium, 0) + 1
+                for prev, h in zip(ev.block_hashes, ev.block_hashes[1:]):
+                    assert truth[h][0] == prev
+                assert ev.token_ids == [t for h in ev.block_hashes for t in truth[h][1]], medium
+                held.setdefault(medium, set()).update(ev.block_hashes)
+                checked[medium] += 1
+        for medium, parent in orphans:  # a parent stored later in the same step: the event should name it
+            assert parent is None or all(parent not in s for s in held.values()), (medium, "parent stored after")
+    assert all(n > 0 for n in checked.values()), checked
+    assert parented[CPU] > 0 and parented[DISK] > 0, parented
+    engine.close()

@@ -117,7 +117,7 @@ def test_redis_tier_brings_an_evicted_prefix_back(baseline: list[list[int]], red
 def test_device_events_stay_readable_for_an_event_log() -> None:
     """The tiering is the one reader of the manager's events; the engine's event log takes what it drained
     through `take_device_events` (nothing to set from outside): every block evicted from the device is
-    reported removed from GPU and stored in CPU."""
+    reported removed from GPU and stored in CPU, with its parent."""
     config = EngineConfig(num_blocks=12, block_size=BS, host_blocks=8, kv_events=True)
     engine = Engine(tiny_model("llama"), None, config)
     assert engine.tiering is not None and engine.tiering.take_device_events() == []
@@ -135,7 +135,12 @@ def test_device_events_stay_readable_for_an_event_log() -> None:
     assert [len(e.block_hashes) for e in published] == [10, 10] and len(set(hashes("BlockStored", "GPU"))) == 20
     shared = list(published[0].block_hashes)
     assert hashes("BlockRemoved", "GPU") == shared[::-1]  # OTHERS[0] evicts all of SHARED, tail first
-    assert hashes("BlockStored", "CPU") == shared[::-1]  # each written back to the host as it leaves
+    # each written back to the host as it leaves (tail first; the head last, in a later step); the log sends
+    # a step's write-backs parents first, each naming its parent (in the device's order all but the one whose
+    # parent was still on the device went out as roots)
+    assert hashes("BlockStored", "CPU") == shared[1:] + shared[:1]
+    cpu = [e for e in events if type(e).__name__ == "BlockStored" and e.medium == "CPU"]
+    assert [e.parent_block_hash for e in cpu] == [*shared[:-1], None]
     assert hashes("BlockRemoved", "CPU") == shared[:-3:-1]  # the 8-block host drops the two oldest
     assert engine.tiering.take_device_events() == []  # the log took them
 

@@ -13,7 +13,11 @@ events since the last call as one vLLM-compatible `EventBatch` (publish it with
   back to the host is, in the same sync, removed from the device, so `poll` reads what the log knows of
   the keys it is about to see leave (and of every key in the tier events) before feeding the device's
   removals; a key that moves from CPU to DISK keeps them too. The device's events are fed first, then the
-  tiers', each in the order they happened (the per-medium sets are exact at the end of every poll).
+  tiers', in the order they happened except that a block's store waits for its parent's last store in the
+  same poll (`_parents_first`: write-backs come tail first), so a block goes out with its parent whenever
+  the parent reaches some medium in that poll (the per-medium sets are exact at the end of every poll).
+  With `hash_fn="fast"` the device's keys are ints and the tiers hold them as 8 bytes: a tier event's key
+  is turned back into the int (`int_keys`).
 
 A hybrid model's cache (`HybridKVManager`) keeps one log per KV cache group, fed by a `GroupFeed`
 (`pagedkv.events.group_feed`), so copies are counted per (key, group), and every event names its group
@@ -30,6 +34,7 @@ reported `removed` when a lookup, a write-through check or a load finds them gon
 
 from __future__ import annotations
 
+import heapq
 import time
 from typing import TYPE_CHECKING
 
@@ -48,6 +53,7 @@ from pagedkv.events.wire import Event
 if TYPE_CHECKING:
     from pagedkv.core.protocol import KVManager
     from pagedkv.engine.tiering import EngineTiering
+    from pagedkv.tiers.events import TierEvent
 
 
 class GroupBlockStored(BlockStored, tag="BlockStored"):
@@ -64,7 +70,7 @@ class GroupBlockRemoved(BlockRemoved, tag="BlockRemoved"):
 class EngineEvents:
     def __init__(
         self, manager: KVManager, block_size: int, tiering: EngineTiering | None = None, *,
-        data_parallel_rank: int = 0,
+        data_parallel_rank: int = 0, int_keys: bool = False,
     ) -> None:  # fmt: skip
         self.feed: ManagerFeed | GroupFeed
         if isinstance(manager, HybridKVManager):
@@ -78,6 +84,10 @@ class EngineEvents:
         self.grouped = isinstance(manager, HybridKVManager)
         self.log = self.logs[0]
         self.tiering = tiering  # when set, built with keep_device_events=True: it drains the manager
+        # the manager's keys are ints (hash_fn "fast"): the tiers hold them as 8 big-endian bytes
+        # (`pagedkv.tiers.keys.key_bytes`), and a tier event's key is turned back into the device's int, so
+        # the log finds the parent and tokens the device reported for it
+        self.int_keys = int_keys
         self._events: list[Event] = []  # a hybrid engine's merged batch so far
 
     def poll(self) -> None:
@@ -94,7 +104,7 @@ class EngineEvents:
         """The group (log index) and content key of a tier's key: a hybrid engine's tiers keep each group's
         copy under its group-qualified key (`core/group_keys.py`)."""
         if not self.grouped:
-            return 0, key
+            return 0, int.from_bytes(key, "big", signed=True) if self.int_keys else key
         content, group = split_key(key)
         return group, content
 
@@ -115,7 +125,7 @@ class EngineEvents:
             self.feed.poll([e for e in drained if isinstance(e, GroupCacheEvent)])
         else:
             self.feed.poll([e for e in drained if isinstance(e, CacheEvent)])
-        for e, g, key in tier_events:  # in the order they happened
+        for e, g, key in _parents_first(tier_events, self.logs, known):  # in the order they happened
             log = self.logs[g]
             if e.kind == "removed":
                 log.removed(e.medium, [key])
@@ -162,3 +172,52 @@ class EngineEvents:
         """Ask the remote store which of the keys this replica reported are still there (one round trip);
         those it evicted by itself are reported removed. Returns how many were gone (0 without one)."""
         return self.tiering.audit_remote() if self.tiering is not None else 0
+
+
+def _parents_first(
+    events: list[tuple[TierEvent, int, Key]],
+    logs: list[EventLog],
+    known: dict[tuple[int, Key], tuple[Key | None, tuple[int, ...]]],
+) -> list[tuple[TierEvent, int, Key]]:
+    """The tier events in the order they happened, except that a block's store waits for its parent's last
+    store in the same poll. A sync writes back evicted blocks tail first (the manager evicts a chain's tail
+    first), and the log names a block's parent only while some medium holds it: in that order every block of
+    a chain but its head went out with no parent, as if it began one (and a block moving from the host to
+    the disk reached the disk while its parent, off the host already, was not there yet). Events on one key
+    in one medium keep their order; events on different keys commute (the media's final contents are the
+    same)."""
+    n = len(events)
+    after: list[list[int]] = [[] for _ in range(n)]  # i -> the events that must wait for i
+    waits = [0] * n
+    last: dict[tuple[int, Key, str], int] = {}  # (group, key, medium) -> its latest event so far
+    last_store: dict[tuple[int, Key], int] = {}
+    for i, (e, g, key) in enumerate(events):
+        prev = last.get((g, key, e.medium))
+        if prev is not None:
+            after[prev].append(i)
+            waits[i] += 1
+        last[g, key, e.medium] = i
+        if e.kind == "stored":
+            last_store[g, key] = i
+    for i, (e, g, key) in enumerate(events):
+        if e.kind != "stored":
+            continue
+        info = logs[g].known(key) or known.get((g, key))
+        parent = last_store.get((g, info[0])) if info is not None and info[0] is not None else None
+        if parent is not None and parent != i:  # earlier too: its own parent may hold it back
+            after[parent].append(i)
+            waits[i] += 1
+    ready = [i for i in range(n) if waits[i] == 0]
+    heapq.heapify(ready)
+    out: list[tuple[TierEvent, int, Key]] = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(events[i])
+        for j in after[i]:
+            waits[j] -= 1
+            if waits[j] == 0:
+                heapq.heappush(ready, j)
+    if len(out) < n:  # a cycle cannot happen with chained keys; never drop an event
+        done = {id(item) for item in out}
+        out += [item for item in events if id(item) not in done]
+    return out

@@ -138,7 +138,9 @@ class Engine:
         if cfg.kv_events:  # one event log for every medium (pagedkv.engine.kv_events)
             from pagedkv.engine.kv_events import EngineEvents
 
-            self.kv_events = EngineEvents(self.manager, cfg.block_size, self.tiering)
+            self.kv_events = EngineEvents(
+                self.manager, cfg.block_size, self.tiering, int_keys=cfg.hash_fn == "fast"
+            )
         # 2. the requests' bookkeeping and the intake that checks them
         self._init_requests(model, tokenizer)
 
