@@ -400,7 +400,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cost-weights", default=None, metavar="C,L,R,Q[,D]",
-        help="pagedkv's weights: compute, local discount, remote discount, queue, duplicate (default 1,0.1,0.3,1,1)",
+        help="pagedkv's weights: compute, local discount, remote discount, queue, duplicate (default 1,0.1,0.3,1,3: LIVE_WEIGHTS)",
     )  # fmt: skip
     p.add_argument("--json", default=None, help="write the figures as JSON to this file")
 
