@@ -370,14 +370,18 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         computed = np.array([self.seqs[r].num_computed for r in rows.tolist()], dtype=np.int64)
         held = np.min([t.num_tokens[rows] for t in self.tables], axis=0)
         given = held if num_computed_tokens is None else as_computed(num_computed_tokens, computed, held)
+        for t in self.tables:
+            t.num_computed[rows] = given
+        publish, bs = self.enable_prefix_caching, self._block_size
+        windowed = any(not spec.is_full for spec in self.groups)
         for r, c in zip(rows.tolist(), given.tolist()):
             seq = self.seqs[r]
             seq.num_computed = c
-            for t in self.tables:
-                t.num_computed[r] = c
-            if self.enable_prefix_caching and seq.keys is not None:
+            # `_publish`'s own first test, here: most steps fill no new block of most sequences
+            if publish and seq.keys is not None and min(c, seq.hashable) // bs > min(seq.published):
                 self._publish(r, seq)
-            self._release_passed(r, seq)
+            if windowed:
+                self._release_passed(r, seq)
 
     def _publish(self, row: int, seq: SeqState) -> None:
         bs = self._block_size

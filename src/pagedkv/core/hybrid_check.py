@@ -71,6 +71,8 @@ def _check_row(m: HybridKVManager, row: int) -> None:
         held = int(t.num_tokens[row])
         if not seq.num_computed <= held <= n:
             _fail(f"row {row} group {g}: held tokens {held} outside [computed {seq.num_computed}, tokens {n}]")
+        if int(t.num_computed[row]) != seq.num_computed:
+            _fail(f"row {row} group {g}: the table says {int(t.num_computed[row])} computed, the sequence {seq.num_computed}")
         if spec.is_full and (lo or held != n):
             _fail(f"row {row}: full group {g} released blocks or holds {held} of {n} tokens")
         if lo > spec.first_needed(seq.num_computed) // bs or seq.published[g] < lo:

@@ -107,13 +107,14 @@ class HybridGrowth:
             return True
         if not self._grow(rows, self._lengths(rows) + k):
             return False
-        for i, r in enumerate(rows.tolist()):
-            seq = self.seqs[r]
-            if tok is None:
+        if tok is None:
+            for r in rows.tolist():
+                seq = self.seqs[r]
                 seq.hashable = min(seq.hashable, len(seq.tokens))
                 seq.tokens.extend([0] * k)
-            else:
-                seq.tokens.extend(tok[i].tolist())
+        else:
+            for r, new in zip(rows.tolist(), tok.tolist()):
+                self.seqs[r].tokens.extend(new)
         return True
 
     def _grow(self, rows: IntArray, ends: IntArray) -> bool:
@@ -136,12 +137,12 @@ class HybridGrowth:
             grow = ends > t.num_tokens[rows]
             t.cow_risk[rows[grow]] = False
             t.any_cow_risk = bool(t.cow_risk.any())
-            for r, need, end in zip(rows.tolist(), needs[g].tolist(), ends.tolist()):
-                if need:
-                    mine, ids = ids[:need], ids[need:]
-                    self.group_of[mine] = g
-                    t.set_blocks(r, np.concatenate([t.blocks_of(r), mine]))
-                t.num_tokens[r] = max(int(t.num_tokens[r]), end)
+            some = needs[g] > 0
+            for r, need in zip(rows[some].tolist(), needs[g][some].tolist()):
+                mine, ids = ids[:need], ids[need:]
+                self.group_of[mine] = g
+                t.set_blocks(r, np.concatenate([t.blocks_of(r), mine]))
+            t.num_tokens[rows] = np.maximum(t.num_tokens[rows], ends)  # rows are distinct sequences
         return True
 
     def _copy_on_write(self, src: IntArray, dst: IntArray) -> None:
