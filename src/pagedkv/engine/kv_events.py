@@ -125,7 +125,7 @@ class EngineEvents:
             self.feed.poll([e for e in drained if isinstance(e, GroupCacheEvent)])
         else:
             self.feed.poll([e for e in drained if isinstance(e, CacheEvent)])
-        for e, g, key in _parents_first(tier_events, self.logs, known):  # in the order they happened
+        for e, g, key in _parents_first(tier_events, self.logs, known):  # as they happened, parents first
             log = self.logs[g]
             if e.kind == "removed":
                 log.removed(e.medium, [key])
