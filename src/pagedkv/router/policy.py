@@ -141,7 +141,7 @@ LIVE_WEIGHTS = CostWeights(duplicate_weight=3.0)
 # The live router's load-imbalance threshold (requests in flight beyond the least loaded replica's), for a
 # conversation's turn to leave its history and for any other request to be sent by load alone. At 8 (until
 # 2026-12-01) the lockstep waves of `pagedkv bench replicas`'s closed-loop conversations crossed it every few
-# seconds: 1-2 later turns a run moved and recomputed their history, and new conversations computed a system
+# seconds: up to 2 later turns a run moved and recomputed their history, and new conversations computed a system
 # prompt again on the lighter replica.
 LIVE_IMBALANCE_THRESHOLD = 16
 
