@@ -24,7 +24,7 @@ def test_spec_arithmetic_and_validation() -> None:
     with pytest.raises(InvalidArgumentError, match="num_kv_heads must be a positive int"):
         KVCacheSpec(2, 0, 8)
     with pytest.raises(InvalidArgumentError, match="unsupported KV storage dtype"):
-        KVCacheSpec(2, 2, 8, "int8")
+        KVCacheSpec(2, 2, 8, "int4")
     with pytest.raises(InvalidArgumentError, match="block_size"):
         spec.bytes_per_block(257)
 
@@ -102,11 +102,11 @@ def test_swap_round_trip_is_bit_exact(dtype: str) -> None:
         storage.swap_in(host, [1, 2])
 
 
-def test_fp8_write_quantizes_with_scale() -> None:
+def test_fp8_write_quantizes_per_token_head() -> None:
     storage = KVStorage(KVCacheSpec(1, 1, 4, "fp8"), num_blocks=2, block_size=2)
-    storage.set_scales(0, k_scale=0.5, v_scale=2.0)
-    key = torch.tensor([[[0.25, 1.0, -3.0, 1000.0]]])
+    key = torch.tensor([[[0.25, 1.0, -3.0, 896.0]]])
     storage.write(0, key, key, torch.tensor([1]))
-    kc, vc = storage.layer(0)
-    assert kc.view(-1, 1, 4)[1].float().tolist() == [[0.5, 2.0, -6.0, 448.0]]  # x / 0.5, clamped to e4m3 max
-    assert vc.view(-1, 1, 4)[1].float().tolist() == [[0.125, 0.5, -1.5, 448.0]]
+    kc, _ = storage.layer(0)
+    scales = storage.layer_scales(0)
+    assert scales is not None and scales[0].view(-1)[1].item() == 2.0  # absmax 896 -> e4m3's max 448
+    assert kc.view(-1, 1, 4)[1].float().tolist() == [[0.125, 0.5, -1.5, 448.0]]

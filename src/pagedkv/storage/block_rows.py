@@ -1,12 +1,15 @@
 """Whole blocks as byte rows: the bridge between device KV pages and the tiers below the device.
 
 A block's row is the bytes of `data[:, :, block_id]` (`[num_layers, 2, block_size, num_kv_heads,
-head_dim]`: K and V of every layer) in C order, `spec.bytes_per_block(block_size)` bytes. `read_rows` then
-`write_rows` into other blocks restores them bit for bit (fp8 included: only bytes move).
+head_dim]`: K and V of every layer) in C order, then, for quantized storage, the bytes of its scales
+`scales[:, :, block_id]` (`[num_layers, 2, block_size, num_kv_heads]` float32): `spec.bytes_per_block(block_size)`
+bytes in all. `read_rows` then `write_rows` into other blocks restores them bit for bit (codes and scales
+included: only bytes move).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,8 +32,11 @@ def read_rows(storage: KVStorage, block_ids: Sequence[int]) -> npt.NDArray[np.ui
     ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=storage.device)
     raw = raw_bytes(storage.data)
     gathered = raw.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
-    rows = gathered.view(torch.uint8).reshape(len(block_ids), -1).cpu()
-    return rows.numpy()
+    rows = gathered.view(torch.uint8).reshape(len(block_ids), -1)
+    if storage.scales is not None:
+        scales = storage.scales.index_select(2, ids).permute(2, 0, 1, 3, 4).contiguous()
+        rows = torch.cat([rows, scales.view(torch.uint8).reshape(len(block_ids), -1)], dim=1)
+    return rows.cpu().numpy()
 
 
 def write_rows(storage: KVStorage, block_ids: Sequence[int], rows: npt.NDArray[np.uint8]) -> None:
@@ -45,7 +51,12 @@ def write_rows(storage: KVStorage, block_ids: Sequence[int], rows: npt.NDArray[n
     raw = raw_bytes(storage.data)
     shape = block_shape(storage)
     elem = raw.element_size()
-    src = torch.from_numpy(np.ascontiguousarray(rows)).reshape(n, *shape[:4], shape[4] * elem).view(raw.dtype)
+    all_rows = torch.from_numpy(np.ascontiguousarray(rows))
+    values = all_rows[:, : math.prod(shape) * elem].contiguous()
+    src = values.reshape(n, *shape[:4], shape[4] * elem).view(raw.dtype)
     src = src.permute(1, 2, 0, 3, 4, 5).to(storage.device)
     ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=storage.device)
     raw.index_copy_(2, ids, src)
+    if storage.scales is not None:
+        scales = all_rows[:, math.prod(shape) * elem :].contiguous().view(torch.float32).reshape(n, *shape[:4])
+        storage.scales.index_copy_(2, ids, scales.permute(1, 2, 0, 3, 4).to(storage.device))

@@ -9,9 +9,12 @@ Invariants and contracts:
 - Block 0 is, by the allocator's convention, the null/guard block; storage treats it like any other block
   (it may be written, copied, swapped) and never assumes what it holds.
 - `write`, `copy_blocks` and `swap_in` touch only the slots/blocks they are given; every other byte stays.
-- `swap_out` followed by `swap_in` restores the blocks bit for bit (fp8 included: moves are byte copies).
-- fp8 (e4m3) storage carries a per-layer float32 scale for K and for V (`k_scales[l]`, `v_scales[l]`,
-  default 1.0): stored = e4m3(x / scale), read = stored * scale.
+- `swap_out` followed by `swap_in` restores the blocks bit for bit (quantized ones included: moves are byte
+  copies).
+- Quantized storage (int8, fp8 e4m3/e5m2; `spec.is_quantized`) keeps a sidecar `scales`
+  `[num_layers, 2, num_blocks, block_size, num_kv_heads]` float32 beside `data`: the scale of each token's KV
+  head (read = code * scale; `pagedkv.storage.slots`). A block is its codes and its scales: every move (copy,
+  swap, byte rows for the tiers) carries both, and `bytes_per_block` counts both. Unwritten slots hold scale 1.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy.typing as npt
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.storage.slots import FP8_DTYPE, check_write_args, raw_bytes, scatter_kv
+from pagedkv.storage.slots import check_write_args, raw_bytes, scatter_kv
 from pagedkv.storage.spec import KVCacheSpec, _check_block_size
 
 BlockIds = torch.Tensor | npt.NDArray[np.integer] | list[int]
@@ -33,10 +36,12 @@ class HostBlocks(NamedTuple):
     """Blocks swapped out to host memory: `data[l, 0|1, i]` is K|V of layer l for the i-th swapped block.
 
     `data` is `[num_layers, 2, n, block_size, num_kv_heads, head_dim]` on the CPU (pinned when the storage
-    lives on CUDA), in the storage dtype.
+    lives on CUDA), in the storage dtype; `scales` the blocks' `[num_layers, 2, n, block_size, num_kv_heads]`
+    sidecar for quantized storage, None otherwise.
     """
 
     data: torch.Tensor
+    scales: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -77,8 +82,9 @@ class KVStorage:
         self.validate = validate
         shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.data = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.k_scales = [1.0] * spec.num_layers
-        self.v_scales = [1.0] * spec.num_layers
+        self.scales: torch.Tensor | None = (
+            torch.ones(shape[:-1], dtype=torch.float32, device=self.device) if spec.is_quantized else None
+        )
 
     @classmethod
     def from_budget(
@@ -108,19 +114,18 @@ class KVStorage:
         i = self._layer(layer)
         return self.data[i, 0], self.data[i, 1]
 
-    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
-        """Per-tensor fp8 scales of one layer (set before writing; changing them re-interprets stored KV)."""
-        if not (k_scale > 0 and v_scale > 0):
-            raise InvalidArgumentError(f"fp8 scales must be positive, got k={k_scale} v={v_scale}")
+    def layer_scales(self, layer: int) -> torch.Tensor | None:
+        """One layer's scale sidecar `[2, num_blocks, block_size, num_kv_heads]` (K then V), the `kv_scales`
+        argument of `pagedkv.ops`; None unless the storage is quantized."""
         i = self._layer(layer)
-        self.k_scales[i], self.v_scales[i] = float(k_scale), float(v_scale)
+        return None if self.scales is None else self.scales[i]
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store `key[i]`/`value[i]` (`[num_tokens, num_kv_heads, head_dim]`) at slot `slot_mapping[i]`."""
+        """Store `key[i]`/`value[i]` (`[num_tokens, num_kv_heads, head_dim]`) at slot `slot_mapping[i]`
+        (quantized storage: codes and scales, see `pagedkv.storage.slots`)."""
         k_cache, v_cache = self.layer(layer)
         check_write_args(k_cache, v_cache, key, value, slot_mapping, check_range=self.validate)
-        i = self._layer(layer)
-        scatter_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=self.k_scales[i], v_scale=self.v_scales[i])
+        scatter_kv(k_cache, v_cache, key, value, slot_mapping, kv_scales=self.layer_scales(layer))
 
     def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
         """Copy block `src[i]` to block `dst[i]` in every layer, K and V (copy-on-write), in one op.
@@ -139,17 +144,22 @@ class KVStorage:
                 raise InvalidArgumentError("copy_blocks: a block is both a source and a destination")
         raw = raw_bytes(self.data)
         raw.index_copy_(2, dst_t, raw.index_select(2, src_t))
+        if self.scales is not None:
+            self.scales.index_copy_(2, dst_t, self.scales.index_select(2, src_t))
 
     def swap_out(self, block_ids: BlockIds) -> HostBlocks:
         """Copy the given blocks (all layers, K and V) to host memory, pinned when the storage is on CUDA."""
         ids = self._ids(block_ids, "block_ids")
-        gathered = raw_bytes(self.data).index_select(2, ids)
+        host = self._to_host(raw_bytes(self.data).index_select(2, ids))
+        scales = None if self.scales is None else self._to_host(self.scales.index_select(2, ids))
+        return HostBlocks(host.view(self.dtype) if host.dtype != self.dtype else host, scales)
+
+    def _to_host(self, gathered: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
-            host = gathered
-        else:
-            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.device.type == "cuda")
-            host.copy_(gathered)
-        return HostBlocks(host.view(self.dtype) if self.dtype == FP8_DTYPE else host)
+            return gathered
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(gathered)
+        return host
 
     def swap_in(self, host: HostBlocks, block_ids: BlockIds) -> None:
         """Write swapped-out blocks back, `host.data[:, :, i]` to block `block_ids[i]`, bit exact."""
@@ -160,10 +170,14 @@ class KVStorage:
                 f"swap_in: host blocks {tuple(host.data.shape)} {host.data.dtype} do not match "
                 f"{expected} {self.dtype} for {ids.numel()} block ids"
             )
+        if self.scales is not None and (host.scales is None or host.scales.shape != expected[:-1]):
+            raise InvalidArgumentError(f"swap_in: quantized storage needs the blocks' scales {expected[:-1]}")
         if self.validate and torch.unique(ids).numel() != ids.numel():
             raise InvalidArgumentError("swap_in: block ids must be distinct")
         src = raw_bytes(host.data).to(self.device, non_blocking=True)
         raw_bytes(self.data).index_copy_(2, ids, src)
+        if self.scales is not None and host.scales is not None:
+            self.scales.index_copy_(2, ids, host.scales.to(self.device, non_blocking=True))
 
     def _layer(self, layer: int) -> int:
         if not 0 <= layer < self.spec.num_layers:

@@ -7,7 +7,13 @@ and decode tokens of many sequences go in one call: `key[i]` lands at `slot_mapp
 Contract:
 - slots are in `[0, num_blocks * block_size)` and distinct within one call (with duplicates, which write
   wins is unspecified); every slot no write targets keeps its bytes.
-- fp8 (e4m3) caches store `round_to_e4m3(clamp(x / scale, -448, 448))`; readers multiply by `scale`.
+- Quantized caches with a scale sidecar (`kv_scales`, `[2, num_blocks, block_size, num_kv_heads]` float32, K then
+  V: int8, fp8 e4m3 and fp8 e5m2, the layout `KVStorage` keeps) store, per token and KV head, the scale
+  `s = absmax(row) / QMAX` (1.0 for an all-zero row) beside the codes `round(x / s)` (int8: to nearest, clamped
+  to +-127; fp8: to nearest e4m3/e5m2, within +-QMAX by construction); a reader computes `code * s`. Codes and
+  scales are computed from the new rows in one pass; no full-precision copy is kept.
+- fp8 (e4m3) caches without a sidecar (the ops-level API) store `round_to_e4m3(clamp(x / scale, -448, 448))`
+  with one per-tensor `scale`; readers multiply by `scale`.
 - Writes are exact for every other dtype (`key` is cast to the cache dtype; a same-dtype write is a copy).
 """
 
@@ -19,11 +25,31 @@ from pagedkv.core.errors import InvalidArgumentError
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# The largest code of each quantized dtype: a row's absmax maps to it.
+QUANT_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def raw_bytes(cache: torch.Tensor) -> torch.Tensor:
     """A view that moves bytes exactly and that every indexing op supports (fp8 lacks some CPU kernels)."""
-    return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[..., D]` as (codes `[..., D]` of `dtype`, float32 scales `[...]`): one scale per row (a token's
+    KV head), `absmax / QMAX`, 1.0 for an all-zero row; see the module docstring."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1)
+    scales = torch.where(absmax > 0, absmax / QUANT_MAX[dtype], torch.ones_like(absmax))
+    y = xf / scales.unsqueeze(-1)
+    if dtype == torch.int8:
+        return y.round_().clamp_(-127.0, 127.0).to(torch.int8), scales
+    return y.clamp_(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype), scales
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 `codes * scales[..., None]`: what every read path computes (the oracle for tests)."""
+    return codes.float() * scales.float().unsqueeze(-1)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -46,6 +72,24 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
         raise InvalidArgumentError(f"caches on different devices: {key_cache.device} vs {value_cache.device}")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise InvalidArgumentError("key_cache and value_cache must be contiguous")
+
+
+def check_scales(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """`kv_scales`, when given, is the float32 `[2, num_blocks, block_size, num_kv_heads]` sidecar of a quantized
+    (int8 / fp8) cache on its device; an int8 cache must have one."""
+    if kv_scales is None:
+        if key_cache.dtype == torch.int8:
+            raise InvalidArgumentError("an int8 cache needs its scales: pass kv_scales [2, num_blocks, block_size, Hkv]")
+        return
+    if key_cache.dtype not in QUANT_MAX:
+        raise InvalidArgumentError(f"kv_scales are for int8/fp8 caches, not {key_cache.dtype}")
+    expected = (2, *key_cache.shape[:3])
+    if tuple(kv_scales.shape) != expected or kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous():
+        raise InvalidArgumentError(
+            f"kv_scales must be contiguous float32 {expected} (K then V), got {kv_scales.dtype} {tuple(kv_scales.shape)}"
+        )
+    if kv_scales.device != key_cache.device:
+        raise InvalidArgumentError(f"kv_scales are on {kv_scales.device} but the cache is on {key_cache.device}")
 
 
 def check_write_args(
@@ -96,9 +140,20 @@ def scatter_kv(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Reference write: `cache.view(-1, H, D)[slot_mapping[i]] = key[i]`, in place. Call `check_write_args` first."""
+    """Reference write: `cache.view(-1, H, D)[slot_mapping[i]] = key[i]`, in place; quantized into codes and
+    `kv_scales` when that sidecar is given. Call `check_write_args` (and `check_scales`) first."""
     num_kv_heads, head_dim = key_cache.shape[2:]
+    if kv_scales is not None:
+        flat_scales = kv_scales.view(2, -1, num_kv_heads)
+        for i, (cache, new) in enumerate(((key_cache, key), (value_cache, value))):
+            codes, scales = quantize_rows(new, cache.dtype)
+            raw_bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, raw_bytes(codes))
+            flat_scales[i].index_copy_(0, slot_mapping, scales)
+        return
+    if key_cache.dtype == torch.int8:
+        raise InvalidArgumentError("an int8 cache needs its scales: pass kv_scales [2, num_blocks, block_size, Hkv]")
     for cache, new, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
         src = quantize_fp8(new, scale) if cache.dtype == FP8_DTYPE else new.to(cache.dtype)
         flat = raw_bytes(cache).view(-1, num_kv_heads, head_dim)  # fp8 -> uint8 keeps the shape

@@ -8,8 +8,13 @@ One block holds `block_size` tokens of K and of V for every layer:
 
     bytes_per_block = 2 (K and V) * num_layers * block_size * num_kv_heads * head_dim * bytes_per_element
 
-fp8 (e4m3) storage keeps one float32 scale per layer for K and one for V (a per-tensor scale); those 8 bytes
-per layer are not part of any block and are not charged to the budget.
+Quantized storage (`int8`, `float8_e4m3fn`, `float8_e5m2`: one-byte codes) keeps one float32 scale per token,
+KV head and K/V in a sidecar of the block (`KVStorage.scales`), so a block's bytes and every budget count them:
+
+    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * (head_dim * 1 + 4)
+
+`kv_cache_dtype` (the engine's and the CLI's name for the choice) is one of `KV_CACHE_DTYPES`;
+`resolve_kv_cache_dtype` turns it into the storage dtype. docs/quantized-kv.md has the scheme and its accuracy.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ DTYPE_BYTES: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
     "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
 }
+# Bytes of scale per token, KV head and K/V that quantized dtypes keep beside their codes (float32).
+SCALE_BYTES: dict[str, int] = {"int8": 4, "float8_e4m3fn": 4, "float8_e5m2": 4}
+# The KV cache dtypes an engine, `plan` and `simulate` accept: "auto" keeps the model's dtype.
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
 _ALIASES: dict[str, str] = {
     "fp32": "float32",
     "float": "float32",
@@ -34,6 +45,7 @@ _ALIASES: dict[str, str] = {
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
     "float8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
 }
 
 
@@ -43,14 +55,24 @@ def normalize_dtype_name(dtype: object) -> str:
     name = _ALIASES.get(name, name)
     if name not in DTYPE_BYTES:
         raise InvalidArgumentError(
-            f"unsupported KV storage dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)} (or fp32/fp16/bf16/fp8)"
+            f"unsupported KV storage dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)} (or fp32/fp16/bf16/fp8/fp8_e5m2)"
         )
     return name
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-    """Bytes of K and V of one token across all layers: 2 x layers x kv_heads x head_dim x element bytes."""
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: object) -> str:
+    """The storage dtype for a `kv_cache_dtype` of `KV_CACHE_DTYPES` ("auto": the model's own dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidArgumentError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return normalize_dtype_name(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int, scale_bytes: int = 0
+) -> int:
+    """Bytes of K and V of one token across all layers: 2 x layers x kv_heads x (head_dim x element bytes +
+    scale bytes), the scale being a quantized dtype's per-token-per-head sidecar (0 for the others)."""
+    return 2 * num_layers * num_kv_heads * (head_dim * bytes_per_element + scale_bytes)
 
 
 def blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -65,7 +87,7 @@ def blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:
 class KVCacheSpec:
     """The KV shape of a model: what one token costs in every layer. Validated on construction.
 
-    `dtype` accepts a name ("float16", "bf16", "fp8", ...) or a `torch.dtype`; it is stored as the canonical
+    `dtype` accepts a name ("float16", "bf16", "fp8", "int8", ...) or a `torch.dtype`; it is stored as the canonical
     name (`KVCacheSpec(2, 4, 64, torch.float16).dtype == "float16"`).
     """
 
@@ -86,13 +108,21 @@ class KVCacheSpec:
         return DTYPE_BYTES[self.dtype]
 
     @property
-    def is_fp8(self) -> bool:
-        return self.dtype == "float8_e4m3fn"
+    def is_quantized(self) -> bool:
+        """One-byte codes with a float32 scale per token, KV head and K/V (int8, fp8 e4m3, fp8 e5m2)."""
+        return self.dtype in SCALE_BYTES
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of scale per token, KV head and K/V (0 unless quantized)."""
+        return SCALE_BYTES.get(self.dtype, 0)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.bytes_per_element)
+        """K and V of one token across all layers, scales included."""
+        return kv_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.bytes_per_element, self.scale_bytes
+        )
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block (`block_size` tokens) across all layers."""
