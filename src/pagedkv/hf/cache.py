@@ -66,6 +66,8 @@ class PagedKVCache:
         self.attention_backend = attention_backend
         shape = (*storage.data.shape[:2], num_host_blocks, *storage.data.shape[3:])
         self.host = torch.zeros(shape, dtype=storage.data.dtype, device="cpu")
+        # quantized pages: the host pool keeps the blocks' scales too (pagedkv.storage.kv)
+        self.host_scales = torch.ones(shape[:-1]) if storage.scales is not None else None
 
     @classmethod
     def for_model(
@@ -132,13 +134,18 @@ class PagedKVCache:
         """Device block `device_block_ids[i]` -> host block `host_block_ids[i]`, every layer."""
         dev, host = self._pair(device_block_ids, host_block_ids, "swap_out")
         if dev.size:
-            self.host[:, :, torch.from_numpy(host)] = self.storage.swap_out(dev).data.to("cpu")
+            moved = self.storage.swap_out(dev)
+            self.host[:, :, torch.from_numpy(host)] = moved.data.to("cpu")
+            if self.host_scales is not None and moved.scales is not None:
+                self.host_scales[:, :, torch.from_numpy(host)] = moved.scales.to("cpu")
 
     def swap_in(self, host_block_ids: BlockIds, device_block_ids: BlockIds) -> None:
         """Host block `host_block_ids[i]` -> device block `device_block_ids[i]`, every layer, bit exact."""
         dev, host = self._pair(device_block_ids, host_block_ids, "swap_in")
         if dev.size:
-            self.storage.swap_in(HostBlocks(self.host[:, :, torch.from_numpy(host)]), dev)
+            idx = torch.from_numpy(host)
+            scales = None if self.host_scales is None else self.host_scales[:, :, idx]
+            self.storage.swap_in(HostBlocks(self.host[:, :, idx], scales), dev)
 
     def swap(
         self,
@@ -213,8 +220,10 @@ class PagedStep:
             from pagedkv.ops.triton_kernels import write_kv_triton
 
             return lambda i, k, v: write_kv_triton(data[i, 0], data[i, 1], k, v, slots)
-        k_scales, v_scales = storage.k_scales, storage.v_scales
-        return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots, k_scale=k_scales[i], v_scale=v_scales[i])
+        scales = storage.scales  # quantized pages: codes and per-token-head scales in one pass
+        if scales is not None:
+            return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots, kv_scales=scales[i])
+        return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots)
 
     def ops_plan(
         self, group_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
