@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.engine.cli_args import int_at_least
+from pagedkv.engine.cli_args import add_threads, int_at_least, use_threads
 from pagedkv.progress import Progress
 
 FAMILIES_DEFAULT = ("llama", "qwen2", "qwen2-sw", "qwen3", "mistral", "gemma2", "phi3", "gpt2")
@@ -244,6 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--families", type=_families, default=list(FAMILIES_DEFAULT), help="tiny families to test (comma-separated)"
     )
     parser.add_argument("--no-smollm2", action="store_true", help="skip SmolLM2-135M")
+    add_threads(parser)
     parser.add_argument(
         "--new-tokens", type=int_at_least(1, 4096), default=24, help="greedy tokens per request"
     )
@@ -282,11 +283,10 @@ def _check_all(models: list[tuple[str, Any]], new_tokens: int, result: dict[str,
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (CPU only)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
 
     from pagedkv.hf.tiny import tiny_model
 
-    torch.set_num_threads(1)
+    use_threads(args.threads)
     new_tokens = 6 if args.quick else args.new_tokens
     models: list[tuple[str, Any]] = [(f, tiny_model(f)) for f in args.families]
     if not (args.quick or args.no_smollm2):

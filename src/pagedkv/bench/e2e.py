@@ -64,6 +64,7 @@ import numpy as np
 from pagedkv.engine.cli_args import (
     add_block_size,
     add_scheduler_arguments,
+    add_threads,
     check_fits_memory,
     float_in,
     int_at_least,
@@ -73,6 +74,7 @@ from pagedkv.engine.cli_args import (
     scheduler_from,
     seed_int,
     token_count,
+    use_threads,
 )
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.percentiles import percentile
@@ -355,6 +357,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file"
     )
+    add_threads(parser)
     parser.add_argument("--num-requests", type=int_at_least(1, 10_000), default=32)
     parser.add_argument(
         "--trace-offset", type=int_at_least(0, 10_000), default=0,
@@ -406,12 +409,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from pagedkv.hf.loading import load_model
     from pagedkv.hf.model_spec import model_spec
 
-    torch.set_num_threads(1)
+    args.threads = use_threads(args.threads)  # resolved, so the JSON says the count
     # 1. the arguments, the model and the workload, checked before anything runs
     if args.max_new_tokens is None:
         args.max_new_tokens = TRACE_MAX_OUTPUT // args.output_scale
@@ -565,6 +567,7 @@ def _result(
     identical = all(o == first for o in outputs.values())
     return {
         "model": args.model,
+        "torch_threads": args.threads,
         "kv_budget_bytes": budget_bytes,
         "kv_budget_blocks": args.num_blocks,
         "block_size": args.block_size,

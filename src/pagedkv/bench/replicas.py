@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.cli_args import add_threads
 from pagedkv.router.policy import LIVE_WEIGHTS, CostPolicy, CostWeights
 
 BLOCK_SIZE = 4
@@ -85,17 +86,18 @@ def bench_model(name: str) -> Any:
 
 
 def bench_engine(
-    num_blocks: int, remote_url: str | None, *, hold_shared_prefix: bool = True, model: str = "tiny"
+    num_blocks: int, remote_url: str | None, *, hold_shared_prefix: bool = True, model: str = "tiny",
+    threads: int | None = None, replicas: int = 1,
 ) -> Any:
     """A replica's engine: the seeded bench `model` with `num_blocks` blocks of 4 tokens, KV events on, the
-    engine's default scheduler but for `hold_shared_prefix` (the same for every router)."""
-    import torch
-
+    engine's default scheduler but for `hold_shared_prefix` (the same for every router); `threads` torch
+    threads (None: the machine's cores shared evenly by the `replicas`)."""
+    from pagedkv.engine.cli_args import use_threads
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.scheduler import SchedulerConfig
 
-    torch.set_num_threads(1)
+    use_threads(threads, share=replicas)
     config = EngineConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, kv_events=True, remote_url=remote_url,
         scheduler=SchedulerConfig(hold_shared_prefix=hold_shared_prefix),
@@ -297,7 +299,8 @@ def measure(
     replicas = ReplicaSet(
         replicas=args.replicas, remote_url=args.remote_url,
         engine=functools.partial(
-            bench_engine, args.num_blocks, hold_shared_prefix=_hold(args), model=args.model
+            bench_engine, args.num_blocks, hold_shared_prefix=_hold(args), model=args.model,
+            threads=args.threads, replicas=args.replicas,
         ),
         router=router, num_cpus=args.replica_cpus, stats_period_s=STATS_PERIOD_S,
         router_kwargs=router_kwargs(router, args),
@@ -365,6 +368,7 @@ def weights(args: argparse.Namespace) -> CostWeights:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = TraceSpec()
     p.add_argument("--replicas", type=int, default=2)
+    add_threads(p)
     p.add_argument(
         "--routers", default="pagedkv,prefix-affinity,pow2", help="comma-separated, run in this order"
     )

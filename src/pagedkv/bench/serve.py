@@ -47,7 +47,7 @@ import numpy as np
 from pagedkv.bench import serve_load as load
 from pagedkv.bench import serve_procs as procs
 from pagedkv.bench.serve_report import plot, print_table, result_object
-from pagedkv.engine.cli_args import add_block_size, add_scheduler_arguments, scheduler_from
+from pagedkv.engine.cli_args import add_block_size, add_scheduler_arguments, scheduler_from, use_threads
 from pagedkv.engine.scheduler import SchedulerConfig
 
 SERVED = ("pagedkv-serve", "transformers-serve")
@@ -340,11 +340,10 @@ def _progress(text: str) -> None:
 
 def _offline_engine(args: argparse.Namespace, setup: Setup) -> Any:
     """The model, loaded once in this process for the offline row (one torch thread)."""
-    import torch
 
     from pagedkv.hf.loading import load_model
 
-    torch.set_num_threads(1)
+    use_threads(getattr(args, "threads", None))
     model, _ = load_model(str(setup.folder), progress=False)
     return (model, args)
 

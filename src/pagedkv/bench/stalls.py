@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.engine.cli_args import int_at_least, output_file, seed_int
+from pagedkv.engine.cli_args import add_threads, int_at_least, output_file, seed_int, use_threads
 from pagedkv.progress import Progress
 
 SYSTEMS = ("hf-dynamic", "doubling", "pagedkv-paged")
@@ -453,6 +453,7 @@ def run_stalls(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2, a folder, a .gguf, or tiny:FAMILY")
+    add_threads(parser)
     parser.add_argument(
         "--prompt-lens", type=_lengths, default=list(DEFAULT_PROMPTS), help="comma-separated prompt lengths"
     )
@@ -489,9 +490,8 @@ def _lengths(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.sim:
         return run_sim(args)
-    import torch
 
-    torch.set_num_threads(1)
+    threads = use_threads(args.threads)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = sorted(set(systems) - set(SYSTEMS))
     if bad or not systems:
@@ -512,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_lens": prompts,
         "output_len": output_len,
         "slow_factor": SLOW_FACTOR,
-        "torch_threads": 1,
+        "torch_threads": threads,
         "outputs_identical": all(log.outputs == first for log in logs.values()),
         "systems": figures,
     }

@@ -134,6 +134,33 @@ def add_block_size(parser: argparse.ArgumentParser | argparse._ArgumentGroup, de
     )  # fmt: skip
 
 
+def default_threads() -> int:
+    """The cores this process may run on (its CPU affinity), the default of every `--threads`."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def add_threads(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--threads`, the one declaration every command that runs a model shares: torch's intra-op threads."""
+    parser.add_argument(
+        "--threads", type=int_at_least(1, 4096), default=None,
+        help="torch threads for the model's forward (default: the cores this process may use, shared "
+        "evenly by the processes that run a model side by side)",
+    )  # fmt: skip
+
+
+def use_threads(num_threads: int | None, *, share: int = 1) -> int:
+    """Run torch's forward on `num_threads` threads (None: this process's cores divided by `share`, the
+    processes that run a model side by side, at least one); return the count in use."""
+    import torch
+
+    n = num_threads if num_threads is not None else max(1, default_threads() // max(1, share))
+    torch.set_num_threads(n)
+    return n
+
+
 def add_scheduler_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: SchedulerConfig | None = None,
     *, preemption: bool = False,

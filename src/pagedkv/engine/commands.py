@@ -29,6 +29,7 @@ from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
     add_block_size,
     add_scheduler_arguments,
+    add_threads,
     byte_size,
     check_fits_memory,
     existing_file,
@@ -39,6 +40,7 @@ from pagedkv.engine.cli_args import (
     scheduler_from,
     seed_int,
     token_count,
+    use_threads,
     writable_folder,
 )
 from pagedkv.engine.managers import MANAGER_KINDS
@@ -98,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH"
     )
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the checkpoint's)")
+    add_threads(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -269,12 +272,10 @@ def _load_and_serve(
     served: list[int],
 ) -> tuple[Any, list[Any], float]:
     """Load the weights, build the engine and serve the prompts `served` names: (engine, outputs, wall s)."""
-    import torch
-
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.hf.loading import load_weights
 
-    torch.set_num_threads(1)
+    use_threads(args.threads)
     model = load_weights(source, dtype=args.dtype, tokenizer=tokenizer)
     engine = Engine(model, tokenizer, config)
     total = sum(params[i].n for i in served)

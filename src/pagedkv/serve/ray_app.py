@@ -44,18 +44,18 @@ from pagedkv.serve.async_engine import AsyncEngine
 
 ROUTERS = ("pagedkv", "prefix-affinity", "pow2")
 TINY_ENGINE = "pagedkv.serve.ray_app:tiny_engine"
+TINY_THREADS = 1
 
 
 def tiny_engine(remote_url: str | None) -> Any:
     """The demo and test replica: a tiny Llama with seeded weights (the same in every process), CPU, 4-token
-    blocks, one torch thread."""
-    import torch
-
+    blocks, one torch thread (a 64-wide model gains nothing from more; the replicas share the machine)."""
+    from pagedkv.engine.cli_args import use_threads
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.hf.tiny import tiny_model
 
-    torch.set_num_threads(1)
+    use_threads(TINY_THREADS)
     config = EngineConfig(num_blocks=96, block_size=4, kv_events=True, remote_url=remote_url)
     return Engine(tiny_model("llama", 0), None, config)
 

@@ -25,9 +25,9 @@ from pagedkv.serve.ray_app import ReplicaSet, running
 
 
 def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
-    """A replica's engine from `pagedkv serve`'s flags (run in the replica's process), with KV events on."""
-    import torch
-
+    """A replica's engine from `pagedkv serve`'s flags (run in the replica's process), with KV events on;
+    its torch threads: `--threads`, or this machine's cores shared evenly by the replicas."""
+    from pagedkv.engine.cli_args import use_threads
     from pagedkv.engine.commands import _engine_config
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.hf.loading import check_source, load_tokenizer, load_weights, set_progress_bars
@@ -36,7 +36,7 @@ def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
     config = dataclasses.replace(_engine_config(ns), kv_events=True)
     source = check_source(ns.model)
     set_progress_bars(False)
-    torch.set_num_threads(1)
+    use_threads(ns.threads, share=ns.replicas)
     tokenizer = load_tokenizer(source)
     return Engine(load_weights(source, dtype=ns.dtype, tokenizer=tokenizer), tokenizer, config)
 

@@ -23,11 +23,13 @@ from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
     add_block_size,
     add_scheduler_arguments,
+    add_threads,
     byte_size,
     int_at_least,
     nonnegative_float,
     positive_float,
     positive_int,
+    use_threads,
     writable_folder,
 )
 from pagedkv.engine.managers import MANAGER_KINDS
@@ -79,6 +81,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     add_scheduler_arguments(engine, preemption=True)
     engine.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the checkpoint's)")
+    add_threads(engine)
     tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
     tiers.add_argument("--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)")
     tiers.add_argument("--disk-path", type=writable_folder, default=None, help="folder of the local disk tier")
@@ -110,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
 def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
     """Check the source, load the model, build the engine, the app and the uvicorn server (not started),
     and bind its socket (so `--port 0` can say which port it got)."""
-    import torch
     import uvicorn
 
     from pagedkv.engine.commands import _engine_config
@@ -122,7 +124,7 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
     config = _engine_config(args)
     source = check_source(args.model)
     set_progress_bars(False)
-    torch.set_num_threads(1)
+    threads = use_threads(args.threads)
     tokenizer = load_tokenizer(source)
     model = load_weights(source, dtype=args.dtype, tokenizer=tokenizer)
     engine = Engine(model, tokenizer, config)
@@ -149,7 +151,8 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
     port = sock.getsockname()[1]
     print(
         f"pagedkv serve: {args.served_model_name or args.model} on http://{args.host}:{port} "
-        f"({engine.manager.num_blocks} KV blocks of {config.block_size} tokens)",
+        f"({engine.manager.num_blocks} KV blocks of {config.block_size} tokens, {str(model.dtype).removeprefix('torch.')}, "
+        f"{threads} torch thread{'s' if threads != 1 else ''})",
         file=sys.stderr,
         flush=True,
     )
