@@ -18,6 +18,10 @@ Contract (fixed; the hf integration and engine code against it):
   shares one plan). Without it, each call plans for itself. Code that holds a plan calls
   `run_planned(plan, query, key_cache, value_cache, options)`, which takes the scalars as one
   `AttentionOptions` (`pagedkv.ops.options`), the spelling every backend below uses.
+- Quantized caches (int8, fp8 e4m3/e5m2 codes) come with `kv_scales`, their float32 sidecar `[2, num_blocks,
+  block_size, Hkv]` (K then V; `KVStorage.layer_scales`): `write_kv` stores codes and scales in one pass,
+  `paged_attention` multiplies each code by its token's and head's scale inside the kernel. fp8 e4m3 caches
+  without a sidecar take one per-tensor `k_scale`/`v_scale` instead.
 - The reference backend validates metadata values (raising `InvalidArgumentError`); the Triton backend
   checks shapes only, to stay free of host syncs.
 """
@@ -30,7 +34,7 @@ from pagedkv.ops.dispatch import choose_backend
 from pagedkv.ops.options import AttentionOptions, attention_options
 from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.ops.reference import paged_attention_reference
-from pagedkv.storage.slots import check_write_args, scatter_kv
+from pagedkv.storage.slots import check_scales, check_write_args, scatter_kv
 
 
 def write_kv(
@@ -42,17 +46,21 @@ def write_kv(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
-    """Store new K/V at their slots (prefill chunks and decode tokens together), in place."""
+    """Store new K/V at their slots (prefill chunks and decode tokens together), in place; into codes and
+    `kv_scales` for a quantized cache with a sidecar."""
     chosen = choose_backend(key_cache.device, backend, cache_dtype=key_cache.dtype, op="write")
     check_write_args(key_cache, value_cache, key, value, slot_mapping, check_range=chosen == "reference")
+    check_scales(key_cache, kv_scales)
     if chosen == "triton":
         from pagedkv.ops.triton_kernels import write_kv_triton
 
         write_kv_triton(key_cache, value_cache, key, value, slot_mapping)
     else:
-        scatter_kv(key_cache, value_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        scatter_kv(key_cache, value_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                   kv_scales=kv_scales)  # fmt: skip
 
 
 def paged_attention(
@@ -70,6 +78,7 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
     backend: str | None = None,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
@@ -80,7 +89,8 @@ def paged_attention(
             query, key_cache, value_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
             backend=backend,
         )
-    return run_planned(plan, query, key_cache, value_cache, options, k_scale=k_scale, v_scale=v_scale)
+    return run_planned(plan, query, key_cache, value_cache, options, k_scale=k_scale, v_scale=v_scale,
+                       kv_scales=kv_scales)  # fmt: skip
 
 
 def run_planned(
@@ -92,14 +102,18 @@ def run_planned(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` on a plan, which holds the step's metadata (block table, lengths, query layout): a
     layer passes only its query, its caches and its `AttentionOptions`. The one dispatch point; both backends
     take these same arguments."""
     plan.check_call(query, key_cache)
     options.check_heads(plan.shape.num_heads, query.device)
+    check_scales(key_cache, kv_scales)
     if plan.backend == "triton":
         from pagedkv.ops.triton_kernels import paged_attention_triton
 
-        return paged_attention_triton(query, key_cache, value_cache, plan, options, k_scale=k_scale, v_scale=v_scale)
-    return paged_attention_reference(query, key_cache, value_cache, plan, options, k_scale=k_scale, v_scale=v_scale)
+        return paged_attention_triton(query, key_cache, value_cache, plan, options, k_scale=k_scale, v_scale=v_scale,
+                                      kv_scales=kv_scales)  # fmt: skip
+    return paged_attention_reference(query, key_cache, value_cache, plan, options, k_scale=k_scale, v_scale=v_scale,
+                                     kv_scales=kv_scales)  # fmt: skip

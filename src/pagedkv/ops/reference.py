@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.storage.slots import FP8_DTYPE
+from pagedkv.storage.slots import FP8_DTYPES
 
 if TYPE_CHECKING:
     from pagedkv.ops.options import AttentionOptions
@@ -85,11 +85,13 @@ def paged_attention_reference(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [num_q_tokens, H, D]` over paged KV through the step's `plan` (block table,
     lengths, query layout); see the module docstring. The plan validated the metadata
-    (`pagedkv.ops.plan.plan_attention`). `k_scale`/`v_scale` dequantize fp8 caches and are ignored for other
-    dtypes.
+    (`pagedkv.ops.plan.plan_attention`). `k_scale`/`v_scale` dequantize fp8 caches without a sidecar and are
+    ignored for other dtypes; `kv_scales` (`[2, num_blocks, block_size, Hkv]`, int8/fp8 caches) holds a scale
+    per token and KV head, applied to each gathered tile (codes * scale) as it is read.
     """
     block_table, seq_lens, cu_seqlens_q = plan.block_table, plan.seq_lens, plan.cu_seqlens_q
     max_seqlen_q, sliding_window = plan.max_seqlen_q, options.sliding_window
@@ -116,7 +118,7 @@ def paged_attention_reference(
         key_cache, value_cache, block_table, lens, first_q, max_q, min(max_q, q_chunk) * group, sliding_window
     )
     # 3. each chunk's online softmax over the tiles it can see
-    gather, k_heads, v_heads, v_tile = grid.buffers(key_cache, k_scale, v_scale)
+    gather, k_heads, v_heads, v_tile = grid.buffers(key_cache, k_scale, v_scale, kv_scales)
     result = torch.empty((num_kv_heads, num_seqs, max_q * group, head_dim), device=query.device)
     sinks = _sink_rows(options.sinks, num_kv_heads, max_q)
     for i0 in range(0, max_q, q_chunk):
@@ -251,16 +253,19 @@ class _TileGrid:
         )  # fmt: skip
 
     def buffers(
-        self, key_cache: torch.Tensor, k_scale: float, v_scale: float
+        self, key_cache: torch.Tensor, k_scale: float, v_scale: float, kv_scales: torch.Tensor | None = None
     ) -> tuple[_TileGather, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """Gather buffers, reused by every tile, and per-KV-head strided views of them made once."""
-        is_fp8 = key_cache.dtype == FP8_DTYPE
+        is_fp8 = key_cache.dtype in FP8_DTYPES
         device = key_cache.device
         k_tile = torch.empty((self.num_seqs, self.tile, self.num_kv_heads, self.head_dim), device=device)
         v_tile = torch.empty_like(k_tile)
         k_heads = [k_tile[:, :, h].transpose(1, 2) for h in range(self.num_kv_heads)]
         v_heads = [v_tile[:, :, h] for h in range(self.num_kv_heads)]
         gather = _TileGather(self.k_rows, self.v_rows, k_tile, v_tile, is_fp8, k_scale, v_scale)
+        if kv_scales is not None:  # scale rows line up with the K/V rows: [rows, bs * Hkv] or [rows, Hkv]
+            rows_shape = self.k_rows.shape[:2]
+            gather.add_scales(kv_scales[0].view(rows_shape), kv_scales[1].view(rows_shape))
         return gather, k_heads, v_heads, v_tile
 
 
@@ -350,7 +355,8 @@ def _attend_chunk(
 
 class _TileGather:
     """Gathers one tile's K and V rows (token rows `[num_slots, Hkv, D]` or block rows `[num_blocks,
-    bs * Hkv, D]`) into the float32 `[B, tile, Hkv, D]` buffers, dequantizing fp8 and upcasting halves."""
+    bs * Hkv, D]`) into the float32 `[B, tile, Hkv, D]` buffers, dequantizing int8/fp8 (codes times a scale
+    per tensor, or per token and KV head with `add_scales`) and upcasting halves."""
 
     def __init__(
         self,
@@ -363,19 +369,31 @@ class _TileGather:
         v_scale: float,
     ) -> None:
         self.is_fp8 = is_fp8
+        self.code_dtype = k_rows.dtype
         self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+        self.scale_jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for rows, tile, scale in ((k_rows, k_tile, k_scale), (v_rows, v_tile, v_scale)):
             src = rows.view(torch.uint8) if is_fp8 else rows  # fp8 lacks an index_select kernel on CPU
             # float32 caches gather straight into the tile; other dtypes into a raw buffer, then cast.
             raw = tile if src.dtype == torch.float32 else torch.empty(tile.shape, dtype=src.dtype, device=tile.device)
             self.jobs.append((src, raw, raw.view(-1, *src.shape[1:]), tile, scale if is_fp8 else 1.0))
 
+    def add_scales(self, k_scale_rows: torch.Tensor, v_scale_rows: torch.Tensor) -> None:
+        """Per-token-head scales (rows shaped like the K/V rows without the head dim), applied per tile."""
+        self.jobs = [(src, raw, raw_rows, tile, 1.0) for src, raw, raw_rows, tile, _ in self.jobs]
+        for rows, (_, _, _, tile, _) in zip((k_scale_rows, v_scale_rows), self.jobs, strict=True):
+            buf = torch.empty(tile.shape[:3], device=tile.device)
+            self.scale_jobs.append((rows, buf.view(-1, rows.shape[1]), buf.unsqueeze(-1)))
+
     def __call__(self, ids: torch.Tensor) -> None:
         for src, raw, raw_rows, tile, scale in self.jobs:
             torch.index_select(src, 0, ids, out=raw_rows)
             if self.is_fp8:
-                tile.copy_(raw.view(FP8_DTYPE))
+                tile.copy_(raw.view(self.code_dtype))
             elif raw is not tile:
                 tile.copy_(raw)
             if scale != 1.0:
                 tile.mul_(scale)
+        for (rows, buf_rows, buf), (_, _, _, tile, _) in zip(self.scale_jobs, self.jobs, strict=False):
+            torch.index_select(rows, 0, ids, out=buf_rows)
+            tile.mul_(buf)
