@@ -19,6 +19,7 @@ from pagedkv.core.eviction import EVICTION_POLICIES
 from pagedkv.core.prefix import KEY_FUNCTIONS
 from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
 from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.speculative.config import SpeculativeConfig
 
 _UNITS = {
     "": 1,
@@ -77,6 +78,9 @@ class EngineConfig:
     # chain, the default), "fast", or "vllm" (vLLM's sha256_cbor chain, so routers built for vLLM index this
     # engine's KV events unchanged; docs/scale-out.md).
     hash_fn: str = "sha256"
+    # Speculative decoding (pagedkv.engine.speculative, docs/speculative.md): n-gram prompt lookup or a draft
+    # model proposes k tokens a step, the model verifies them in one forward, rejected ones are rolled back.
+    speculative: SpeculativeConfig | None = None
 
     @property
     def tiers_enabled(self) -> bool:
@@ -107,10 +111,19 @@ class EngineConfig:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         self._check_tiers()
         self._check_cache_policy()
+        self._check_speculative()
         if not isinstance(self.kv_events, bool):
             raise InvalidArgumentError(f"kv_events must be a bool, got {self.kv_events!r}")
         if self.kv_events and (self.allocator not in ("paged", "hybrid") or not self.enable_prefix_caching):
             raise InvalidArgumentError("kv_events need the paged or hybrid allocator with prefix caching on")
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise InvalidArgumentError(f"speculative must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
+        if self.allocator != "paged":
+            raise InvalidArgumentError("speculative decoding needs the paged allocator (it rolls rejected drafts back)")
 
     def _check_cache_policy(self) -> None:
         if self.eviction not in EVICTION_POLICIES:

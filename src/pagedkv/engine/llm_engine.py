@@ -28,6 +28,11 @@ Contracts (docs/engine.md spells them out; tests/engine/test_engine_contracts.py
 - `finish(id, "abort" | "stop")`: unknown ids are an error, ended ones a no-op (False); a parent takes its
   unfinished children with it; forked children count against `max_num_seqs`;
 - `cache_salt` per request keys the prefix cache: different salts never share a block;
+- speculative decoding (`EngineConfig.speculative`, `pagedkv.engine.speculative`) changes how many tokens a
+  step appends, never which: greedy output is token-identical with and without it, sampled output follows
+  the same distribution (rejection sampling), and the log-probabilities of accepted tokens are those of the
+  forward that verified them. A step may append several tokens to a request: `on_token` then runs once for
+  them all, and a stop string cuts the output at the token that completed it;
 - `SamplingParams.logprobs` / `prompt_logprobs` are recorded on the outputs from the raw logits, apart from
   the draw (a request asking for prompt log-probabilities computes its whole prompt: its blocks are keyed
   by a salt of its own, so it takes no prefix-cache hit); `release(id)` hands a finished request's outputs
@@ -55,6 +60,11 @@ from pagedkv.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import bad_rows, make_generator, sample, token_logprobs
+from pagedkv.engine.speculative.adaptive import AdaptiveK
+from pagedkv.engine.speculative.proposer import make_proposer
+from pagedkv.engine.speculative.rejection import verify
+from pagedkv.engine.speculative.stats import SpecStats
+from pagedkv.engine.speculative.view import with_drafts
 from pagedkv.hf.attention import forward_step, prepare_model
 from pagedkv.hf.cache import PagedKVCache, cache_spec
 from pagedkv.storage.spec import blocks_in_budget
@@ -82,6 +92,7 @@ class _Tracked:
     stop_text: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when params.logprobs is set
     prompt_logprobs: dict[int, TokenLogprobs] | None = None  # prompt position -> entry, when asked
+    adaptive: AdaptiveK | None = None  # its draft length, when the engine speculates
 
 
 class Engine:
@@ -132,7 +143,12 @@ class Engine:
                 cfg, self.cache.storage, self.manager, model_id, weights=digest, keep_device_events=cfg.kv_events
             )
             self.stats.tiers = self.tiering.stats
-        self.scheduler = Scheduler(self.manager, cfg.scheduler, source=self.tiering)  # tier hits: fetch_blocks
+        spec = cfg.speculative
+        self.scheduler = Scheduler(  # tier hits: fetch_blocks; draft slots: k a decoding request
+            self.manager, cfg.scheduler, source=self.tiering, num_lookahead_tokens=spec.k if spec else 0
+        )
+        self.proposer = make_proposer(spec, model, cfg) if spec else None
+        self.stats.spec = SpecStats(spec.k) if spec else None
         self.runner = ModelRunner(model, self.cache)
         self.kv_events: Any = None
         if cfg.kv_events:  # one event log for every medium (pagedkv.engine.kv_events)
@@ -289,7 +305,8 @@ class Engine:
             cache_salt=cache_salt if params.prompt_logprobs is None else _scoring_salt(cache_salt, rid),
             ids_in_use=self._ids_in_use,
         )
-        return _Tracked(request, params, make_generator(params.child_seed(0)), on_token)
+        adaptive = AdaptiveK(self.config.speculative.k) if self.config.speculative else None
+        return _Tracked(request, params, make_generator(params.child_seed(0)), on_token, adaptive=adaptive)
 
     def _accept(self, tracked: _Tracked) -> None:
         request = tracked.request
@@ -400,19 +417,24 @@ class Engine:
         # a failure here belongs to no request: it propagates, and the next step redoes this one
         logits = self._execute(out)
         producing = [c for c in chunks if c.produces_token]
-        tokens, errors = self._sample(logits, [self._tracked[c.request.request_id] for c in producing])
+        rows = _logit_rows(producing)  # per producing chunk, its rows of `logits` (1 + its drafts)
+        tokens, errors = self._sample_or_verify(producing, rows, logits)
         now = self.clock()
-        sampled: dict[str, int] = {}
-        for row, chunk in enumerate(producing):
+        sampled: dict[str, int | list[int]] = {}
+        for i, chunk in enumerate(producing):
             tracked = self._tracked[chunk.request.request_id]
-            if row in errors:
-                self.scheduler.finish(tracked.request, "error", now, error=errors[row])
+            if i in errors:
+                self.scheduler.finish(tracked.request, "error", now, error=errors[i])
                 continue
-            sampled[chunk.request.request_id] = tokens[row]
+            sampled[chunk.request.request_id] = tokens[i]
             if tracked.params.n > 1 and not tracked.children_forked and not chunk.request.output_token_ids:
-                self._fork_children(tracked, logits[row : row + 1], sampled)
+                row = rows[i][0]
+                self._fork_children(tracked, logits[row : row + 1], sampled)  # type: ignore[arg-type]
+        num_before = {rid: len(self._tracked[rid].request.output_token_ids) for rid in sampled}
         self.scheduler.update(out, sampled, now)
-        self._record_logprobs(producing, logits, sampled)
+        rows_of = {c.request.request_id: r for c, r in zip(producing, rows)}
+        self._record_logprobs(rows_of, logits, sampled)
+        self._record_speculation(producing, tokens, errors)
         if self.tiering is not None:
             self.tiering.after_update()
         if self.kv_events is not None:
@@ -424,8 +446,9 @@ class Engine:
         self.stats.num_swapped_in_blocks += len(out.swap_in.src)
         got_token = [self._tracked[rid] for rid in sampled]
         for tracked in got_token:
-            self._check_stop_strings(tracked, now)
+            self._check_stop_strings(tracked, now, num_before[tracked.request.request_id])
         self._record_step(now)
+        self._propose()
         # the step's state is final: snapshot it for every callback, then run them
         notes = [(t, self._snapshot(t)) for t in got_token if t.on_token is not None]
         self._collect_finished()
@@ -453,27 +476,110 @@ class Engine:
 
     def _execute(self, out: Any) -> torch.Tensor:
         """`runner.execute`, except that a step with prompt chunks of a request asking for prompt
-        log-probabilities keeps the logits of those chunks' every position and records them."""
+        log-probabilities keeps the logits of those chunks' every position and records them, and a step
+        with speculating chunks scores each of their positions (their rows, in order, take the place of
+        the chunk's one row: `_logit_rows`)."""
         chunks = list(out.scheduled)
         wanted = [
             (i, c)
             for i, c in enumerate(chunks)
             if self._scoring and c.request.request_id in self._scoring and c.start + 1 < c.request.num_prompt_tokens
         ]
-        if not wanted:  # the common case: the runner's own path, untouched
+        drafting = any(c.draft_token_ids for c in chunks)
+        if not wanted and not drafting:  # the common case: the runner's own path, untouched
             return self.runner.execute(self.manager, out)
         self.runner.apply_block_moves(out)
-        batch = self.runner.build_batch(self.manager, chunks)
+        batches = self.runner.build_batches(self.manager, [with_drafts(c) for c in chunks])
         offsets = list(itertools.accumulate((c.num_new_tokens for c in chunks), initial=0))
-        sampling_rows = [int(r) for r in batch.logits_indices.tolist()]
+        sampling_rows = [
+            r
+            for i, c in enumerate(chunks)
+            if c.produces_token
+            for r in range(offsets[i] + (0 if c.draft_token_ids else c.num_new_tokens - 1), offsets[i + 1])
+        ]
         extra = {offsets[i] + j for i, c in wanted for j in range(c.num_new_tokens)}
         rows = sorted(set(sampling_rows) | extra)
         at = {r: k for k, r in enumerate(rows)}
-        keep = torch.tensor(rows, dtype=torch.int64, device=batch.logits_indices.device)
-        logits = forward_step(self.model, self.cache, replace(batch, logits_indices=keep))
+        keep = torch.tensor(rows, dtype=torch.int64, device=batches[0].logits_indices.device)
+        kept = tuple(replace(b, logits_indices=keep) for b in batches)
+        logits = forward_step(self.model, self.cache, kept[0], kept if len(kept) > 1 else None)
         for i, chunk in wanted:
             self._record_prompt_logprobs(chunk, logits, [at[offsets[i] + j] for j in range(chunk.num_new_tokens)])
         return logits[[at[r] for r in sampling_rows]]
+
+    def _sample_or_verify(
+        self, producing: list[Any], rows: list[list[int]], logits: torch.Tensor
+    ) -> tuple[dict[int, int | list[int]], dict[int, str]]:
+        """Per producing chunk (by index): its sampled token, or a speculating chunk's verified tokens; and
+        an error message per chunk whose logits cannot be sampled."""
+        plain = [i for i, c in enumerate(producing) if not c.draft_token_ids]
+        drawn, errors = self._sample(
+            logits[[rows[i][0] for i in plain]] if len(plain) < len(producing) else logits,
+            [self._tracked[producing[i].request.request_id] for i in plain],
+        )
+        tokens: dict[int, int | list[int]] = {i: drawn[j] for j, i in enumerate(plain)}
+        errors = {plain[j]: m for j, m in errors.items()}
+        if len(plain) < len(producing):
+            self._verify(producing, rows, logits, tokens, errors)
+        return tokens, errors
+
+    def _verify(
+        self,
+        producing: list[Any],
+        rows: list[list[int]],
+        logits: torch.Tensor,
+        tokens: dict[int, int | list[int]],
+        errors: dict[int, str],
+    ) -> None:
+        """The verified tokens of each speculating chunk (`speculative.rejection.verify`) into `tokens`, or
+        an error when its logits cannot be sampled."""
+        for i, chunk in enumerate(producing):
+            if not chunk.draft_token_ids:
+                continue
+            tracked = self._tracked[chunk.request.request_id]
+            scored = logits[rows[i]]
+            if bad_rows(scored):
+                errors[i] = "the model's logits for this request hold NaN or +inf (or nothing finite); cannot sample"
+                continue
+            tokens[i] = verify(scored, chunk.draft_token_ids, tracked.params, tracked.generator)
+
+    def _record_speculation(
+        self, producing: list[Any], tokens: dict[int, int | list[int]], errors: dict[int, str]
+    ) -> None:
+        """Each speculating chunk's proposed and accepted drafts: the request's adaptive k and the counters."""
+        if self.stats.spec is None:
+            return
+        for i, chunk in enumerate(producing):
+            if not chunk.draft_token_ids or i in errors:
+                continue
+            got = tokens[i]
+            accepted = len(got) - 1 if isinstance(got, list) else 0
+            self.stats.spec.record(len(chunk.draft_token_ids), accepted)
+            tracked = self._tracked.get(chunk.request.request_id)
+            if tracked is not None and tracked.adaptive is not None:
+                tracked.adaptive.record(len(chunk.draft_token_ids), accepted)
+
+    def _propose(self) -> None:
+        """Draft tokens for the next step of every decoding request (`Request.draft_token_ids`), each asking
+        for its adaptive k; none when more requests run than `disable_by_batch_size`."""
+        spec, proposer = self.config.speculative, self.proposer
+        if spec is None or proposer is None:
+            return
+        decoding = [
+            t
+            for t in self._tracked.values()
+            if t.request.seq_id is not None and not t.request.is_finished and t.request.output_token_ids
+            and t.request.num_computed_tokens == t.request.num_tokens - 1
+        ]  # fmt: skip
+        if spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size:
+            return
+        asks = [(t, t.adaptive.next_k() if t.adaptive is not None else spec.k) for t in decoding]
+        asks = [(t, min(k, t.request.max_new_tokens - len(t.request.output_token_ids) - 1)) for t, k in asks]
+        asks = [(t, k) for t, k in asks if k > 0]
+        if asks:
+            drafts = proposer.propose([t.request for t, _ in asks], [k for _, k in asks])
+            for (t, _), d in zip(asks, drafts):
+                t.request.draft_token_ids = d
 
     def _record_prompt_logprobs(self, chunk: Any, logits: torch.Tensor, rows: list[int]) -> None:
         """The logits at prompt position p score prompt token p + 1; record those not recorded yet."""
@@ -491,22 +597,28 @@ class Engine:
         if len(got) == len(prompt) - 1:
             self._scoring.discard(request.request_id)
 
-    def _record_logprobs(self, producing: list[Any], logits: torch.Tensor, sampled: dict[str, int]) -> None:
-        """Append each sampled token's log-probabilities for the requests that asked; a forked child's first
-        token came from its parent's row."""
+    def _record_logprobs(
+        self, rows_of: dict[str, list[int]], logits: torch.Tensor, sampled: dict[str, int | list[int]]
+    ) -> None:
+        """Append the log-probabilities of each token the step kept, for the requests that asked; a forked
+        child's first token came from its parent's row, a verified token from the row that scored it."""
         wants = [rid for rid in sampled if self._tracked[rid].params.logprobs is not None]
         if not wants:
             return
-        row_of = {c.request.request_id: i for i, c in enumerate(producing)}
         for rid in wants:
             tracked = self._tracked[rid]
-            row = row_of.get(rid, row_of.get(tracked.parent_id or ""))
+            rows = rows_of.get(rid, rows_of.get(tracked.parent_id or ""))
             if tracked.logprobs is None:
                 tracked.logprobs = []
-            if row is None or len(tracked.logprobs) >= len(tracked.request.output_token_ids):
+            got = sampled[rid]
+            toks = [got] if isinstance(got, int) else got
+            kept = len(tracked.request.output_token_ids) - len(tracked.logprobs)  # an EOS may end a run early
+            if rows is None or kept <= 0:
                 continue
+            take = min(kept, len(toks))
+            rows = rows[-1:] if len(toks) == 1 else rows[:take]  # one token: the chunk's last row
             k = int(tracked.params.logprobs or 0)
-            tracked.logprobs.extend(token_logprobs(logits[row : row + 1], [sampled[rid]], k))
+            tracked.logprobs.extend(token_logprobs(logits[rows], toks[:take], k))
 
     def _fork_children(self, parent: _Tracked, logits: torch.Tensor, sampled: dict[str, int]) -> None:
         """Parallel sampling: after the prompt's last chunk, n-1 children share its blocks (fork, copy-on-write
@@ -539,23 +651,39 @@ class Engine:
                 child, params, generator, parent.on_token, parent_id=request.request_id, children_forked=True
             )
 
-    def _check_stop_strings(self, tracked: _Tracked, now: float) -> None:
+    def _check_stop_strings(self, tracked: _Tracked, now: float, num_before: int) -> None:
         """Stop strings (the scheduler handles max tokens, EOS and stop token ids); a decode that raises ends
-        this request with "error"."""
+        this request with "error". When the step appended several tokens (speculation), the output is cut
+        after the first of them that completes a stop string, as decoding one token a step would have."""
         request, params = tracked.request, tracked.params
         if not params.stop or tracked.stop_text is not None:
             return
         try:
-            text = self._decode(request.output_token_ids)
+            found, cut = self._find_stop(request.output_token_ids, params.stop), False
+            if found is not None and len(request.output_token_ids) - num_before > 1:
+                for m in range(num_before + 1, len(request.output_token_ids)):
+                    if (early := self._find_stop(request.output_token_ids[:m], params.stop)) is not None:
+                        del request.output_token_ids[m:]
+                        if tracked.logprobs is not None:
+                            del tracked.logprobs[m:]
+                        found, cut = early, True
+                        break
         except Exception as e:  # the tokenizer failed on this request's tokens: its failure, not the step's
             if not request.is_finished:
                 self.scheduler.finish(request, "error", now, error=f"stop-string check: decode raised {e!r}")
             return
-        cuts = [i for i in (text.find(stop) for stop in params.stop) if i >= 0]
-        if cuts:
-            tracked.stop_text = text[: min(cuts)]
+        if found is not None:
+            tracked.stop_text = found
             if not request.is_finished:
                 self.scheduler.finish(request, "stop", now)
+            elif cut:
+                request.finish_reason = "stop"  # cut before the token (EOS, the last allowed) that ended it
+
+    def _find_stop(self, token_ids: Sequence[int], stops: Sequence[str]) -> str | None:
+        """The decoded text cut before its first stop string, or None when it holds none."""
+        text = self._decode(token_ids)
+        cuts = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+        return text[: min(cuts)] if cuts else None
 
     def _run_callbacks(self, notes: list[tuple[_Tracked, RequestOutput]]) -> None:
         """Call each `on_token` with its snapshot; an exception is caught, logged and ends only its request."""
@@ -681,6 +809,18 @@ class Engine:
             results.extend(self._outputs.pop(i) for i in family if i in self._outputs)
             self._ids_in_use.difference_update(family)
         return results
+
+
+def _logit_rows(producing: Sequence[Any]) -> list[list[int]]:
+    """The rows of `_execute`'s logits that belong to each producing chunk: one, or one per position of a
+    speculating chunk (its last token and each draft)."""
+    rows: list[list[int]] = []
+    at = 0
+    for c in producing:
+        n = 1 + len(c.draft_token_ids)
+        rows.append(list(range(at, at + n)))
+        at += n
+    return rows
 
 
 def _scoring_salt(cache_salt: str | bytes | None, request_id: str) -> bytes:

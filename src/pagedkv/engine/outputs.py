@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.misses import MissCounter
+from pagedkv.engine.speculative.stats import SpecStats
 from pagedkv.tiers.store import TierStats
 
 
@@ -135,6 +136,7 @@ class EngineStats:
     # why admitted prompt tokens missed the device cache, by reason (live; pagedkv.core.misses; paged only):
     # cache_misses.lookups / .tokens, or cache_misses.as_dict() for flat miss_{lookups,tokens}_<reason> names
     cache_misses: MissCounter | None = None
+    spec: SpecStats | None = None  # speculative decoding's drafts and acceptances, when it is on
 
     def trim(self, max_samples: int) -> None:
         """Keep only the last `max_samples` per-step samples (a long-lived server's memory stays bounded;

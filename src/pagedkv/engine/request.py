@@ -54,6 +54,9 @@ class Request:
     first_token_time: float | None = field(default=None, init=False)
     finish_time: float | None = field(default=None, init=False)
     keys: BlockKeys = field(init=False)  # prefix keys, kept across admissions
+    # speculative decoding: tokens proposed to follow the last one, verified in the next decode step (the
+    # scheduler takes them, trimmed to its budget and to max_new_tokens, and clears them)
+    draft_token_ids: list[int] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         rid = self.request_id

@@ -50,6 +50,24 @@ nothing was planned for it (the allocator's checks run before it changes any sta
 
 Forked children (`fork`) count against `max_num_seqs` like any running request.
 
+Speculative decoding (`num_lookahead_tokens` = k > 0): a decoding request may carry draft tokens
+(`Request.draft_token_ids`, set by whoever proposes them). The decode phase first gives every decoding
+request its one slot, then, with the budget left, slots for its drafts (at most k, and never past
+`max_new_tokens`: the verified drafts and the token after them must fit). A request whose drafts do not
+fit the pool this step decodes without them: speculation never preempts. Its chunk is the last token and
+the drafts. `update` takes the verified tokens (the accepted drafts, then one more) and, before it marks
+anything computed, rolls the rejected drafts back through the allocator's `rollback` (their blocks go back
+to the pool, never published), so the prefix cache only ever sees verified tokens and the request is left
+decoding (`num_computed_tokens == num_tokens - 1`). Admission's growth reserve counts k more tokens per
+running request.
+
+```
+before:  [ computed ........ | last ]                       num_computed = num_tokens - 1
+chunk:                       [ last | d0 d1 d2 d3 ]         1 + k slots appended this step
+verify:  d0 d1 accepted, t drawn after d1
+after:   [ computed ............... | d0 d1 ] t             d2 d3 rolled back; t is the new last token
+```
+
 The scheduler knows nothing about models: the engine runs the `SchedulerOutput` on one, the simulator
 times it with a roofline model; both call `update` with the sampled tokens.
 """
@@ -58,7 +76,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -138,12 +156,17 @@ class SchedulerConfig:
 
 
 class ScheduledChunk(NamedTuple):
-    """Compute KV for tokens [start, start + num_new_tokens) of `request` this step."""
+    """Compute KV for tokens [start, start + num_new_tokens) of `request` this step.
+
+    A speculating decode chunk also carries the draft tokens that follow the request's last token: it
+    covers that token and the drafts (`num_new_tokens == 1 + len(draft_token_ids)`), the forward scores
+    each of its positions, and `update` keeps the verified ones (see "Speculative decoding")."""
 
     request: Request
     start: int
     num_new_tokens: int
     produces_token: bool  # the chunk reaches the request's last token: sample the next one
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -203,10 +226,20 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, manager: KVManager, config: SchedulerConfig | None = None, *, source: BlockSource | None = None
+        self,
+        manager: KVManager,
+        config: SchedulerConfig | None = None,
+        *,
+        source: BlockSource | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
+        if isinstance(num_lookahead_tokens, bool) or not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
+            raise InvalidArgumentError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
+        if num_lookahead_tokens and not hasattr(manager, "rollback"):
+            raise InvalidArgumentError(f"{type(manager).__name__} cannot roll back draft tokens; speculate with the paged allocator")
+        self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding's k (module docstring)
         self.source = source  # the tiers below the device: a chunk's leading full blocks may be fetched
         self._swapped_in: dict[str, BlockMoves] = {}  # swap-in moves of the step being planned, by request
         if self.config.preemption_mode == "swap" and not manager.supports_swap:
@@ -337,9 +370,38 @@ class Scheduler:
             else:
                 self._preempt(victim, out, swap_out)
             decode = [r for r in decode if r is not victim]
+        budget -= len(decode)
+        drafts = self._draft_slots(decode, budget) if self.num_lookahead_tokens else {}
         for r in decode:
-            out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, 1, True))
-        return budget - len(decode)
+            d = drafts.get(r.request_id, ())
+            out.scheduled.append(ScheduledChunk(r, r.num_computed_tokens, 1 + len(d), True, d))
+            budget -= len(d)
+        return budget
+
+    def _draft_slots(self, decode: list[Request], budget: int) -> dict[str, tuple[int, ...]]:
+        """Slots for the decoding requests' draft tokens, in order while the budget lasts; each request's
+        drafts are taken (cleared) whether they fit or not. One batched `append` per draft length; a group
+        the pool cannot hold is retried one request at a time, and a request that still does not fit
+        decodes without drafts this step (speculation never preempts)."""
+        planned: dict[int, list[tuple[Request, list[int]]]] = {}
+        for r in decode:
+            d, r.draft_token_ids = r.draft_token_ids, []
+            room = min(self.num_lookahead_tokens, r.max_new_tokens - len(r.output_token_ids) - 1, budget)
+            if d and room > 0:
+                d = d[:room]
+                planned.setdefault(len(d), []).append((r, d))
+                budget -= len(d)
+        got: dict[str, tuple[int, ...]] = {}
+        for n, group in planned.items():
+            seq_ids = np.array([r.seq_id for r, _ in group], dtype=np.int64)
+            tokens = np.array([d for _, d in group], dtype=np.int64)
+            if self.manager.append(seq_ids, tokens, num_tokens=n):
+                got.update((r.request_id, tuple(d)) for r, d in group)
+                continue
+            for (r, d), seq_id, row in zip(group, seq_ids, tokens):
+                if len(group) > 1 and self.manager.append(seq_id[None], row[None], num_tokens=n):
+                    got[r.request_id] = tuple(d)
+        return got
 
     def _prefill_phase(self, out: SchedulerOutput, budget: int) -> int:
         """The next chunk of each running request still in prefill, within the budget. Returns what is left."""
@@ -447,7 +509,7 @@ class Scheduler:
     def _growth_reserve(self, requests: list[Request]) -> int:
         """Blocks `requests` would take from the pool to grow by `admission_lookahead` tokens each, or by
         what their `max_new_tokens` still allows where that is less."""
-        look = self.config.admission_lookahead
+        look = self.config.admission_lookahead + self.num_lookahead_tokens
         if not look or not requests:
             return 0
         left = [r.max_new_tokens - len(r.output_token_ids) for r in requests]
@@ -529,32 +591,60 @@ class Scheduler:
 
     # --- after the step -------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int], now: float = 0.0) -> list[Request]:
-        """Record the step's KV as computed and append sampled tokens; returns the requests that finished."""
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]], now: float = 0.0
+    ) -> list[Request]:
+        """Record the step's KV as computed and append sampled tokens; returns the requests that finished.
+
+        `sampled[request_id]` is the token a request sampled, or for a speculating chunk the verified tokens
+        (its accepted drafts, then the token after them): the rejected drafts are rolled back first."""
         live = [c for c in output.scheduled if c.request.status is RequestStatus.RUNNING]
+        computed: list[tuple[Request, int]] = []
         for c in live:
-            c.request.num_computed_tokens = c.end
+            end = c.end
+            if c.draft_token_ids:
+                end -= self._roll_back_rejected(c, sampled.get(c.request.request_id, ()))
+            c.request.num_computed_tokens = end
             if c.request.first_scheduled_time is None:
                 c.request.first_scheduled_time = now
-        computed = [(c.request, c.end) for c in live]
+            computed.append((c.request, end))
         computed += [(r, r.num_computed_tokens) for r in self._forked if r.status is RequestStatus.RUNNING]
         if computed:
             seq_ids = np.array([r.seq_id for r, _ in computed], dtype=np.int64)
             self.manager.mark_computed(seq_ids, np.array([end for _, end in computed], dtype=np.int64))
         self._inflight, self._forked = {}, []
         finished: list[Request] = []
-        for request_id, token in sampled.items():
+        for request_id, tokens in sampled.items():
             request = self._by_id.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.output_token_ids.append(int(token))
-            if request.first_token_time is None:
-                request.first_token_time = now
-            reason = self._stop_reason(request, int(token))
-            if reason is not None:
-                self._finish(request, reason, now=now)
-                finished.append(request)
+            for token in [tokens] if isinstance(tokens, int | np.integer) else tokens:
+                request.output_token_ids.append(int(token))
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                reason = self._stop_reason(request, int(token))
+                if reason is not None:
+                    self._finish(request, reason, now=now)
+                    finished.append(request)
+                    break
         return finished
+
+    def _roll_back_rejected(self, chunk: ScheduledChunk, verified: int | Sequence[int]) -> int:
+        """Give the allocator back the slots of the chunk's rejected drafts; returns how many. `verified` is
+        the accepted drafts and the token after them (an int: none accepted)."""
+        drafts = chunk.draft_token_ids
+        tokens = [int(verified)] if isinstance(verified, int | np.integer) else [int(t) for t in verified]
+        accepted = max(0, len(tokens) - 1)
+        if accepted > len(drafts) or tuple(tokens[:accepted]) != drafts[:accepted]:
+            raise InvalidArgumentError(
+                f"update: request {chunk.request.request_id!r} verified {tokens} against drafts {list(drafts)}; "
+                "the tokens before the last must be the accepted drafts, in order"
+            )
+        rejected = len(drafts) - accepted
+        if rejected:
+            assert chunk.request.seq_id is not None, "scheduler: a running request without KV"
+            self.manager.rollback(chunk.request.seq_id, rejected)  # type: ignore[attr-defined]
+        return rejected
 
     @staticmethod
     def _stop_reason(request: Request, token: int) -> str | None:
