@@ -20,6 +20,17 @@ or on which blocks hold them. An x86-64 CPU with AVX2 and FMA runs a vectorised 
 once, the value sum kept in registers) for head sizes that are a multiple of 8, chosen once at import
 (`set_isa` switches, for tests); the portable copy serves the rest. Arguments are checked before anything is
 written; the GIL is released while the kernel runs. Python side: `pagedkv.ops.cpu_decode`.
+
+decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, is_int8)
+
+  codes       uint8   [2, NB, BS, Hkv, D]   one layer's quantized pages (int8 or fp8 bit patterns), K then V
+  scales      float32 [2, NB, BS, Hkv]      the scale of each token's KV head: its value is code * scale
+  lut         float32 [256]                 the value of each code before scaling (int8: the integer; fp8: the float)
+
+The same attention over the pages' values, computed as the float32 kernel computes it over pages holding
+fl(code * scale): each key and value element is dequantized in registers as it is read (no dequantized copy of
+any block), so both give bit-identical outputs. `is_int8` lets the vector copy convert int8 codes directly
+instead of looking them up.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -98,6 +109,81 @@ static void decode_generic(const DecodeArgs *a, float *scores, const float **row
                     const float *v = rows[l] + half + h * D;
                     const float p = sc[l];
                     for (Py_ssize_t d = 0; d < D; d++) oi[d] += p * v[d];
+                }
+                for (Py_ssize_t d = 0; d < D; d++) oi[d] *= inv;
+            }
+        }
+    }
+}
+
+
+/* ---- quantized pages: one-byte codes and a float32 scale per token and KV head ---- */
+
+typedef struct {
+    const float *query;
+    const uint8_t *codes;
+    const float *scales;
+    const float *lut;
+    const int32_t *table;
+    const int32_t *lens;
+    float *out;
+    Py_ssize_t batch, heads, kv_heads, dim, num_blocks, block_size, width;
+    float scale;
+    long window;
+    int is_int8;
+} CodesArgs;
+
+/* The slot (block * BS + offset) of each visible key of sequence b, in position order; returns n. */
+static Py_ssize_t visible_slots(const CodesArgs *a, Py_ssize_t b, Py_ssize_t *slots) {
+    const Py_ssize_t bs = a->block_size, len = a->lens[b];
+    const Py_ssize_t first = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int32_t *tbl = a->table + b * a->width;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t l = first; l < len;) {
+        const Py_ssize_t j = l / bs, base = (Py_ssize_t)tbl[j] * bs;
+        for (Py_ssize_t t = l - j * bs; t < bs && l < len; t++, l++) slots[n++] = base + t;
+    }
+    return n;
+}
+
+/* Row r (slot * Hkv + head) of K (v = 0) or V (v = 1), dequantized: out[d] = lut[code] * scale. */
+static inline void dequant_row(const CodesArgs *a, int v, Py_ssize_t r, float *out) {
+    const Py_ssize_t D = a->dim, rows = a->num_blocks * a->block_size * a->kv_heads;
+    const uint8_t *c = a->codes + (v * rows + r) * D;
+    const float s = a->scales[v * rows + r];
+    for (Py_ssize_t d = 0; d < D; d++) out[d] = a->lut[c[d]] * s;
+}
+
+/* The portable copy: decode_generic's arithmetic over rows dequantized into a small buffer. */
+static void codes_generic(const CodesArgs *a, float *scores, Py_ssize_t *slots, float *row) {
+    const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim, H = a->kv_heads;
+    for (Py_ssize_t b = 0; b < a->batch; b++) {
+        const Py_ssize_t n = visible_slots(a, b, slots);
+        for (Py_ssize_t h = 0; h < H; h++) {
+            const float *q = a->query + (b * a->heads + h * g) * D;
+            float *o = a->out + (b * a->heads + h * g) * D;
+            for (Py_ssize_t l = 0; l < n; l++) {
+                dequant_row(a, 0, slots[l] * H + h, row);
+                for (Py_ssize_t i = 0; i < g; i++) {
+                    const float *qi = q + i * D;
+                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    Py_ssize_t d = 0;
+                    for (; d + 8 <= D; d += 8)
+                        for (int j = 0; j < 8; j++) acc[j] += qi[d + j] * row[d + j];
+                    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+                    for (; d < D; d++) s += qi[d] * row[d];
+                    scores[i * n + l] = s * a->scale;
+                }
+            }
+            for (Py_ssize_t i = 0; i < g; i++) {
+                float *sc = scores + i * n;
+                const float inv = 1.0f / softmax_numerators(sc, n);
+                float *oi = o + i * D;
+                memset(oi, 0, (size_t)D * sizeof(float));
+                for (Py_ssize_t l = 0; l < n; l++) {
+                    dequant_row(a, 1, slots[l] * H + h, row);
+                    const float p = sc[l];
+                    for (Py_ssize_t d = 0; d < D; d++) oi[d] += p * row[d];
                 }
                 for (Py_ssize_t d = 0; d < D; d++) oi[d] *= inv;
             }
@@ -240,9 +326,94 @@ AVX2 static void decode_avx2(const DecodeArgs *a, float *scores, const float **r
         }
     }
 }
+
+/* Eight codes at c, dequantized: lut[c[j]] * s (int8 codes converted directly). */
+AVX2 static inline __m256 load_codes8(const CodesArgs *a, const uint8_t *c, __m256 s) {
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)c);
+    const __m256 x = a->is_int8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))
+                                : _mm256_i32gather_ps(a->lut, _mm256_cvtepu8_epi32(raw), 4);
+    return _mm256_mul_ps(x, s);
+}
+
+/* dot8 over code rows: key j's elements are fl(code * scale_j), the float kernel's page values */
+AVX2 static inline __m256 dot8_codes(const CodesArgs *a, const float *q, const uint8_t *const *k, const float *ks,
+                                     Py_ssize_t D) {
+    __m256 acc[8];
+    __m256 sv[8];
+    for (int j = 0; j < 8; j++) {
+        acc[j] = _mm256_setzero_ps();
+        sv[j] = _mm256_set1_ps(ks[j]);
+    }
+    for (Py_ssize_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(x, load_codes8(a, k[j] + d, sv[j]), acc[j]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* The AVX2 + FMA copy over codes: head sizes that are a multiple of 8 (the others go to the portable copy). */
+AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots, float *row) {
+    const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim, H = a->kv_heads;
+    const Py_ssize_t rows = a->num_blocks * a->block_size * H;
+    if (D % 8 != 0) {
+        codes_generic(a, scores, slots, row);
+        return;
+    }
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    for (Py_ssize_t b = 0; b < a->batch; b++) {
+        const Py_ssize_t n = visible_slots(a, b, slots);
+        for (Py_ssize_t h = 0; h < H; h++) {
+            const float *q = a->query + (b * a->heads + h * g) * D;
+            float *o = a->out + (b * a->heads + h * g) * D;
+            for (Py_ssize_t i = 0; i < g; i++) {
+                const float *qi = q + i * D;
+                float *sc = scores + i * n;
+                Py_ssize_t l = 0;
+                for (; l + 8 <= n; l += 8) {
+                    const uint8_t *k[8];
+                    float ks[8];
+                    for (int j = 0; j < 8; j++) {
+                        const Py_ssize_t r = slots[l + j] * H + h;
+                        k[j] = a->codes + r * D;
+                        ks[j] = a->scales[r];
+                    }
+                    _mm256_storeu_ps(sc + l, _mm256_mul_ps(dot8_codes(a, qi, k, ks, D), scale));
+                }
+                for (; l < n; l++) {
+                    const Py_ssize_t r = slots[l] * H + h;
+                    const __m256 s = _mm256_set1_ps(a->scales[r]);
+                    __m256 acc = _mm256_setzero_ps();
+                    for (Py_ssize_t d = 0; d < D; d += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), load_codes8(a, a->codes + r * D + d, s), acc);
+                    sc[l] = hsum8(acc) * a->scale;
+                }
+            }
+            for (Py_ssize_t i = 0; i < g; i++) {
+                float *sc = scores + i * n;
+                const __m256 inv = _mm256_set1_ps(1.0f / softmax_numerators8(sc, n));
+                for (Py_ssize_t d0 = 0; d0 < D; d0 += 64) {
+                    const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
+                    __m256 acc[8];
+                    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+                    for (Py_ssize_t l = 0; l < n; l++) {
+                        const Py_ssize_t r = rows + slots[l] * H + h;
+                        const __m256 w = _mm256_broadcast_ss(sc + l), s = _mm256_set1_ps(a->scales[r]);
+                        const uint8_t *v = a->codes + r * D + d0;
+                        for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(w, load_codes8(a, v + 8 * c, s), acc[c]);
+                    }
+                    for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + i * D + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
+                }
+            }
+        }
+    }
+    (void)row;
+}
 #endif
 
 static void (*decode_impl)(const DecodeArgs *, float *, const float **) = decode_generic;
+static void (*codes_impl)(const CodesArgs *, float *, Py_ssize_t *, float *) = codes_generic;
 
 /* A C-contiguous buffer of `ndim` dimensions with items of `itemsize` bytes and format `fmt`. */
 static int get_array(PyObject *obj, Py_buffer *view, const char *name, const char *fmt, int ndim, int writable) {
@@ -338,6 +509,82 @@ fail_q:
     return result;
 }
 
+
+/* A C-contiguous uint8 buffer of `ndim` dimensions (the code pages). */
+static int get_codes(PyObject *obj, Py_buffer *view, int ndim) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "decode_codes: codes must be a C-contiguous uint8 array");
+        return -1;
+    }
+    if (view->ndim != ndim || view->itemsize != 1 || view->format == NULL || view->format[0] != 'B') {
+        PyErr_Format(PyExc_TypeError, "decode_codes: codes must be a %d-d uint8 array", ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *native_decode_codes(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    (void)self;
+    if (kwnames != NULL || nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, "
+                                         "window, is_int8): 10 positional arguments");
+        return NULL;
+    }
+    const double scale = PyFloat_AsDouble(args[7]);
+    const long window = PyLong_AsLong(args[8]);
+    const int is_int8 = PyObject_IsTrue(args[9]);
+    if (PyErr_Occurred() || is_int8 < 0) return NULL;
+    PyObject *result = NULL;
+    Py_buffer q, c, sc, lut, t, s, o;
+    if (get_array(args[0], &q, "query", "f", 3, 0) < 0) return NULL;
+    if (get_codes(args[1], &c, 5) < 0) goto fail_q;
+    if (get_array(args[2], &sc, "scales", "f", 4, 0) < 0) goto fail_c;
+    if (get_array(args[3], &lut, "lut", "f", 1, 0) < 0) goto fail_sc;
+    if (get_array(args[4], &t, "block_table", "i", 2, 0) < 0) goto fail_lut;
+    if (get_array(args[5], &s, "seq_lens", "i", 1, 0) < 0) goto fail_t;
+    if (get_array(args[6], &o, "out", "f", 3, 1) < 0) goto fail_s;
+    /* the shape checks of the float kernel, on a DecodeArgs view of the same shapes */
+    DecodeArgs d = {q.buf, NULL, t.buf, s.buf, o.buf, q.shape[0], q.shape[1], c.shape[3], q.shape[2],
+                    c.shape[1], c.shape[2], t.shape[1], (float)scale, window};
+    if (lut.shape[0] != 256 || sc.shape[0] != 2 || sc.shape[1] != c.shape[1] || sc.shape[2] != c.shape[2] ||
+        sc.shape[3] != c.shape[3]) {
+        PyErr_SetString(PyExc_ValueError, "decode_codes: scales must be [2, NB, BS, Hkv] like the codes, lut [256]");
+    } else if (check_args(&d, &q, &c, &t, &s, &o) == 0) {
+        CodesArgs a = {q.buf, c.buf, sc.buf, lut.buf, t.buf, s.buf, o.buf, d.batch, d.heads, d.kv_heads, d.dim,
+                       d.num_blocks, d.block_size, d.width, (float)scale, window, is_int8};
+        const Py_ssize_t g = a.kv_heads > 0 ? a.heads / a.kv_heads : 0;
+        const size_t keys = (size_t)(a.width * a.block_size + 1);
+        float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * keys);
+        Py_ssize_t *slots = malloc(sizeof(Py_ssize_t) * keys);
+        float *row = malloc(sizeof(float) * (size_t)a.dim);
+        if (scores == NULL || slots == NULL || row == NULL) {
+            PyErr_NoMemory();
+        } else {
+            Py_BEGIN_ALLOW_THREADS codes_impl(&a, scores, slots, row);
+            Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+        }
+        free(scores);
+        free(slots);
+        free(row);
+    }
+    PyBuffer_Release(&o);
+fail_s:
+    PyBuffer_Release(&s);
+fail_t:
+    PyBuffer_Release(&t);
+fail_lut:
+    PyBuffer_Release(&lut);
+fail_sc:
+    PyBuffer_Release(&sc);
+fail_c:
+    PyBuffer_Release(&c);
+fail_q:
+    PyBuffer_Release(&q);
+    return result;
+}
+
 static PyObject *native_isa(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -353,11 +600,13 @@ static PyObject *native_set_isa(PyObject *self, PyObject *arg) {
     if (name == NULL) return NULL;
     if (strcmp(name, "generic") == 0) {
         decode_impl = decode_generic;
+        codes_impl = codes_generic;
         Py_RETURN_NONE;
     }
 #ifdef HAVE_AVX2_COPY
     if (strcmp(name, "avx2+fma") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         decode_impl = decode_avx2;
+        codes_impl = codes_avx2;
         Py_RETURN_NONE;
     }
 #endif
@@ -368,6 +617,9 @@ static PyObject *native_set_isa(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))native_decode, METH_FASTCALL | METH_KEYWORDS,
      "decode(query, kv, block_table, seq_lens, out, scale, window): paged float32 decode attention into out."},
+    {"decode_codes", (PyCFunction)(void (*)(void))native_decode_codes, METH_FASTCALL | METH_KEYWORDS,
+     "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, is_int8): paged decode "
+     "attention over quantized pages into out."},
     {"isa", native_isa, METH_NOARGS, "Which compiled copy of the kernel runs: 'avx2+fma' or 'generic'."},
     {"set_isa", native_set_isa, METH_O, "set_isa(name): run the 'generic' or the 'avx2+fma' copy from now on."},
     {NULL, NULL, 0, NULL},
@@ -378,7 +630,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_decode", NULL, 
 PyMODINIT_FUNC PyInit__cpu_decode(void) {
 #ifdef HAVE_AVX2_COPY
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) decode_impl = decode_avx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        decode_impl = decode_avx2;
+        codes_impl = codes_avx2;
+    }
 #endif
     return PyModule_Create(&module);
 }

@@ -8,10 +8,15 @@ the exact softmax (max, exp, sum) and the weighted sum of value rows. float32 on
 with AVX2 and FMA runs a vectorised copy (`isa()`; head sizes that are a multiple of 8, eight keys scored at
 once, e^x in eight lanes within 2 ulp of libm's), `set_isa` switches copies (tests compare them).
 
-`available(query, kv)` says whether it applies: the extension is built (an optional C extension, like the
+Quantized pages (int8, fp8 e4m3/e5m2 codes with their per-token-per-head `scales`,
+`pagedkv.storage.slots`) are read in place too (`scales=`): each element is dequantized in registers as it
+is read, so the answer is bit-identical to the float32 kernel's over pages holding `code * scale`, with a
+quarter of the page bytes to read.
+
+`available(query, kv, scales)` says whether it applies: the extension is built (an optional C extension, like the
 allocator's hot path, and off under `PAGEDKV_NATIVE=0`), the tensors are float32 on the CPU, and torch runs
 one thread (with more, the SDPA path in `pagedkv.hf.sdpa` parallelises and this kernel would not), and no
-gradient is wanted (the kernel has no backward). Callers fall back to that path otherwise.
+gradient is wanted; quantized pages need their scales (the kernel has no backward). Callers fall back to that path otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +28,16 @@ from pagedkv.core.hotpath import load_extension
 from pagedkv.ops.options import AttentionOptions
 
 _NATIVE = load_extension("pagedkv.ops._cpu_decode")
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+_LUTS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _lut(dtype: torch.dtype) -> torch.Tensor:
+    """float32 [256]: the value of each one-byte code of `dtype` (before its scale)."""
+    lut = _LUTS.get(dtype)
+    if lut is None:
+        lut = _LUTS[dtype] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().contiguous()
+    return lut
 
 
 def isa() -> str | None:
@@ -41,12 +56,13 @@ def set_isa(name: str) -> None:
         raise InvalidArgumentError(str(e)) from None
 
 
-def available(query: torch.Tensor, kv: torch.Tensor) -> bool:
+def available(query: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
     """Whether `decode_attention` serves these tensors (see the module docstring)."""
+    pages_ok = kv.dtype == torch.float32 if scales is None else kv.dtype in _CODE_DTYPES
     return (
         _NATIVE is not None
         and query.dtype == torch.float32
-        and kv.dtype == torch.float32
+        and pages_ok
         and query.device.type == "cpu"
         and kv.device.type == "cpu"
         and not (query.requires_grad or kv.requires_grad)  # the kernel has no backward
@@ -60,17 +76,39 @@ def decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     options: AttentionOptions,
+    *,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[B, H, D]` attention of `query` `[B, H, D]` (sequence i's newest token, at position `seq_lens[i] - 1`)
     over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`, with
     `options`' scale and sliding window (the kernel has no soft cap and no sinks: asking for them is an
-    error). Bad shapes, lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
+    error). Quantized `kv` (int8/fp8 codes) comes with its `scales` `[2, num_blocks, block_size, Hkv]`. Bad
+    shapes, lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
     if _NATIVE is None:
         raise InvalidArgumentError("pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)")
     if options.soft_cap is not None or options.sinks is not None:
         raise InvalidArgumentError("the C decode kernel has no soft cap and no sinks; use pagedkv.ops.paged_attention")
     q = query.contiguous()
     out = torch.empty_like(q)
+    if scales is not None or kv.dtype in _CODE_DTYPES:
+        if scales is None or kv.dtype not in _CODE_DTYPES:
+            raise InvalidArgumentError("quantized pages (int8/fp8 codes) and scales go together; pass both")
+        try:
+            _NATIVE.decode_codes(
+                q.numpy(),
+                kv.contiguous().view(torch.uint8).numpy(),
+                scales.float().contiguous().numpy(),
+                _lut(kv.dtype).numpy(),
+                block_table.to(torch.int32).contiguous().numpy(),
+                seq_lens.to(torch.int32).contiguous().numpy(),
+                out.numpy(),
+                options.scale_for(query.shape[-1]),
+                int(options.sliding_window or 0),
+                kv.dtype == torch.int8,
+            )
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(str(e)) from None
+        return out
     try:
         _NATIVE.decode(
             q.numpy(),
