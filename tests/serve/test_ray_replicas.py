@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -169,3 +170,47 @@ def test_the_router_index_equals_the_replicas_after_a_dropped_subscriber_and_a_r
         assert sum(len(router.index.state(rid).get(GPU, ())) for rid in new) > 0
     finally:
         router.streams.close()
+
+
+def hybrid_engine(remote_url: str | None) -> Any:
+    """A hybrid replica's engine: the tiny sliding-window Gemma2 (a full and a sliding KV cache group) the
+    hybrid engine tests use, 4-token blocks."""
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.tiny import tiny_model
+
+    config = EngineConfig(num_blocks=96, block_size=4, allocator="hybrid", kv_events=True, remote_url=remote_url)
+    return Engine(tiny_model("gemma2", 0), None, config)
+
+
+def test_a_hybrid_replica_lists_what_its_groups_hold_as_its_events_reported() -> None:
+    """The replica body outside Ray: `kv_contents` of a hybrid replica equals what its KV events told."""
+    from pagedkv.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+    from pagedkv.serve.ray_app import PagedKVReplica
+
+    replica = PagedKVReplica(engine=hybrid_engine)
+    batches: list[Any] = []
+    replica.engine.publisher = SimpleNamespace(publish=batches.append)  # type: ignore[assignment]
+
+    async def run(prompt: list[int]) -> None:
+        async for _ in replica.generate(ReplicaRequest(prompt, SamplingParams(max_new_tokens=3))):
+            pass
+
+    try:
+        for seed in (4, 5):
+            asyncio.run(run(document(seed) + [seed]))
+    finally:
+        replica.engine.shutdown(timeout_s=10)  # the loop stops: the events of its last step are in `batches`
+    held: dict[int, set[int]] = {}
+    for event in (e for batch in batches for e in batch.events):
+        group = getattr(event, "group_idx", None) or 0
+        if isinstance(event, BlockStored) and event.medium in (None, GPU):
+            held.setdefault(group, set()).update(event.block_hashes)
+        elif isinstance(event, BlockRemoved) and event.medium in (None, GPU):
+            held.setdefault(group, set()).difference_update(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            held.clear()
+    contents = replica.kv_contents(ReplicaTarget(replica.replica_id))
+    replica.publisher.close()
+    assert sorted(held) == [0, 1], "the tiny Gemma2 has a full and a sliding group"
+    assert contents == {GPU: sorted(set().union(*held.values()))}

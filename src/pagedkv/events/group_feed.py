@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.core.group_keys import GroupCacheEvent, group_key
+from pagedkv.core.group_keys import GroupCacheEvent, group_key, split_key
 from pagedkv.core.prefix import Key
 from pagedkv.events.log import EventLog
 from pagedkv.events.wire import GPU
@@ -68,6 +68,12 @@ class GroupFeed:
         self.manager = manager
         self.logs = logs
         self.medium = medium
+
+    def device_keys(self) -> set[Key]:
+        """The content keys some group's blocks hold now (the union over the groups). This feed does not
+        follow the manager's epoch: after `bump_epoch` the older keys stay listed, as in the logs, until
+        evicted."""
+        return {split_key(k)[0] for k in self.manager.index.all_keys()}
 
     def poll(self, drained: list[GroupCacheEvent] | None = None) -> int:
         """Move the manager's pending events into the group logs; returns how many were read. `drained`:

@@ -129,6 +129,11 @@ class ManagerFeed:
         else:
             self.log.removed(self.medium, [e.key])
 
+    def device_keys(self) -> set[Key]:
+        """The keys the manager's pool holds now that can still hit: its index less the keys of earlier
+        epochs (they stay in the pool until evicted, and their removals are never reported)."""
+        return {k for k in self.manager.index.all_keys() if k not in self._stale}
+
     def reset(self) -> int:
         """`manager.reset_prefix_cache()`, reported; returns how many keys were dropped."""
         self.poll()

@@ -35,7 +35,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.core.prefix import KEY_FUNCTIONS
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.events import external_hash
@@ -131,8 +130,7 @@ class PagedKVReplica:
         self.engine = _PublishingEngine(built, max_waiting=max_waiting)
         self.engine.publisher = self.publisher
         self.engine.start()
-        fn = built.manager.prefix.key_fn
-        self.hash_fn = next((name for name, f in KEY_FUNCTIONS.items() if f is fn), "custom")
+        self.hash_fn = built.config.hash_fn
         self.replica_id = _replica_id()
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[tuple[str, RequestOutput]]:
@@ -187,12 +185,12 @@ class PagedKVReplica:
         """The hashes this replica can serve, per medium (the GPU from the manager itself, the others from the
         event log: what the tiers reported). For tests; read while the replica is idle."""
         self._check(target)
-        e = self.engine.engine
+        events = self.engine.engine.kv_events
         out = {
-            m: sorted(external_hash(k) for k in e.kv_events.log.holds(m)) for m in ("CPU", "DISK", "REMOTE")
-        }
-        stale = e.kv_events.feed._stale
-        out["GPU"] = sorted(external_hash(k) for k in e.manager.index.all_keys() if k not in stale)
+            m: sorted({external_hash(k) for log in events.logs for k in log.holds(m)})
+            for m in ("CPU", "DISK", "REMOTE")
+        }  # a hybrid engine has one log per KV cache group: a hash held by any group
+        out["GPU"] = sorted(external_hash(k) for k in events.feed.device_keys())
         return {m: v for m, v in out.items() if v}
 
     def kill(self, target: ReplicaTarget) -> None:
