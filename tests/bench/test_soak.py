@@ -160,6 +160,23 @@ def block_extra_left_out_of_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefix_module.BlockKeys, "key", keyed_without_extras)
 
 
+def contiguous_copies_onto_themselves(m: Any) -> Any:
+    """The contiguous fork before the fix: fork, preempt the parent, fork again, and the grandchild's run (the
+    parent's, first fit) gets copies from its own blocks."""
+    fork = m.fork
+
+    def forked(seq_id: int) -> Any:
+        t = m.tables
+        src = [m._pending.get(b, b) for b in t.blocks_of(t.row(seq_id)).tolist()]
+        child = fork(seq_id)
+        if child is not None:
+            m._pending.update(zip(t.blocks_of(t.row(child)).tolist(), src))
+        return child
+
+    m.fork = forked
+    return m
+
+
 INSTANCE_BUGS = [
     (skip_unpublish_on_write, PAGED),
     (skip_refcount_decrement, PAGED),
@@ -171,6 +188,7 @@ INSTANCE_BUGS = [
     (admission_counted_before_capacity_check, PAGED),
     (swap_in_plan_reversed, PAGED),
     (contiguous_marks_unchecked, ("contiguous",)),
+    (contiguous_copies_onto_themselves, ("contiguous",)),
 ]
 MODULE_BUGS = [no_copy_on_write, salt_left_out_of_the_key, block_extra_left_out_of_the_key]
 

@@ -8,9 +8,10 @@ the Python reference, or the contiguous baseline, at block sizes 1, 16 and 32 an
 so the pool is often full. The caller keeps its own copy of the KV, one int per slot holding
 (epoch, context, token), where the context is the salt, the request extra key and the block's extra key:
 
-- a swap plan is applied as soon as its call returns it; a step (the caller's forward) takes the copies,
-  applies them, writes each sequence's uncomputed tokens at the slots `slot_mapping` gives, and marks them
-  computed (the order `protocol.py` states);
+- a swap plan is applied as soon as its call returns it; a step (the caller's forward) takes the copies
+  (checked: one source per destination, destinations distinct, never a block onto itself), applies them,
+  writes each sequence's uncomputed tokens at the slots `slot_mapping` gives, and marks them computed (the
+  order `protocol.py` states);
 - with a host tier below the device (`--tiers`, some paged episodes), blocks the device evicts are written
   back to it before anything writes the device again, and a sequence's next full blocks are fetched from
   it (`fetch_blocks`, the engine's tier hit, between swaps, copies and steps); what they bring must read
@@ -51,6 +52,7 @@ from pagedkv.core import (
     hotpath,
 )
 from pagedkv.core.prefix import Key
+from pagedkv.core.protocol import BlockMoves
 from pagedkv.tiers.host import HostTier
 from pagedkv.tiers.keys import key_bytes
 from pagedkv.tiers.slot_index import LruClock
@@ -319,12 +321,24 @@ class Episode:
             self.seqs[x].tokens.extend(toks)
             self.seqs[x].cells = None
 
+    def take_copies(self) -> BlockMoves:
+        """`m.take_copies()`, checked against its contract: one source per destination, destinations
+        distinct, never a copy from a block onto itself."""
+        copies = self.m.take_copies()
+        self.lines.append("m.take_copies()")
+        src, dst = copies.src.tolist(), copies.dst.tolist()
+        if len(src) != len(dst) or len(set(dst)) != len(dst):
+            raise Violation(f"take_copies: {len(src)} sources for {len(dst)} destinations, {len(set(dst))} distinct")
+        selfish = [s for s, d in zip(src, dst) if s == d]
+        if selfish:
+            raise Violation(f"take_copies: copies from a block onto itself (blocks {selfish[:4]})")
+        return copies
+
     def op_step(self, labels: list[int], partial: list[int]) -> None:
         """The caller's forward: copies, then write the uncomputed tokens, then mark them computed."""
         bs = self.config.block_size
         self._sync_tier()
-        copies = self.m.take_copies()
-        self.lines.append("m.take_copies()")
+        copies = self.take_copies()
         if len(copies.src):
             dev = self.dev.reshape(-1, bs)
             dev[copies.dst] = dev[copies.src]
@@ -443,8 +457,7 @@ class Episode:
         if self.tier is None or s.computed % bs or s.computed >= len(s.tokens):
             return
         self._sync_tier()
-        copies = self.m.take_copies()  # the step's order: copies, then fills (then the forward)
-        self.lines.append("m.take_copies()")
+        copies = self.take_copies()  # the step's order: copies, then fills (then the forward)
         if len(copies.src):
             self.dev.reshape(-1, bs)[copies.dst] = self.dev.reshape(-1, bs)[copies.src]
         fill = self.m.fetch_blocks(s.sid, s.computed, len(s.tokens), self, label)
@@ -553,7 +566,7 @@ class Episode:
             self.op_free(label)
         while self.pins:
             self.op_unpin()
-        self.m.take_copies()
+        self.take_copies()
         self.check()
         if self.m.num_used_blocks != 0 or self.m.num_free_blocks != self.m.num_blocks:
             raise Violation(

@@ -221,9 +221,11 @@ class ContiguousKVManager(TableViews):
         start = self.runs.take(hole, need)
         child = t.copy_row(row, np.arange(start, start + need, dtype=np.int64))
         pending = self._pending
-        # a block still waiting for its own copy holds its source's KV: copy from that source
+        # a block still waiting for its own copy holds its source's KV: copy from that source. That source
+        # may be a run freed since (fork, preempt the parent, fork again) and now the child's own block:
+        # it already holds the KV, so no copy (never src == dst)
         src = [pending.get(b, b) for b in t.blocks_of(row).tolist()]
-        pending.update(zip(t.blocks_of(child).tolist(), src))
+        pending.update((d, s) for d, s in zip(t.blocks_of(child).tolist(), src) if d != s)
         return child
 
     def fetch_blocks(
@@ -234,8 +236,8 @@ class ContiguousKVManager(TableViews):
         return None
 
     def take_copies(self) -> BlockMoves:
-        """The fork copies since the last call, `src[i] -> dst[i]`, distinct destinations, each live in the
-        sequence it was copied for. Apply them as one batch (read every source, then write), after this
+        """The fork copies since the last call, `src[i] -> dst[i]`, distinct destinations, never `src[i] ==
+        dst[i]`, each live in the sequence it was copied for. Apply them as one batch (read every source, then write), after this
         step's other block moves (`protocol.py`)."""
         if not self._pending:
             return BlockMoves(_EMPTY, _EMPTY)
@@ -246,6 +248,8 @@ class ContiguousKVManager(TableViews):
 
     def check_invariants(self) -> None:
         self.tables.check_invariants()
+        if any(dst == src for dst, src in self._pending.items()):
+            raise InvariantError("contiguous: a pending fork copy goes from a block onto itself")
         t = self.tables
         live = np.nonzero(t.alive)[0]
         runs = sorted((int(t.table[r, 0]), int(t.num_blocks[r])) for r in live)
