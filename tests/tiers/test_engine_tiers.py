@@ -153,6 +153,38 @@ def test_a_redis_that_goes_away_is_a_miss_not_a_crash(baseline: list[list[int]],
     assert engine.stats.tiers is not None and engine.stats.tiers.remote_failures["error"] > 0
 
 
+@pytest.mark.parametrize("budget", [512, 8], ids=["one step", "chunks of 8 tokens"])
+def test_an_empty_redis_value_is_counted_deleted_and_healed(redis_url: str, budget: int) -> None:
+    """An empty value at chain position 5 (the bytes another writer left): the next fresh engine still serves
+    the 20 intact tokens before it, counts the loss, and writes the block again (chunks of 8 tokens compute
+    block 5 rather than load it: the write-through check finds it); the engine after it is served as before."""
+    import redis
+
+    from pagedkv.tiers.keys import store_key
+
+    config = EngineConfig(num_blocks=12, block_size=BS, remote_url=redis_url,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=budget))  # fmt: skip
+    first = Engine(tiny_model("llama"), None, config)
+    expected = first.generate([SHARED], PARAMS)[0]
+    assert first.tiering is not None and first.tiering.store.remote is not None
+    chain = [e.key for e in first.tiering.take_events() if e.kind == "stored"]
+    raw = redis.Redis.from_url(redis_url)
+    name = store_key(first.tiering.store.remote.fingerprint, chain[5])  # type: ignore[attr-defined]
+    size = raw.strlen(name)
+    raw.set(name, b"")
+    healer = Engine(tiny_model("llama"), None, config)
+    out = healer.generate([SHARED], PARAMS)[0]
+    assert out.output_token_ids == expected.output_token_ids
+    assert out.num_cached_tokens_by_tier["REMOTE"] == 20
+    assert healer.stats.tiers is not None and healer.stats.tiers.losses == {"header": 1}
+    assert raw.strlen(name) == size  # written again by the engine that computed it
+    after = Engine(tiny_model("llama"), None, config)
+    out = after.generate([SHARED], PARAMS)[0]
+    assert out.output_token_ids == expected.output_token_ids
+    assert out.num_cached_tokens_by_tier["REMOTE"] == (36 if budget == 512 else 20)  # chunks load every other block
+    assert after.stats.tiers is not None and after.stats.tiers.losses == {}
+
+
 def test_chunked_prefill_loads_chunk_by_chunk(baseline: list[list[int]]) -> None:
     config = EngineConfig(
         num_blocks=12, block_size=BS, host_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=8)

@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 
 from pagedkv.tiers.events import TierEvent
@@ -128,3 +129,53 @@ def test_a_batch_written_in_part_reports_exactly_what_was_written(redis_url: str
     assert 0 < len(written) < 20 and spill.num_stored == len(written)
     assert tier.take_events() == [TierEvent("stored", key, "REMOTE") for key in written]
     assert tier.failures["oom"] == 20 - len(written)
+
+
+WRONG_SIZES = {
+    "empty": lambda v: b"",
+    "header only": lambda v: v[:56],
+    "one byte short": lambda v: v[:-1],
+    "one byte long": lambda v: v + b"\0",
+}
+
+
+@pytest.mark.parametrize("damage", list(WRONG_SIZES))
+def test_a_value_of_the_wrong_size_is_found_by_the_lookup_counted_deleted_and_healed(redis_url: str, damage: str) -> None:
+    """An empty (or cut, or grown) value at chain position 5: the 5 intact blocks before it are still
+    served, the value is counted as a loss and deleted by the lookup that meets it, and the next put of
+    that block (the next engine that computes it) writes it again."""
+    tier = RedisTier(redis_url, LAYOUT, FP)
+    keys = [k(i) for i in range(8)]
+    tier.put(keys, rows(list(range(8))))
+    raw = redis.Redis.from_url(redis_url)
+    value = raw.get(store_key(FP, k(5)))
+    assert isinstance(value, bytes)
+    raw.set(store_key(FP, k(5)), WRONG_SIZES[damage](value))
+    store = TieredStore(LAYOUT, [], tier)
+    out = np.zeros((8, LAYOUT.nbytes), np.uint8)
+    plan = store.prepare_load(keys, out)
+    assert plan.keys == keys[:5] and plan.num_lost >= 1  # the lost block counts under the miss reason tier
+    assert np.array_equal(out[:5], rows([0, 1, 2, 3, 4]))
+    assert store.stats.losses == {"header": 1}
+    assert raw.exists(store_key(FP, k(5))) == 0
+    plan = store.prepare_store([], keys)  # the engine computed the chain again and writes it through
+    assert [plan.keys[i] for i in plan.write_through] == [k(5)]
+    plan.rows[:] = rows([5])
+    store.complete_store(plan)
+    assert tier.lookup(keys) == 8 and raw.strlen(store_key(FP, k(5))) == len(value)
+
+
+def test_the_write_through_check_finds_a_wrong_size_value_it_would_otherwise_keep(redis_url: str) -> None:
+    """A block computed rather than loaded (a chunk's own block) is never read; the write-through check
+    still finds its empty value, counts it, and writes the block again."""
+    tier = RedisTier(redis_url, LAYOUT, FP)
+    tier.put([k(0), k(1)], rows([0, 1]))
+    raw = redis.Redis.from_url(redis_url)
+    raw.set(store_key(FP, k(1)), b"")
+    store = TieredStore(LAYOUT, [], tier)
+    plan = store.prepare_store([], [k(0), k(1)])
+    assert [plan.keys[i] for i in plan.write_through] == [k(1)] and store.stats.losses == {"header": 1}
+    plan.rows[:] = rows([1])
+    store.complete_store(plan)
+    out = np.zeros((2, LAYOUT.nbytes), np.uint8)
+    assert store.prepare_load([k(0), k(1)], out).num_blocks == 2 and np.array_equal(out, rows([0, 1]))

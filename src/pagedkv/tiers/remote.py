@@ -1,8 +1,10 @@
 """`RedisTier`: block values in a shared Redis (or Valkey) store, through redis-py with hiredis.
 
 One value per block under `pkv:v1:{fingerprint}:{key hex}` (see `keys.py`, `value.py`). Every batch verb is
-one round trip: `lookup`/`contains` pipeline `TYPE` per key (a key of another Redis type under the prefix is
-deleted like a corrupt value, counted in `failures["wrong_type"]`), `get` is one `MGET`, `put` one pipeline of
+one round trip: `lookup`/`contains` pipeline `TYPE` and `STRLEN` per key (a key of another Redis type under
+the prefix is deleted like a corrupt value, counted in `failures["wrong_type"]`; a value whose length is not
+the one every value of this layout has, an empty one included, is deleted, reported absent, and handed to
+the store by `take_corrupt` to count as a "header" loss), `get` is one `MGET`, `put` one pipeline of
 `SET NX` (a block already stored by another replica is left alone), `touch` one `TOUCH`, `remove` one `DEL`.
 Every reply of a pipeline is read: under `maxmemory` with `noeviction` one batch of `SET NX` is written in
 part (OK for some keys, OOM for the rest), and only the keys written are counted and announced; each key
@@ -100,6 +102,7 @@ class RedisTier:
         self.events: list[TierEvent] = []
         self.reported: set[bytes] = set()  # keys reported stored and not removed since
         self.failures: Counter[str] = Counter()  # calls that failed (and calls skipped: "backoff"), by reason
+        self._corrupt: list[bytes] = []  # wrong-size values `contains` found and deleted (`take_corrupt`)
         self.round_trips = 0
         # back-off: after `max_failures` failed calls in a row, every call is skipped for `backoff_s`
         self.max_failures, self.backoff_s, self._clock = max_failures, backoff_s, clock
@@ -170,19 +173,31 @@ class RedisTier:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.type(self._k(k))
-            return list(pipe.execute())
+                pipe.strlen(self._k(k))  # a reply error (WRONGTYPE) for a key of another type
+            return list(pipe.execute(raise_on_error=False))
 
         found, reason = self._call(run)
         if reason is not None:
             return [False] * len(keys)  # a failed call proves nothing gone: no event
-        kinds = [t.decode() if isinstance(t, bytes) else str(t) for t in found]
+        kinds = [t.decode() if isinstance(t, bytes) else "error" for t in found[0::2]]
         wrong = [k for k, t in zip(keys, kinds) if t not in ("string", "none")]
         if wrong:  # a hash, list, ... under our prefix: deleted like a corrupt value, not a permanent miss
             self.failures["wrong_type"] += len(wrong)
-            self.remove(wrong)
-        present = [t == "string" for t in kinds]
+        # every value has one known size (header + key + payload): any other (empty, cut, grown) is unreadable
+        sizes = [self.layout.value_bytes(len(self._k(k))) for k in keys]
+        bad = [k for k, t, n, size in zip(keys, kinds, found[1::2], sizes) if t == "string" and n != size]
+        self._corrupt.extend(bad)
+        if wrong or bad:
+            self.remove(wrong + bad)
+        present = [t == "string" and n == size for t, n, size in zip(kinds, found[1::2], sizes)]
         self._gone([k for k, p in zip(keys, present) if not p])
         return present
+
+    def take_corrupt(self) -> list[bytes]:
+        """Keys whose value `contains`/`lookup` found of the wrong size (and deleted) since the last call:
+        the store counts each as a loss ("header") and remembers it lost, like a corrupt value `get` meets."""
+        corrupt, self._corrupt = self._corrupt, []
+        return corrupt
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         n = 0

@@ -220,7 +220,18 @@ class TieredStore:
             media.append(tier.medium)
         if self.remote is not None and len(media) < len(keys):
             media.extend(["REMOTE"] * self.remote.lookup(keys[len(media) :]))
+            self._count_corrupt()
         return media
+
+    def _count_corrupt(self) -> None:
+        """Values the remote store's lookup found unreadable (the wrong size) and deleted: a loss ("header")
+        and a key lost, like a corrupt value a `get` meets; deleted, the block is written again by the next
+        engine that computes it."""
+        take = getattr(self.remote, "take_corrupt", None)
+        corrupt = take() if take is not None else []
+        if corrupt:
+            self.stats.losses["header"] += len(corrupt)
+            self._remember_lost(corrupt)
 
     def prepare_load(self, keys: Sequence[bytes], rows: Rows) -> LoadPlan:
         """Copy the longest loadable prefix of `keys` into `rows` (one batch per tier)."""
@@ -288,6 +299,7 @@ class TieredStore:
         if self.remote is not None:
             fresh = list(dict.fromkeys(published))
             write_through = [slot(k) for k, present in zip(fresh, self.remote.contains(fresh)) if not present]
+            self._count_corrupt()
         rows = np.empty((len(keys), self.layout.nbytes), dtype=np.uint8)
         return StorePlan(keys, rows, write_back, write_through)
 
