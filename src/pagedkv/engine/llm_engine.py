@@ -615,10 +615,9 @@ class Engine:
             kept = len(tracked.request.output_token_ids) - len(tracked.logprobs)  # an EOS may end a run early
             if rows is None or kept <= 0:
                 continue
-            take = min(kept, len(toks))
-            rows = rows[-1:] if len(toks) == 1 else rows[:take]  # one token: the chunk's last row
+            take = min(kept, len(toks))  # verified token i was scored by the chunk's row i
             k = int(tracked.params.logprobs or 0)
-            tracked.logprobs.extend(token_logprobs(logits[rows], toks[:take], k))
+            tracked.logprobs.extend(token_logprobs(logits[rows[:take]], toks[:take], k))
 
     def _fork_children(self, parent: _Tracked, logits: torch.Tensor, sampled: dict[str, int]) -> None:
         """Parallel sampling: after the prompt's last chunk, n-1 children share its blocks (fork, copy-on-write
