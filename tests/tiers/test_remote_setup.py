@@ -40,11 +40,13 @@ def rows(n: int) -> np.ndarray:
 @pytest.mark.parametrize(
     "url",
     ["redis://host:abc/0", "redis://host:99999/0", "unix://", "redis://host/zero", "redis://host/0?socket_timeout=zz",
-     "unix:///tmp/r.sock?db=a", "http://host"],
+     "unix:///tmp/r.sock?db=a", "http://host", "redis://[::1/0", "redis://[zz::1]:6379", "rediss://[::1",
+     "redis://user:pw@[::1/0"],
 )  # fmt: skip
 def test_a_malformed_remote_url_is_refused_by_the_config(url: str) -> None:
-    with pytest.raises(InvalidArgumentError, match="remote_url"):
+    with pytest.raises(InvalidArgumentError, match="remote_url") as err:
         EngineConfig(num_blocks=8, remote_url=url)
+    assert "\n" not in str(err.value) and "pw" not in str(err.value)  # one line, no password
 
 
 @pytest.mark.parametrize("kwargs", [dict(remote_timeout_s=0), dict(remote_backoff_s=-1.0),

@@ -52,7 +52,12 @@ def check_remote_url(url: object) -> str:
     Nothing connects."""
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
         raise InvalidArgumentError(f"remote_url must be redis://..., rediss://... or unix://..., got {url!r}")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as err:  # a bracketed IPv6 host left open or not an address: redis://[::1/0
+        raise InvalidArgumentError(
+            f"remote_url {redact(url)!r} cannot be read: {err} (an IPv6 host is written redis://[::1]:6379/0)"
+        ) from None
     if parts.scheme == "unix" and not parts.path:
         raise InvalidArgumentError(f"remote_url {url!r}: unix:// needs the socket's path (unix:///run/redis.sock)")
     if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
@@ -69,8 +74,13 @@ def check_remote_url(url: object) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL without its password (for messages)."""
-    parts = urlsplit(url)
+    """The URL without its password (for messages), even one that cannot be parsed."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        user_info, at, host = rest.rpartition("@")
+        return f"{scheme}{sep}{user_info.split(':', 1)[0]}:***@{host}" if at and ":" in user_info else url
     if parts.password is None:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
