@@ -10,7 +10,8 @@ same functions the launches use (`attention_constexprs`, `merge_constexprs`, `wr
 Coverage without the cross product: per architecture, a covering set in which every value of every
 dimension appears (decode/prefill; GQA groups 1-16; head dims 64/80/96/128/256; block sizes 1-256, i.e.
 every power of two plus an odd size, which takes the runtime-block-size path; window, soft cap and
-attention sinks on/off; float16/bfloat16/float32 caches, and fp8 on sm_90, the only target the dispatcher
+attention sinks on/off; float16/bfloat16/float32 caches, int8 caches with per-token-head scales (both
+targets), and fp8 (e4m3 per-tensor, e5m2 with per-token-head scales) on sm_90, the only target the dispatcher
 sends fp8 to; split on/off), plus the register-heaviest corners (prefill, head dim 256, group 16, float32, every option on). A spill is
 what cuobjdump reports as a stack frame or local memory (Triton's `n_spills` is that local size / 4).
 Compiles are cached by Triton (~/.triton/cache): a warm rerun takes seconds.
@@ -39,8 +40,11 @@ ARCHS = (80, 90)
 GROUPS = tuple(range(1, 17))
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 24)  # 24: not a power of two (runtime block size)
-DTYPES = ("float16", "bfloat16", "float32", "fp8")
-TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "fp8": "fp8e4nv"}
+DTYPES = ("float16", "bfloat16", "float32", "int8", "fp8", "fp8_e5m2")  # fp8 ones: sm_89 and up only
+TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "fp8": "fp8e4nv",
+                "fp8_e5m2": "fp8e5"}
+CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SCALED = ("int8", "fp8_e5m2")  # quantized caches read with their per-token-head scale sidecar
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ def covering_specs() -> list[Spec]:
     dimension sizes, so every value of every dimension appears and pairs vary; plus the heavy corners."""
     specs: list[Spec] = []
     for arch in ARCHS:
-        dtypes = DTYPES if arch >= 89 else DTYPES[:3]
+        dtypes = DTYPES if arch >= 89 else DTYPES[:4]
         n = max(len(GROUPS), len(BLOCK_SIZES))
         for i in range(n):
             specs.append(
@@ -99,7 +103,7 @@ def test_specs_cover_every_value() -> None:
         assert {s.group for s in mine} == set(GROUPS)
         assert {s.head_dim for s in mine} == set(HEAD_DIMS)
         assert {s.block_size for s in mine} == set(BLOCK_SIZES)
-        assert {s.dtype for s in mine} == set(DTYPES if arch >= 89 else DTYPES[:3])
+        assert {s.dtype for s in mine} == set(DTYPES if arch >= 89 else DTYPES[:4])
         for attr in ("decode", "window", "soft_cap", "split", "sinks"):
             assert {getattr(s, attr) for s in mine} == {True, False}, attr
 
@@ -130,21 +134,22 @@ POINTERS = {"block_table_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_q_start_ptr
 def test_attention_kernel_compiles(spec: Spec, compiler: Callable[..., dict[str, int]]) -> None:
     from pagedkv.ops import triton_kernels as tk
 
-    cache_dtype = torch.float8_e4m3fn if spec.dtype == "fp8" else getattr(torch, spec.dtype)
-    query_dtype = torch.bfloat16 if spec.dtype == "fp8" else cache_dtype
+    cache_dtype = CACHE_DTYPES.get(spec.dtype) or getattr(torch, spec.dtype)
+    query_dtype = torch.bfloat16 if spec.dtype in CACHE_DTYPES else cache_dtype
     cfg = choose_launch(decode=spec.decode, group=spec.group, head_dim=spec.head_dim, block_size=spec.block_size,
                         cache_bits=cache_dtype.itemsize * 8)
     constexprs = tk.attention_constexprs(cfg, spec.head_dim, window=spec.window, soft_cap=spec.soft_cap,
                                          query_dtype=query_dtype, cache_dtype=cache_dtype, split=spec.split,
-                                         sinks=spec.sinks)
+                                         sinks=spec.sinks, kv_scales=spec.dtype in SCALED)
     # The runtime JIT turns integer arguments equal to 1 into constants; do the same for those a spec fixes.
     for name, value in (("group", spec.group), ("block_size", spec.block_size)):
         if value == 1:
             constexprs = {**constexprs, name: 1}
     if not spec.split:
         constexprs = {**constexprs, "num_splits": 1}
-    qt, ct = TRITON_TYPES["bfloat16" if spec.dtype == "fp8" else spec.dtype], TRITON_TYPES[spec.dtype]
-    types = dict(POINTERS, q_ptr=f"*{qt}", out_ptr=f"*{qt}", key_cache_ptr=f"*{ct}", value_cache_ptr=f"*{ct}")
+    qt, ct = TRITON_TYPES["bfloat16" if spec.dtype in CACHE_DTYPES else spec.dtype], TRITON_TYPES[spec.dtype]
+    types = dict(POINTERS, q_ptr=f"*{qt}", out_ptr=f"*{qt}", key_cache_ptr=f"*{ct}", value_cache_ptr=f"*{ct}",
+                 kv_scales_ptr="*fp32")
     compiler("_paged_attention_kernel", types, constexprs, spec.arch,
              {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 

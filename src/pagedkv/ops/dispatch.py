@@ -4,10 +4,10 @@ Order of precedence: the call's `backend=` argument, then the innermost `use_bac
 the environment variable `PAGEDKV_ATTENTION_BACKEND`, then the device: CUDA tensors go to Triton when it
 imports, everything else to the reference path. Triton on CPU tensors works only under
 `TRITON_INTERPRET=1` (tests do this); asking for it otherwise is an error, not a silent fallback.
-fp8 (e4m3) caches: the Triton attention kernel reads them (dequantizing with `k_scale`/`v_scale`) on GPUs
-of compute capability 8.9 and up (Triton has no e4m3 type below), so the default sends fp8 attention to
-Triton only there; writes into fp8 caches (quantization with a scale) always take the reference path
-(`op="write"`).
+fp8 (e4m3, e5m2) caches: the Triton attention kernel reads them (dequantizing with `k_scale`/`v_scale` or
+the per-token-head `kv_scales`) on GPUs of compute capability 8.9 and up (Triton has no e4m3 type below), so
+the default sends fp8 attention to Triton only there; int8 caches go to Triton on any CUDA device. Writes
+into quantized caches (int8 or fp8: codes and scales) always take the reference path (`op="write"`).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def choose_backend(
     op: str = "attention",
 ) -> str:
     """The backend a call (`op` "attention" or "write") on `device` runs with; raises if it cannot run there."""
-    fp8 = cache_dtype == torch.float8_e4m3fn
-    fp8_write = fp8 and op == "write"
+    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8_write = (fp8 or cache_dtype == torch.int8) and op == "write"  # quantizing writes: reference only
     chosen = backend or _override.get() or os.environ.get(ENV_VAR) or None
     if chosen is None:
         if device.type == "cuda" and triton_available() and not fp8_write and (not fp8 or _has_fp8(device)):
@@ -77,7 +77,7 @@ def choose_backend(
             )
         if fp8_write:
             if backend == "triton":
-                raise InvalidArgumentError("the Triton write kernel does not quantize to fp8; use backend='reference'")
+                raise InvalidArgumentError("the Triton write kernel does not quantize (int8/fp8); use backend='reference'")
             return "reference"
     return chosen
 

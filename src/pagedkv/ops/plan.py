@@ -44,8 +44,9 @@ class TritonPlan:
     part_m: torch.Tensor | None  # float32 [num_q_tokens, num_heads, num_splits] when num_splits > 1
     part_l: torch.Tensor | None
     part_acc: torch.Tensor | None  # float32 [num_q_tokens, num_heads, num_splits, dim_pad]
-    # compile-time arguments per (window?, soft cap?, sinks?, query dtype), filled by the first layer needing them
-    constexprs: dict[tuple[bool, bool, bool, torch.dtype], dict[str, object]] = field(default_factory=dict)
+    # compile-time arguments per (window?, soft cap?, sinks?, query dtype, kv scales?), filled by the first layer
+    # needing them
+    constexprs: dict[tuple[bool, bool, bool, torch.dtype, bool], dict[str, object]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,10 @@ splits, once in `_merge_splits_kernel` against the max over the splits); it adds
 Numerics: float32 scores and accumulation; P is rounded to the value dtype before the P.V dot (as
 FlashAttention does) for half caches (under the interpreter, whose bfloat16 dot is broken, bfloat16
 operands are upcast to float32 after that rounding); float32 caches use IEEE float32 dots (no TF32). fp8 (e4m3) caches are
-upcast to the query dtype on load and dequantized by `k_scale`/`v_scale`. The sum order differs from the
+upcast to the query dtype on load and dequantized by `k_scale`/`v_scale`. Quantized caches with a scale
+sidecar (`KV_SCALES`: int8, fp8 e4m3/e5m2 codes and `kv_scales [2, NB, BS, Hkv]`) load each key tile's and value
+tile's scales beside its rows (scale index = row offset // HEAD_DIM, the caches being contiguous) and
+dequantize the tile in registers, code * scale in float32 then the query dtype, before the dots. The sum order differs from the
 reference's, so the two agree to rounding (tolerances in docs/attention.md), not bit for bit.
 """
 
@@ -130,6 +133,8 @@ def _paged_attention_kernel(
     part_l_ptr,
     part_acc_ptr,
     sinks_ptr,
+    kv_scales_ptr,
+    scales_half,
     scale,
     k_scale,
     v_scale,
@@ -156,6 +161,7 @@ def _paged_attention_kernel(
     HAS_SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     IS_FP8: tl.constexpr,
+    KV_SCALES: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -181,8 +187,8 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q_offs = tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if not IS_FP8:
-        q = q.to(key_cache_ptr.dtype.element_ty)  # one dot dtype (fp8 K/V are upcast to the query's)
+    if not IS_FP8 and not KV_SCALES:
+        q = q.to(key_cache_ptr.dtype.element_ty)  # one dot dtype (quantized K/V are upcast to the query's)
     # Scores in base 2: exp(x) = exp2(x * log2(e)); the scales fold into one multiplier.
     qk_scale = scale * k_scale
     if not HAS_SOFT_CAP:
@@ -206,6 +212,9 @@ def _paged_attention_kernel(
         kt = tl.load(
             key_cache_ptr + rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
         )  # K^T [DIM_PAD, TILE_N]
+        if KV_SCALES:  # each key's scale, beside its row: dequantize the tile in registers
+            ks = tl.load(kv_scales_ptr + rows // HEAD_DIM, mask=n_ok, other=0.0)
+            kt = (kt.to(tl.float32) * ks[None, :]).to(q.dtype)
         s = _scores(
             q, kt, qk_scale, soft_cap, n, row_pos, window,
             HAS_WINDOW, HAS_SOFT_CAP, IS_FP8, DOT_PRECISION, UPCAST_DOT,
@@ -218,7 +227,10 @@ def _paged_attention_kernel(
         v = tl.load(
             value_cache_ptr + rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
         )  # [TILE_N, DIM_PAD]
-        if IS_FP8:
+        if KV_SCALES:
+            vs = tl.load(kv_scales_ptr + scales_half + rows // HEAD_DIM, mask=n_ok, other=0.0)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        elif IS_FP8:
             v = v.to(q.dtype)
         if UPCAST_DOT:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -362,6 +374,7 @@ def paged_attention_triton(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton `paged_attention` for a planned step (`pagedkv.ops.plan`): the launches and nothing else. The
     kernel takes the options as scalars (its compile-time flags say which are set)."""
@@ -374,7 +387,7 @@ def paged_attention_triton(
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     split = tp.num_splits > 1
-    constexprs = _planned_constexprs(plan, options, query, key_cache)
+    constexprs = _planned_constexprs(plan, options, query, key_cache, kv_scales is not None)
     _paged_attention_kernel[(tp.num_tiles, shape.num_kv_heads, tp.num_splits)](
         query,
         key_cache,
@@ -386,6 +399,8 @@ def paged_attention_triton(
         tp.part_l if split else out,
         tp.part_acc if split else out,
         options.sinks if options.sinks is not None else out,
+        kv_scales if kv_scales is not None else out,
+        kv_scales[0].numel() if kv_scales is not None else 0,
         options.scale_for(shape.head_dim),
         float(k_scale),
         float(v_scale),
@@ -416,13 +431,13 @@ def paged_attention_triton(
 
 
 def _planned_constexprs(
-    plan: AttentionPlan, options: AttentionOptions, query: torch.Tensor, key_cache: torch.Tensor
+    plan: AttentionPlan, options: AttentionOptions, query: torch.Tensor, key_cache: torch.Tensor, kv_scales: bool
 ) -> dict[str, object]:
     """The attention kernel's constexprs for this plan and the options set, made once per plan and kept."""
     tp = plan.triton
     assert tp is not None, "triton kernels: a plan without its Triton part"
     window, soft_cap, sinks = (x is not None for x in (options.sliding_window, options.soft_cap, options.sinks))
-    key = (window, soft_cap, sinks, query.dtype)
+    key = (window, soft_cap, sinks, query.dtype, kv_scales)
     constexprs = tp.constexprs.get(key)
     if constexprs is None:
         constexprs = attention_constexprs(
@@ -435,6 +450,7 @@ def _planned_constexprs(
             cache_dtype=key_cache.dtype,
             split=tp.num_splits > 1,
             interpreting=_interpreting(),
+            kv_scales=kv_scales,
         )
         tp.constexprs[key] = constexprs
     return constexprs
@@ -451,6 +467,7 @@ def attention_constexprs(
     split: bool,
     interpreting: bool = False,
     sinks: bool = False,
+    kv_scales: bool = False,
 ) -> dict[str, object]:
     """The compile-time arguments of `_paged_attention_kernel` for one call: the single source for the
     launch above and for the compile test, which enumerates them."""
@@ -464,7 +481,8 @@ def attention_constexprs(
         "HAS_WINDOW": window,
         "HAS_SOFT_CAP": soft_cap,
         "HAS_SINKS": sinks,
-        "IS_FP8": cache_dtype == torch.float8_e4m3fn,
+        "IS_FP8": cache_dtype == torch.float8_e4m3fn and not kv_scales,
+        "KV_SCALES": kv_scales,
         "SPLIT": split,
         "DOT_PRECISION": dot_precision(query_dtype, cache_dtype),
         "UPCAST_DOT": interpreting and _dot_dtype(query_dtype, cache_dtype) == torch.bfloat16,
@@ -493,9 +511,9 @@ def _interpreting() -> bool:
 def dot_precision(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     """IEEE float32 dots when the dot runs in float32 (TF32 would lose the reference's 1e-5 agreement).
 
-    The dot dtype is the cache's, or the query's for fp8 caches (upcast on load)."""
+    The dot dtype is the cache's, or the query's for fp8 and int8 caches (upcast on load)."""
     return "ieee" if _dot_dtype(query_dtype, cache_dtype) == torch.float32 else "tf32"
 
 
 def _dot_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    return query_dtype if cache_dtype == torch.float8_e4m3fn else cache_dtype
+    return query_dtype if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8) else cache_dtype
