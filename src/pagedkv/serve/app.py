@@ -2,7 +2,7 @@
 
     POST /v1/completions         OpenAI completions (stream or not)       needs the API key when one is set
     POST /v1/chat/completions    OpenAI chat completions (stream or not)  needs the API key when one is set
-    GET  /v1/models              the served model                         needs the API key when one is set
+    GET  /v1/models              the served model and its max_model_len   needs the API key when one is set
     GET  /health                 200 while the engine loop runs, else 503
     GET  /metrics                Prometheus text format (pagedkv.serve.metrics)
 
@@ -12,7 +12,9 @@ loop and shuts it down after the server has drained; a host that manages the loo
 
 Bodies are read by the app with a size cap (`max_body_bytes`: 413 beyond it, the rest of the body is read and
 dropped so the client gets the answer) and parsed by `pagedkv.serve.bodies`; every error is an OpenAI body
-(`pagedkv.serve.error_bodies`).
+(`pagedkv.serve.error_bodies`). Paths are exact: `/v1/models/` is an OpenAI 404 naming `/v1/models`, never
+a redirect. `max_model_len` in `/v1/models` is what one completion can really hold: the model's positions
+or the KV pool, whichever is smaller.
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ def build_app(
         try:
             yield
         finally:
+            ctx.close()
             if manage_engine:
                 async_engine.shutdown()
 
-    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # fmt: skip
+    app.state.context = ctx
     install_handlers(app)
     _openai_routes(app, ctx, _authorizer(api_key), max_body_bytes)
     _operations_routes(app, async_engine, metrics)
@@ -98,7 +103,7 @@ def _openai_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Reques
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
         card = {"id": ctx.model_name, "object": "model", "created": created, "owned_by": "pagedkv",
-                "max_model_len": ctx.max_positions}  # fmt: skip
+                "max_model_len": ctx.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
 

@@ -10,6 +10,9 @@
 | 429    | more than `--max-waiting` requests wait (with `Retry-After`)   | rate_limit_error      | rate_limit_exceeded      |
 | 503    | the engine loop is not running, or the server is draining      | server_error          | engine_unavailable       |
 | 500    | a bug: logged with its traceback, answered with a typed body   | server_error          | internal_error           |
+
+A client that disconnects while sending its body (starlette's `ClientDisconnect`) is no error of the server's:
+one info line, no traceback, and no answer (nobody is left to read it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +78,20 @@ def install_handlers(app: FastAPI) -> None:
             raise exc
         return exc.response()
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         status = int(getattr(exc, "status_code", 500))
         detail = str(getattr(exc, "detail", "")) or "error"
         code = "not_found" if status == 404 else None
+        path = request.url.path
+        if status == 404:
+            detail = f"{detail}: no route {path}"
+            if path.endswith("/") and path != "/":
+                detail += f" (paths have no trailing slash: {path.rstrip('/')})"
         return APIError(status, detail, code=code).response()
+
+    async def on_disconnect(request: Request, _: Exception) -> Response:
+        logger.info("client disconnected while sending its body (%s %s)", request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it: uvicorn drops answers to a gone client
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
         return bad_request(f"invalid request: {exc}").response()
@@ -87,6 +101,7 @@ def install_handlers(app: FastAPI) -> None:
         return internal_error(f"internal server error ({type(exc).__name__}); the server logged it").response()
 
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(ClientDisconnect, on_disconnect)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_anything)

@@ -36,9 +36,13 @@ def submit(
     engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams], cache_salt: str | None
 ) -> list[RequestStream]:
     """One engine request per prompt, all or none: a refusal aborts the ones already queued and becomes the
-    matching OpenAI error (400, 429 with Retry-After, 503)."""
+    matching OpenAI error (400, 429 with Retry-After, 503). Every prompt passes the engine's door checks
+    before the first is queued, so an invalid prompt is a 400 whatever the queue holds (never a 429 met by
+    an earlier, valid prompt) and nothing is queued for it."""
     streams: list[RequestStream] = []
     try:
+        if len(prompts) > 1:
+            _check_all(engine, prompts, params, cache_salt)
         for ids, p in zip(prompts, params):
             streams.append(engine.add_request(ids, p, cache_salt=cache_salt))
     except ServerOverloadedError as err:
@@ -51,6 +55,19 @@ def submit(
         _abort(streams)
         raise engine_refusal(err) from None
     return streams
+
+
+def _check_all(
+    engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams], cache_salt: str | None
+) -> None:
+    """The door's checks of every prompt (`Engine.intake.build`, as `add_request` runs them), queueing
+    nothing; an engine without an intake here (a Ray ingress: the replicas check) skips them."""
+    intake = getattr(engine.engine, "intake", None)
+    if intake is None:
+        return
+    arrival = engine.engine.clock()
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        intake.build(f"check-{i}", ids, p, priority=0, arrival_time=arrival, cache_salt=cache_salt, ids_in_use=())
 
 
 def _abort(streams: Sequence[RequestStream]) -> None:

@@ -20,6 +20,11 @@ Each `ServerMetrics` has its own registry (several servers or Ray replicas in on
 | pagedkv:e2e_request_latency_seconds            | histogram | per completion: arrival -> end                    |
 | pagedkv:request_queue_time_seconds             | histogram | per completion that was scheduled: arrival -> run |
 
+Every series has a sample from start-up: the counters and histograms of each label value known in advance
+(`finished_reason`: each of `pagedkv.engine.request.FINISH_REASONS`; `tier` GPU) start at 0, so a rate over the first
+preemption or the first error is never computed against a missing series. Other tiers and the miss
+reasons appear (at 0 first) when the engine reports them.
+
 Counters and histograms are fed by the engine thread when a request's last completion has ended (the
 per-request state lives only until then), gauges after every engine turn.
 """
@@ -30,6 +35,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedkv.engine.request import FINISH_REASONS
 
 if TYPE_CHECKING:
     from pagedkv.engine.outputs import RequestOutput
@@ -78,6 +85,12 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to end.", LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self._preemptions_seen = 0
+        for series in (self.preemptions, self.queries, self.hits, self.prompt_tokens, self.generation_tokens,
+                       self.ttft, self.tpot, self.e2e, self.queue):  # fmt: skip
+            series.labels(model_name)  # a sample at 0 from the start
+        self.hits_by_tier.labels(model_name, "GPU")
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
 
     def observe_engine(self, snapshot: EngineSnapshot) -> None:
         """Gauges (and the preemption counter) from the engine thread's snapshot after a turn."""

@@ -5,6 +5,15 @@ chat), map the fields onto `SamplingParams`, submit every prompt at once (`fanou
 before anything runs), then either wait for the ends (aborting if the client leaves) or stream
 `data: {chunk}` events and `data: [DONE]` through starlette's `StreamingResponse`.
 
+Tokenizing (and the chat template) runs on the context's one tokenizer thread, never on the event loop, so a
+large prompt never delays another request or `/health`; a text longer than `max_prompt_chars` (the longest
+the model could hold: `max_model_len` tokens of the vocabulary's longest token) is refused before it is
+tokenized, with the 400 the token check gives. The tokenizer thread owns its tokenizer copy (a fast
+tokenizer is not safe to share between threads); the event loop decodes single tokens with another.
+
+A streamed response needs chunked transfer encoding, which HTTP/1.0 does not have: `stream: true` over
+HTTP/1.0 is a 400 (`unsupported_http_version`); non-streamed answers carry a content-length and are served.
+
 `echo` with `max_tokens: 0` (the scoring call of evaluation harnesses) runs the prompt for one token, which
 is dropped: the answer holds the prompt's text and, with `logprobs`, its tokens' log-probabilities (the first
 token's is null, as OpenAI's).
@@ -12,11 +21,14 @@ token's is null, as OpenAI's).
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,44 +56,116 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 
 @dataclass(slots=True)
 class ServerContext:
-    """What the handlers need: the engine, the served model's name, the server's own tokenizer copy."""
+    """What the handlers need: the engine, the served model's name, the server's own tokenizer copies (one
+    for the tokenizer thread, one for single-token decodes on the event loop) and the thread itself."""
 
     engine: AsyncEngine
     model_name: str
     tokenizer: Any
     max_positions: int | None
     _token_text: dict[int, str] = field(default_factory=dict)
+    _loop_tokenizer: Any = None
+    _tokenizer_thread: ThreadPoolExecutor | None = None
+    longest_token_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None:
+            self._loop_tokenizer = copy.deepcopy(self.tokenizer)
+            self.longest_token_chars = _longest_token_chars(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + output tokens) one completion can have: the model's positions or
+        the KV pool, whichever is smaller (what `/v1/models` advertises)."""
+        capacity = int(self.engine.engine.capacity_tokens)
+        return capacity if self.max_positions is None else min(capacity, self.max_positions)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Texts longer than this cannot fit in `max_model_len` tokens; None without a tokenizer."""
+        return None if self.longest_token_chars is None else self.max_model_len * self.longest_token_chars
+
+    async def tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer thread (one thread: the tokenizer copy there is never shared)."""
+        if self._tokenizer_thread is None:
+            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def close(self) -> None:
+        """Stop the tokenizer thread (the app's lifespan calls this at shutdown)."""
+        if self._tokenizer_thread is not None:
+            self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_thread = None
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")  # fmt: skip
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """The token check's 400, before tokenizing, for a text too long to fit in any case."""
+        bound = self.max_prompt_chars
+        if bound is None or num_chars <= bound:
+            return
+        limit = self.max_model_len
+        if self.max_positions is not None and self.max_positions <= limit:
+            what = f"exceeds the model's {self.max_positions} positions"
+        else:
+            block_size = self.engine.engine.config.block_size
+            what = (f"can never fit: the cache holds {limit} tokens ({limit // block_size} blocks of {block_size}); "
+                    "raise --kv-budget or shorten it")  # fmt: skip
+        raise bad_request(
+            f"this request: {param} has {num_chars} characters, more than {limit} tokens of at most "
+            f"{self.longest_token_chars} characters each: it {what}",
+            None,
+            "context_length_exceeded",
+        )
+
+    async def encode(self, texts: Sequence[str], param: str) -> list[list[int]]:
+        """Token ids of each text (`param`, or `param.i` for a list), on the tokenizer thread."""
         if self.tokenizer is None:
             raise bad_request("this server has no tokenizer: send token ids", param)
-        ids = [int(t) for t in self.tokenizer(text)["input_ids"]]
-        if not ids:
-            raise bad_request(f"{param}: the prompt is empty (no tokens)", param)
-        return ids
+        names = [param] if len(texts) == 1 else [f"{param}.{i}" for i in range(len(texts))]
+        for name, text in zip(names, texts):
+            self.check_text_length(len(text), name)
+        lists: list[list[int]] = await self.tokenize(self._encode_all, texts)
+        for name, ids in zip(names, lists):
+            if not ids:
+                raise bad_request(f"{name}: the prompt is empty (no tokens)", name)
+        return lists
 
-    def chat_ids(self, messages: Sequence[Any]) -> list[int]:
+    def _encode_all(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[int(t) for t in self.tokenizer(text)["input_ids"]] for text in texts]
+
+    async def chat_ids(self, messages: Sequence[Any]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        inputs = [m.as_template_input() for m in messages]
+        self.check_text_length(sum(len(m["content"]) for m in inputs), "messages")  # the template only adds
+        ids: list[int] = await self.tokenize(self._apply_template, inputs)
+        return ids
+
+    def _apply_template(self, inputs: list[dict[str, Any]]) -> list[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in messages], add_generation_prompt=True, tokenize=True
-            )
+            ids = self.tokenizer.apply_chat_template(inputs, add_generation_prompt=True, tokenize=True)
         except Exception as err:  # the template refused these messages (roles, order): the client's input
             raise bad_request(f"messages: the chat template refused them ({err})", "messages") from None
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return [int(t) for t in ids]
 
+    async def decode_all(self, prompts: Sequence[Sequence[int]]) -> list[str]:
+        """The texts of token-id prompts (echo), on the tokenizer thread."""
+        if self.tokenizer is None:
+            return ["" for _ in prompts]
+        texts: list[str] = await self.tokenize(lambda: [str(self.tokenizer.decode(list(p))) for p in prompts])
+        return texts
+
     def text_of(self, token_id: int) -> str:
         """One token's text (bounded by the vocabulary)."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = str(self.tokenizer.decode([token_id])) if self.tokenizer is not None else f"<{token_id}>"
+            tok = self._loop_tokenizer
+            text = str(tok.decode([token_id])) if tok is not None else f"<{token_id}>"
             self._token_text[token_id] = text
         return text
 
@@ -110,6 +194,29 @@ class ServerContext:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def _longest_token_chars(tokenizer: Any) -> int | None:
+    """The vocabulary's longest token in characters, as the vocabulary spells it: at least as long as its
+    text (byte-level BPE spells each byte with one character, SentencePiece's word marker stands for the
+    space; added and special tokens are spelled as they are written). None if the vocabulary is unknown."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a readable vocabulary: no bound, the token check still holds
+        return None
+    return max((len(str(t)) for t in vocab), default=0) or None
+
+
+def check_stream_transport(request: Request, stream: bool) -> None:
+    """A stream needs chunked transfer encoding: refused over HTTP/1.0, which has none (uvicorn would frame
+    it chunked anyway, which an HTTP/1.0 client cannot read)."""
+    if stream and request.scope.get("http_version") == "1.0":
+        raise bad_request(
+            "stream: a streamed answer needs HTTP/1.1 (chunked transfer encoding) and this request came over "
+            "HTTP/1.0: send it over HTTP/1.1, or with stream: false",
+            "stream",
+            "unsupported_http_version",
+        )
 
 
 def sse(obj: Any) -> str:
@@ -143,13 +250,13 @@ class _Completion:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[str], list[list[int]]]:
+async def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[str], list[list[int]]]:
     if isinstance(prompt, str):
-        return [prompt], [ctx.encode(prompt, "prompt")]
+        return [prompt], await ctx.encode([prompt], "prompt")
     if not prompt:
         raise bad_request("prompt: give a string, a list of strings, a list of token ids or a list of such lists", "prompt")
     if isinstance(prompt[0], str):
-        return list(prompt), [ctx.encode(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+        return list(prompt), await ctx.encode(list(prompt), "prompt")
     lists = [prompt] if isinstance(prompt[0], int) else list(prompt)
     return [], [list(ids) for ids in lists]  # the texts, for echo only, once the engine accepted the ids
 
@@ -163,15 +270,20 @@ async def create_completion(ctx: ServerContext, request: Request, body: bytes) -
         raise bad_request("best_of: only best_of == n is supported", "best_of", "unsupported_parameter")
     if req.suffix:
         raise bad_request("suffix is not supported by pagedkv", "suffix", "unsupported_parameter")
-    texts, ids = _completion_prompts(ctx, req.prompt)
+    check_stream_transport(request, req.stream)
+    texts, ids = await _completion_prompts(ctx, req.prompt)
     job = _Completion(req, texts, ids, echo_only=req.echo and req.max_tokens == 0)
     max_tokens = 1 if job.echo_only else (req.max_tokens or DEFAULT_COMPLETION_TOKENS)
     scoring = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=scoring)
     streams = submit(ctx.engine, ids, [params] * len(ids), req.cache_salt)
-    if not texts:
-        texts = [str(ctx.tokenizer.decode(p)) if ctx.tokenizer is not None else "" for p in ids]
-        job.texts = texts
+    if not texts and req.echo:
+        try:
+            job.texts = await ctx.decode_all(ids)
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
     if req.stream:
         st = _Streamed(merged(streams), DeltaTracker.for_params(params), [[] for _ in ids])
         usage_of = functools.partial(usage, ids, st.finals, echo_only=job.echo_only)  # read when the stream ends
@@ -288,7 +400,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request, body: byt
         raise bad_request("max_tokens: must be >= 1", "max_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    job = _Chat(req, ctx.chat_ids(req.messages))
+    check_stream_transport(request, req.stream)
+    job = _Chat(req, await ctx.chat_ids(req.messages))
     max_tokens = req.max_completion_tokens or req.max_tokens or ctx.default_max_tokens(len(job.ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
