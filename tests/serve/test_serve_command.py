@@ -1,5 +1,6 @@
 """`pagedkv serve` as a process: bad arguments are one line and exit 2 before any weights load; a served
-folder answers the openai client; SIGTERM lets the stream in flight finish, then the process exits 0."""
+folder answers the openai client; SIGTERM or SIGINT lets the stream in flight finish, then the process exits 0
+with one line when draining starts and one when it is done, and no traceback."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def test_bad_arguments_are_one_line_exit_2(argv: list[str], needle: str, capsys:
     assert len(err.splitlines()) == 1 and needle in err and err.startswith("pagedkv serve")
 
 
-def test_serve_answers_then_drains_on_sigterm_and_exits_0(model_folder: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_answers_then_drains_on_sigterm_or_sigint_and_exits_0(model_folder: Path, sig: int) -> None:
+    """SIGINT is Ctrl-C on a terminal: it drains as SIGTERM does (before: a KeyboardInterrupt traceback and
+    exit 130). Draining prints one line when it starts (with the requests in flight) and one when done."""
     cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(model_folder), "--port", "0",
            "--served-model-name", MODEL_NAME, "--num-blocks", "64", "--drain-timeout", "30"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
@@ -73,9 +77,16 @@ def test_serve_answers_then_drains_on_sigterm_and_exits_0(model_folder: Path) ->
         thread = threading.Thread(target=stream)
         thread.start()
         assert first.wait(30)
-        proc.send_signal(signal.SIGTERM)  # mid-stream
+        proc.send_signal(sig)  # mid-stream
         thread.join(60)
         assert proc.wait(60) == 0
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "Error" not in err, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 2, err
+        assert lines[0].startswith("pagedkv serve: draining 1 request in flight"), err
+        assert lines[1].startswith("pagedkv serve: stopped"), err
         events = got["events"]
         assert events[-1] == "[DONE]"
         assert '"completion_tokens": 200' in events[-2]  # the in-flight request ran to its end

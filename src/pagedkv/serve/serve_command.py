@@ -6,8 +6,11 @@
 The engine flags are `pagedkv generate`'s (the same names, defaults and `EngineConfig`); the server adds
 `--host`, `--port`, `--served-model-name`, `--api-key`, `--max-waiting`, `--max-body-bytes`,
 `--drain-timeout`. Arguments and the model source are checked before the weights load (one line on stderr,
-exit 2). SIGTERM or Ctrl-C: the server stops accepting connections, lets the requests in flight finish for
-up to `--drain-timeout` seconds (then aborts them), stops the engine loop and exits 0.
+exit 2). The first line on stderr says where it listens, the KV pool and `max_model_len` (the longest
+request the pool and the model's positions can hold, as `/v1/models` advertises it). SIGTERM or SIGINT
+(Ctrl-C) alike: the server stops accepting connections, says how many requests are in flight (one line),
+lets them finish for up to `--drain-timeout` seconds (then aborts them), stops the engine loop, says so
+(one line) and exits 0, with no traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
@@ -70,7 +74,7 @@ def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags as `pagedkv generate` declares them (`pagedkv.engine.cli_args`); its
     `_engine_config` reads them."""
-    from pagedkv.engine.commands import DEFAULT_KV_BUDGET, DTYPES
+    from pagedkv.engine.commands import DEFAULT_KV_BUDGET, DTYPE_HELP, DTYPES
 
     engine = parser.add_argument_group("engine (as pagedkv generate)")
     capacity = engine.add_mutually_exclusive_group()
@@ -80,7 +84,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--allocator", choices=MANAGER_KINDS, default="paged")
     engine.add_argument("--no-prefix-caching", action="store_true")
     add_scheduler_arguments(engine, preemption=True)
-    engine.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the checkpoint's)")
+    engine.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     add_threads(engine)
     tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
     tiers.add_argument("--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)")
@@ -104,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv serve: {err}", file=sys.stderr)
         return 2
     # uvicorn re-raises the signal it caught once it has drained; a handler here makes that a no-op, so the
-    # process ends with exit code 0 after a graceful SIGTERM
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # process ends with exit code 0 after a graceful SIGTERM or Ctrl-C (SIGINT's default handler would raise
+    # KeyboardInterrupt then: a traceback and exit 130)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     return 0
 
@@ -117,6 +123,7 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
 
     from pagedkv.engine.commands import _engine_config
     from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.cpu_linear import describe_weights, resolve_dtype
     from pagedkv.hf.loading import check_source, load_tokenizer, load_weights, set_progress_bars
     from pagedkv.serve.app import build_app
     from pagedkv.serve.async_engine import AsyncEngine
@@ -126,10 +133,11 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
     set_progress_bars(False)
     threads = use_threads(args.threads)
     tokenizer = load_tokenizer(source)
-    model = load_weights(source, dtype=args.dtype, tokenizer=tokenizer)
+    model = load_weights(source, dtype=resolve_dtype(args.dtype), tokenizer=tokenizer)
     engine = Engine(model, tokenizer, config)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     app = build_app(
-        AsyncEngine(engine, max_waiting=args.max_waiting),
+        async_engine,
         model_name=args.served_model_name or args.model,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
@@ -140,7 +148,7 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
         timeout_keep_alive=args.timeout_keep_alive,
         access_log=args.log_level in ("info", "debug"),
     )  # fmt: skip
-    server = uvicorn.Server(uv_config)
+    server = _draining_server(uvicorn.Server, async_engine)(uv_config)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -149,11 +157,32 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
         sock.close()
         raise InvalidArgumentError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
     port = sock.getsockname()[1]
+    limit = engine.spec.max_position_embeddings
+    positions = "" if limit is None else f" of the model's {limit} positions"
     print(
         f"pagedkv serve: {args.served_model_name or args.model} on http://{args.host}:{port} "
-        f"({engine.manager.num_blocks} KV blocks of {config.block_size} tokens, {str(model.dtype).removeprefix('torch.')}, "
+        f"({engine.manager.num_blocks} KV blocks of {config.block_size} tokens: max_model_len "
+        f"{app.state.context.max_model_len}{positions}, "
+        f"{describe_weights(args.dtype, model.dtype, engine.linear_backend)}, "
         f"{threads} torch thread{'s' if threads != 1 else ''})",
         file=sys.stderr,
         flush=True,
     )
     return server, sock
+
+
+def _draining_server(base: Any, async_engine: Any) -> Any:
+    """uvicorn's `Server` (`base`, imported lazily) that says on stderr when it starts draining (how many
+    requests are in flight) and when it has stopped; nothing in between."""
+
+    class DrainingServer(base):  # type: ignore[misc,valid-type]
+        async def shutdown(self, sockets: Any = None) -> None:
+            start = time.monotonic()
+            in_flight = async_engine.stats().num_in_flight
+            print(f"pagedkv serve: draining {in_flight} request{'s' if in_flight != 1 else ''} in flight "
+                  f"(at most {self.config.timeout_graceful_shutdown:g} s)", file=sys.stderr, flush=True)  # fmt: skip
+            await super().shutdown(sockets)
+            print(f"pagedkv serve: stopped after draining for {time.monotonic() - start:.1f} s", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+    return DrainingServer
