@@ -46,7 +46,11 @@ from pagedkv.engine.cli_args import (
 from pagedkv.engine.managers import MANAGER_KINDS
 
 DEFAULT_KV_BUDGET = "64MiB"
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_HELP = (
+    "model dtype (default: auto, bfloat16 where the CPU has bf16 matrix instructions (AVX512-BF16, AMX), "
+    "else the checkpoint's)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument(
         "--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH"
     )
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     add_threads(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -276,7 +280,9 @@ def _load_and_serve(
     from pagedkv.hf.loading import load_weights
 
     use_threads(args.threads)
-    model = load_weights(source, dtype=args.dtype, tokenizer=tokenizer)
+    from pagedkv.hf.cpu_linear import resolve_dtype
+
+    model = load_weights(source, dtype=resolve_dtype(args.dtype), tokenizer=tokenizer)
     engine = Engine(model, tokenizer, config)
     total = sum(params[i].n for i in served)
     progress = _progress(total, disabled=args.no_progress or len(served) < 8)

@@ -56,6 +56,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     num_host_blocks: int | None = None  # swap pool; default: as many as device blocks when swapping
     attention_backend: Literal["auto", "sdpa", "ops"] = "auto"  # see pagedkv.hf.cache.PagedKVCache
+    # The model's projections on a CPU (pagedkv.hf.cpu_linear): "onednn" packs each weight once for oneDNN,
+    # "torch" leaves nn.Linear alone, "auto" packs bf16 weights on a CPU with bf16 instructions.
+    linear_backend: Literal["auto", "onednn", "torch"] = "auto"
     # Tiers below the device (docs/tiers.md): evicted prefix blocks go to host RAM, then disk; published
     # blocks are written through to a Redis store shared by replicas ("redis://..." or "unix://...").
     host_blocks: int = 0
@@ -103,10 +106,7 @@ class EngineConfig:
             raise InvalidArgumentError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         if self.scheduler.preemption_mode == "swap" and self.allocator not in ("paged", "hybrid"):
             raise InvalidArgumentError("preemption by swap needs the paged or hybrid allocator (they own a host pool)")
-        if self.attention_backend not in ("auto", "sdpa", "ops"):
-            raise InvalidArgumentError(
-                f"attention_backend must be 'auto', 'sdpa' or 'ops', got {self.attention_backend!r}"
-            )
+        self._check_backends()
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         self._check_tiers()
@@ -124,6 +124,16 @@ class EngineConfig:
             raise InvalidArgumentError(f"speculative must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
         if self.allocator != "paged":
             raise InvalidArgumentError("speculative decoding needs the paged allocator (it rolls rejected drafts back)")
+
+    def _check_backends(self) -> None:
+        if self.attention_backend not in ("auto", "sdpa", "ops"):
+            raise InvalidArgumentError(
+                f"attention_backend must be 'auto', 'sdpa' or 'ops', got {self.attention_backend!r}"
+            )
+        if self.linear_backend not in ("auto", "onednn", "torch"):
+            raise InvalidArgumentError(
+                f"linear_backend must be 'auto', 'onednn' or 'torch', got {self.linear_backend!r}"
+            )
 
     def _check_cache_policy(self) -> None:
         if self.eviction not in EVICTION_POLICIES:

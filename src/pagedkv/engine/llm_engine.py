@@ -115,6 +115,7 @@ class Engine:
         self.clock = clock
         self.spec = prepare_model(model)
         cfg = self.config
+        self.linear_backend = _apply_linear_backend(model, cfg.linear_backend)
         # 1. the cache's size, then the allocator, the KV tensors and the scheduler over them
         # (allocator "hybrid": the model's layers in KV cache groups, pagedkv.core.group; pages hold one group)
         self.layer_groups = group_layers(self.spec.sliding_windows) if is_hybrid(cfg.allocator) else None
@@ -820,6 +821,20 @@ def _logit_rows(producing: Sequence[Any]) -> list[list[int]]:
         rows.append(list(range(at, at + n)))
         at += n
     return rows
+
+
+def _apply_linear_backend(model: Any, backend: str) -> str:
+    """Pack the model's projections for oneDNN where `backend` asks for it (pagedkv.hf.cpu_linear); return
+    the backend in use: "onednn" or "torch"."""
+    from pagedkv.hf.cpu_linear import PackedLinear, choose_linear_backend, pack_linears
+
+    param = next(model.parameters())
+    chosen = choose_linear_backend(backend, param.dtype, param.device)
+    if chosen == "onednn":
+        pack_linears(model)  # a second engine over the same model finds them packed already
+    elif any(isinstance(m, PackedLinear) for m in model.modules()):
+        chosen = "onednn"
+    return chosen
 
 
 def _scoring_salt(cache_salt: str | bytes | None, request_id: str) -> bytes:

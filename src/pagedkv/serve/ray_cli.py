@@ -38,7 +38,9 @@ def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
     set_progress_bars(False)
     use_threads(ns.threads, share=ns.replicas)
     tokenizer = load_tokenizer(source)
-    return Engine(load_weights(source, dtype=ns.dtype, tokenizer=tokenizer), tokenizer, config)
+    from pagedkv.hf.cpu_linear import resolve_dtype
+
+    return Engine(load_weights(source, dtype=resolve_dtype(ns.dtype), tokenizer=tokenizer), tokenizer, config)
 
 
 def run_replicas(args: Any) -> int:

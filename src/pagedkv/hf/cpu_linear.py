@@ -1,0 +1,117 @@
+"""oneDNN-packed linear layers: the CPU's fast path for a model's projections.
+
+A transformers model's projections are `torch.nn.Linear`, which on a CPU runs a GEMM over the weight as it is
+stored, re-laying it out on every call. oneDNN (`torch.ops.mkldnn`) can re-lay a weight once into the blocked
+format its kernels read (`_reorder_linear_weight`) and then multiply against it directly
+(`_linear_pointwise`); inductor's `freezing` does the same for compiled CPU graphs. For bf16 weights this is
+where the CPU's AVX512-BF16 / AMX instructions get used; torch's eager bf16 GEMM does not reach them for
+small batches.
+
+Contract:
+- `pack_linears(model)` replaces every `torch.nn.Linear` of `model` (in place) by a `PackedLinear` holding the
+  packed weight and the same bias; it returns how many it replaced. The original weights are released unless
+  another module still holds them (a tied `lm_head` keeps the input embedding's tensor alive).
+- A `PackedLinear` computes `x @ W.T + b` for any number of leading dimensions and any token count. Its
+  results equal `torch.nn.functional.linear` up to the GEMM's summation order, not bitwise: greedy tokens in
+  float32 can differ where two logits tie to the last bit, which is why `choose_linear_backend` packs only
+  reduced-precision weights unless asked.
+- `resolve_dtype("auto")` is bfloat16 on such a CPU and the checkpoint's dtype elsewhere (the default of
+  `pagedkv serve` and `generate`).
+- `choose_linear_backend("auto", dtype)` is "onednn" for bfloat16 weights on a CPU whose oneDNN supports bf16,
+  "torch" otherwise; `cpu_bf16_support()` says what the CPU offers (for the start-up line).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.core.errors import InvalidArgumentError
+
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+BATCH_HINT = 64  # tokens per step the packed layout is tuned for (a decode batch); any count works
+
+
+class PackedLinear(torch.nn.Module):
+    """`torch.nn.Linear` with its weight packed once for oneDNN (see the module docstring)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT), persistent=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.weight_dtype = weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
+
+
+def cpu_bf16_support() -> str | None:
+    """The CPU's bf16 matrix instructions ("amx_bf16", "avx512_bf16"), or None where it has neither or
+    oneDNN cannot use them."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    for name in ("amx_bf16", "avx512_bf16"):
+        if name in flags:
+            return name
+    return None
+
+
+def choose_linear_backend(backend: str, dtype: torch.dtype, device: torch.device) -> str:
+    """"onednn" or "torch" for a model of `dtype` on `device` (see the module docstring)."""
+    if backend not in LINEAR_BACKENDS:
+        raise InvalidArgumentError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
+    if device.type != "cpu":
+        if backend == "onednn":
+            raise InvalidArgumentError(f"linear_backend 'onednn' is for CPU models; this one is on {device}")
+        return "torch"
+    if backend == "onednn":
+        if not torch.backends.mkldnn.is_available():
+            raise InvalidArgumentError("linear_backend 'onednn': this torch build has no oneDNN (mkldnn)")
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            raise InvalidArgumentError("linear_backend 'onednn': this CPU has no bf16 support in oneDNN; use 'torch'")
+        return "onednn"
+    if backend == "auto" and dtype == torch.bfloat16 and cpu_bf16_support() is not None:
+        return "onednn"
+    return "torch"
+
+
+def resolve_dtype(dtype: str | None) -> str | None:
+    """The model dtype a command loads: "auto" is "bfloat16" on a CPU with bf16 matrix instructions
+    (`cpu_bf16_support`), the checkpoint's own (None) elsewhere; any other name is itself."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cpu_bf16_support() is not None else None
+
+
+def describe_weights(requested: str | None, dtype: torch.dtype, linear_backend: str) -> str:
+    """One phrase for a start-up line: the weights' dtype, why ("auto"), and the linear backend."""
+    name = str(dtype).removeprefix("torch.")
+    why = ""
+    if requested == "auto":
+        support = cpu_bf16_support()
+        why = f" (auto: the CPU has {support})" if support else " (auto: no bf16 matrix instructions on this CPU)"
+    return f"{name} weights{why}, {'oneDNN-packed' if linear_backend == 'onednn' else 'torch'} linear"
+
+
+def pack_linears(model: Any) -> int:
+    """Replace every `torch.nn.Linear` of `model` by a `PackedLinear`, in place; return the count."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, PackedLinear(child))
+                count += 1
+    return count
