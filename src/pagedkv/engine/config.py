@@ -20,6 +20,7 @@ from pagedkv.core.prefix import KEY_FUNCTIONS
 from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.engine.speculative.config import SpeculativeConfig
+from pagedkv.storage.spec import KV_CACHE_DTYPES
 
 _UNITS = {
     "": 1,
@@ -59,6 +60,9 @@ class EngineConfig:
     # The model's projections on a CPU (pagedkv.hf.cpu_linear): "onednn" packs each weight once for oneDNN,
     # "torch" leaves nn.Linear alone, "auto" packs bf16 weights on a CPU with bf16 instructions.
     linear_backend: Literal["auto", "onednn", "torch"] = "auto"
+    # How K/V are stored (pagedkv.storage.spec.KV_CACHE_DTYPES; docs/quantized-kv.md): "auto" (the model's dtype),
+    # "bf16", or one-byte codes with a float32 scale per token and KV head: "int8", "fp8_e4m3", "fp8_e5m2".
+    kv_cache_dtype: str = "auto"
     # Tiers below the device (docs/tiers.md): evicted prefix blocks go to host RAM, then disk; published
     # blocks are written through to a Redis store shared by replicas ("redis://..." or "unix://...").
     host_blocks: int = 0
@@ -136,6 +140,10 @@ class EngineConfig:
             )
 
     def _check_cache_policy(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgumentError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.eviction not in EVICTION_POLICIES:
             raise InvalidArgumentError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.hash_fn not in KEY_FUNCTIONS:

@@ -130,6 +130,7 @@ class Engine:
             device=device,
             attention_backend=cfg.attention_backend,
             layer_groups=self.layer_groups,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
         self.stats = EngineStats(cache_misses=getattr(self.manager, "misses", None))
@@ -183,7 +184,7 @@ class Engine:
         """(device blocks, host blocks, bytes per device block) from the block count or the byte budget;
         host blocks default to as many as the device's when preemption swaps."""
         cfg = self.config
-        bytes_per_block = cache_spec(self.spec, self.layer_groups).bytes_per_block(cfg.block_size)
+        bytes_per_block = cache_spec(self.spec, self.layer_groups, cfg.kv_cache_dtype).bytes_per_block(cfg.block_size)
         num_blocks = (
             cfg.num_blocks
             if cfg.num_blocks is not None

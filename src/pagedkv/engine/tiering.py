@@ -95,7 +95,8 @@ class EngineTiering:
             raise InvalidArgumentError("tiers need the paged or hybrid allocator with prefix caching on")
         shape = block_shape(storage)
         fingerprint = model_fingerprint(
-            model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size, weights=weights
+            model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size, weights=weights,
+            kv_scales=storage.spec.scale_scheme,
         )
         remote = RemoteSettings(config.remote_timeout_s, config.remote_backoff_s, required=config.remote_required)
         store = TieredStore.build(

@@ -97,6 +97,9 @@ def _attend_group(
     g = step.batches[kv_group].groups[i]
     cache = step.cache
     q_g = q[g.token_start : g.token_end]
+    kv_scales = cache.storage.layer_scales(layer_idx)
+    if kv_scales is not None:  # quantized pages: read in place by kernels that dequantize (docs/quantized-kv.md)
+        return _attend_quantized(step, i, q_g, layer_idx, options, kv_group, kv_scales)
     if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], options):
         new = slice(g.token_start, g.token_end)  # the chunk's own K/V, for a prefill with no cached context
         return paged_sdpa(q_g, cache.layer_kv(layer_idx), step.sdpa_plan(i, kv_group), options, new_key=k[new],
@@ -104,6 +107,25 @@ def _attend_group(
     key_cache, value_cache = cache.layer(layer_idx)
     plan = step.ops_plan(i, q_g, key_cache, value_cache, kv_group)  # holds the group's tables and lengths
     return ops_attention.run_planned(plan, q_g, key_cache, value_cache, options)
+
+
+def _attend_quantized(
+    step: PagedStep, i: int, q_g: torch.Tensor, layer_idx: int, options: AttentionOptions, kv_group: int,
+    kv_scales: torch.Tensor,
+) -> torch.Tensor:
+    """Attention group `i` over quantized pages (codes + per-token-head scales): the C decode kernel for a
+    float32 decode group on one CPU thread, else `pagedkv.ops` (reference or Triton), never a dequantized
+    copy of the pages."""
+    from pagedkv.ops import attention as ops_attention
+    from pagedkv.ops import cpu_decode
+
+    g = step.batches[kv_group].groups[i]
+    kv = step.cache.layer_kv(layer_idx)
+    if g.max_seqlen_q == 1 and sdpa_supports(1, 1, options) and cpu_decode.available(q_g, kv, kv_scales):
+        return cpu_decode.decode_attention(q_g, kv, g.block_table, g.seq_lens, options, scales=kv_scales)
+    key_cache, value_cache = step.cache.layer(layer_idx)
+    plan = step.ops_plan(i, q_g, key_cache, value_cache, kv_group)
+    return ops_attention.run_planned(plan, q_g, key_cache, value_cache, options, kv_scales=kv_scales)
 
 
 def _refuse_unsupported(

@@ -37,7 +37,7 @@ from pagedkv.hf.step_metadata import StepBatch
 from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.storage.kv import HostBlocks, KVStorage
 from pagedkv.storage.slots import check_write_args, scatter_kv
-from pagedkv.storage.spec import KVCacheSpec
+from pagedkv.storage.spec import KVCacheSpec, resolve_kv_cache_dtype
 
 BlockIds = npt.ArrayLike
 ATTENTION_BACKENDS = ("auto", "sdpa", "ops")
@@ -80,15 +80,18 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
         layer_groups: Sequence[LayerGroup] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> PagedKVCache:
         """Zeroed pages for `spec`'s layers (with `layer_groups`: one slot per layer of the largest group,
-        see the module docstring). Range checks are off: the allocator is the source of truth."""
+        see the module docstring), stored as `kv_cache_dtype` (`pagedkv.storage.spec.KV_CACHE_DTYPES`). Range
+        checks are off: the allocator is the source of truth."""
         if num_blocks < 2:
             raise InvalidArgumentError(
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
             )
         layer_map = group_layer_map(layer_groups, spec.num_layers) if layer_groups is not None else None
-        storage = KVStorage(cache_spec(spec, layer_groups), num_blocks, block_size, device, validate=False)
+        storage = KVStorage(cache_spec(spec, layer_groups, kv_cache_dtype), num_blocks, block_size, device,
+                            validate=False)  # fmt: skip
         return cls(storage, num_host_blocks=num_host_blocks, attention_backend=attention_backend, layer_map=layer_map)
 
     def locate(self, layer_idx: int) -> tuple[int, int]:
@@ -266,9 +269,12 @@ def group_layer_map(groups: Sequence[LayerGroup], num_layers: int) -> tuple[tupl
     return tuple(where[layer] for layer in range(num_layers))
 
 
-def cache_spec(spec: ModelSpec, layer_groups: Sequence[LayerGroup] | None) -> KVCacheSpec:
-    """The storage shape: every layer, or (with groups) the layer slots of one page."""
+def cache_spec(
+    spec: ModelSpec, layer_groups: Sequence[LayerGroup] | None, kv_cache_dtype: str = "auto"
+) -> KVCacheSpec:
+    """The storage shape: every layer, or (with groups) the layer slots of one page, in the storage dtype
+    `kv_cache_dtype` names ("auto": the model's)."""
     base = spec.kv_cache_spec()
-    if layer_groups is None:
-        return base
-    return KVCacheSpec(layers_per_block(layer_groups), base.num_kv_heads, base.head_dim, base.dtype)
+    num_layers = base.num_layers if layer_groups is None else layers_per_block(layer_groups)
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, base.dtype)
+    return KVCacheSpec(num_layers, base.num_kv_heads, base.head_dim, dtype)

@@ -32,8 +32,10 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e5m2": 1,
     "int8": 1,
 }
-# Bytes of scale per token, KV head and K/V that quantized dtypes keep beside their codes (float32).
+# Bytes of scale per token, KV head and K/V that quantized dtypes keep beside their codes (float32), and the
+# name of that scheme (part of the tiers' fingerprint: KV under two schemes never meets).
 SCALE_BYTES: dict[str, int] = {"int8": 4, "float8_e4m3fn": 4, "float8_e5m2": 4}
+SCALE_SCHEME = "per-token-head-f32"
 # The KV cache dtypes an engine, `plan` and `simulate` accept: "auto" keeps the model's dtype.
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
 _ALIASES: dict[str, str] = {
@@ -111,6 +113,11 @@ class KVCacheSpec:
     def is_quantized(self) -> bool:
         """One-byte codes with a float32 scale per token, KV head and K/V (int8, fp8 e4m3, fp8 e5m2)."""
         return self.dtype in SCALE_BYTES
+
+    @property
+    def scale_scheme(self) -> str:
+        """`SCALE_SCHEME` for quantized storage, "" otherwise."""
+        return SCALE_SCHEME if self.is_quantized else ""
 
     @property
     def scale_bytes(self) -> int:

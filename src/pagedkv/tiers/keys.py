@@ -1,7 +1,7 @@
 """Store keys: `pkv:v1:{model_fingerprint}:{block key hex}`.
 
 The fingerprint hashes everything that makes the same tokens mean different bytes: the model id, a digest
-of its weights, the KV dtype, the layer/head/dim shape, the block size and the tensor-parallel rank and
+of its weights, the KV dtype and, for quantized KV, its scale scheme, the layer/head/dim shape, the block size and the tensor-parallel rank and
 size. Two engines share a block only when all of them agree, so two models (or two TP shards, or two
 checkpoints saved under one name: fine-tunes, seeded random models) never read each other's KV.
 """
@@ -27,9 +27,11 @@ def model_fingerprint(
     tp_rank: int = 0,
     tp_size: int = 1,
     weights: str = "",
+    kv_scales: str = "",
 ) -> str:
     """16 hex digits of SHA-256 over the canonical JSON of the fields above (`weights`: the weights' digest,
-    `pagedkv.hf.loading.weights_digest`)."""
+    `pagedkv.hf.loading.weights_digest`; `kv_scales`: the quantized KV's scale scheme,
+    `KVCacheSpec.scale_scheme`, hashed only when set so unquantized fingerprints stay as they were)."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("block_size", block_size), ("tp_size", tp_size)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -41,6 +43,8 @@ def model_fingerprint(
         "head_dim": head_dim, "block_size": block_size, "tp_rank": tp_rank, "tp_size": tp_size,
         "weights": str(weights),
     }  # fmt: skip
+    if kv_scales:
+        fields["kv_scales"] = str(kv_scales)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

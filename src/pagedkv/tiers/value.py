@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
-from pagedkv.storage.spec import DTYPE_BYTES
+from pagedkv.storage.spec import DTYPE_BYTES, SCALE_BYTES
 
 MAGIC = b"PKVB"
 VERSION = 1
@@ -55,7 +55,8 @@ class CorruptValueError(PagedKVError):
 
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
-    """The dtype and shape of one block's payload: `(num_layers, 2, block_size, num_kv_heads, head_dim)`."""
+    """The dtype and shape of one block's payload: `(num_layers, 2, block_size, num_kv_heads, head_dim)`; a
+    quantized dtype's payload also holds its scales, `SCALE_BYTES` per (layer, K/V, token, KV head)."""
 
     dtype: str
     shape: tuple[int, int, int, int, int]
@@ -75,7 +76,8 @@ class BlockLayout:
         n = DTYPE_BYTES[self.dtype]
         for d in self.shape:
             n *= d
-        return n
+        rows = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+        return n + rows * SCALE_BYTES.get(self.dtype, 0)
 
     def value_bytes(self, key_len: int) -> int:
         """Size of a whole value (header + key + payload)."""
