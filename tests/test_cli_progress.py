@@ -54,3 +54,74 @@ def test_piped_commands_write_no_carriage_returns(argv: list[str]) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "\r" not in out.stderr and "\r" not in out.stdout, out.stderr[:300]
+
+
+def test_a_stage_line_ticks_through_a_long_silent_step_on_a_terminal() -> None:
+    """A step that reports nothing for seconds (building a workload, one numpy pass) still shows what runs
+    and for how long: `stage` names it and the line is redrawn on its own while it runs."""
+    import time
+
+    stream = _Tty()
+    with Progress("pagedkv plan", stream=stream, delay_s=0.0, interval_s=0.02, tick=True) as bar:
+        bar.stage("building the workload")
+        time.sleep(0.15)  # no update() at all: the ticker draws
+        assert "pagedkv plan: building the workload" in stream.getvalue()
+        bar.stage("hashing shared prefixes", unit="blocks")
+        bar.update(5)
+        time.sleep(0.05)
+        assert "hashing shared prefixes: 5 blocks" in stream.getvalue()
+    assert stream.getvalue().endswith("\r")
+
+
+def test_a_stage_line_is_silent_when_piped() -> None:
+    import time
+
+    stream = io.StringIO()
+    with Progress("pagedkv plan", stream=stream, delay_s=0.0, interval_s=0.01, tick=True) as bar:
+        bar.stage("building the workload")
+        time.sleep(0.05)
+    assert stream.getvalue() == ""
+
+
+def _on_a_pty(argv: list[str]) -> str:
+    """What `pagedkv ARGV` writes to a terminal (a pty of 120 columns; stdout and stderr together)."""
+    import os
+    import pty
+    import select
+    import struct
+
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.execv(sys.executable, [sys.executable, "-m", "pagedkv.cli", *argv])
+    import fcntl
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    chunks: list[bytes] = []
+    while True:
+        try:
+            ready, _, _ = select.select([fd], [], [], 600)
+            data = os.read(fd, 65536) if ready else b""
+        except OSError:  # the child closed the pty
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.waitpid(pid, 0)
+    os.close(fd)
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    "argv,stage",
+    [(["plan", "--num-requests", "300"], "pagedkv plan: building the workload"),
+     (["simulate", "--num-requests", "60", "--allocators", "paged"], "pagedkv simulate: building the workload")],
+    ids=["plan", "simulate"],
+)  # fmt: skip
+def test_plan_and_simulate_say_what_they_do_on_a_terminal(argv: list[str], stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal every phase is named as it starts (PAGEDKV_PROGRESS_DELAY_S=0 draws at once instead of
+    past a second); piped, nothing (test_piped_commands_write_no_carriage_returns)."""
+    monkeypatch.setenv("PAGEDKV_PROGRESS_DELAY_S", "0")
+    out = _on_a_pty(argv)
+    assert stage in out, out[-500:]
+    assert "allocator" in out  # the table came out too

@@ -179,3 +179,31 @@ def test_planner_output_is_in_gib_only(capsys) -> None:
     assert main(["plan", "--model", "llama-2-70b", "--num-requests", "5"]) == 2
     err = capsys.readouterr().err
     assert "GiB" in err and " GB" not in err
+
+
+def test_plan_without_allocators_plans_those_that_fit_and_says_why_the_others_are_left_out(capsys) -> None:
+    """gemma-3-27b's 131,072-token context in one contiguous run does not fit an H100's pool: `plan` used to
+    exit 2; it plans the paged allocators and names each one left out, with the reason, in one line."""
+    assert main(["plan", "--model", "gemma-3-27b", "--gpu", "h100-80gb", "--num-requests", "100"]) == 0
+    captured = capsys.readouterr()
+    assert "paged-prefix" in captured.out
+    left_out = [line for line in captured.out.splitlines() if line.startswith("left out: ")]
+    assert [line.split(":")[1].strip() for line in left_out] == ["contiguous-max"], captured.out
+    assert "reserves 8,192 blocks" in left_out[0] and "--max-model-len" in left_out[0]
+    assert main(["plan", "--model", "gemma-3-27b", "--gpu", "h100-80gb", "--num-requests", "100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "contiguous-max" not in data["allocators"] and "contiguous-max" in data["left_out"]
+    # asked for by name, it is still an error (one line)
+    argv = ["plan", "--model", "gemma-3-27b", "--gpu", "h100-80gb", "--num-requests", "100", "--allocators", "contiguous-max"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "contiguous-max" in err
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_a_gpu_alias_is_said_back_resolved(command: str, capsys) -> None:
+    assert main([command, "--gpu", "h100", "--num-requests", "20", "--allocators", "paged", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"pagedkv {command}: gpu: h100-80gb (--gpu h100)" in err, err
+    assert main([command, "--gpu", "h100-80gb", "--num-requests", "20", "--allocators", "paged", "--no-progress"]) == 0
+    assert "gpu:" not in capsys.readouterr().err  # the canonical name needs no echo

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.storage.spec import kv_bytes_per_token
+from pagedkv.storage.spec import KV_CACHE_DTYPES, KVCacheSpec, kv_bytes_per_token
 
 MIB = 1024**2
 GIB = 1024**3
@@ -96,6 +96,9 @@ class ModelShape:
     sliding_window: int = 0  # tokens a sliding layer attends to (0: none)
     layer_pattern: str = "F"  # repeated over the layers: F full attention, S sliding window
     weight_bytes_override: int = 0  # the checkpoint's bytes where they are not num_params x dtype_bytes
+    # how K/V are stored (pagedkv.storage.spec.KV_CACHE_DTYPES): "auto" = dtype_bytes per value, no scales;
+    # "int8"/"fp8_e4m3"/"fp8_e5m2" = 1 byte per value + a 4-byte scale per token, KV head and K/V
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_name(self.name, "model")
@@ -115,6 +118,11 @@ class ModelShape:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgumentError(f"model {self.name!r}: {f} must be a positive int, got {value!r}")
         self._check_layers()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgumentError(
+                f"model {self.name!r}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.num_attention_heads % self.num_kv_heads:
             raise InvalidArgumentError(
                 f"model {self.name!r}: num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -147,14 +155,22 @@ class ModelShape:
         return "S" in self.layer_pattern
 
     @property
+    def kv_element_bytes(self) -> tuple[int, int]:
+        """(bytes per K/V value, scale bytes per token, KV head and K/V) of the KV cache dtype."""
+        if self.kv_cache_dtype == "auto":
+            return self.dtype_bytes, 0
+        spec = KVCacheSpec(1, 1, 1, self.kv_cache_dtype)
+        return spec.bytes_per_element, spec.scale_bytes
+
+    @property
     def kv_bytes_per_layer_token(self) -> int:
-        """K and V of one token in one layer."""
-        return kv_bytes_per_token(1, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+        """K and V of one token in one layer (scales included)."""
+        return kv_bytes_per_token(1, self.num_kv_heads, self.head_dim, *self.kv_element_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+        """K and V for every layer: 2 x layers x kv_heads x (head_dim x value bytes + scale bytes)."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, *self.kv_element_bytes)
 
     @property
     def weight_bytes(self) -> int:

@@ -27,6 +27,7 @@ from pagedkv.sim.options import (
     catalog_from,
     check_workload,
     command_main,
+    say_resolved,
     sim_config_from,
     warn_dropped,
     workload_from,
@@ -138,10 +139,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_replica_flags(args)
         spec = workload_from(args)
-        check_workload(spec, sim_config_from(args).max_model_len)  # before anything is built
+        config = sim_config_from(args)
+        check_workload(spec, config.max_model_len)  # before anything is built
     except PagedKVError as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
         return 2
+    say_resolved("simulate", args, config)
     if getattr(args, "sweep_guidance", None):
         from pagedkv.sim.guidance import run_guidance
 
@@ -166,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             step_overhead_s=args.step_overhead_ms / 1000.0,
             tensor_parallel=args.tensor_parallel,
             activation_bytes=activation_bytes_from(args),
+            kv_cache_dtype=args.kv_cache_dtype,
             sweep_block_sizes=args.sweep_block_sizes,
             catalog=catalog_from(args),
             progress=not args.no_progress and not args.json,

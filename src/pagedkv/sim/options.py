@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ from pagedkv.engine.cli_args import (
     MAX_TOKENS,
     OneLineParser,
     add_block_size,
+    add_kv_cache_dtype,
     add_scheduler_arguments,
     check_fits_memory,
     existing_file,
@@ -111,6 +113,7 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--example-catalog", action=_ExampleCatalog, help="print an example catalog file and exit")
     g.add_argument("--max-model-len", type=token_count, help="context limit (default: the model's)")
     add_block_size(g)
+    add_kv_cache_dtype(g)
     g.add_argument(
         "--gpu-memory-utilization", type=fraction, default=0.9, help="fraction of memory (default: 0.9)"
     )
@@ -237,6 +240,8 @@ def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
     `overrides` replace fields (a command's own allocator, say)."""
     catalog = catalog_from(args)
     model = catalog.model(args.model)
+    if args.kv_cache_dtype != "auto":  # the model's KV stored in another dtype: its bytes per token change
+        model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype)
     fields: dict[str, object] = {
         "model": model,
         "gpu": catalog.gpu(args.gpu),
@@ -251,6 +256,14 @@ def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
         fields["step_overhead_s"] = args.step_overhead_ms / 1000.0
     fields.update(overrides)
     return SimConfig(**fields)  # type: ignore[arg-type]
+
+
+def say_resolved(command: str, args: argparse.Namespace, config: SimConfig) -> None:
+    """One stderr line per name the catalog resolved from another spelling (an alias, another case):
+    "pagedkv plan: gpu: h100-80gb (--gpu h100)", so no alias is taken silently."""
+    for flag, typed, name in (("--model", args.model, config.model.name), ("--gpu", args.gpu, config.gpu.name)):
+        if typed != name:
+            print(f"pagedkv {command}: {flag[2:]}: {name} ({flag} {typed})", file=sys.stderr)
 
 
 def _tokens_per_request(spec: WorkloadSpec, max_model_len: int) -> float:

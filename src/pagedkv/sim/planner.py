@@ -238,6 +238,37 @@ def first_fit_concurrency(
     return weighted / span if span else None
 
 
+def contiguous_blocks(name: str, workload: Workload, max_model_len: int, block_size: int) -> npt.NDArray[np.int64]:
+    """The blocks a contiguous allocator reserves for each request: `max_model_len` for every request
+    (contiguous-max), or the request's own final length (contiguous-oracle)."""
+    p = np.array([r.prompt_len for r in workload.requests], dtype=np.int64)
+    if name == "contiguous-max":
+        return np.full_like(p, -(-max_model_len // block_size))
+    o = np.array([r.output_len for r in workload.requests], dtype=np.int64)
+    return -(-(p + o) // block_size)
+
+
+def unfit_allocators(
+    budget: KVBudget, workload: Workload, max_model_len: int, allocators: Sequence[str]
+) -> dict[str, str]:
+    """The contiguous allocators of `allocators` that cannot hold one of the workload's requests in the
+    whole pool, each with one line saying why (a paged allocator holds any request the pool can)."""
+    out: dict[str, str] = {}
+    pool = budget.num_usable_blocks
+    for name in allocators:
+        if name not in ("contiguous-max", "contiguous-oracle") or not workload.requests:
+            continue
+        need = int(contiguous_blocks(name, workload, max_model_len, budget.block_size).max())
+        if need > pool:
+            what = (f"max_model_len {max_model_len:,} tokens" if name == "contiguous-max"
+                    else "the workload's longest request")  # fmt: skip
+            out[name] = (
+                f"reserves {need:,} blocks for {what} in one contiguous run, but the pool has {pool:,}; "
+                "a smaller --max-model-len or a larger --gpu plans it"
+            )
+    return out
+
+
 def plan_capacity(
     budget: KVBudget,
     workload: Workload,
@@ -245,10 +276,21 @@ def plan_capacity(
     *,
     max_num_seqs: int = 256,
     allocators: Sequence[str] = ALLOCATORS,
-    progress: bool | None = None,
+    progress: bool | None | Progress = None,
 ) -> dict[str, Any]:
     """Blocks per request and concurrent requests per allocator (see the module docstring), JSON-ready.
-    `progress`: a progress line on stderr (None: on a terminal, where the work takes over a second)."""
+    `progress`: a line on stderr naming each step (None: on a terminal, where the work takes over a
+    second; a `Progress` of the caller's: its line)."""
+    if isinstance(progress, Progress):
+        return _plan_capacity(budget, workload, max_model_len, max_num_seqs, allocators, progress)
+    with Progress("pagedkv plan", enabled=progress, tick=True) as bar:
+        return _plan_capacity(budget, workload, max_model_len, max_num_seqs, allocators, bar)
+
+
+def _plan_capacity(
+    budget: KVBudget, workload: Workload, max_model_len: int, max_num_seqs: int, allocators: Sequence[str],
+    bar: Progress,
+) -> dict[str, Any]:  # fmt: skip
     b = budget.block_size
     p = np.array([r.prompt_len for r in workload.requests], dtype=np.int64)
     o = np.array([r.output_len for r in workload.requests], dtype=np.int64)
@@ -259,15 +301,16 @@ def plan_capacity(
     result: dict[str, dict[str, Any]] = {}
     for name in allocators:
         check_allocator(name)
+        bar.stage(name)
         if name in ("contiguous-max", "contiguous-oracle"):
-            sizes = np.full_like(p, -(-max_model_len // b)) if name == "contiguous-max" else full_blocks
+            sizes = contiguous_blocks(name, workload, max_model_len, b)
             result[name] = _contiguous_row(name, sizes, p, o, life, budget, max_model_len, max_num_seqs)
             continue
         avg = float(growing.sum() / total_life)
         full = float((full_blocks * life).sum() / total_life)
         tokens = float(((p + (o - 1) / 2 + 0.5) * life).sum() / total_life)
         if name == "paged-prefix":
-            avg, full = _prefix_shared_blocks(workload, budget, life, avg, full, max_num_seqs, progress)
+            avg, full = _prefix_shared_blocks(workload, budget, life, avg, full, max_num_seqs, bar)
         free_blocks = budget.num_usable_blocks
         memory = int(free_blocks // avg)
         no_preempt = int(free_blocks // full)
@@ -279,6 +322,8 @@ def plan_capacity(
         "max concurrent: requests at random points of their lives, capped at max_num_seqs="
         f"{max_num_seqs}; no-preempt: every request can reach its full length; by memory: uncapped",
     ]
+    if budget.model.is_hybrid:
+        bar.stage("KV cache groups of the hybrid model")
     return {
         "model": budget.model.name,
         "gpu": budget.gpu.name,
@@ -329,16 +374,17 @@ def _prefix_shared_blocks(
     avg0: float,
     full0: float,
     max_num_seqs: int,
-    progress: bool | None = None,
+    bar: Progress,
 ) -> tuple[float, float]:
     """(mean, full) blocks per request once shared prefixes are counted once: a fixed point, N -> live
     holders per block -> blocks per request -> N."""
     total_life = float(life.sum())
     free_blocks = budget.num_usable_blocks
-    with Progress("plan: shared prefixes", unit="blocks hashed", enabled=progress) as bar:
-        chains = shared_prefix_chains(workload.requests, budget.block_size, bar)
+    bar.stage("paged-prefix: hashing shared prefixes", unit="blocks")
+    chains = shared_prefix_chains(workload.requests, budget.block_size, bar)
     n, avg, full = max(int(free_blocks // avg0), 1), avg0, full0
-    for _ in range(20):
+    for i in range(20):
+        bar.stage(f"paged-prefix: blocks shared by live requests, pass {i + 1}")
         saved = float((shared_blocks_saved(chains, min(n, max_num_seqs)) * life).sum() / total_life)
         avg, full = max(avg0 - saved, 1e-9), max(full0 - saved, 1e-9)
         n_next = max(int(free_blocks // avg), 1)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedkv.core.errors import CapacityError
 from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.progress import Progress
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator, hybrid_twin, is_hybrid_allocator
 from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.catalog import Catalog
@@ -120,13 +121,13 @@ def _with_hybrid_twins(variants: list[tuple[str, str, str]]) -> list[tuple[str, 
 
 
 def _replay(
-    config: SimConfig, wl: Workload, bar: _Progress, check_every: int, report: SimulationReport, name: str,
+    config: SimConfig, wl: Workload, bar: Progress, check_every: int, report: SimulationReport, name: str,
     variants: list[tuple[str, str, str]],
 ) -> SimTrace | None:
     """One run. A hybrid model's run whose pool cannot hold one `max_model_len` request is skipped (None,
     its reason in `report.skipped`) when the comparison has a hybrid run, which may hold it; else it raises."""
     try:
-        return simulate(config, wl, progress=bar, check_every=check_every)
+        return simulate(config, wl, progress=bar.update, check_every=check_every)
     except CapacityError as exc:
         others = [a for n, a, _ in variants if n != name]
         if is_hybrid_allocator(config.allocator) or not any(is_hybrid_allocator(a) for a in others):
@@ -154,12 +155,18 @@ def run_simulation(
     check_every: int = 0,
     evictions: Sequence[str] = (),
     partial_reuse: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> SimulationReport:
     """Replay `workload` (default: the shipped Azure conv trace) under each allocator; see `SimConfig`.
     `evictions`: run `paged-prefix` once per eviction policy (rows `paged-prefix:<policy>`); `partial_reuse`
-    turns partial-block reuse on for it. A hybrid model runs each paged allocator's hybrid twin beside it."""
+    turns partial-block reuse on for it. A hybrid model runs each paged allocator's hybrid twin beside it.
+    `kv_cache_dtype` stores the model's KV in another dtype (`ModelShape.kv_cache_dtype`).
+    `progress`: one line on stderr naming each phase (building the workload, then each run with its
+    finished requests), redrawn while it runs (`pagedkv.progress`)."""
     catalog = catalog or Catalog.builtin()
     model_spec, gpu_spec = catalog.model(model), catalog.gpu(gpu)
+    if kv_cache_dtype != "auto":
+        model_spec = replace(model_spec, kv_cache_dtype=kv_cache_dtype)
     for name in allocators:
         check_allocator(name)
     if not allocators:
@@ -171,20 +178,22 @@ def run_simulation(
         activation_bytes=activation_bytes,
     )  # fmt: skip
     budget = base.budget()
-    wl = build_workload(workload or WorkloadSpec(), base.max_model_len)
-    variants = _variants(allocators, evictions, hybrid=model_spec.is_hybrid)
-    runs = [(block_size, v) for v in variants]
-    runs += [(bs, v) for bs in sweep_block_sizes if bs != block_size for v in variants]
-    bar = _Progress(len(wl.requests) * len(runs), progress)
-    report = SimulationReport(base, wl, budget)
+    bar = Progress("pagedkv simulate", enabled=progress, tick=True)
     try:
-        for bs, (name, allocator_name, eviction) in runs:
-            bar.describe(f"{name} bs={bs}")
+        bar.stage("building the workload")
+        wl = build_workload(workload or WorkloadSpec(), base.max_model_len)
+        variants = _variants(allocators, evictions, hybrid=model_spec.is_hybrid)
+        runs = [(block_size, v) for v in variants]
+        runs += [(bs, v) for bs in sweep_block_sizes if bs != block_size for v in variants]
+        report = SimulationReport(base, wl, budget)
+        for i, (bs, (name, allocator_name, eviction)) in enumerate(runs, 1):
+            bar.stage(f"run {i}/{len(runs)}, {name} bs={bs}", total=len(wl.requests), unit="requests")
             config = replace(base, allocator=allocator_name, block_size=bs, eviction=eviction,
                              partial_reuse=partial_reuse)  # fmt: skip
             trace = _replay(config, wl, bar, check_every, report, name, variants)
             if trace is None:
                 continue
+            bar.stage(f"run {i}/{len(runs)}, {name} bs={bs}: summarising")
             summary = summarize(trace)
             if bs == block_size:
                 report.results[name] = summary
