@@ -1,4 +1,4 @@
-"""`pagedkv serve | simulate | plan | generate | bench {allocator,attention,e2e,tiers,stalls,bitwise,soak}`: a thin front door.
+"""`pagedkv serve | simulate | plan | generate | bench {allocator,attention,e2e,tiers,stalls,bitwise,soak,step,...}`: a thin front door.
 
 Each command lives in the module that owns its logic and exposes `add_arguments(parser)` and
 `run(args) -> int`. Modules are imported only when their command is chosen, so `simulate`, `plan` and
@@ -37,6 +37,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "soak"): ("pagedkv.bench.soak", "random operations on both managers, checked against a shadow KV store"),
     ("bench", "serve"): ("pagedkv.bench.serve", "pagedkv serve vs transformers serve under one load generator"),
     ("bench", "replicas"): ("pagedkv.bench.replicas", "replicas on Ray Serve: pagedkv's router vs Ray's, same requests"),
+    ("bench", "step"): ("pagedkv.bench.step", "where one engine step's time goes, and its fixed cost"),
 }
 
 
