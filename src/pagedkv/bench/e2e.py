@@ -63,6 +63,7 @@ import numpy as np
 
 from pagedkv.engine.cli_args import (
     add_block_size,
+    add_kv_cache_dtype,
     add_scheduler_arguments,
     add_threads,
     check_fits_memory,
@@ -184,6 +185,7 @@ def run_pagedkv(
             args, preemption_mode=cfg["preemption_mode"], admission_headroom=args.admission_headroom
         ),
         num_host_blocks=cfg["host_blocks"],
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     oracle = system.endswith("-oracle")
     engine = Engine(model, None, config)
@@ -375,6 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV budget in blocks (same for every paged system)",
     )  # fmt: skip
     add_block_size(parser)
+    add_kv_cache_dtype(parser)  # pagedkv's systems; the transformers baselines keep the model's dtype
     parser.add_argument(
         "--host-blocks",
         type=nonnegative_int,
@@ -571,6 +574,7 @@ def _result(
         "kv_budget_bytes": budget_bytes,
         "kv_budget_blocks": args.num_blocks,
         "block_size": args.block_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "requests": len(workload),
         "trace_offset": args.trace_offset,
         "prompt_tokens_mean": float(np.mean([len(r.prompt_token_ids) for r in workload])),

@@ -134,6 +134,18 @@ def add_block_size(parser: argparse.ArgumentParser | argparse._ArgumentGroup, de
     )  # fmt: skip
 
 
+def add_kv_cache_dtype(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--kv-cache-dtype`, the one declaration of how K/V are stored (`EngineConfig.kv_cache_dtype`, the
+    planner's and the simulator's KV bytes per token)."""
+    from pagedkv.storage.spec import KV_CACHE_DTYPES
+
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+        help="how K/V are stored: auto (the model's dtype), bf16, or one byte per value with a float32 scale per "
+        "token and KV head: int8, fp8_e4m3, fp8_e5m2 (docs/quantized-kv.md)",
+    )  # fmt: skip
+
+
 def default_threads() -> int:
     """The cores this process may run on (its CPU affinity), the default of every `--threads`."""
     try:

@@ -28,6 +28,7 @@ from typing import Any
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
     add_block_size,
+    add_kv_cache_dtype,
     add_scheduler_arguments,
     add_threads,
     byte_size,
@@ -104,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH"
     )
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    add_kv_cache_dtype(parser)
     add_threads(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -263,6 +265,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         disk_path=args.disk_path,
         disk_bytes=0 if args.disk_bytes is None else args.disk_bytes,
         remote_url=args.remote_url,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

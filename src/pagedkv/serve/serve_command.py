@@ -26,6 +26,7 @@ from typing import Any
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
     add_block_size,
+    add_kv_cache_dtype,
     add_scheduler_arguments,
     add_threads,
     byte_size,
@@ -85,6 +86,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     add_scheduler_arguments(engine, preemption=True)
     engine.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    add_kv_cache_dtype(engine)
     add_threads(engine)
     tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
     tiers.add_argument("--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)")

@@ -113,6 +113,12 @@ class KVBudget:
         """Tokens the usable blocks hold."""
         return self.num_usable_blocks * self.block_size
 
+    def _kv_dtype(self) -> str:
+        m = self.model
+        if m.kv_cache_dtype == "auto":
+            return f"{m.dtype_bytes}-byte values"
+        return f"{m.kv_cache_dtype}: 1-byte values + a float32 scale per token and KV head"
+
     def lines(self) -> list[str]:
         """The arithmetic, one line each, for printing (GiB = 2^30 bytes)."""
         tp = f"{self.tensor_parallel} x " if self.tensor_parallel > 1 else ""
@@ -129,7 +135,7 @@ class KVBudget:
         width = max(len(label) for label, _ in rows)
         out = [f"{label.ljust(width)}  {value / GIB:8.2f} GiB" for label, value in rows]
         out.append(
-            f"KV per token {self.bytes_per_token:,} bytes; per block of {self.block_size} tokens "
+            f"KV per token ({self._kv_dtype()}) {self.bytes_per_token:,} bytes; per block of {self.block_size} tokens "
             f"{self.bytes_per_block:,} bytes; {self.num_blocks:,} blocks, 1 of them the null block "
             f"({self.num_tokens:,} tokens for requests)"
         )
