@@ -40,7 +40,7 @@ ARCHS = (80, 90)
 GROUPS = tuple(range(1, 17))
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 24)  # 24: not a power of two (runtime block size)
-DTYPES = ("float16", "bfloat16", "float32", "int8", "fp8", "fp8_e5m2")  # fp8 ones: sm_89 and up only
+DTYPES = ("float16", "bfloat16", "float32", "fp8")
 TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "fp8": "fp8e4nv",
                 "fp8_e5m2": "fp8e5"}
 CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -71,7 +71,7 @@ def covering_specs() -> list[Spec]:
     dimension sizes, so every value of every dimension appears and pairs vary; plus the heavy corners."""
     specs: list[Spec] = []
     for arch in ARCHS:
-        dtypes = DTYPES if arch >= 89 else DTYPES[:4]
+        dtypes = DTYPES if arch >= 89 else DTYPES[:3]
         n = max(len(GROUPS), len(BLOCK_SIZES))
         for i in range(n):
             specs.append(
@@ -91,6 +91,11 @@ def covering_specs() -> list[Spec]:
         for decode in (True, False):
             specs.append(Spec(arch, decode, 16, 256, 16, True, True, "float32", True, True))
         specs.append(Spec(arch, False, 16, 256, 256, False, False, "bfloat16", False))
+        # quantized caches read with their scale sidecar: int8 everywhere, fp8 e5m2 where fp8 runs
+        for i, dtype in enumerate(SCALED if arch >= 89 else ("int8",)):
+            specs.append(Spec(arch, True, 4, 128, 16, i == 0, False, dtype, True))
+            specs.append(Spec(arch, False, 8, 64, 32, False, i == 0, dtype, False, True))
+            specs.append(Spec(arch, False, 16, 256, 24, True, True, dtype, True, True))  # heaviest, runtime block size
     return specs
 
 
@@ -103,7 +108,7 @@ def test_specs_cover_every_value() -> None:
         assert {s.group for s in mine} == set(GROUPS)
         assert {s.head_dim for s in mine} == set(HEAD_DIMS)
         assert {s.block_size for s in mine} == set(BLOCK_SIZES)
-        assert {s.dtype for s in mine} == set(DTYPES if arch >= 89 else DTYPES[:4])
+        assert {s.dtype for s in mine} == set((*DTYPES, *SCALED) if arch >= 89 else (*DTYPES[:3], "int8"))
         for attr in ("decode", "window", "soft_cap", "split", "sinks"):
             assert {getattr(s, attr) for s in mine} == {True, False}, attr
 

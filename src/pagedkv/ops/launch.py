@@ -27,8 +27,9 @@ has a segmented variant with a reduction for small grids. None of our values is 
   block: a scalar when a block holds the whole key tile, a vector of `tile_n / block_size` ids otherwise),
   else 0 (runtime block size, the table read per key position; one compile for every odd size).
 - `num_warps`: 4, or 8 once the accumulator reaches 8192 float32 values (64 rows x 128 dims; 4096 for
-  float32 caches), which keeps the per-thread registers below the spill line (the compile test fails on
-  spills).
+  float32 caches and for one-byte caches, whose tiles are converted and scaled in registers: an int8 prefill
+  at head dim 64 with soft cap and sinks spills 16 bytes on sm_80 with 4 warps, none with 8), which keeps the
+  per-thread registers below the spill line (the compile test fails on spills).
 - `num_stages = 2`: double-buffered K/V loads; more stages buy little for a loop whose addresses come
   from the block table and cost shared memory the 256-dim tiles need.
 - `num_splits` (flash-decoding): when (query tiles x KV heads) programs are fewer than twice the SM count,
@@ -74,7 +75,7 @@ def choose_launch(*, decode: bool, group: int, head_dim: int, block_size: int, c
     block_m = max(DECODE_ROWS_MIN, block_q * group_pad)
     tile_n = 16 if fp32 else (64 if dim_pad <= 128 else 32)
     block_size_const = block_size if block_size & (block_size - 1) == 0 else 0
-    num_warps = 8 if block_m * dim_pad >= 8192 or (fp32 and block_m * dim_pad >= 4096) else 4
+    num_warps = 8 if block_m * dim_pad >= 8192 or (cache_bits in (8, 32) and block_m * dim_pad >= 4096) else 4
     return LaunchConfig(block_q, block_m, group_pad, dim_pad, tile_n, block_size_const, num_warps, 2)
 
 

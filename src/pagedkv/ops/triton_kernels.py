@@ -42,8 +42,10 @@ FlashAttention does) for half caches (under the interpreter, whose bfloat16 dot 
 operands are upcast to float32 after that rounding); float32 caches use IEEE float32 dots (no TF32). fp8 (e4m3) caches are
 upcast to the query dtype on load and dequantized by `k_scale`/`v_scale`. Quantized caches with a scale
 sidecar (`KV_SCALES`: int8, fp8 e4m3/e5m2 codes and `kv_scales [2, NB, BS, Hkv]`) load each key tile's and value
-tile's scales beside its rows (scale index = row offset // HEAD_DIM, the caches being contiguous) and
-dequantize the tile in registers, code * scale in float32 then the query dtype, before the dots. The sum order differs from the
+tile's scales beside its rows (scale index = row offset // HEAD_DIM, the caches being contiguous): codes
+convert exactly to the query dtype (int8, e4m3 and e5m2 values all fit fp16/bf16), a key's scale multiplies
+its column of scores after the Q.K dot, and the value tile is dequantized in registers (code * scale in the
+query dtype) before the P.V dot; no dequantized copy of any block is made. The sum order differs from the
 reference's, so the two agree to rounding (tolerances in docs/attention.md), not bit for bit.
 """
 
@@ -212,12 +214,12 @@ def _paged_attention_kernel(
         kt = tl.load(
             key_cache_ptr + rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
         )  # K^T [DIM_PAD, TILE_N]
-        if KV_SCALES:  # each key's scale, beside its row: dequantize the tile in registers
-            ks = tl.load(kv_scales_ptr + rows // HEAD_DIM, mask=n_ok, other=0.0)
-            kt = (kt.to(tl.float32) * ks[None, :]).to(q.dtype)
+        ks = n_ok.to(tl.float32)  # per-key score factor: each key's scale with KV_SCALES (unused otherwise)
+        if KV_SCALES:  # codes convert exactly to the query dtype; each key's scale multiplies its scores
+            ks = tl.load(kv_scales_ptr + rows // HEAD_DIM, mask=n_ok, other=1.0)
         s = _scores(
-            q, kt, qk_scale, soft_cap, n, row_pos, window,
-            HAS_WINDOW, HAS_SOFT_CAP, IS_FP8, DOT_PRECISION, UPCAST_DOT,
+            q, kt, ks, qk_scale, soft_cap, n, row_pos, window,
+            HAS_WINDOW, HAS_SOFT_CAP, IS_FP8 or KV_SCALES, KV_SCALES, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -227,9 +229,9 @@ def _paged_attention_kernel(
         v = tl.load(
             value_cache_ptr + rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
         )  # [TILE_N, DIM_PAD]
-        if KV_SCALES:
+        if KV_SCALES:  # the value tile dequantized in registers, in the query dtype
             vs = tl.load(kv_scales_ptr + scales_half + rows // HEAD_DIM, mask=n_ok, other=0.0)
-            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+            v = v.to(q.dtype) * vs.to(q.dtype)[:, None]
         elif IS_FP8:
             v = v.to(q.dtype)
         if UPCAST_DOT:
@@ -289,16 +291,20 @@ def _key_rows(table_row, start, n, n_ok, hi, block_size, stride_cache_block, str
 
 
 @triton.jit
-def _scores(q, kt, qk_scale, soft_cap, n, row_pos, window, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-            IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):  # fmt: skip
-    """Base-2 scores [BLOCK_M, TILE_N] of the queries against the key tile `kt`, soft-capped, with the keys a
+def _scores(q, kt, ks, qk_scale, soft_cap, n, row_pos, window, HAS_WINDOW: tl.constexpr,
+            HAS_SOFT_CAP: tl.constexpr, UPCAST_KT: tl.constexpr, KEY_SCALES: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):  # fmt: skip
+    """Base-2 scores [BLOCK_M, TILE_N] of the queries against the key tile `kt` (one-byte codes upcast to the
+    query dtype when UPCAST_KT; times each key's scale `ks` when KEY_SCALES), soft-capped, with the keys a
     row may not see (after it, or outside its window) at -inf."""
-    if IS_FP8:
+    if UPCAST_KT:
         kt = kt.to(q.dtype)
     if UPCAST_DOT:
         s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee") * qk_scale
     else:
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if KEY_SCALES:
+        s = s * ks[None, :]
     if HAS_SOFT_CAP:
         # c * tanh(s / c), with tanh(x) = 1 - 2 / (exp(2x) + 1) (saturates cleanly), then to base 2.
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * 1.4426950408889634
