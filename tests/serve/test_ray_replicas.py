@@ -214,3 +214,37 @@ def test_a_hybrid_replica_lists_what_its_groups_hold_as_its_events_reported() ->
     replica.publisher.close()
     assert sorted(held) == [0, 1], "the tiny Gemma2 has a full and a sliding group"
     assert contents == {GPU: sorted(set().union(*held.values()))}
+
+
+def test_a_stream_the_client_left_ends_quietly_when_ray_cancels_its_call() -> None:
+    """`RemoteStream.abort` cancels the replica call; the read waiting on it then ends the stream instead of
+    raising Ray's RequestCancelledError into a task nobody awaits (a traceback at the ingress)."""
+    from pagedkv.serve.ray_ingress import RemoteStream
+
+    class Call:  # a streaming call as Ray's handle gives it: a pending read raises once cancelled
+        def __init__(self) -> None:
+            self.cancelled = asyncio.Event()
+
+        async def __anext__(self) -> Any:
+            await self.cancelled.wait()
+            raise RuntimeError("Request was cancelled")
+
+        def cancel(self) -> None:
+            self.cancelled.set()
+
+    async def scenario() -> list[Any]:
+        stream = RemoteStream(Call(), "r1", on_final=lambda outputs: None)
+        reader = asyncio.ensure_future(_read_all(stream))
+        await asyncio.sleep(0)
+        stream.abort()
+        return await reader
+
+    assert asyncio.run(scenario()) == []
+    unaborted = RemoteStream(Call(), "r2", on_final=lambda outputs: None)
+    unaborted._gen.cancel()  # cancelled by someone else: the error is the caller's to see
+    with pytest.raises(RuntimeError):
+        asyncio.run(_read_all(unaborted))
+
+
+async def _read_all(stream: Any) -> list[Any]:
+    return [out async for out in stream]

@@ -26,12 +26,14 @@ follows the new one from its first event. Routers (`router=`): `pagedkv` (defaul
 from __future__ import annotations
 
 import importlib
+import ipaddress
+import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+import sys
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
@@ -42,6 +44,7 @@ from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.serve.async_engine import AsyncEngine
 
 ROUTERS = ("pagedkv", "prefix-affinity", "pow2")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 TINY_ENGINE = "pagedkv.serve.ray_app:tiny_engine"
 TINY_THREADS = 1
 
@@ -153,6 +156,8 @@ class PagedKVReplica:
             "hash_fn": self.hash_fn, "epoch": int(self.engine.engine.manager.epoch),
             "free_blocks": s.num_blocks - s.num_used_blocks, "num_blocks": s.num_blocks,
             "num_running": s.num_running, "num_waiting": s.num_waiting + self.engine.num_waiting(),
+            "gauges": {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_swapped": s.num_swapped,
+                       "num_used_blocks": s.num_used_blocks, "num_blocks": s.num_blocks},  # the ingress's /metrics
         }  # fmt: skip
 
     def __del__(self) -> None:
@@ -221,74 +226,6 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
-class RemoteStream:
-    """One request's outputs streamed from a replica; the interface `pagedkv.serve.fanout` expects."""
-
-    def __init__(self, gen: Any, request_id: str, on_final: Any) -> None:
-        self._gen = gen
-        self.request_id = request_id
-        self._on_final = on_final
-        self._finals: list[RequestOutput] = []
-        self.replica: str | None = None  # the replica serving it, once its first output came
-        self.done = False
-
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            self.replica, out = await self._gen.__anext__()
-        except StopAsyncIteration:
-            self.done = True
-            if self._finals:
-                self._on_final(self._finals)
-            raise
-        if out.finished:
-            self._finals.append(out)
-        return out
-
-    def abort(self) -> None:
-        if not self.done:
-            self.done = True
-            self._gen.cancel()
-
-
-class RemoteEngine:
-    """The ingress's stand-in for an `AsyncEngine`: requests go to the replicas through a Ray handle (the
-    handle's request router picks the replica). Enough of AsyncEngine for `build_app`."""
-
-    def __init__(self, handle: Any, info: dict[str, Any]) -> None:
-        self.handle = handle.options(stream=True)
-        self.tokenizer = info["tokenizer"]
-        self.engine = SimpleNamespace(
-            spec=SimpleNamespace(max_position_embeddings=info["max_positions"]),
-            capacity_tokens=info["capacity_tokens"],
-            config=SimpleNamespace(block_size=info["block_size"]),
-        )
-        self.metrics: Any = None
-        self.alive = True
-        self._ids = 0
-
-    def start(self) -> None:
-        self.alive = True
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self.alive = False
-
-    def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-        cache_salt: str | None = None, priority: int = 0,
-    ) -> RemoteStream:  # fmt: skip
-        self._ids += 1
-        rid = request_id or f"ingress-{os.getpid()}-{self._ids}"
-        request = ReplicaRequest(list(prompt_token_ids), params, rid, cache_salt, priority)
-        return RemoteStream(self.handle.generate.remote(request), rid, self._observe)
-
-    def _observe(self, outputs: list[RequestOutput]) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_request(outputs)
-
-
 @dataclass(frozen=True)
 class ReplicaSet:
     """What `build_application` deploys (validated here, before Ray starts anything)."""
@@ -303,6 +240,8 @@ class ReplicaSet:
     max_ongoing_requests: int = 64
     stats_period_s: float = 1.0
     router_kwargs: dict[str, Any] = field(default_factory=dict)
+    drain_timeout_s: float = 30.0  # on delete, a replica finishes what is in flight for up to this long
+    log_level: str = "warning"  # of Serve's controller, proxy and replicas (access lines at info and debug)
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:
@@ -311,7 +250,16 @@ class ReplicaSet:
             raise InvalidArgumentError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.num_cpus < 0 or self.max_ongoing_requests < 1 or self.stats_period_s <= 0:
             raise InvalidArgumentError("num_cpus must be >= 0, max_ongoing_requests >= 1, stats_period_s > 0")
+        if self.drain_timeout_s < 0:
+            raise InvalidArgumentError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise InvalidArgumentError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         load_factory(self.engine)  # a bad factory is one line here, not a crash loop in every replica
+
+
+def serve_logging(log_level: str) -> dict[str, Any]:
+    """Serve's logging config for `log_level` (one of LOG_LEVELS): a line per request only at info and debug."""
+    return {"log_level": log_level.upper(), "enable_access_log": log_level in ("info", "debug")}
 
 
 def router_class(name: str) -> Any:
@@ -339,30 +287,20 @@ def build_application(spec: ReplicaSet) -> Any:
         request_router_class=router_class(spec.router), request_router_kwargs=dict(spec.router_kwargs),
         request_routing_stats_period_s=spec.stats_period_s, request_routing_stats_timeout_s=10.0,
     )  # fmt: skip
+    stopping = {"graceful_shutdown_timeout_s": spec.drain_timeout_s, "graceful_shutdown_wait_loop_s": 0.5,
+                "logging_config": serve_logging(spec.log_level)}  # fmt: skip
     replica = serve.deployment(
         PagedKVReplica, name="PagedKVReplica", num_replicas=spec.replicas,
         ray_actor_options={"num_cpus": spec.num_cpus}, request_router_config=config,
         max_ongoing_requests=spec.max_ongoing_requests, health_check_period_s=1.0, health_check_timeout_s=30.0,
+        **stopping,
     )  # fmt: skip
+    from pagedkv.serve.ray_ingress import OpenAIIngress
+
     ingress = serve.deployment(
-        serve.ingress()(OpenAIIngress), name="OpenAIIngress", ray_actor_options={"num_cpus": 0}
+        serve.ingress()(OpenAIIngress), name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, **stopping
     )
     return ingress.bind(replica.bind(spec.engine, spec.remote_url), spec.model_name, spec.api_key)
-
-
-class OpenAIIngress:
-    """The one ingress: `build_app`'s OpenAI routes over a `RemoteEngine`."""
-
-    async def __init__(self, replicas: Any, model_name: str, api_key: str | None) -> None:
-        self.replicas = replicas
-        self.remote = RemoteEngine(replicas, await replicas.describe.remote())
-        self.model_name = model_name
-        self.api_key = api_key
-
-    def __serve_build_asgi_app__(self) -> Any:
-        from pagedkv.serve.app import build_app
-
-        return build_app(self.remote, model_name=self.model_name, api_key=self.api_key, manage_engine=False)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -380,32 +318,92 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-machine cluster, on the loopback
+
+
+def check_port(host: str, port: int) -> None:
+    """One line (`InvalidArgumentError`) if nothing can listen on `host:port` (port 0: any free port can)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise InvalidArgumentError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+
+
+@contextmanager
+def ray_cluster(
+    address: str | None = None, *, num_cpus: int | None = None, host: str = "127.0.0.1", log_level: str = "warning"
+) -> Iterator[bool]:  # fmt: skip
+    """Ray for `running`; yields whether this call started it (then it shuts it down on exit). The cluster
+    this process is connected to, else `ray.init(address)`: None starts a local cluster of `num_cpus` whose
+    servers listen on `host` as far as Ray allows (Ray turns a loopback node address into the machine's
+    address, so for a loopback `host` it starts as Ray's single-machine cluster, LOCAL_ONLY_ENV=0, which
+    works only before `ray` is first imported in this process; another host becomes the node's address,
+    where Ray's gRPC servers still listen on every interface); "auto" or "ray://HOST:PORT" joins one.
+    Ray logs at `log_level` (LOG_LEVELS) in this process; its workers' lines reach it through Serve's
+    logging config (`serve_logging`)."""
+    local_only = address is None and host in LOOPBACK and "ray" not in sys.modules and LOCAL_ONLY_ENV not in os.environ
+    if local_only:
+        os.environ[LOCAL_ONLY_ENV] = "0"
+    try:
+        import ray
+
+        started = not ray.is_initialized()
+        if started:
+            env = {"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
+            node = {"_node_ip_address": host} if address is None and _is_address(host) and not local_only else {}
+            ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, dashboard_host=host,
+                     runtime_env=env, logging_level=log_level.upper(), **node)  # fmt: skip
+        from ray import serve
+
+        logging.getLogger("ray.serve").setLevel(log_level.upper())  # `import ray.serve` set it to INFO
+        try:
+            yield started
+        finally:
+            if started:
+                serve.shutdown()
+                ray.shutdown()
+    finally:
+        if local_only:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+
+
+def _is_address(host: str) -> bool:
+    """An IP address of one interface (not a name, not a wildcard such as 0.0.0.0)."""
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+@contextmanager
+def serve_app(spec: ReplicaSet, *, host: str = "127.0.0.1", port: int = 0, app_name: str = "pagedkv") -> Iterator[Deployed]:
+    """Deploy `spec` on the Ray this process is connected to, with Serve's HTTP proxy on `host:port` (0: a
+    free port), and yield it; on exit delete the app: each replica first finishes what is in flight, for up
+    to `spec.drain_timeout_s`."""
+    from ray import serve
+
+    port = port or free_port(host)
+    serve.start(http_options={"host": host, "port": port}, logging_config=serve_logging(spec.log_level))
+    serve.run(build_application(spec), name=app_name, route_prefix="/")
+    try:
+        yield Deployed(f"http://{host}:{port}", serve.get_deployment_handle("PagedKVReplica", app_name), app_name)
+    finally:
+        serve.delete(app_name)
+
+
 @contextmanager
 def running(
     spec: ReplicaSet, *, address: str | None = None, num_cpus: int | None = None, host: str = "127.0.0.1",
     port: int = 0, app_name: str = "pagedkv",
 ) -> Iterator[Deployed]:  # fmt: skip
     """Deploy `spec` and yield it; undo on exit what this call started (the app; Serve and Ray if it started
-    them). Ray: the running cluster if this process is connected, else `ray.init(address)` (None: a new local
-    cluster with `num_cpus`; "auto" or "ray://HOST:PORT": an existing one)."""
-    import ray
-    from ray import serve
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        env = {"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
-        ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, runtime_env=env)
-    try:
-        port = port or free_port(host)
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(build_application(spec), name=app_name, route_prefix="/")
-        try:
-            yield Deployed(
-                f"http://{host}:{port}", serve.get_deployment_handle("PagedKVReplica", app_name), app_name
-            )
-        finally:
-            serve.delete(app_name)
-    finally:
-        if started_ray:
-            serve.shutdown()
-            ray.shutdown()
+    them): `ray_cluster` then `serve_app`."""
+    with ray_cluster(address, num_cpus=num_cpus, host=host, log_level=spec.log_level), serve_app(
+        spec, host=host, port=port, app_name=app_name
+    ) as deployed:
+        yield deployed

@@ -6,7 +6,8 @@
 Every `pagedkv serve` flag means what it means there (the engine flags are `pagedkv generate`'s); each replica
 loads the model itself and builds its engine from the same flags with KV events on. `--replicas 1` runs on
 Ray only with `--ray-address`; without it, it is one process with neither Ray nor Redis. Ctrl-C or SIGTERM
-removes the application and, if this process started the local Ray cluster, stops it.
+drains as the single server does (the streams in flight finish, for up to `--drain-timeout` seconds), removes
+the application and, if this process started the local Ray cluster, stops it; the exit code is 0.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any
 
-from pagedkv.serve.ray_app import ReplicaSet, running
+from pagedkv.serve.ray_app import ReplicaSet, check_port, ray_cluster, serve_app
 
 
 def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
@@ -44,7 +45,9 @@ def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
 
 
 def run_replicas(args: Any) -> int:
-    """Deploy `args.replicas` replicas of the model `args` describe and serve until Ctrl-C or SIGTERM."""
+    """Deploy `args.replicas` replicas of the model `args` describe and serve until Ctrl-C or SIGTERM, then
+    drain: the app is deleted (each replica finishes what is in flight, for up to `--drain-timeout`
+    seconds), Serve and the Ray cluster this process started stop, and the exit code is 0."""
     from pagedkv.engine.commands import _engine_config
     from pagedkv.hf.loading import check_source
 
@@ -53,15 +56,28 @@ def run_replicas(args: Any) -> int:
     spec = ReplicaSet(
         replicas=args.replicas, engine=functools.partial(engine_from_args, dict(vars(args))),
         remote_url=args.remote_url, router=args.router, model_name=args.served_model_name or args.model,
-        api_key=args.api_key, num_cpus=args.replica_cpus,
+        api_key=args.api_key, num_cpus=args.replica_cpus, drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
     )  # fmt: skip
+    if args.ray_address is None:
+        check_port(args.host, args.port)  # in use: one line, before Ray starts
+    if spec.remote_url is None and spec.replicas > 1:
+        print(f"pagedkv serve: warning: without --remote-url the {spec.replicas} replicas will not share KV "
+              "(each computes the prefixes it has not seen itself)", file=sys.stderr, flush=True)  # fmt: skip
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with running(spec, address=args.ray_address, host=args.host, port=args.port, app_name="pagedkv") as app:
-        print(f"pagedkv serve: {spec.replicas} replicas of {spec.model_name} on {app.url} (router {spec.router})",
-              file=sys.stderr, flush=True)  # fmt: skip
-        with suppress(KeyboardInterrupt):
-            stop.wait()
+
+    def on_sigterm(*_: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    with ray_cluster(args.ray_address, host=args.host, log_level=spec.log_level):
+        # ray.init put its own handler in (it exits at once, without draining, and its core worker aborts)
+        signal.signal(signal.SIGTERM, on_sigterm)
+        with serve_app(spec, host=args.host, port=args.port, app_name="pagedkv") as app:
+            print(f"pagedkv serve: {spec.replicas} replicas of {spec.model_name} on {app.url} (router {spec.router})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            with suppress(KeyboardInterrupt):
+                stop.wait()
     return 0
 
 

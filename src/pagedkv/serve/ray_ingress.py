@@ -1,0 +1,150 @@
+"""The ingress of `pagedkv serve --replicas N`: `build_app`'s OpenAI routes over the replicas' handle.
+
+    client --HTTP--> Serve's proxy --> OpenAIIngress (FastAPI: `pagedkv.serve.app.build_app`)
+                                          RemoteEngine: add_request -> handle.generate (streaming), routed
+                                          by the handle's request router -> a PagedKVReplica (ray_app)
+
+`RemoteEngine` is enough of an `AsyncEngine` for `build_app`; its streams (`RemoteStream`) are what
+`pagedkv.serve.fanout` reads, and a client that leaves cancels its replica call. `/metrics` is the
+ingress's own request counters and histograms (`IngressMetrics`), with the engine gauges summed over the
+replicas' latest routing stats, under the single server's names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.params import SamplingParams
+from pagedkv.serve.metrics import ServerMetrics
+from pagedkv.serve.ray_app import ReplicaRequest
+
+
+class RemoteStream:
+    """One request's outputs streamed from a replica; the interface `pagedkv.serve.fanout` expects."""
+
+    def __init__(self, gen: Any, request_id: str, on_final: Any) -> None:
+        self._gen = gen
+        self.request_id = request_id
+        self._on_final = on_final
+        self._finals: list[RequestOutput] = []
+        self.replica: str | None = None  # the replica serving it, once its first output came
+        self.done = False
+        self._aborted = False
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            self.replica, out = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self.done = True
+            if self._finals:
+                self._on_final(self._finals)
+            raise
+        except Exception:
+            if self._aborted:  # the call `abort` cancelled (Ray's RequestCancelledError): the stream just ends
+                raise StopAsyncIteration from None
+            raise
+        if out.finished:
+            self._finals.append(out)
+        return out
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self._aborted = True
+            self._gen.cancel()
+
+
+class RemoteEngine:
+    """The ingress's stand-in for an `AsyncEngine`: requests go to the replicas through a Ray handle (the
+    handle's request router picks the replica). Enough of AsyncEngine for `build_app`."""
+
+    def __init__(self, handle: Any, info: dict[str, Any]) -> None:
+        self.handle = handle.options(stream=True)
+        self.tokenizer = info["tokenizer"]
+        self.engine = SimpleNamespace(
+            spec=SimpleNamespace(max_position_embeddings=info["max_positions"]),
+            capacity_tokens=info["capacity_tokens"],
+            config=SimpleNamespace(block_size=info["block_size"]),
+        )
+        self.metrics: Any = None
+        self.alive = True
+        self._ids = 0
+
+    def start(self) -> None:
+        self.alive = True
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.alive = False
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+        cache_salt: str | None = None, priority: int = 0,
+    ) -> RemoteStream:  # fmt: skip
+        self._ids += 1
+        rid = request_id or f"ingress-{os.getpid()}-{self._ids}"
+        request = ReplicaRequest(list(prompt_token_ids), params, rid, cache_salt, priority)
+        return RemoteStream(self.handle.generate.remote(request), rid, self._observe)
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(outputs)
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """Each replica's latest `record_routing_stats`, as this process's request router holds them (Ray
+        refreshes them every `stats_period_s`; Ray 2.60 keeps the router behind private attributes: empty
+        if it moved)."""
+        router = getattr(getattr(self.handle, "_router", None), "_asyncio_router", None)
+        replicas = getattr(getattr(router, "_request_router", None), "curr_replicas", None) or {}
+        try:
+            return [dict(r.routing_stats) for r in list(replicas.values()) if r.routing_stats]
+        except RuntimeError:  # Ray's thread changed the replicas meanwhile: the next scrape reads them
+            return []
+
+
+class IngressMetrics(ServerMetrics):
+    """The ingress's metrics: its own request counters and histograms, and the engine gauges summed over
+    the replicas when scraped (running and waiting requests; KV usage = blocks held / blocks, all replicas)."""
+
+    def __init__(self, model_name: str, replica_stats: Callable[[], list[dict[str, Any]]]) -> None:
+        super().__init__(model_name)
+        self._replica_stats = replica_stats
+
+    def observe_replicas(self, stats: list[dict[str, Any]]) -> None:
+        """Set the gauges from the replicas' `record_routing_stats` (their "gauges": the single server's)."""
+        m, gauges = self.model_name, [s["gauges"] for s in stats if "gauges" in s]
+
+        def total(name: str) -> int:
+            return sum(int(g[name]) for g in gauges)
+
+        self.running.labels(m).set(total("num_running"))
+        self.waiting.labels(m).set(total("num_waiting"))
+        self.swapped.labels(m).set(total("num_swapped"))
+        blocks = total("num_blocks")
+        self.kv_usage.labels(m).set(total("num_used_blocks") / blocks if blocks else 0.0)
+
+    def exposition(self) -> bytes:
+        self.observe_replicas(self._replica_stats())
+        return super().exposition()
+
+
+class OpenAIIngress:
+    """The one ingress: `build_app`'s OpenAI routes over a `RemoteEngine`."""
+
+    async def __init__(self, replicas: Any, model_name: str, api_key: str | None) -> None:
+        self.replicas = replicas
+        self.remote = RemoteEngine(replicas, await replicas.describe.remote())
+        self.model_name = model_name
+        self.api_key = api_key
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from pagedkv.serve.app import build_app
+
+        self.remote.metrics = IngressMetrics(self.model_name, self.remote.replica_stats)
+        return build_app(self.remote, model_name=self.model_name, api_key=self.api_key, manage_engine=False)  # type: ignore[arg-type]
