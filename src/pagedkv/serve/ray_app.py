@@ -1,6 +1,6 @@
 """`pagedkv serve --replicas N`: N engine replicas on Ray Serve behind one OpenAI ingress and a KV-aware router.
 
-    ingress (1 replica, FastAPI: the same OpenAI routes as `pagedkv serve`, `pagedkv.serve.app.build_app`)
+    ingress (1 replica, FastAPI: the same OpenAI routes as `pagedkv serve`; `pagedkv.serve.ray_ingress`)
         | DeploymentHandle, streaming; the handle's router is PagedKVRequestRouter (pagedkv.serve.ray_router)
         v
     PagedKVReplica x N   each: an Engine(kv_events=True) in an AsyncEngine, a ZMQ publisher of its KV events,
@@ -21,6 +21,9 @@ Ray restarts a replica whose actor dies or whose `check_health` fails (the engin
 follows the new one from its first event. Routers (`router=`): `pagedkv` (default), `prefix-affinity` (Ray's
 `PrefixCacheAffinityRouter`, which matches prompt text: `ReplicaRequest.prompt` is one character per token),
 `pow2` (Ray's default power of two choices).
+
+`running(spec)` is `ray_cluster` (the connected Ray, or one it starts and later stops) around `serve_app`
+(deploys; on exit deletes the app, each replica finishing what is in flight for `spec.drain_timeout_s`).
 """
 
 from __future__ import annotations
