@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.config import EngineConfig
@@ -76,6 +77,12 @@ def test_c_kernel_and_reference_read_the_same_codes() -> None:
     _, sdpa = run("int8", attention_backend="sdpa")  # decode: the C kernel (one thread), prefill: reference
     _, ops = run("int8", attention_backend="ops")  # everything through pagedkv.ops (reference on CPU)
     assert sdpa == ops
+
+
+def test_bf16_pages_under_a_float32_model() -> None:
+    """KV stored in another dtype than the model's: attention upcasts it (pagedkv.ops), not SDPA."""
+    engine, tokens = run("bf16")
+    assert engine.cache.storage.dtype == torch.bfloat16 and all(len(t) == PARAMS.max_new_tokens for t in tokens)
 
 
 def test_budget_counts_codes_and_scales() -> None:

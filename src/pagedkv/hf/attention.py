@@ -100,7 +100,8 @@ def _attend_group(
     kv_scales = cache.storage.layer_scales(layer_idx)
     if kv_scales is not None:  # quantized pages: read in place by kernels that dequantize (docs/quantized-kv.md)
         return _attend_quantized(step, i, q_g, layer_idx, options, kv_group, kv_scales)
-    if cache.attention_backend == "sdpa" and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], options):
+    same_dtype = cache.storage.dtype == q_g.dtype  # else (KV stored in another dtype) pagedkv.ops upcasts
+    if cache.attention_backend == "sdpa" and same_dtype and sdpa_supports(g.max_seqlen_q, g.seq_lens.shape[0], options):
         new = slice(g.token_start, g.token_end)  # the chunk's own K/V, for a prefill with no cached context
         return paged_sdpa(q_g, cache.layer_kv(layer_idx), step.sdpa_plan(i, kv_group), options, new_key=k[new],
                           new_value=v[new])  # fmt: skip
