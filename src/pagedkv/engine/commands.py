@@ -6,8 +6,10 @@
 
 Prompts come from arguments or `--prompts-file` (one prompt a line, or JSONL objects with a "prompt" and
 optionally "id", "max_new_tokens"). `--json` prints one object a line per completion (see
-`RequestOutput.as_dict`); otherwise the texts, then a one-line summary on stderr. A progress bar runs on
-stderr for batches of 8 prompts or more (`--no-progress` silences it and transformers' loading bars).
+`RequestOutput.as_dict`); otherwise the texts, then a one-line summary on stderr. On a terminal one
+completion (one prompt, `--n 1`) streams: its text is written as its tokens are produced; several, or piped
+output, come whole at the end. A progress bar runs on stderr for batches of 8 prompts or more
+(`--no-progress` silences it and transformers' loading bars).
 
 Everything is checked before the weights load: the arguments, the model source (a bad folder or a file that
 is not GGUF is one line on stderr, exit code 2), `--max-new-tokens` against the model's context length, and
@@ -177,11 +179,19 @@ def _run(args: argparse.Namespace) -> int:
     encoded = [encode_prompt(tokenizer, prompt, chat=chat) for _, prompt, _ in items]
     reasons = [prompt_problem(ids, p.max_new_tokens, max_pos) for ids, p in zip(encoded, params)]
     served = [i for i, why in enumerate(reasons) if why is None]
+    if args.kv_budget is not None:  # say back what the size typed resolved to (1gb is 10^9 bytes)
+        print(f"pagedkv generate: kv budget: {args.kv_budget / 2**30:.2f} GiB ({args.kv_budget:,} bytes)",
+              file=sys.stderr)  # fmt: skip
+    one = len(items) == 1 and served == [0] and params[0].n == 1
+    stream = _TextStream(sys.stdout, params[0].stop) if one and not args.json and _on_terminal(sys.stdout) else None
     # 3. the weights, then serve the prompts that can be served
-    engine, engine_outputs, wall = _load_and_serve(args, source, tokenizer, config, encoded, params, served)
+    engine, engine_outputs, wall = _load_and_serve(args, source, tokenizer, config, encoded, params, served, stream)
     # 4. the completions in prompt order, rejections included; then the summary
     outputs = _group_outputs(engine_outputs, encoded, reasons, served)
-    _print_outputs(args, items, outputs)
+    if stream is not None and outputs[0][1].finish_reason != "rejected":  # rejected by the engine: no tokens
+        stream.finish(outputs[0][1].output_text or "")
+    else:
+        _print_outputs(args, items, outputs)
     rejected = [i for i, out in outputs if out.finish_reason == "rejected" and out.parent_id is None]
     done = [out for _, out in outputs if out.finish_reason != "rejected"]
     num_tokens = sum(len(o.output_token_ids) for o in done)
@@ -277,8 +287,10 @@ def _load_and_serve(
     encoded: list[list[int]],
     params: list[Any],
     served: list[int],
+    stream: _TextStream | None = None,
 ) -> tuple[Any, list[Any], float]:
-    """Load the weights, build the engine and serve the prompts `served` names: (engine, outputs, wall s)."""
+    """Load the weights, build the engine and serve the prompts `served` names: (engine, outputs, wall s);
+    `stream` gets every new token's snapshot."""
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.hf.loading import load_weights
 
@@ -293,7 +305,7 @@ def _load_and_serve(
     try:
         for medium, why in engine.tiering.inactive().items() if engine.tiering is not None else ():
             print(f"pagedkv generate: warning: the {medium} tier is inactive: {why}", file=sys.stderr)
-        engine_outputs = _serve(engine, encoded, params, served, progress, args.cache_salt)
+        engine_outputs = _serve(engine, encoded, params, served, progress, args.cache_salt, stream)
     finally:
         engine.close()  # the disk tier's file and the remote store's connections
     progress.close()
@@ -385,6 +397,7 @@ def _serve(
     served: list[int],
     progress: Any,
     cache_salt: str | None,
+    stream: _TextStream | None = None,
 ) -> list[Any]:
     if not served:
         return []
@@ -394,5 +407,40 @@ def _serve(
             [params[i] for i in served],
             on_step=lambda done: progress.update(len(done)),
             cache_salt=cache_salt,
+            on_token=stream,
         )
     )
+
+
+def _on_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class _TextStream:
+    """One completion's text written to `out` as it grows (an engine `on_token` callback), then `finish`.
+
+    The text of a snapshot can still change at its end: an incomplete UTF-8 sequence decodes to U+FFFD
+    until its last byte arrives, and the start of a stop string is cut once the string completes. So the
+    last `len(longest stop) - 1` characters and a trailing U+FFFD wait for the next token; `finish` writes
+    what the final text has beyond what was written (or, should they differ, the final text on a new line)."""
+
+    def __init__(self, out: Any, stop: tuple[str, ...]) -> None:
+        self.out = out
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.written = ""
+
+    def __call__(self, snapshot: Any) -> None:
+        text = snapshot.output_text or ""
+        safe = text[: len(text) - self.holdback].rstrip("\ufffd")
+        if len(safe) > len(self.written) and safe.startswith(self.written):
+            self.out.write(safe[len(self.written) :])
+            self.out.flush()
+            self.written = safe
+
+    def finish(self, final: str) -> None:
+        rest = final[len(self.written) :] if final.startswith(self.written) else "\n" + final
+        self.out.write(rest + "\n")
+        self.out.flush()
