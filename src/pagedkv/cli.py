@@ -38,6 +38,11 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "serve"): ("pagedkv.bench.serve", "pagedkv serve vs transformers serve under one load generator"),
     ("bench", "replicas"): ("pagedkv.bench.replicas", "replicas on Ray Serve: pagedkv's router vs Ray's, same requests"),
     ("bench", "step"): ("pagedkv.bench.step", "where one engine step's time goes, and its fixed cost"),
+    ("bench", "kv-dtype"): (
+        "pagedkv.bench.kv_dtype",
+        "KV cache dtypes side by side: accuracy, requests at one budget, decode attention time",
+    ),
+    ("bench", "spec"): ("pagedkv.bench.spec", "tokens/s with and without speculative decoding, side by side"),
 }
 
 
