@@ -290,7 +290,7 @@ def build_application(spec: ReplicaSet) -> Any:
         request_router_class=router_class(spec.router), request_router_kwargs=dict(spec.router_kwargs),
         request_routing_stats_period_s=spec.stats_period_s, request_routing_stats_timeout_s=10.0,
     )  # fmt: skip
-    stopping = {"graceful_shutdown_timeout_s": spec.drain_timeout_s, "graceful_shutdown_wait_loop_s": 0.5,
+    stopping: dict[str, Any] = {"graceful_shutdown_timeout_s": spec.drain_timeout_s, "graceful_shutdown_wait_loop_s": 0.5,
                 "logging_config": serve_logging(spec.log_level)}  # fmt: skip
     replica = serve.deployment(
         PagedKVReplica, name="PagedKVReplica", num_replicas=spec.replicas,
@@ -358,9 +358,9 @@ def ray_cluster(
         started = not ray.is_initialized()
         if started:
             env = {"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
-            node = {"_node_ip_address": host} if address is None and _is_address(host) and not local_only else {}
+            node: dict[str, Any] = {"_node_ip_address": host} if address is None and _is_address(host) and not local_only else {}
             ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, dashboard_host=host,
-                     runtime_env=env, logging_level=log_level.upper(), **node)  # fmt: skip
+                     runtime_env=env, logging_level=getattr(logging, log_level.upper()), **node)  # fmt: skip
         from ray import serve
 
         logging.getLogger("ray.serve").setLevel(log_level.upper())  # `import ray.serve` set it to INFO
