@@ -108,7 +108,7 @@ needs_c = pytest.mark.skipif(cpu_decode.isa() is None, reason="the C decode kern
 
 @needs_c
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("dim", [16, 64, 13])
+@pytest.mark.parametrize("dim", [16, 64, 13, 136])
 def test_c_decode_kernel_reads_codes_in_place(dtype: torch.dtype, dim: int) -> None:
     isas = ["generic"] + (["avx2+fma"] if cpu_decode.isa() == "avx2+fma" else [])
     before = cpu_decode.isa()

@@ -16,12 +16,12 @@ every visible key against all the query heads that share it, keeps every score (
 the weighted sum of V rows), so the answer is the exact softmax, not an online rescaled one. A dot product runs
 in float32 over 8 partial sums (lane j takes the elements d = j mod 8) added as ((0+1)+(2+3))+((4+5)+(6+7)),
 the same order wherever the key sits, so a sequence's output depends only on its own tokens, not on the batch
-or on which blocks hold them. An x86-64 CPU with AVX2 and FMA runs a vectorised copy (eight keys scored at
+or on which blocks hold them. An x86-64 CPU with AVX2, FMA and F16C runs a vectorised copy (eight keys scored at
 once, the value sum kept in registers) for head sizes that are a multiple of 8, chosen once at import
 (`set_isa` switches, for tests); the portable copy serves the rest. Arguments are checked before anything is
 written; the GIL is released while the kernel runs. Python side: `pagedkv.ops.cpu_decode`.
 
-decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, is_int8)
+decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, kind)
 
   codes       uint8   [2, NB, BS, Hkv, D]   one layer's quantized pages (int8 or fp8 bit patterns), K then V
   scales      float32 [2, NB, BS, Hkv]      the scale of each token's KV head: its value is code * scale
@@ -29,8 +29,10 @@ decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, windo
 
 The same attention over the pages' values, computed as the float32 kernel computes it over pages holding
 fl(code * scale): each key and value element is dequantized in registers as it is read (no dequantized copy of
-any block), so both give bit-identical outputs. `is_int8` lets the vector copy convert int8 codes directly
-instead of looking them up.
+any block), so both give bit-identical outputs. `kind` (0 any code through `lut`, 1 int8, 2 fp8 e4m3, 3 fp8
+e5m2) lets the vector copy convert codes in registers (int8 directly, fp8 with F16C) instead of looking them up;
+it dequantizes 8 key rows, or 32 value rows, at a time into a small buffer shared by the query heads of a KV
+head (a few KiB, in L1), never a block.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -130,8 +132,11 @@ typedef struct {
     Py_ssize_t batch, heads, kv_heads, dim, num_blocks, block_size, width;
     float scale;
     long window;
-    int is_int8;
+    int kind; /* CODES_LUT (any code through `lut`), CODES_INT8, CODES_E4M3, CODES_E5M2 */
 } CodesArgs;
+
+enum { CODES_LUT = 0, CODES_INT8 = 1, CODES_E4M3 = 2, CODES_E5M2 = 3 };
+#define V_TILE 32 /* value rows the vector copy dequantizes at once, shared by the query heads of a KV head */
 
 /* The slot (block * BS + offset) of each visible key of sequence b, in position order; returns n. */
 static Py_ssize_t visible_slots(const CodesArgs *a, Py_ssize_t b, Py_ssize_t *slots) {
@@ -194,7 +199,7 @@ static void codes_generic(const CodesArgs *a, float *scores, Py_ssize_t *slots, 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define HAVE_AVX2_COPY 1
 #include <immintrin.h>
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* lane sums of x in the order ((0+1)+(2+3))+((4+5)+(6+7)), broadcast */
 AVX2 static inline float hsum8(__m256 x) {
@@ -327,88 +332,88 @@ AVX2 static void decode_avx2(const DecodeArgs *a, float *scores, const float **r
     }
 }
 
-/* Eight codes at c, dequantized: lut[c[j]] * s (int8 codes converted directly). */
-AVX2 static inline __m256 load_codes8(const CodesArgs *a, const uint8_t *c, __m256 s) {
+/* Eight codes at c as floats, exactly their values: int8 converted directly; fp8 through F16C, e5m2 being the
+high byte of a half and e4m3's exponent and mantissa bits a half's shifted by one (value / 256, so times 256,
+exact). */
+AVX2 static inline __m256 code_values8(int kind, const uint8_t *c) {
     const __m128i raw = _mm_loadl_epi64((const __m128i *)c);
-    const __m256 x = a->is_int8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))
-                                : _mm256_i32gather_ps(a->lut, _mm256_cvtepu8_epi32(raw), 4);
-    return _mm256_mul_ps(x, s);
+    if (kind == CODES_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    const __m128i x = _mm_cvtepu8_epi16(raw);
+    if (kind == CODES_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+    const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.0f));
 }
 
-/* dot8 over code rows: key j's elements are fl(code * scale_j), the float kernel's page values */
-AVX2 static inline __m256 dot8_codes(const CodesArgs *a, const float *q, const uint8_t *const *k, const float *ks,
-                                     Py_ssize_t D) {
-    __m256 acc[8];
-    __m256 sv[8];
-    for (int j = 0; j < 8; j++) {
-        acc[j] = _mm256_setzero_ps();
-        sv[j] = _mm256_set1_ps(ks[j]);
-    }
-    for (Py_ssize_t d = 0; d < D; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(x, load_codes8(a, k[j] + d, sv[j]), acc[j]);
-    }
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+/* Row r (slot * Hkv + head) of K (v = 0) or V (v = 1) dequantized into out[0..D): fl(value * scale). */
+AVX2 static inline void dequant_row8(const CodesArgs *a, int v, Py_ssize_t r, float *out) {
+    const Py_ssize_t D = a->dim, rows = a->num_blocks * a->block_size * a->kv_heads;
+    const uint8_t *c = a->codes + (v * rows + r) * D;
+    const __m256 s = _mm256_set1_ps(a->scales[v * rows + r]);
+    for (Py_ssize_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(code_values8(a->kind, c + d), s));
 }
 
-/* The AVX2 + FMA copy over codes: head sizes that are a multiple of 8 (the others go to the portable copy). */
-AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots, float *row) {
+/* The AVX2 + FMA + F16C copy over codes: head sizes that are a multiple of 8 (the others go to the portable
+copy). decode_avx2's arithmetic on rows dequantized a few at a time into `buf` (8 key rows, or V_TILE value
+rows, once for all the query heads that share them); the value sums go through `out` between tiles, exact
+float32 stores, so the sums are the float kernel's. */
+AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots, float *buf) {
     const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim, H = a->kv_heads;
-    const Py_ssize_t rows = a->num_blocks * a->block_size * H;
-    if (D % 8 != 0) {
-        codes_generic(a, scores, slots, row);
+    if (D % 8 != 0 || a->kind == CODES_LUT) {
+        codes_generic(a, scores, slots, buf);
         return;
     }
     const __m256 scale = _mm256_set1_ps(a->scale);
+    const float *k[8];
+    for (int j = 0; j < 8; j++) k[j] = buf + j * D;
     for (Py_ssize_t b = 0; b < a->batch; b++) {
         const Py_ssize_t n = visible_slots(a, b, slots);
         for (Py_ssize_t h = 0; h < H; h++) {
             const float *q = a->query + (b * a->heads + h * g) * D;
             float *o = a->out + (b * a->heads + h * g) * D;
-            for (Py_ssize_t i = 0; i < g; i++) {
-                const float *qi = q + i * D;
-                float *sc = scores + i * n;
-                Py_ssize_t l = 0;
-                for (; l + 8 <= n; l += 8) {
-                    const uint8_t *k[8];
-                    float ks[8];
-                    for (int j = 0; j < 8; j++) {
-                        const Py_ssize_t r = slots[l + j] * H + h;
-                        k[j] = a->codes + r * D;
-                        ks[j] = a->scales[r];
-                    }
-                    _mm256_storeu_ps(sc + l, _mm256_mul_ps(dot8_codes(a, qi, k, ks, D), scale));
-                }
-                for (; l < n; l++) {
-                    const Py_ssize_t r = slots[l] * H + h;
-                    const __m256 s = _mm256_set1_ps(a->scales[r]);
+            Py_ssize_t l = 0;
+            for (; l + 8 <= n; l += 8) {
+                for (int j = 0; j < 8; j++) dequant_row8(a, 0, slots[l + j] * H + h, buf + j * D);
+                for (Py_ssize_t i = 0; i < g; i++)
+                    _mm256_storeu_ps(scores + i * n + l, _mm256_mul_ps(dot8(q + i * D, k, 0, D), scale));
+            }
+            for (; l < n; l++) {
+                dequant_row8(a, 0, slots[l] * H + h, buf);
+                for (Py_ssize_t i = 0; i < g; i++) {
                     __m256 acc = _mm256_setzero_ps();
                     for (Py_ssize_t d = 0; d < D; d += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), load_codes8(a, a->codes + r * D + d, s), acc);
-                    sc[l] = hsum8(acc) * a->scale;
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + d), _mm256_loadu_ps(buf + d), acc);
+                    scores[i * n + l] = hsum8(acc) * a->scale;
+                }
+            }
+            float *inv = scores + g * n; /* g more floats at the end of `scores` */
+            for (Py_ssize_t i = 0; i < g; i++) inv[i] = 1.0f / softmax_numerators8(scores + i * n, n);
+            memset(o, 0, (size_t)(g * D) * sizeof(float));
+            for (Py_ssize_t l0 = 0; l0 < n; l0 += V_TILE) {
+                const Py_ssize_t m = n - l0 < V_TILE ? n - l0 : V_TILE;
+                for (Py_ssize_t j = 0; j < m; j++) dequant_row8(a, 1, slots[l0 + j] * H + h, buf + j * D);
+                for (Py_ssize_t i = 0; i < g; i++) {
+                    const float *sc = scores + i * n + l0;
+                    for (Py_ssize_t d0 = 0; d0 < D; d0 += 64) {
+                        const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
+                        float *oi = o + i * D + d0;
+                        __m256 acc[8];
+                        for (int c = 0; c < nv; c++) acc[c] = _mm256_loadu_ps(oi + 8 * c);
+                        for (Py_ssize_t j = 0; j < m; j++) {
+                            const __m256 w = _mm256_broadcast_ss(sc + j);
+                            const float *v = buf + j * D + d0;
+                            for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                        }
+                        for (int c = 0; c < nv; c++) _mm256_storeu_ps(oi + 8 * c, acc[c]);
+                    }
                 }
             }
             for (Py_ssize_t i = 0; i < g; i++) {
-                float *sc = scores + i * n;
-                const __m256 inv = _mm256_set1_ps(1.0f / softmax_numerators8(sc, n));
-                for (Py_ssize_t d0 = 0; d0 < D; d0 += 64) {
-                    const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
-                    __m256 acc[8];
-                    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-                    for (Py_ssize_t l = 0; l < n; l++) {
-                        const Py_ssize_t r = rows + slots[l] * H + h;
-                        const __m256 w = _mm256_broadcast_ss(sc + l), s = _mm256_set1_ps(a->scales[r]);
-                        const uint8_t *v = a->codes + r * D + d0;
-                        for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(w, load_codes8(a, v + 8 * c, s), acc[c]);
-                    }
-                    for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + i * D + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
-                }
+                const __m256 s = _mm256_set1_ps(inv[i]);
+                for (Py_ssize_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + i * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + d), s));
             }
         }
     }
-    (void)row;
 }
 #endif
 
@@ -529,13 +534,17 @@ static PyObject *native_decode_codes(PyObject *self, PyObject *const *args, Py_s
     (void)self;
     if (kwnames != NULL || nargs != 10) {
         PyErr_SetString(PyExc_TypeError, "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, "
-                                         "window, is_int8): 10 positional arguments");
+                                         "window, kind): 10 positional arguments");
         return NULL;
     }
     const double scale = PyFloat_AsDouble(args[7]);
     const long window = PyLong_AsLong(args[8]);
-    const int is_int8 = PyObject_IsTrue(args[9]);
-    if (PyErr_Occurred() || is_int8 < 0) return NULL;
+    const long kind = PyLong_AsLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    if (kind < CODES_LUT || kind > CODES_E5M2) {
+        PyErr_SetString(PyExc_ValueError, "decode_codes: kind must be 0 (lut), 1 (int8), 2 (e4m3) or 3 (e5m2)");
+        return NULL;
+    }
     PyObject *result = NULL;
     Py_buffer q, c, sc, lut, t, s, o;
     if (get_array(args[0], &q, "query", "f", 3, 0) < 0) return NULL;
@@ -553,12 +562,12 @@ static PyObject *native_decode_codes(PyObject *self, PyObject *const *args, Py_s
         PyErr_SetString(PyExc_ValueError, "decode_codes: scales must be [2, NB, BS, Hkv] like the codes, lut [256]");
     } else if (check_args(&d, &q, &c, &t, &s, &o) == 0) {
         CodesArgs a = {q.buf, c.buf, sc.buf, lut.buf, t.buf, s.buf, o.buf, d.batch, d.heads, d.kv_heads, d.dim,
-                       d.num_blocks, d.block_size, d.width, (float)scale, window, is_int8};
+                       d.num_blocks, d.block_size, d.width, (float)scale, window, (int)kind};
         const Py_ssize_t g = a.kv_heads > 0 ? a.heads / a.kv_heads : 0;
         const size_t keys = (size_t)(a.width * a.block_size + 1);
-        float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * keys);
+        float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * (keys + 1));
         Py_ssize_t *slots = malloc(sizeof(Py_ssize_t) * keys);
-        float *row = malloc(sizeof(float) * (size_t)a.dim);
+        float *row = malloc(sizeof(float) * (size_t)(a.dim * V_TILE));
         if (scores == NULL || slots == NULL || row == NULL) {
             PyErr_NoMemory();
         } else {
@@ -604,7 +613,8 @@ static PyObject *native_set_isa(PyObject *self, PyObject *arg) {
         Py_RETURN_NONE;
     }
 #ifdef HAVE_AVX2_COPY
-    if (strcmp(name, "avx2+fma") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (strcmp(name, "avx2+fma") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
         decode_impl = decode_avx2;
         codes_impl = codes_avx2;
         Py_RETURN_NONE;
@@ -618,7 +628,7 @@ static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))native_decode, METH_FASTCALL | METH_KEYWORDS,
      "decode(query, kv, block_table, seq_lens, out, scale, window): paged float32 decode attention into out."},
     {"decode_codes", (PyCFunction)(void (*)(void))native_decode_codes, METH_FASTCALL | METH_KEYWORDS,
-     "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, is_int8): paged decode "
+     "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, kind): paged decode "
      "attention over quantized pages into out."},
     {"isa", native_isa, METH_NOARGS, "Which compiled copy of the kernel runs: 'avx2+fma' or 'generic'."},
     {"set_isa", native_set_isa, METH_O, "set_isa(name): run the 'generic' or the 'avx2+fma' copy from now on."},
@@ -630,7 +640,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_decode", NULL, 
 PyMODINIT_FUNC PyInit__cpu_decode(void) {
 #ifdef HAVE_AVX2_COPY
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
         decode_impl = decode_avx2;
         codes_impl = codes_avx2;
     }

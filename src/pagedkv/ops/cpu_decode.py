@@ -5,7 +5,7 @@
 causal, GQA, optional sliding window) without gathering the blocks into a dense tensor first: for each
 sequence and KV head the C kernel reads each visible key row once for all query heads that share it, then
 the exact softmax (max, exp, sum) and the weighted sum of value rows. float32 only, one thread; an x86-64 CPU
-with AVX2 and FMA runs a vectorised copy (`isa()`; head sizes that are a multiple of 8, eight keys scored at
+with AVX2, FMA and F16C runs a vectorised copy (`isa()`; head sizes that are a multiple of 8, eight keys scored at
 once, e^x in eight lanes within 2 ulp of libm's), `set_isa` switches copies (tests compare them).
 
 Quantized pages (int8, fp8 e4m3/e5m2 codes with their per-token-per-head `scales`,
@@ -29,6 +29,7 @@ from pagedkv.ops.options import AttentionOptions
 
 _NATIVE = load_extension("pagedkv.ops._cpu_decode")
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # how the vector copy converts codes
 _LUTS: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -104,7 +105,7 @@ def decode_attention(
                 out.numpy(),
                 options.scale_for(query.shape[-1]),
                 int(options.sliding_window or 0),
-                kv.dtype == torch.int8,
+                _KINDS[kv.dtype],
             )
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(str(e)) from None
