@@ -47,3 +47,10 @@ def test_every_flag_is_documented_and_every_documented_flag_exists(path: tuple[s
     assert named <= flags, (
         f"docs/cli.md names flags pagedkv {' '.join(path)} does not have: {sorted(named - flags)}"
     )
+
+
+@pytest.mark.parametrize("path", DOCUMENTED, ids=[" ".join(p) for p in DOCUMENTED])
+def test_each_flag_has_one_row(path: tuple[str, ...]) -> None:
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)`", _section(path), re.M)
+    twice = sorted({flag for flag in rows if rows.count(flag) > 1})
+    assert not twice, f"docs/cli.md lists {twice} more than once for pagedkv {' '.join(path)}"
