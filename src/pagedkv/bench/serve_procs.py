@@ -3,19 +3,20 @@
 Each server is a subprocess of the bench, bound to 127.0.0.1 port 0 (the kernel picks a free port; the bench
 reads it from the first "http://HOST:PORT" in the server's log: pagedkv serve's "on http://..." line,
 uvicorn's "running on http://..."), with `HF_HUB_OFFLINE=1`
-(nothing downloads) and `OMP_NUM_THREADS=1`. It is ready when `GET /health` answers 200; the model id requests send is the first of `/v1/models`. It is stopped by
+(nothing downloads) and `OMP_NUM_THREADS=1` unless the bench gives each its threads (`env`). It is ready when `GET /health` answers 200; the model id requests send is the first of `/v1/models`. It is stopped by
 its pid: SIGTERM, then SIGKILL after `grace_s`. Its resident memory and CPU time are read from
 `/proc/PID/status` and `/proc/PID/stat` (Linux).
 
-`transformers serve` cannot read pagedkv's cached conversion of a GGUF file as it is (its loader takes the
-model class from `config.json`'s `architectures`, which GGUF conversions leave out), so `peer_folder` makes
-a folder of links to the same files with that one key added: both servers then load the same weights and
-the same tokenizer. `transformers serve` itself is run through `PEER_LAUNCHER`, which sets one torch thread
-before handing over to its command line, unchanged.
+`transformers serve` needs `config.json`'s `architectures` to pick the model class (pagedkv's GGUF
+conversions name it; a folder from elsewhere may not), so `peer_folder` makes a folder of links to the
+same files with that one key added where it is missing: every server then loads the same weights and the
+same tokenizer. `transformers serve` itself is run through `PEER_LAUNCHER`, which sets torch's threads
+(`OMP_NUM_THREADS`) before handing over to its command line, unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,12 +33,13 @@ from pagedkv.core.errors import InvalidArgumentError
 
 # the first URL with a port in the log: uvicorn's "running on http://HOST:PORT", pagedkv serve's "on http://..."
 _LISTENING = re.compile(r"https?://[^\s/:]+:(\d+)")
-# `python -c PEER_LAUNCHER MARGIN serve ...`: one torch thread, then transformers' own command line. MARGIN
+# `python -c PEER_LAUNCHER MARGIN serve ...`: torch threads as OMP_NUM_THREADS (the bench's --threads),
+# then transformers' own command line. MARGIN
 # "default" leaves transformers' admission headroom alone (safety_margin None = 0.15 in its scheduler);
 # a number sets it, as `ContinuousBatchingConfig(safety_margin=...)` would (its CLI has no flag for it).
 PEER_LAUNCHER = """
-import sys, torch
-torch.set_num_threads(1)
+import os, sys, torch
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 margin = sys.argv.pop(1)
 if margin != "default":
     from transformers.generation.configuration_utils import ContinuousBatchingConfig as C
@@ -75,24 +77,45 @@ class ServerProcess:
             return ""
 
 
-def server_env() -> dict[str, str]:
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env.update(extra or {})
     return env
 
 
+def free_port() -> int:
+    """A port the kernel calls free now, for a server that cannot bind port 0 itself and say which it got
+    (vLLM logs the port it was given); another process may take it before the server binds it (rare)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def start_server(
-    name: str, argv: list[str], log_dir: Path, *, ready_timeout_s: float = 300.0
+    name: str,
+    argv: list[str],
+    log_dir: Path,
+    *,
+    ready_timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> ServerProcess:
-    """Start `argv` (a server that binds port 0 and logs uvicorn's "running on" line), wait until its
-    `/health` answers 200; on failure stop it and raise `RuntimeError` with its log's tail."""
+    """Start `argv` (a server that binds port 0 and logs uvicorn's "running on" line, or one told `port`),
+    with `env` over `server_env()`, wait until its `/health` answers 200; on failure stop it and raise
+    `RuntimeError` with its log's tail."""
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=server_env()
-        )
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=server_env(env),
+            start_new_session=True,
+        )  # fmt: skip
     server = ServerProcess(name, proc, log_path)
+    if port is not None:
+        server.base_url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(server, ready_timeout_s)
     except BaseException:
@@ -127,7 +150,9 @@ def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
 
 
 def stop_server(server: ServerProcess, grace_s: float = 15.0) -> int | None:
-    """SIGTERM, then SIGKILL after `grace_s`; the exit code."""
+    """SIGTERM, then SIGKILL after `grace_s`; the exit code. The server's own children (vLLM's engine
+    process) that outlive it are ended too, by their pids, taken before the server stops."""
+    children = descendants(server.pid) if server.proc.poll() is None else []
     if server.proc.poll() is None:
         server.proc.send_signal(signal.SIGTERM)
         try:
@@ -135,6 +160,9 @@ def stop_server(server: ServerProcess, grace_s: float = 15.0) -> int | None:
         except subprocess.TimeoutExpired:
             server.proc.kill()
             server.proc.wait(10)
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     return server.proc.returncode
 
 
@@ -153,6 +181,41 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of `pid`'s children, their children, and so on (Linux /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop(0)
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of `pid`'s process tree: its own and every live descendant's user + system time, plus what
+    the children each has waited for used (so a worker that ended is counted by its parent)."""
+    total = 0.0
+    for p in (pid, *descendants(pid)):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:  # ended between the listing and the read
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += sum(int(fields[i]) for i in (11, 12, 13, 14)) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 # --- the two servers ------------------------------------------------------------------------------------
 
 
@@ -163,15 +226,16 @@ def pagedkv_argv(model: str, options: list[str]) -> list[str]:
 
 
 def peer_argv(
-    folder: Path, block_size: int, num_blocks: int, max_batch_tokens: int, safety_margin: float | None = None
+    folder: Path, block_size: int, num_blocks: int, max_batch_tokens: int, safety_margin: float | None = None,
+    *, dtype: str = "float32",
 ) -> list[str]:
-    """`transformers serve --continuous-batching` on 127.0.0.1, a free port, the same KV budget, fp32, SDPA;
-    `safety_margin` None keeps its own admission headroom (0.15)."""
+    """`transformers serve --continuous-batching` on 127.0.0.1, a free port, the same KV budget and dtype,
+    SDPA; `safety_margin` None keeps its own admission headroom (0.15)."""
     margin = "default" if safety_margin is None else str(safety_margin)
     return [sys.executable, "-c", PEER_LAUNCHER, margin, "serve", str(folder), "--continuous-batching",
             "--cb-block-size", str(block_size), "--cb-num-blocks", str(num_blocks),
             "--cb-max-batch-tokens", str(max_batch_tokens), "--attn-implementation", "sdpa",
-            "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+            "--dtype", dtype, "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
             "--log-level", "warning"]  # fmt: skip
 
 

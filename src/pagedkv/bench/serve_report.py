@@ -2,10 +2,12 @@
 
 Per system and load: the median run's figures (by output tokens/s; the lower middle for an even count),
 `runs_tokens_per_s` and `ranges` (min, max over runs of tokens/s, TTFT p99 and TPOT p50). Paired ratios
-(run i against run i: the runs were interleaved) of `pagedkv-serve` over `transformers-serve` at each load,
-and of `pagedkv-serve` over `pagedkv-offline` at the burst (the server's cost); `ratios_cpu` pairs the
-output tokens per CPU second of the serving process (the server's, or this process's for the offline
-engine), which a shared machine moves much less than wall time. The goals are judged on `ratios`.
+(round i against round i: the rounds were interleaved) of `pagedkv-serve` over every other system at each
+load (over `pagedkv-offline` at the burst: the server's cost); `ratios_cpu` pairs the output tokens per CPU
+second of the serving process tree (the server's with its workers, or this process's for the offline
+engine), which a shared machine moves much less than wall time. The goals are judged on `ratios`. Texts are
+compared only among systems that serve the same weights (`texts_not_compared` says who does not); a peer
+that is not installed (`skipped`) or did not start (`failed`) is named with the reason.
 
 Goals, each `met` True/False (None where a system needed was not run):
 - `saturation`: at the burst, the median paired tokens/s ratio pagedkv-serve / transformers-serve >= 1.25;
@@ -26,7 +28,14 @@ import numpy as np
 
 RANGE_KEYS = ("tokens_per_s", "ttft_p99_s", "tpot_p50_s", "tokens_per_cpu_s")
 TABLE_COLUMNS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
-                 "errors", "tokens_per_cpu_s")  # fmt: skip
+                 "itl_p50_s", "itl_p99_s", "errors", "tokens_per_cpu_s")  # fmt: skip
+# What the table says of a system wherever it appears, so that no figure is read as something it is not.
+NOTES = {
+    "openvino": "served through pagedkv's thin OpenAI shim over OpenVINO GenAI's ContinuousBatchingPipeline "
+    "(OpenVINO GenAI has no HTTP server)",
+    "llama-cpp": "llama-cpp-python's server answers one request at a time (a serial server, not a batching "
+    "peer) and serves the GGUF's quantised weights: its text is not compared",
+}
 
 
 def cpu_model() -> str:
@@ -64,10 +73,13 @@ def paired(
     return {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios), "runs": ratios}
 
 
-def text_agreement(texts: dict[str, dict[str, list[dict[str, str]]]]) -> dict[str, Any]:
-    """Per load: how many requests' texts differ from pagedkv-serve's (or the first system's), per system."""
+def text_agreement(
+    texts: dict[str, dict[str, list[dict[str, str]]]], comparable: set[str] | None = None
+) -> dict[str, Any]:
+    """Per load: how many requests' texts differ from pagedkv-serve's (or the first system's), per system,
+    among the `comparable` systems (same weights, same dtype; None: all)."""
     out: dict[str, Any] = {}
-    systems = list(texts)
+    systems = [s for s in texts if comparable is None or s in comparable]
     if not systems:
         return out
     base = "pagedkv-serve" if "pagedkv-serve" in texts else systems[0]
@@ -111,24 +123,28 @@ def result_object(
     runs: dict[str, dict[str, list[dict[str, Any]]]],
     texts: dict[str, dict[str, list[dict[str, str]]]],
     memory: dict[str, list[tuple[float, int]]],
+    peer_configs: dict[str, dict[str, Any]] | None = None,
+    failed: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    from pagedkv.bench.serve import system_configs
+    from pagedkv.bench.peers import registry
+    from pagedkv.bench.serve_systems import base_configs
 
     figures = {s: {name: median_run(r) for name, r in by_load.items() if r} for s, by_load in runs.items()}
     ratios: dict[str, Any] = {}
-    ratios_cpu: dict[
-        str, Any
-    ] = {}  # output tokens per CPU second of the serving process: steadier when shared
-    for other in ("transformers-serve", "pagedkv-offline"):
-        if "pagedkv-serve" in runs and other in runs:
+    ratios_cpu: dict[str, Any] = {}  # output tokens per CPU second of the serving process tree: steadier
+    for other in runs:
+        if "pagedkv-serve" in runs and other != "pagedkv-serve":
             mine, theirs = runs["pagedkv-serve"], runs[other]
             names = [name for name in setup.loads if theirs[name]]
             ratios[f"pagedkv-serve/{other}"] = {name: paired(mine[name], theirs[name]) for name in names}
             ratios_cpu[f"pagedkv-serve/{other}"] = {
                 name: paired(mine[name], theirs[name], "tokens_per_cpu_s") for name in names
             }
-    configs = system_configs(args)
-    agreement = text_agreement(texts)
+    configs = {**base_configs(args), **(peer_configs or {})}
+    peers = registry()
+    not_compared = {s: "serves other weights (the GGUF's quantised ones)" for s in runs
+                    if s in peers and not peers[s].same_weights}  # fmt: skip
+    agreement = text_agreement(texts, {s for s in runs if s not in not_compared})
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": cpu_model(),
@@ -141,8 +157,13 @@ def result_object(
         "block_size": args.block_size,
         "loads": setup.loads,
         "repeat": args.repeat,
-        "systems": {s: {"config": configs[s]} for s in runs},
-        "differing_settings": differing(configs, list(runs)),
+        "systems": {s: {"config": configs.get(s, {}), **({"note": NOTES[s]} if s in NOTES else {})} for s in runs},
+        "skipped": dict(getattr(setup, "skipped", {}) or {}),
+        "failed": dict(failed or {}),
+        "threads": getattr(args, "threads", None),
+        "dtype": getattr(args, "dtype", None),
+        "differing_settings": differing(configs, [s for s in runs if s in configs]),
+        "texts_not_compared": not_compared,
         "figures": figures,
         "ratios": ratios,
         "ratios_cpu": ratios_cpu,
@@ -162,6 +183,11 @@ def differing(configs: dict[str, dict[str, Any]], systems: list[str]) -> dict[st
     }
 
 
+def _loadavg_range(result: dict[str, Any]) -> str:
+    values = [x for by_load in result["figures"].values() for f in by_load.values() for x in f.get("loadavg_1m") or []]
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if value < 100 else f"{value:.1f}"
@@ -173,6 +199,15 @@ def print_table(result: dict[str, Any]) -> None:
           f"(prompt mean {result['prompt_tokens_mean']:.0f}, output mean {result['output_tokens_mean']:.0f} tokens), "
           f"KV budget {result['kv_budget_blocks']} blocks x {result['block_size']} tokens, "
           f"{result['repeat']} interleaved repeat(s); texts identical: {result['texts_identical']}")  # fmt: skip
+    print(f"threads {result['threads']}, dtype {result['dtype']}; loadavg 1m during the runs: "
+          f"{_loadavg_range(result)}")  # fmt: skip
+    for system, why in {**result["skipped"], **result["failed"]}.items():
+        print(f"not run: {system}: {why}")
+    for system, entry in result["systems"].items():
+        if entry.get("note"):
+            print(f"note: {system}: {entry['note']}")
+    for system, why in result["texts_not_compared"].items():
+        print(f"texts: {system} not compared: {why}")
     print("settings that differ:")
     for key, by_system in result["differing_settings"].items():
         print(f"  {key}: " + "; ".join(f"{s}: {v}" for s, v in by_system.items()))
