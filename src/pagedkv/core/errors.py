@@ -37,3 +37,7 @@ class NotSupportedError(PagedKVError, NotImplementedError):
 
 class InvariantError(PagedKVError, AssertionError):
     """An internal invariant is broken: a bug in pagedkv. The message names the component."""
+
+
+class EngineStateError(PagedKVError):
+    """The engine is paused or asleep: it takes no request until `resume()` / `wake_up()` (HTTP 503)."""

@@ -70,6 +70,7 @@ from pagedkv.hf.cache import PagedKVCache, cache_spec
 from pagedkv.storage.spec import blocks_in_budget
 
 if TYPE_CHECKING:
+    from pagedkv.engine.lifecycle import Lifecycle, SleepReport, UpdateReport, WakeReport, WeightSource
     from pagedkv.engine.request import Request
     from pagedkv.engine.tiering import EngineTiering
 
@@ -292,6 +293,8 @@ class Engine:
         cache_salt: str | bytes | None,
     ) -> _Tracked:
         """Check one request and build it; changes nothing (`RequestIntake.build` is the door)."""
+        if self._life is not None:  # paused or asleep: refused (pagedkv.engine.lifecycle)
+            self._life.check_door()
         if on_token is not None and not callable(on_token):
             raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
         if not isinstance(chat, bool):
@@ -745,6 +748,7 @@ class Engine:
         if self.tiering is not None:
             by_tier = self.tiering.cached_by_tier(tracked.request.request_id, int(tracked.request.num_cached_tokens))
         out = RequestOutput.of(tracked.request, text=text, parent_id=tracked.parent_id, by_tier=by_tier)
+        out.weight_version = self.weight_version
         if tracked.params.logprobs is not None:
             out.logprobs = list(tracked.logprobs or ())
         if tracked.params.prompt_logprobs is not None and tracked.parent_id is None:
@@ -810,6 +814,50 @@ class Engine:
             results.extend(self._outputs.pop(i) for i in family if i in self._outputs)
             self._ids_in_use.difference_update(family)
         return results
+
+    # --- model lifecycle: weight versions, pause, sleep (pagedkv.engine.lifecycle) --------------
+
+    _life: Lifecycle | None = None  # made on first use
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        if self._life is None:
+            from pagedkv.engine.lifecycle import Lifecycle
+
+            self._life = Lifecycle(self)
+        return self._life
+
+    @property
+    def weight_version(self) -> str:
+        return self._life.weight_version if self._life is not None else "0"
+
+    @property
+    def is_frozen(self) -> bool:
+        """Paused in keep mode with requests parked and nothing to deliver: `step()` would do nothing."""
+        return self._life is not None and self._life.frozen and not self._undelivered
+
+    def update_weights(self, source: WeightSource, version: str | int | None = None, *, flush_cache: bool = True) -> UpdateReport:
+        """`Lifecycle.update_weights`: new weights from a state dict or a folder of safetensors; no KV of the
+        old ones is served after it."""
+        return self.lifecycle.update_weights(source, version, flush_cache=flush_cache)
+
+    def pause(self, mode: str = "abort") -> list[str]:
+        """`Lifecycle.pause`: refuse new requests; abort, finish (wait) or park (keep) those in flight."""
+        return self.lifecycle.pause(mode)
+
+    def resume(self) -> None:
+        self.lifecycle.resume()
+
+    def sleep(self, level: int = 1) -> SleepReport:
+        """`Lifecycle.sleep`: release the KV memory (level 1) and the weights (level 2)."""
+        return self.lifecycle.sleep(level)
+
+    def wake_up(self) -> WakeReport:
+        return self.lifecycle.wake_up()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (device, host and disk tiers); returns the device keys dropped."""
+        return self.lifecycle.reset_prefix_cache()
 
 
 def _logit_rows(producing: Sequence[Any]) -> list[list[int]]:

@@ -54,6 +54,7 @@ class RequestOutput:
     queue_s: float | None = None  # first scheduled - arrival
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when SamplingParams.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
+    weight_version: str = "0"  # the weights it was generated under (pagedkv.engine.lifecycle)
 
     @classmethod
     def of(

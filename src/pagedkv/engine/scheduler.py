@@ -728,3 +728,28 @@ class Scheduler:
             request = self._by_id.get(request_id)
             if request is not None:
                 self._finish(request, "abort")
+
+    # --- pausing (pagedkv.engine.lifecycle) ------------------------------------------------------
+
+    def park(self) -> list[Request]:
+        """Take every unfinished request out of the queues, in queue order, its KV freed as in a recompute
+        preemption (the full blocks it published stay in the prefix cache while the epoch holds). They keep
+        their ids and places; `finish` still ends them; `unpark` queues them again. Call between steps."""
+        parked = [*self.running, *self.swapped, *(w[-1] for w in sorted(self._waiting, key=lambda w: w[:4]))]
+        for request in parked:
+            if request.seq_id is not None:
+                self.manager.free(request.seq_id)
+                self.num_preemptions += 1
+                request.num_preemptions += 1
+            self._swapped_in.pop(request.request_id, None)
+            request.seq_id = None
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+        self.running, self.swapped, self._waiting = [], [], []
+        return parked
+
+    def unpark(self, parked: Iterable[Request]) -> None:
+        """Queue again the requests `park` took out that have not finished since."""
+        for request in parked:
+            if request.status is RequestStatus.WAITING and request.request_id in self._by_id:
+                self._push_waiting(request)

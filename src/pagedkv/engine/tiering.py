@@ -93,18 +93,21 @@ class EngineTiering:
         digest `weights` and the KV layout."""
         if not isinstance(manager, PagedKVManager | HybridKVManager):
             raise InvalidArgumentError("tiers need the paged or hybrid allocator with prefix caching on")
-        shape = block_shape(storage)
-        fingerprint = model_fingerprint(
-            model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size, weights=weights,
-            kv_scales=storage.spec.scale_scheme,
-        )
-        remote = RemoteSettings(config.remote_timeout_s, config.remote_backoff_s, required=config.remote_required)
-        store = TieredStore.build(
-            BlockLayout(storage.spec.dtype, shape), fingerprint, host_blocks=config.host_blocks,
-            disk_path=config.disk_path, disk_bytes=config.disk_bytes, remote_url=config.remote_url,
-            pin_memory=storage.device.type == "cuda", remote=remote,
-        )  # fmt: skip
+        store = _build_store(config, storage, model_id, weights)
         return cls(store, storage, manager, keep_device_events=keep_device_events)
+
+    def renew(self, config: EngineConfig, model_id: str, weights: str) -> TieredStore:
+        """Empty tiers keyed under a new fingerprint (`weights`: the weights' digest and version) in place of
+        the present ones, whose host and disk blocks are released; returns the old store, closed. Sync first:
+        its events not taken yet are lost with it. The counters carry on."""
+        old = self.store
+        self.store = new = _build_store(config, self.storage, model_id, weights)
+        if new.remote is not None:  # the new remote tier counts its failures into a counter of its own
+            old.stats.remote_failures = new.stats.remote_failures
+        new.stats = old.stats
+        self._miss_at.clear()
+        old.close()
+        return old
 
     @property
     def stats(self) -> TierStats:
@@ -220,3 +223,18 @@ class EngineTiering:
         source = {**published, **evicted}
         plan.rows[:] = read_rows(self.storage, [source[k] for k in plan.keys])
         self.store.complete_store(plan)
+
+
+def _build_store(config: EngineConfig, storage: KVStorage, model_id: str, weights: str) -> TieredStore:
+    """The tiers `config` asks for, keyed under the fingerprint of the model, its weights and the KV layout."""
+    shape = block_shape(storage)
+    fingerprint = model_fingerprint(
+        model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size, weights=weights,
+        kv_scales=storage.spec.scale_scheme,
+    )
+    remote = RemoteSettings(config.remote_timeout_s, config.remote_backoff_s, required=config.remote_required)
+    return TieredStore.build(
+        BlockLayout(storage.spec.dtype, shape), fingerprint, host_blocks=config.host_blocks,
+        disk_path=config.disk_path, disk_bytes=config.disk_bytes, remote_url=config.remote_url,
+        pin_memory=storage.device.type == "cuda", remote=remote,
+    )  # fmt: skip
