@@ -113,3 +113,17 @@ def test_quantized_and_full_precision_kv_never_share_a_fingerprint(tmp_path: Pat
 def test_unknown_kv_cache_dtype_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype must be one of auto, bf16, fp8_e4m3, fp8_e5m2, int8"):
         EngineConfig(num_blocks=8, kv_cache_dtype="int4")
+
+
+def test_the_generate_and_serve_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from pagedkv.engine.commands import _engine_config, add_arguments
+    from pagedkv.serve.serve_command import add_arguments as add_serve_arguments
+
+    for add in (add_arguments, add_serve_arguments):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        argv = ["--num-blocks", "8", "--kv-cache-dtype", "fp8_e5m2"] + (["p"] if add is add_arguments else [])
+        assert _engine_config(parser.parse_args(argv)).kv_cache_dtype == "fp8_e5m2"
+        assert _engine_config(parser.parse_args(argv[:2] + argv[4:])).kv_cache_dtype == "auto"
