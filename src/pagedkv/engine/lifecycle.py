@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedkv.core.errors import EngineStateError, InvalidArgumentError, NotSupportedError
+from pagedkv.core.hybrid import HybridKVManager
+from pagedkv.core.manager import PagedKVManager
 from pagedkv.events.wire import CPU, DISK, REMOTE
 
 if TYPE_CHECKING:
@@ -113,6 +115,7 @@ class Lifecycle:
         self.paused: str | None = None  # a PAUSE_MODES entry while paused
         self.sleep_level = 0
         self._parked: list[Request] = []
+        self._renew_on_wake = False
         self._base_digest: str | None = None  # the weights' digest at the first update (tiers only)
         self._folder: tuple[Path, str] | None = None  # a folder that holds the weights of a version
         # what sleep released: (storage, its bytes, a host copy or None), KV pages then weights
@@ -290,6 +293,9 @@ class Lifecycle:
             setattr(owner, name, fill(shape, dtype=dtype, device=device))
         self._kv = []
         self.sleep_level = 0
+        if self._renew_on_wake:  # the weights changed while asleep: the tiers' fingerprint follows
+            self._renew_on_wake = False
+            self._flush()
         return WakeReport(level, time.perf_counter() - started, rss_bytes())
 
     def _release_kv(self) -> int:
@@ -305,30 +311,29 @@ class Lifecycle:
                 self._kv.append((owner, name, tuple(tensor.shape), tensor.dtype, tensor.device))
                 setattr(owner, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
         tiering = self.engine.tiering
-        for tier in tiering.store.local if tiering is not None else ():
-            if type(tier).__name__ == "HostTier":
-                freed += int(tier.num_blocks) * tiering.store.layout.nbytes
+        if tiering is not None:
+            host = [t for t in tiering.store.local if type(t).__name__ == "HostTier"]
+            freed += sum(int(t.num_blocks) for t in host) * tiering.store.layout.nbytes
         return freed
 
     def _weights_plan(self) -> str:
         """Where level 2 puts the weights: "host" (an accelerator's, to host memory) or "drop" (read again
         from the folder that holds the version in force); NotSupportedError where neither is possible."""
-        if not all(p.untyped_storage().resizable() for p in self.engine.model.parameters()):
-            raise NotSupportedError("sleep(level=2): the weights' memory cannot be released (a memory-mapped "
-                                    "checkpoint?); use sleep(level=1)")  # fmt: skip
-        device = next(self.engine.model.parameters()).device
-        if device.type != "cpu":
-            return "host"
-        if self._folder is None:
-            path = Path(str(getattr(self.engine.model.config, "_name_or_path", "") or ""))
+        model = self.engine.model
+        plan = "host" if next(model.parameters()).device.type != "cpu" else "drop"
+        if plan == "drop" and self._folder is None:  # the folder the model was loaded from, if never updated
+            path = Path(str(getattr(model.config, "_name_or_path", "") or ""))
             if self.weight_version == "0" and path.is_dir() and any(path.glob("*.safetensors")):
                 self._folder = (path, "0")
-        if self._folder is None or self._folder[1] != self.weight_version:
+        if plan == "drop" and (self._folder is None or self._folder[1] != self.weight_version):
             raise NotSupportedError(
                 f"sleep(level=2) on the CPU drops the weights and reloads them from a folder, but no folder holds "
                 f"version {self.weight_version!r}; update_weights(<folder>) first, or sleep(level=1)"
             )
-        return "drop"
+        if not all(p.untyped_storage().resizable() for p in model.parameters()):
+            raise NotSupportedError("sleep(level=2): the weights' memory cannot be released (memory-mapped, or "
+                                    "exported to numpy); use sleep(level=1)")  # fmt: skip
+        return plan
 
     def _release_weights(self, drop_to: str) -> int:
         self._weights = _release(list(self.engine.model.parameters()), to_host=drop_to == "host")
@@ -358,6 +363,8 @@ class Lifecycle:
         fingerprint of the version in force), reporting both in the KV events."""
         engine = self.engine
         tiering, events = engine.tiering, engine.kv_events
+        if self.sleep_level:  # asleep: the tiers are empty and the pages gone; renewed at wake_up
+            tiering, self._renew_on_wake = None, tiering is not None
         if tiering is not None:
             tiering.after_update()  # blocks published or evicted since the last step reach the tiers first
         if events is not None:
@@ -368,25 +375,31 @@ class Lifecycle:
                     if keys:
                         log.removed(medium, keys)
         if tiering is not None:
-            model_id = str(getattr(engine.model.config, "_name_or_path", "") or engine.spec.model_type)
-            if self._base_digest is not None:  # updated: the version joins the digest of the first weights
-                weights = f"{self._base_digest}@weights-version:{self.weight_version}"
-            else:  # never updated: the fingerprint the engine started with
-                from pagedkv.hf.loading import weights_digest
-
-                weights = getattr(engine.model, "pagedkv_weights_digest", None) or weights_digest(engine.model)
             tiering.take_events()  # what the event log did not take goes with the old store
-            tiering.renew(engine.config, model_id, weights)
+            tiering.renew(engine.config, *self._fingerprint())
         feed = events.feed if events is not None else None
         if feed is not None and hasattr(feed, "reset"):
             dropped = int(feed.reset())
             if bump_epoch:
                 feed.bump_epoch()
-        else:
-            dropped = int(engine.manager.reset_prefix_cache())
+        elif isinstance(manager := engine.manager, PagedKVManager | HybridKVManager):
+            dropped = int(manager.reset_prefix_cache())
             if bump_epoch:
-                engine.manager.bump_epoch()
+                manager.bump_epoch()
+        else:  # the contiguous baseline caches no prefix
+            dropped = 0
         return dropped
+
+    def _fingerprint(self) -> tuple[str, str]:
+        """(model id, weights) for the tiers' fingerprint: the digest of the weights the engine started with,
+        and after an update the version in force joined to it."""
+        model = self.engine.model
+        model_id = str(getattr(model.config, "_name_or_path", "") or self.engine.spec.model_type)
+        if self._base_digest is not None:
+            return model_id, f"{self._base_digest}@weights-version:{self.weight_version}"
+        from pagedkv.hf.loading import weights_digest
+
+        return model_id, getattr(model, "pagedkv_weights_digest", None) or weights_digest(model)
 
 
 def _folder_of(source: WeightSource) -> Path | None:

@@ -101,12 +101,12 @@ class EngineTiering:
         the present ones, whose host and disk blocks are released; returns the old store, closed. Sync first:
         its events not taken yet are lost with it. The counters carry on."""
         old = self.store
+        old.close()  # first: a disk tier under the same fingerprint reuses its file's name
         self.store = new = _build_store(config, self.storage, model_id, weights)
         if new.remote is not None:  # the new remote tier counts its failures into a counter of its own
             old.stats.remote_failures = new.stats.remote_failures
         new.stats = old.stats
         self._miss_at.clear()
-        old.close()
         return old
 
     @property

@@ -337,7 +337,7 @@ def weights_digest(model: Any) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         h.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}\n".encode())
-        h.update(flat.view(torch.uint8).numpy())
+        h.update(flat.view(torch.uint8).clone().numpy())  # a copy: numpy's view would pin the weights' storage
     return h.hexdigest()
 
 
