@@ -14,9 +14,11 @@ from pagedkv.hf.attention import ATTENTION_NAME, paged_attention_forward
 from pagedkv.hf.tiny import tiny_model
 
 
-def test_measure_splits_a_step_into_phases_and_undoes_its_timers() -> None:
+@pytest.mark.parametrize("forward", ["fused", "transformers"])
+def test_measure_splits_a_step_into_phases_and_undoes_its_timers(forward: str) -> None:
     model = tiny_model("llama", 0)
-    row = bench_step.measure(model, 3, 10, 4)
+    row = bench_step.measure(model, 3, 10, 4, model_forward=forward)
+    assert row["model_forward"] == forward
     phases = row["phases_ms"]
     assert list(phases) == list(bench_step.PHASES)
     assert row["batch"] == 3 and row["step_ms"] > 0 and row["linear_backend"] == "torch"

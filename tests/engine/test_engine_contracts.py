@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import pagedkv.engine.params as params_module
-import pagedkv.engine.runner as runner_module
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, PagedKVError
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
@@ -209,7 +208,7 @@ def test_a_forward_that_fails_changes_nothing_and_the_next_step_redoes_it(
     rng = np.random.default_rng(9)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in lengths]
     engine = small_engine(num_blocks=12, preemption_mode="swap")
-    forward, swap = runner_module.forward_step, engine.cache.swap
+    forward, swap = engine.runner.forward, engine.cache.swap
     state = {"swapped": False, "failures": 0}
 
     def swap_and_note(*args: Any) -> None:
@@ -224,7 +223,7 @@ def test_a_forward_that_fails_changes_nothing_and_the_next_step_redoes_it(
         return forward(*args)
 
     engine.cache.swap = swap_and_note  # type: ignore[method-assign]
-    monkeypatch.setattr(runner_module, "forward_step", failing_forward)
+    monkeypatch.setattr(engine.runner, "forward", failing_forward)
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True), request_id=f"r{i}")
     ended: list[RequestOutput] = []

@@ -34,7 +34,7 @@ def test_packed_linear_equals_nn_linear(dtype: torch.dtype, bias: bool, shape: t
     linear = torch.nn.Linear(48, 80, bias=bias).to(dtype)
     x = torch.randn(shape, dtype=dtype)
     expected = linear(x)
-    got = PackedLinear(linear)(x)
+    got = PackedLinear(linear.weight, linear.bias)(x)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--linear-backend", choices=("auto", "onednn", "torch"), default="auto",
         help="the projections' implementation (pagedkv.hf.cpu_linear)",
     )  # fmt: skip
+    parser.add_argument(
+        "--model-forward", choices=("auto", "fused", "transformers"), default="auto",
+        help="the forward: fused (Llama-structured models, pagedkv.hf.fused_llama) or transformers' modules",
+    )  # fmt: skip
     add_threads(parser)
     parser.add_argument(
         "--batch-sizes", type=_sizes, default=list(DEFAULT_BATCHES), help="comma-separated decode batch sizes"
@@ -73,13 +77,14 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for b in args.batch_sizes:
         print(f"bench step: batch {b} ...", file=sys.stderr, flush=True)
-        rows.append(measure(model, b, args.prompt_len, args.steps, args.linear_backend))
+        rows.append(measure(model, b, args.prompt_len, args.steps, args.linear_backend, args.model_forward))
     fixed, per_token = fit(rows)
     result = {
         "model": args.model,
         "dtype": dtype_name,
         "torch_threads": threads,
         "linear_backend": rows[0]["linear_backend"],
+        "model_forward": rows[0]["model_forward"],
         "prompt_len": args.prompt_len,
         "steps": args.steps,
         "fixed_ms": fixed,
@@ -110,7 +115,9 @@ def _load(name: str, dtype: str) -> tuple[Any, str]:
     return model, str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def measure(model: Any, batch: int, prompt_len: int, steps: int, linear_backend: str = "auto") -> dict[str, Any]:
+def measure(
+    model: Any, batch: int, prompt_len: int, steps: int, linear_backend: str = "auto", model_forward: str = "auto"
+) -> dict[str, Any]:
     """One batch size: plain step times, then instrumented phase times (see the module docstring)."""
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
@@ -121,6 +128,7 @@ def measure(model: Any, batch: int, prompt_len: int, steps: int, linear_backend:
     per_request = -(-(prompt_len + 2 * steps + 8) // block)
     config = EngineConfig(
         num_blocks=batch * per_request + 2, block_size=block, linear_backend=linear_backend,  # type: ignore[arg-type]
+        model_forward=model_forward,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, prompt_len)),
     )  # fmt: skip
     engine = Engine(model, None, config)
@@ -154,6 +162,7 @@ def measure(model: Any, batch: int, prompt_len: int, steps: int, linear_backend:
     return {
         "batch": batch,
         "linear_backend": engine.linear_backend,
+        "model_forward": "fused" if engine.runner.fused is not None else "transformers",
         "step_ms": 1e3 * statistics.median(plain),
         "step_ms_min": 1e3 * min(plain),
         "instrumented_step_ms": total_ms,
@@ -167,10 +176,12 @@ def _requests(engine: Any) -> list[Any]:
 
 def _instrument(engine: Any) -> tuple[dict[str, float], Callable[[], None]]:
     """Wrap the step's phases with timers; return the accumulated seconds and an undo."""
+    import dataclasses
+
     import torch
     from transformers import AttentionInterface
 
-    from pagedkv.engine import runner as runner_module
+    from pagedkv.hf import fused_llama
     from pagedkv.hf.attention import ATTENTION_NAME, paged_attention_forward
     from pagedkv.hf.cpu_linear import PackedLinear
 
@@ -197,14 +208,29 @@ def _instrument(engine: Any) -> tuple[dict[str, float], Callable[[], None]]:
     patch(engine.runner, "apply_block_moves", "metadata")
     patch(engine.runner, "build_batches", "metadata")
     patch(engine, "_sample", "sampling")
-    forward = runner_module.forward_step
-    runner_module.forward_step = timed("forward", forward)
-    undo.append(lambda: setattr(runner_module, "forward_step", forward))
-    AttentionInterface.register(ATTENTION_NAME, timed("attention", paged_attention_forward))
-    undo.append(lambda: AttentionInterface.register(ATTENTION_NAME, paged_attention_forward))
-    for module in engine.model.modules():
-        if isinstance(module, torch.nn.Linear | PackedLinear):
-            patch(module, "forward", "linear")
+    patch(engine.runner, "forward", "forward")
+    fused = engine.runner.fused
+    if fused is not None:  # the fused forward's own attention calls and GEMMs
+        attend = fused_llama.attend_layer
+        fused_llama.attend_layer = timed("attention", attend)  # type: ignore[assignment]
+        undo.append(lambda: setattr(fused_llama, "attend_layer", attend))
+        layers, lm_head = fused.layers, fused.lm_head
+        fused.layers = [
+            dataclasses.replace(x, **{n: timed("linear", getattr(x, n)) for n in ("qkv", "o", "gate_up", "down")})
+            for x in layers
+        ]
+        fused.lm_head = timed("linear", lm_head)
+
+        def restore() -> None:
+            fused.layers, fused.lm_head = layers, lm_head
+
+        undo.append(restore)
+    else:
+        AttentionInterface.register(ATTENTION_NAME, timed("attention", paged_attention_forward))
+        undo.append(lambda: AttentionInterface.register(ATTENTION_NAME, paged_attention_forward))
+        for module in engine.model.modules():
+            if isinstance(module, torch.nn.Linear | PackedLinear):
+                patch(module, "forward", "linear")
     def undo_all() -> None:
         for u in reversed(undo):
             u()
@@ -225,7 +251,7 @@ def fit(rows: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:
 def render(result: dict[str, Any]) -> str:
     head = (
         f"bench step: {result['model']} {result['dtype']}, {result['torch_threads']} torch thread(s), "
-        f"{result['linear_backend']} linear, prompts of {result['prompt_len']} tokens, {result['steps']} decode steps"
+        f"{result['linear_backend']} linear, {result['model_forward']} forward, prompts of {result['prompt_len']} tokens, {result['steps']} decode steps"
     )
     cols = ["batch", "step ms", *PHASES]
     lines = [head, "", " | ".join(cols), " | ".join("---" for _ in cols)]

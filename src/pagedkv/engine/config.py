@@ -60,6 +60,9 @@ class EngineConfig:
     # The model's projections on a CPU (pagedkv.hf.cpu_linear): "onednn" packs each weight once for oneDNN,
     # "torch" leaves nn.Linear alone, "auto" packs bf16 weights on a CPU with bf16 instructions.
     linear_backend: Literal["auto", "onednn", "torch"] = "auto"
+    # The forward (pagedkv.hf.fused_llama): "fused" runs Llama-structured models as one loop of fused
+    # operations, "transformers" runs the model's own modules, "auto" fuses where the model allows it.
+    model_forward: Literal["auto", "fused", "transformers"] = "auto"
     # How K/V are stored (pagedkv.storage.spec.KV_CACHE_DTYPES; docs/quantized-kv.md): "auto" (the model's dtype),
     # "bf16", or one-byte codes with a float32 scale per token and KV head: "int8", "fp8_e4m3", "fp8_e5m2".
     kv_cache_dtype: str = "auto"
@@ -133,6 +136,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "sdpa", "ops"):
             raise InvalidArgumentError(
                 f"attention_backend must be 'auto', 'sdpa' or 'ops', got {self.attention_backend!r}"
+            )
+        if self.model_forward not in ("auto", "fused", "transformers"):
+            raise InvalidArgumentError(
+                f"model_forward must be 'auto', 'fused' or 'transformers', got {self.model_forward!r}"
             )
         if self.linear_backend not in ("auto", "onednn", "torch"):
             raise InvalidArgumentError(

@@ -65,7 +65,7 @@ from pagedkv.engine.speculative.proposer import make_proposer
 from pagedkv.engine.speculative.rejection import verify
 from pagedkv.engine.speculative.stats import SpecStats
 from pagedkv.engine.speculative.view import with_drafts
-from pagedkv.hf.attention import forward_step, prepare_model
+from pagedkv.hf.attention import prepare_model
 from pagedkv.hf.cache import PagedKVCache, cache_spec
 from pagedkv.storage.spec import blocks_in_budget
 
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from pagedkv.engine.lifecycle import Lifecycle, SleepReport, UpdateReport, WakeReport, WeightSource
     from pagedkv.engine.request import Request
     from pagedkv.engine.tiering import EngineTiering
+    from pagedkv.hf.fused_llama import FusedLlama
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class Engine:
         self.clock = clock
         self.spec = prepare_model(model)
         cfg = self.config
-        self.linear_backend = _apply_linear_backend(model, cfg.linear_backend)
+        self.linear_backend, fused = _prepare_forward(model, cfg.linear_backend, cfg.model_forward)
         # 1. the cache's size, then the allocator, the KV tensors and the scheduler over them
         # (allocator "hybrid": the model's layers in KV cache groups, pagedkv.core.group; pages hold one group)
         self.layer_groups = group_layers(self.spec.sliding_windows) if is_hybrid(cfg.allocator) else None
@@ -152,7 +153,7 @@ class Engine:
         )
         self.proposer = make_proposer(spec, model, cfg) if spec else None
         self.stats.spec = SpecStats(spec.k) if spec else None
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, fused)
         self.kv_events: Any = None
         if cfg.kv_events:  # one event log for every medium (pagedkv.engine.kv_events)
             from pagedkv.engine.kv_events import EngineEvents
@@ -507,7 +508,7 @@ class Engine:
         at = {r: k for k, r in enumerate(rows)}
         keep = torch.tensor(rows, dtype=torch.int64, device=batches[0].logits_indices.device)
         kept = tuple(replace(b, logits_indices=keep) for b in batches)
-        logits = forward_step(self.model, self.cache, kept[0], kept if len(kept) > 1 else None)
+        logits = self.runner.forward(kept)
         for i, chunk in wanted:
             self._record_prompt_logprobs(chunk, logits, [at[offsets[i] + j] for j in range(chunk.num_new_tokens)])
         return logits[[at[r] for r in sampling_rows]]
@@ -872,18 +873,26 @@ def _logit_rows(producing: Sequence[Any]) -> list[list[int]]:
     return rows
 
 
-def _apply_linear_backend(model: Any, backend: str) -> str:
-    """Pack the model's projections for oneDNN where `backend` asks for it (pagedkv.hf.cpu_linear); return
-    the backend in use: "onednn" or "torch"."""
+def _prepare_forward(model: Any, backend: str, model_forward: str) -> tuple[str, FusedLlama | None]:
+    """The linear backend in use ("onednn" or "torch", pagedkv.hf.cpu_linear) and the fused forward
+    (pagedkv.hf.fused_llama) where `model_forward` and the model allow one; without it, "onednn" packs the
+    model's own projections."""
     from pagedkv.hf.cpu_linear import PackedLinear, choose_linear_backend, pack_linears
+    from pagedkv.hf.fused_llama import fuse_llama
 
     param = next(model.parameters())
     chosen = choose_linear_backend(backend, param.dtype, param.device)
-    if chosen == "onednn":
+    fused = fuse_llama(model, chosen) if model_forward != "transformers" and param.device.type == "cpu" else None
+    if model_forward == "fused" and fused is None:
+        raise InvalidArgumentError(
+            f"model_forward 'fused' needs a Llama-structured model on a CPU; {type(model).__name__} is not one "
+            "(use 'auto' or 'transformers')"
+        )
+    if fused is None and chosen == "onednn":
         pack_linears(model)  # a second engine over the same model finds them packed already
-    elif any(isinstance(m, PackedLinear) for m in model.modules()):
+    elif fused is None and any(isinstance(m, PackedLinear) for m in model.modules()):
         chosen = "onednn"
-    return chosen
+    return chosen, fused
 
 
 def _scoring_salt(cache_salt: str | bytes | None, request_id: str) -> bytes:

@@ -9,7 +9,9 @@ it happen on tensors, in this order:
 2. copy-on-write block copies (`SchedulerOutput.copies`), then the tier hits' bytes (`SchedulerOutput.fills`);
    the scheduler's plan has one writer per device block (`SchedulerOutput.check_writes`);
 3. one packed forward over every scheduled chunk (`pagedkv.hf.step_metadata`), with the allocator's block
-   tables and slot mapping; the attention function writes the chunk's K/V and reads the pages;
+   tables and slot mapping; the attention function writes the chunk's K/V and reads the pages. The forward
+   is transformers' (`pagedkv.hf.attention.forward_step`) or, for a Llama-structured model, the fused one
+   (`pagedkv.hf.fused_llama`): the same arithmetic with fewer calls;
 4. the logits of the chunks that end at their request's last known token (`produces_token`), one row each.
 
 The runner never changes allocator or request state; `Scheduler.update` does that with the sampled tokens.
@@ -32,14 +34,16 @@ from pagedkv.storage.block_rows import write_rows
 if TYPE_CHECKING:
     from pagedkv.core.protocol import KVManager
     from pagedkv.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from pagedkv.hf.fused_llama import FusedLlama
 
 
 class ModelRunner:
     """Runs scheduled steps of one model over one `PagedKVCache`."""
 
-    def __init__(self, model: Any, cache: PagedKVCache) -> None:
+    def __init__(self, model: Any, cache: PagedKVCache, fused: FusedLlama | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.fused = fused
         self.device = next(model.parameters()).device
 
     def apply_block_moves(self, output: SchedulerOutput) -> None:
@@ -80,8 +84,14 @@ class ModelRunner:
         chunks = list(output.scheduled)
         if not chunks:
             return torch.empty(0, 0)
-        batches = self.build_batches(manager, chunks)
-        return forward_step(self.model, self.cache, batches[0], batches if len(batches) > 1 else None)
+        return self.forward(self.build_batches(manager, chunks))
+
+    def forward(self, batches: tuple[StepBatch, ...]) -> torch.Tensor:
+        """The packed forward over `batches` (one per KV cache group); the logits of `logits_indices`' rows."""
+        rest = batches if len(batches) > 1 else None
+        if self.fused is not None:
+            return self.fused(self.cache, batches[0], rest)
+        return forward_step(self.model, self.cache, batches[0], rest)
 
 
 def _chunk_tokens(chunk: ScheduledChunk) -> Sequence[int] | npt.NDArray[np.int64]:

@@ -65,18 +65,25 @@ def paged_attention_forward(
             "run the model through pagedkv.hf.attention.forward_step"
         )
     _refuse_unsupported(module, query, kwargs, dropout)
-    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
-    kv_group, slot = step.cache.locate(layer_idx)  # hybrid models: the layer's KV cache group and page slot
-    batch = step.batches[kv_group]
-    # [1, H, T, D] -> [T, H, D]
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    step.write(layer_idx, k, v)
     from pagedkv.ops.options import attention_options
 
     options = attention_options(scaling, sliding_window, softcap, kwargs.get("s_aux"))  # transformers' spelling, once
+    # [1, H, T, D] -> [T, H, D]
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    return attend_layer(step, int(module.layer_idx), q, k, v, options).unsqueeze(0), None  # type: ignore[arg-type]
+
+
+def attend_layer(
+    step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions
+) -> torch.Tensor:
+    """One layer's paged attention for the step's packed tokens: write the new K/V (`[T, Hkv, D]`) at the
+    step's slots, then attend with queries `[T, H, D]`; returns `[T, H, D]`. The attention function above and
+    `pagedkv.hf.fused_llama` both call it."""
+    kv_group, slot = step.cache.locate(layer_idx)  # hybrid models: the layer's KV cache group and page slot
+    batch = step.batches[kv_group]
+    step.write(layer_idx, k, v)
     parts = [_attend_group(step, i, q, k, v, slot, options, kv_group) for i in range(len(batch.groups))]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.unsqueeze(0), None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _attend_group(

@@ -34,15 +34,14 @@ BATCH_HINT = 64  # tokens per step the packed layout is tuned for (a decode batc
 
 
 class PackedLinear(torch.nn.Module):
-    """`torch.nn.Linear` with its weight packed once for oneDNN (see the module docstring)."""
+    """`x @ weight.T + bias` with the weight packed once for oneDNN (see the module docstring)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = linear.weight.detach()
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT), persistent=False)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +111,6 @@ def pack_linears(model: Any) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child.weight, child.bias))
                 count += 1
     return count
