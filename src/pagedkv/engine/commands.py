@@ -229,12 +229,17 @@ def is_instruct(model: str, tokenizer: Any) -> bool:
 
 def _check_block_memory(args: argparse.Namespace, model_config: Any) -> None:
     """With `--num-blocks`/`--host-blocks`, the KV bytes they ask for against the machine, before any weight
-    loads (a block holds K and V of every layer; 4 bytes an element, the float32 default)."""
+    loads (a block holds K and V of every layer, in the KV cache dtype: `pagedkv.storage.spec`)."""
+    from pagedkv.hf.cpu_linear import resolve_dtype
+    from pagedkv.storage.spec import KVCacheSpec, resolve_kv_cache_dtype
+
     heads = getattr(model_config, "num_attention_heads", 1) or 1
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or getattr(model_config, "hidden_size", heads) // heads
     layers = getattr(model_config, "num_hidden_layers", 1) or 1
-    per_block = 2 * layers * kv_heads * head_dim * 4 * args.block_size
+    model_dtype = resolve_dtype(args.dtype) or getattr(model_config, "dtype", None) or "float32"
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
+    per_block = KVCacheSpec(layers, kv_heads, head_dim, kv_dtype).bytes_per_block(args.block_size)
     blocks = (args.num_blocks or 0) + args.host_blocks
     if blocks:
         check_fits_memory(blocks * per_block, f"{blocks:,} KV blocks", "lower --num-blocks or --host-blocks")
