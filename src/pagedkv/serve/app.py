@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedkv.serve.async_engine import AsyncEngine
 from pagedkv.serve.error_bodies import APIError, install_handlers, unavailable
+from pagedkv.serve.lifecycle_routes import mount as mount_lifecycle
 from pagedkv.serve.metrics import ServerMetrics
 from pagedkv.serve.openai_api import ServerContext, create_chat_completion, create_completion
 
@@ -71,6 +72,7 @@ def build_app(
     install_handlers(app)
     _openai_routes(app, ctx, _authorizer(api_key), max_body_bytes)
     _operations_routes(app, async_engine, metrics)
+    mount_lifecycle(app, async_engine, _authorizer(api_key))  # /pause, /sleep, /update_weights, ...
     return app
 
 
@@ -103,7 +105,7 @@ def _openai_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Reques
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
         card = {"id": ctx.model_name, "object": "model", "created": created, "owned_by": "pagedkv",
-                "max_model_len": ctx.max_model_len}  # fmt: skip
+                "max_model_len": ctx.max_model_len, "weight_version": ctx.engine.weight_version}  # fmt: skip
         return {"object": "list", "data": [card]}
 
 

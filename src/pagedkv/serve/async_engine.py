@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
-from pagedkv.core.errors import InvalidArgumentError, PagedKVError
+from pagedkv.core.errors import EngineStateError, InvalidArgumentError, PagedKVError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 STATS_WINDOW = 4096  # per-step samples the engine keeps (its lists would otherwise grow for weeks)
 
 
@@ -174,6 +176,9 @@ class AsyncEngine:
         self._arrivals: dict[str, float] = {}  # root id -> arrival, until its first chunk is scheduled
         self._queue_s: dict[str, float] = {}  # root id -> arrival to first scheduled step, until released
         self._snapshot = self._take_snapshot(alive=False)
+        # what the lifecycle verbs (`call`) left: why the door refuses (paused, asleep) and the weight version
+        self.refusing: str | None = None
+        self.weight_version = engine.weight_version
 
     # --- the caller's side ----------------------------------------------------------------------
 
@@ -220,6 +225,8 @@ class AsyncEngine:
         with self._lock:  # the engine thread takes this lock to fail what is queued: nothing is stranded
             if not self.alive:
                 raise EngineDeadError(self._dead_reason())
+            if self.refusing is not None:
+                raise EngineStateError(self.refusing)
             if self._num_waiting >= self.max_waiting:
                 raise ServerOverloadedError(
                     f"{self._num_waiting} requests are waiting for their first token (--max-waiting "
@@ -240,6 +247,16 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps (the lifecycle verbs: pause, sleep,
+        update_weights, ...); its result, or its exception raised here."""
+        if not self.alive:
+            raise EngineDeadError(self._dead_reason())
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._send("call", (fn, loop, future))
+        return await future
 
     def abort(self, request_id: str) -> None:
         """End a request at the engine thread's next turn (no-op once it has ended)."""
@@ -275,7 +292,7 @@ class AsyncEngine:
                 self._apply_commands()
                 if self._stopping and not self.engine.has_unfinished():
                     break
-                if not self.engine.has_unfinished():
+                if not self.engine.has_unfinished() or self.engine.is_frozen:  # frozen: paused in keep mode
                     self._snapshot = self._take_snapshot(alive=True)
                     self._wake.wait()
                     continue
@@ -304,6 +321,8 @@ class AsyncEngine:
                 self._add(*payload)
             elif kind == "abort":
                 self._abort(payload)
+            elif kind == "call":
+                self._call(*payload)
             else:  # abort_all
                 for rid in list(self._streams):
                     self._abort(rid)
@@ -321,6 +340,17 @@ class AsyncEngine:
             return
         self._streams[stream.request_id] = stream
         self._arrivals[stream.request_id] = arrival
+
+    def _call(self, fn: Callable[[Engine], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn(self.engine))
+        except Exception as e:  # the caller's to handle (a refused verb), not the loop's
+            outcome = (False, e)
+        life = self.engine._life
+        self.refusing = life.refusal() if life is not None else None
+        self.weight_version = self.engine.weight_version
+        with contextlib.suppress(RuntimeError):  # a RuntimeError: the caller's loop is closed
+            loop.call_soon_threadsafe(_settle, future, outcome)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._streams:
@@ -414,6 +444,16 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_engine(snapshot)
         return snapshot
+
+
+def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    if future.done():  # the caller gave up (cancelled)
+        return
+    ok, value = outcome
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
 
 
 def _deliver(pairs: list[tuple[RequestStream, list[Any]]]) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedkv.core.errors import CapacityError, InvalidArgumentError, PagedKVError
+from pagedkv.core.errors import CapacityError, EngineStateError, InvalidArgumentError, PagedKVError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerOverloadedError
@@ -48,7 +48,7 @@ def submit(
     except ServerOverloadedError as err:
         _abort(streams)
         raise APIError(429, str(err), type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
-    except EngineDeadError as err:
+    except (EngineDeadError, EngineStateError) as err:  # stopped, or paused / asleep: 503
         _abort(streams)
         raise unavailable(str(err)) from None
     except (InvalidArgumentError, CapacityError) as err:
@@ -133,7 +133,7 @@ async def collect(streams: Sequence[RequestStream], request: Request) -> list[li
         raise ClientGone()
     try:
         finals = task.result()
-    except EngineDeadError as err:
+    except (EngineDeadError, EngineStateError) as err:  # stopped, or paused / asleep: 503
         raise unavailable(str(err)) from None
     for group in finals:
         group.sort(key=lambda o: choice_index(0, o, 1 << 30))
