@@ -120,6 +120,27 @@ def _with_hybrid_twins(variants: list[tuple[str, str, str]]) -> list[tuple[str, 
     return out
 
 
+def _run_all(
+    report: SimulationReport, runs: list[tuple[int, tuple[str, str, str]]], variants: list[tuple[str, str, str]],
+    partial_reuse: bool, check_every: int, bar: Progress,
+) -> None:  # fmt: skip
+    """Each run of the comparison into `report` (the shared block size's rows, and every size's sweep)."""
+    base, wl = report.config, report.workload
+    for i, (bs, (name, allocator_name, eviction)) in enumerate(runs, 1):
+        bar.stage(f"run {i}/{len(runs)}, {name} bs={bs}", total=len(wl.requests), unit="requests")
+        config = replace(base, allocator=allocator_name, block_size=bs, eviction=eviction,
+                         partial_reuse=partial_reuse)  # fmt: skip
+        trace = _replay(config, wl, bar, check_every, report, name, variants)
+        if trace is None:
+            continue
+        bar.stage(f"run {i}/{len(runs)}, {name} bs={bs}: summarising")
+        summary = summarize(trace)
+        if bs == base.block_size:
+            report.results[name] = summary
+            report.traces[name] = trace
+        report.sweep.setdefault(bs, {})[name] = summary
+
+
 def _replay(
     config: SimConfig, wl: Workload, bar: Progress, check_every: int, report: SimulationReport, name: str,
     variants: list[tuple[str, str, str]],
@@ -177,7 +198,6 @@ def run_simulation(
         scheduler=scheduler, step_overhead_s=step_overhead_s, tensor_parallel=tensor_parallel,
         activation_bytes=activation_bytes,
     )  # fmt: skip
-    budget = base.budget()
     bar = Progress("pagedkv simulate", enabled=progress, tick=True)
     try:
         bar.stage("building the workload")
@@ -185,20 +205,8 @@ def run_simulation(
         variants = _variants(allocators, evictions, hybrid=model_spec.is_hybrid)
         runs = [(block_size, v) for v in variants]
         runs += [(bs, v) for bs in sweep_block_sizes if bs != block_size for v in variants]
-        report = SimulationReport(base, wl, budget)
-        for i, (bs, (name, allocator_name, eviction)) in enumerate(runs, 1):
-            bar.stage(f"run {i}/{len(runs)}, {name} bs={bs}", total=len(wl.requests), unit="requests")
-            config = replace(base, allocator=allocator_name, block_size=bs, eviction=eviction,
-                             partial_reuse=partial_reuse)  # fmt: skip
-            trace = _replay(config, wl, bar, check_every, report, name, variants)
-            if trace is None:
-                continue
-            bar.stage(f"run {i}/{len(runs)}, {name} bs={bs}: summarising")
-            summary = summarize(trace)
-            if bs == block_size:
-                report.results[name] = summary
-                report.traces[name] = trace
-            report.sweep.setdefault(bs, {})[name] = summary
+        report = SimulationReport(base, wl, base.budget())
+        _run_all(report, runs, variants, partial_reuse, check_every, bar)
     finally:
         bar.close()
     report.sweep = report.sweep if sweep_block_sizes else {}
