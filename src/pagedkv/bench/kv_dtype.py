@@ -11,13 +11,16 @@ float32, the baseline every difference is taken against):
   the share of generated tokens equal to the baseline's before the first difference, and how many
   completions are identical;
 - capacity at one budget: `pagedkv plan` (`--plan-model` on `--plan-gpu`, max concurrent requests with the
-  paged allocator by memory), `pagedkv simulate` (its peak concurrency on the same model and GPU), and the
+  paged allocator by memory), `pagedkv simulate` (peak and mean concurrency, preemptions and tokens/s on the
+  same model and GPU under a burst of Poisson arrivals at `--sim-rate` that fills the KV cache), and the
   CPU engine: sequences of `--request-tokens` tokens its allocator admits, one after another, into a
   `--budget` KV cache of the real model (the blocks that budget buys in that dtype);
 - speed: one decode attention call (`--batch` sequences, the model's heads, one layer) at each of
   `--contexts` tokens through the path the engine takes on a one-thread CPU: float32 pages and quantized
   pages through the C kernel (`pagedkv.ops.cpu_decode`), bf16 pages through the SDPA gather path a bf16
-  model uses (`pagedkv.hf.sdpa`); the median of `--repeat` calls.
+  model uses (`pagedkv.hf.sdpa`); the median of `--repeat` calls, in CPU time of the calling thread
+  (`time.thread_time`: on a shared machine the time the thread is descheduled does not count; one torch
+  thread, so the calls do all their work on it).
 
 Timings are taken on whatever machine runs this, with whatever else it runs: say which when quoting them.
 """
@@ -108,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-gpu", default="a100-40gb", help="GPU of plan/simulate (default a100-40gb)")
     parser.add_argument("--plan-requests", type=int_at_least(10, 100_000), default=300,
                         help="trace requests of plan/simulate (default 300)")  # fmt: skip
+    parser.add_argument("--sim-rate", type=positive_int, default=100,
+                        help="simulate's Poisson arrivals, requests/s: a burst that fills the KV cache (default 100)")  # fmt: skip
     parser.add_argument("--contexts", type=_int_list, default=[2048, 4096, 8192, 16384],
                         help="context lengths of the attention timing (default 2048,4096,8192,16384)")  # fmt: skip
     parser.add_argument(
@@ -250,9 +255,8 @@ def capacity(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     for dtype in args.kv_cache_dtypes:
         plan = _quiet_json(plan_main, [*common, "--kv-cache-dtype", dtype, "--allocators", "paged"])
-        sim = _quiet_json(
-            simulate_main, [*common, "--kv-cache-dtype", dtype, "--allocators", "paged", "--no-progress"]
-        )
+        burst = ["--arrivals", "poisson", "--rate", str(args.sim_rate), "--allocators", "paged", "--no-progress"]
+        sim = _quiet_json(simulate_main, [*common, "--kv-cache-dtype", dtype, *burst])
         engine = Engine(model, None, EngineConfig(kv_budget_bytes=args.budget, block_size=BLOCK_SIZE,
                                                   kv_cache_dtype=dtype, enable_prefix_caching=False))  # fmt: skip
         admitted = 0
@@ -262,13 +266,15 @@ def capacity(model: Any, args: argparse.Namespace) -> dict[str, Any]:
             "plan_bytes_per_token": plan["bytes_per_token"],
             "plan_max_concurrent": plan["allocators"]["paged"]["max_concurrent_memory"],
             "simulate_peak_concurrency": sim["allocators"]["paged"]["peak_concurrency"],
+            "simulate_mean_concurrency": sim["allocators"]["paged"]["mean_concurrency"],
             "simulate_tokens_per_s": sim["allocators"]["paged"]["tokens_per_s"],
+            "simulate_preemptions": sim["allocators"]["paged"]["preemptions"],
             "engine_bytes_per_block": engine.cache.bytes_per_block,
             "engine_num_blocks": engine.cache.num_blocks,
             "engine_requests_admitted": admitted,
         }
-    return {"plan_model": args.plan_model, "plan_gpu": args.plan_gpu, "budget_bytes": args.budget,
-            "request_tokens": args.request_tokens, "rows": rows}  # fmt: skip
+    return {"plan_model": args.plan_model, "plan_gpu": args.plan_gpu, "sim_rate": args.sim_rate,
+            "budget_bytes": args.budget, "request_tokens": args.request_tokens, "rows": rows}  # fmt: skip
 
 
 # --- speed -----------------------------------------------------------------------------------------------
@@ -322,9 +328,9 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
             call()  # warm-up (the SDPA plan's masks and buckets are made here)
             times = []
             for _ in range(args.repeat):
-                t0 = time.perf_counter()
+                t0 = time.thread_time()  # CPU time of this thread: on a shared machine, not the time descheduled
                 call()
-                times.append(time.perf_counter() - t0)
+                times.append(time.thread_time() - t0)
             rows[dtype][str(context)] = statistics.median(times)
     return {"batch": args.batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "block_size": BLOCK_SIZE,
             "contexts": args.contexts, "paths": paths, "seconds": rows}  # fmt: skip
@@ -356,22 +362,27 @@ def text(result: dict[str, Any]) -> str:
             )
     if "capacity" in result:
         cap = result["capacity"]
-        out += ["", f"capacity: plan/simulate {cap['plan_model']} on {cap['plan_gpu']} (paged); CPU engine "
-                f"{cap['budget_bytes'] / 2**20:g} MiB, requests of {cap['request_tokens']} tokens",
-                f"{'kv dtype':<10} {'bytes/tok':>10} {'plan conc':>10} {'sim peak':>9} {'sim tok/s':>10} "
-                f"{'cpu blocks':>11} {'cpu reqs':>9} {'x base':>7}"]  # fmt: skip
-        base = cap["rows"][dtypes[0]]["engine_requests_admitted"]
+        ref = "bf16" if "bf16" in dtypes else dtypes[0]  # the ratios' reference
+        out += ["", f"capacity: plan and simulate (Poisson arrivals at {cap['sim_rate']}/s) of {cap['plan_model']} on "
+                f"{cap['plan_gpu']}, paged; CPU engine: {cap['budget_bytes'] / 2**20:g} MiB of KV, requests of "
+                f"{cap['request_tokens']} tokens admitted; x {ref}: ratios to the {ref} row",
+                f"{'kv dtype':<10} {'bytes/tok':>10} {'plan conc':>10} {'x ' + ref:>7} {'sim peak':>9} {'sim mean':>9} "
+                f"{'preempt':>8} {'sim tok/s':>10} {'cpu blocks':>11} {'cpu reqs':>9} {'x ' + ref:>7}"]  # fmt: skip
+        base = cap["rows"][ref]
         for d in dtypes:
             r = cap["rows"][d]
-            ratio = r["engine_requests_admitted"] / base if base else math.nan
-            out.append(f"{d:<10} {r['plan_bytes_per_token']:>10,} {r['plan_max_concurrent']:>10} "
-                       f"{r['simulate_peak_concurrency']:>9} {r['simulate_tokens_per_s']:>10.0f} "
-                       f"{r['engine_num_blocks']:>11} {r['engine_requests_admitted']:>9} {ratio:>7.2f}")  # fmt: skip
+            plan_x = r["plan_max_concurrent"] / base["plan_max_concurrent"] if base["plan_max_concurrent"] else math.nan
+            cpu_x = (r["engine_requests_admitted"] / base["engine_requests_admitted"]
+                     if base["engine_requests_admitted"] else math.nan)  # fmt: skip
+            out.append(f"{d:<10} {r['plan_bytes_per_token']:>10,} {r['plan_max_concurrent']:>10} {plan_x:>7.2f} "
+                       f"{r['simulate_peak_concurrency']:>9} {r['simulate_mean_concurrency']:>9.1f} "
+                       f"{r['simulate_preemptions']:>8} {r['simulate_tokens_per_s']:>10.0f} "
+                       f"{r['engine_num_blocks']:>11} {r['engine_requests_admitted']:>9} {cpu_x:>7.2f}")  # fmt: skip
     if "speed" in result:
         sp = result["speed"]
         ctx = [str(c) for c in sp["contexts"]]
         out += ["", f"decode attention, one call: batch {sp['batch']}, {sp['heads']} heads / {sp['kv_heads']} KV "
-                f"heads x {sp['head_dim']}, block {sp['block_size']}; ms (median)",
+                f"heads x {sp['head_dim']}, block {sp['block_size']}; CPU ms of the calling thread (median)",
                 f"{'kv dtype':<10} {'path':<17} " + " ".join(f"{c:>8}" for c in ctx)]  # fmt: skip
         for d in dtypes:
             ms = " ".join(f"{1000 * sp['seconds'][d][c]:>8.3f}" for c in ctx)
