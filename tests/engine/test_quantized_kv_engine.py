@@ -127,3 +127,16 @@ def test_the_generate_and_serve_flags_reach_the_engine_config() -> None:
         argv = ["--num-blocks", "8", "--kv-cache-dtype", "fp8_e5m2"] + (["p"] if add is add_arguments else [])
         assert _engine_config(parser.parse_args(argv)).kv_cache_dtype == "fp8_e5m2"
         assert _engine_config(parser.parse_args(argv[:2] + argv[4:])).kv_cache_dtype == "auto"
+
+
+def test_hybrid_model_on_int8_pages() -> None:
+    """KV cache groups (a sliding-window layer beside a full one) share quantized pages and their scales."""
+    config = dict(block_size=BS, allocator="hybrid", kv_cache_dtype="int8")
+    tokens = []
+    for prefix_caching in (False, True):
+        engine = Engine(tiny_model("qwen2-sw"), None, EngineConfig(num_blocks=40, enable_prefix_caching=prefix_caching,
+                                                                   **config))  # type: ignore[arg-type]  # fmt: skip
+        outs = [engine.generate([p], PARAMS)[0] for p in (SHARED, AGAIN)]
+        engine.manager.check_invariants()
+        tokens.append([o.output_token_ids for o in outs])
+    assert tokens[0] == tokens[1] and outs[1].num_cached_tokens > 0
