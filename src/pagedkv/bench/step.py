@@ -176,12 +176,10 @@ def _requests(engine: Any) -> list[Any]:
 
 def _instrument(engine: Any) -> tuple[dict[str, float], Callable[[], None]]:
     """Wrap the step's phases with timers; return the accumulated seconds and an undo."""
-    import dataclasses
 
     import torch
     from transformers import AttentionInterface
 
-    from pagedkv.hf import fused_llama
     from pagedkv.hf.attention import ATTENTION_NAME, paged_attention_forward
     from pagedkv.hf.cpu_linear import PackedLinear
 
@@ -211,20 +209,7 @@ def _instrument(engine: Any) -> tuple[dict[str, float], Callable[[], None]]:
     patch(engine.runner, "forward", "forward")
     fused = engine.runner.fused
     if fused is not None:  # the fused forward's own attention calls and GEMMs
-        attend = fused_llama.attend_layer
-        fused_llama.attend_layer = timed("attention", attend)  # type: ignore[assignment]
-        undo.append(lambda: setattr(fused_llama, "attend_layer", attend))
-        layers, lm_head = fused.layers, fused.lm_head
-        fused.layers = [
-            dataclasses.replace(x, **{n: timed("linear", getattr(x, n)) for n in ("qkv", "o", "gate_up", "down")})
-            for x in layers
-        ]
-        fused.lm_head = timed("linear", lm_head)
-
-        def restore() -> None:
-            fused.layers, fused.lm_head = layers, lm_head
-
-        undo.append(restore)
+        undo.append(_time_fused(fused, timed))
     else:
         AttentionInterface.register(ATTENTION_NAME, timed("attention", paged_attention_forward))
         undo.append(lambda: AttentionInterface.register(ATTENTION_NAME, paged_attention_forward))
@@ -236,6 +221,28 @@ def _instrument(engine: Any) -> tuple[dict[str, float], Callable[[], None]]:
             u()
 
     return timers, undo_all
+
+
+def _time_fused(fused: Any, timed: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Timers around a `FusedLlama`'s attention calls and GEMMs; returns the undo."""
+    import dataclasses
+
+    from pagedkv.hf import fused_llama
+
+    attend = fused_llama.attend_layer
+    fused_llama.attend_layer = timed("attention", attend)  # type: ignore[assignment]
+    layers, lm_head = fused.layers, fused.lm_head
+    fused.layers = [
+        dataclasses.replace(x, **{n: timed("linear", getattr(x, n)) for n in ("qkv", "o", "gate_up", "down")})
+        for x in layers
+    ]
+    fused.lm_head = timed("linear", lm_head)
+
+    def restore() -> None:
+        fused_llama.attend_layer = attend  # type: ignore[assignment]
+        fused.layers, fused.lm_head = layers, lm_head
+
+    return restore
 
 
 def fit(rows: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:

@@ -136,17 +136,7 @@ class Engine:
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
         self.stats = EngineStats(cache_misses=getattr(self.manager, "misses", None))
-        self.tiering: EngineTiering | None = None
-        if cfg.tiers_enabled:  # host RAM / disk / remote store below the device (pagedkv.engine.tiering)
-            from pagedkv.engine.tiering import EngineTiering
-            from pagedkv.hf.loading import weights_digest
-
-            model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
-            digest = getattr(model, "pagedkv_weights_digest", None) or weights_digest(model)  # loading caches it
-            self.tiering = EngineTiering.build(
-                cfg, self.cache.storage, self.manager, model_id, weights=digest, keep_device_events=cfg.kv_events
-            )
-            self.stats.tiers = self.tiering.stats
+        self.tiering: EngineTiering | None = self._make_tiering(model) if cfg.tiers_enabled else None
         spec = cfg.speculative
         self.scheduler = Scheduler(  # tier hits: fetch_blocks; draft slots: k a decoding request
             self.manager, cfg.scheduler, source=self.tiering, num_lookahead_tokens=spec.k if spec else 0
@@ -163,6 +153,20 @@ class Engine:
             )
         # 2. the requests' bookkeeping and the intake that checks them
         self._init_requests(model, tokenizer)
+
+    def _make_tiering(self, model: Any) -> EngineTiering:
+        """Host RAM / disk / remote store below the device (pagedkv.engine.tiering), keyed by the weights."""
+        from pagedkv.engine.tiering import EngineTiering
+        from pagedkv.hf.loading import weights_digest
+
+        cfg = self.config
+        model_id = str(getattr(model.config, "_name_or_path", "") or self.spec.model_type)
+        digest = getattr(model, "pagedkv_weights_digest", None) or weights_digest(model)  # loading caches it
+        tiering = EngineTiering.build(
+            cfg, self.cache.storage, self.manager, model_id, weights=digest, keep_device_events=cfg.kv_events
+        )
+        self.stats.tiers = tiering.stats
+        return tiering
 
     def _make_manager(self, num_blocks: int, num_host: int) -> PagedKVManager | ContiguousKVManager | HybridKVManager:
         """The allocator `EngineConfig.allocator` names, over the cache's blocks."""
