@@ -64,6 +64,7 @@ import numpy as np
 from pagedkv.engine.cli_args import (
     add_block_size,
     add_kv_cache_dtype,
+    add_linear_backend,
     add_scheduler_arguments,
     add_threads,
     check_fits_memory,
@@ -186,6 +187,7 @@ def run_pagedkv(
         ),
         num_host_blocks=cfg["host_blocks"],
         kv_cache_dtype=args.kv_cache_dtype,
+        linear_backend=args.linear_backend,
     )
     oracle = system.endswith("-oracle")
     engine = Engine(model, None, config)
@@ -360,6 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file"
     )
     add_threads(parser)
+    add_linear_backend(parser)
     parser.add_argument("--num-requests", type=int_at_least(1, 10_000), default=32)
     parser.add_argument(
         "--trace-offset", type=int_at_least(0, 10_000), default=0,

@@ -163,6 +163,16 @@ def add_threads(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     )  # fmt: skip
 
 
+def add_linear_backend(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--linear-backend`: the projections' implementation on a CPU (pagedkv.hf.cpu_linear)."""
+    parser.add_argument(
+        "--linear-backend", choices=("auto", "onednn", "torch"), default="auto",
+        help="the model's projections on a CPU: onednn (weights packed once; faster, not bit-identical to "
+        "transformers in float32), torch (nn.Linear), auto (onednn for bf16 weights on a CPU with bf16 "
+        "instructions, else torch)",
+    )  # fmt: skip
+
+
 def use_threads(num_threads: int | None, *, share: int = 1) -> int:
     """Run torch's forward on `num_threads` threads (None: this process's cores divided by `share`, the
     processes that run a model side by side, at least one); return the count in use."""

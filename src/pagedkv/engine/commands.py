@@ -31,6 +31,7 @@ from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
     add_block_size,
     add_kv_cache_dtype,
+    add_linear_backend,
     add_scheduler_arguments,
     add_threads,
     byte_size,
@@ -109,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     add_kv_cache_dtype(parser)
     add_threads(parser)
+    add_linear_backend(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -281,6 +283,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         disk_bytes=0 if args.disk_bytes is None else args.disk_bytes,
         remote_url=args.remote_url,
         kv_cache_dtype=args.kv_cache_dtype,
+        linear_backend=getattr(args, "linear_backend", "auto"),
     )
 
 

@@ -27,6 +27,7 @@ from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
     add_block_size,
     add_kv_cache_dtype,
+    add_linear_backend,
     add_scheduler_arguments,
     add_threads,
     byte_size,
@@ -88,6 +89,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     add_kv_cache_dtype(engine)
     add_threads(engine)
+    add_linear_backend(engine)
     tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
     tiers.add_argument("--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)")
     tiers.add_argument("--disk-path", type=writable_folder, default=None, help="folder of the local disk tier")
