@@ -43,6 +43,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "KV cache dtypes side by side: accuracy, requests at one budget, decode attention time",
     ),
     ("bench", "spec"): ("pagedkv.bench.spec", "tokens/s with and without speculative decoding, side by side"),
+    ("bench", "rl"): ("pagedkv.bench.rl", "an RL rollout loop: rollouts, sleep/wake, weight updates, the stale-KV check"),
 }
 
 

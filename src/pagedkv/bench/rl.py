@@ -1,0 +1,173 @@
+"""`pagedkv bench rl`: a GRPO-shaped rollout loop on one engine, the way an RL trainer drives it.
+
+Each iteration, as a colocated trainer (verl, slime) runs it:
+
+```
+rollout        generate --samples completions of each of --prompts prompts (sampled, one prefill per prompt)
+stale check    greedy outputs of the engine (prefix cache and host tier warm) == a fresh engine's on the same
+               weights, token for token (after the first iteration: the weights were updated in between)
+sleep          sleep(--sleep-level): the KV memory (and at level 2 the weights) given back while "training"
+train          the weights perturbed (a stand-in for an optimizer step), written to a folder of safetensors
+wake_up        the memory taken back (level 2: the weights reloaded from the folder)
+update         update_weights(folder, version i+1): no KV of the old weights is served after it
+```
+
+It prints one row per iteration (rollout tokens/s, the times of update, sleep and wake_up, what sleep gave
+back: the allocator's KV bytes, the weights' bytes, the process's RSS) and the stale-KV check; `--json`
+writes them. Figures from a loaded machine are relative, not a capacity statement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedkv.engine.cli_args import add_threads, int_at_least, use_threads
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny:llama", help="tiny:FAMILY (seeded random weights), smollm2 or a folder")
+    parser.add_argument("--prompts", type=int_at_least(1, 4096), default=8, help="prompts per rollout")
+    parser.add_argument("--samples", type=int_at_least(1, 256), default=8, help="completions per prompt (GRPO's group)")
+    parser.add_argument("--iterations", type=int_at_least(1, 1000), default=4, help="rollout + update rounds")
+    parser.add_argument("--max-tokens", type=int_at_least(1, 4096), default=32, help="tokens per completion")
+    parser.add_argument("--prompt-len", type=int_at_least(2, 4096), default=48,
+                        help="tokens per prompt; the first half is a system prefix every prompt shares")  # fmt: skip
+    parser.add_argument("--num-blocks", type=int_at_least(8, 1 << 22), default=512, help="device KV blocks of 16 tokens")
+    parser.add_argument("--host-blocks", type=int_at_least(0, 1 << 22), default=256, help="host-tier blocks (0: off)")
+    parser.add_argument("--sleep-level", type=int, choices=(1, 2), default=1, help="what sleep releases")
+    parser.add_argument("--perturb", type=float, default=0.05, help="weight noise per update, times each tensor's std")
+    parser.add_argument("--seed", type=int, default=0, help="prompts, sampling and perturbations")
+    add_threads(parser)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and settings as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    use_threads(args.threads)
+    model = _load(args.model)
+    with tempfile.TemporaryDirectory(prefix="pagedkv-rl-") as folder:
+        result = measure(model, args, Path(folder))
+    print(render(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["stale_kv_check"] == "pass" else 1
+
+
+def _load(name: str) -> Any:
+    if name.startswith("tiny:"):
+        from pagedkv.hf.tiny import tiny_model
+
+        return tiny_model(name.removeprefix("tiny:"))
+    from pagedkv.hf.loading import load_model
+
+    return load_model(name, dtype="float32", progress=False)[0]
+
+
+def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The loop of the module docstring; rows of figures per iteration."""
+    import torch
+
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.engine.params import SamplingParams
+
+    pristine = copy.deepcopy(model)
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=16, host_blocks=args.host_blocks, linear_backend="torch")
+    engine = Engine(model, None, config)
+    vocab = int(engine.vocab_size)
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(3, vocab, size=args.prompt_len // 2).tolist()
+    prompts = [system + rng.integers(3, vocab, size=args.prompt_len - len(system)).tolist() for _ in range(args.prompts)]
+    greedy = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(args.seed)
+    rows: list[dict[str, Any]] = []
+    checks: list[bool] = []
+    if args.sleep_level == 2:  # level 2 reloads the weights from a folder: the first one holds version 0
+        _save(weights, folder)
+        engine.update_weights(folder, version=0, flush_cache=False)  # the same weights: nothing to flush
+    for i in range(args.iterations):
+        row: dict[str, Any] = {"iteration": i, "weight_version": engine.weight_version}
+        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, n=args.samples, seed=args.seed + i,
+                                ignore_eos=True)  # fmt: skip
+        started = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        row["rollout_s"] = time.perf_counter() - started
+        row["rollout_tokens"] = sum(len(o.output_token_ids) for o in outs)
+        row["rollout_tok_s"] = row["rollout_tokens"] / row["rollout_s"]
+        row["prefix_cached_tokens"] = sum(o.num_cached_tokens for o in outs)
+        engine.generate(prompts, greedy)  # fills the cache; the checked pass below hits it
+        got = [o.output_token_ids for o in engine.generate(prompts, greedy)]
+        fresh_model = copy.deepcopy(pristine)
+        fresh_model.load_state_dict(weights)
+        want = [o.output_token_ids for o in Engine(fresh_model, None, config).generate(prompts, greedy)]
+        row["stale_kv_check"] = "pass" if got == want else "FAIL"
+        checks.append(got == want)
+        sleep = engine.sleep(args.sleep_level)
+        weights = _perturbed(weights, args.perturb, gen)  # "training", while the engine sleeps
+        _save(weights, folder)
+        wake = engine.wake_up()
+        update = engine.update_weights(folder, version=i + 1)
+        row.update(sleep_s=sleep.seconds, wake_up_s=wake.seconds, update_s=update.seconds, kv_bytes_freed=sleep.kv_bytes,
+                   weight_bytes_freed=sleep.weight_bytes, rss_freed_bytes=sleep.rss_freed_bytes)  # fmt: skip
+        rows.append(row)
+    engine.close()
+    settings = {k: v for k, v in vars(args).items() if k != "json" and isinstance(v, str | int | float | None)}
+    return {"settings": settings, "rows": rows, "stale_kv_check": "pass" if all(checks) else "FAIL",
+            "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _save(weights: dict[str, Any], folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+
+
+def _perturbed(weights: dict[str, Any], scale: float, gen: Any) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and tensor.numel() > 1:
+            noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32).to(tensor.dtype)
+            out[name] = tensor + scale * float(tensor.float().std()) * noise
+        else:
+            out[name] = tensor
+    return out
+
+
+def render(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    lines = [
+        f"bench rl: {s['model']}, {s['prompts']} prompts x {s['samples']} samples x {s['max_tokens']} tokens, "
+        f"{s['iterations']} iterations, sleep level {s['sleep_level']}, host tier {s['host_blocks']} blocks, "
+        f"{result['threads']} threads",
+        f"{'iter':>4} {'version':>7} {'rollout tok/s':>13} {'rollout s':>9} {'update s':>8} {'sleep s':>7} "
+        f"{'wake s':>7} {'KV freed':>10} {'weights freed':>13} {'RSS freed':>10} {'stale KV':>8}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['iteration']:>4} {r['weight_version']:>7} {r['rollout_tok_s']:>13.0f} {r['rollout_s']:>9.2f} "
+            f"{r['update_s']:>8.3f} {r['sleep_s']:>7.3f} {r['wake_up_s']:>7.3f} {_mib(r['kv_bytes_freed']):>10} "
+            f"{_mib(r['weight_bytes_freed']):>13} {_mib(r['rss_freed_bytes']):>10} {r['stale_kv_check']:>8}"
+        )
+    lines.append(f"stale-KV check (engine == fresh engine on the same weights, every iteration): {result['stale_kv_check']}")
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser(prog="pagedkv bench rl")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
