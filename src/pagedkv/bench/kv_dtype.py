@@ -100,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="greedy tokens per prompt (default 32)",
     )
+    _add_capacity_and_speed_arguments(parser)
+
+
+def _add_capacity_and_speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget", type=byte_size, default=512 << 20, help="the CPU engine's KV budget (default 512MiB)"
     )

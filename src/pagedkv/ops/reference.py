@@ -88,11 +88,9 @@ def paged_attention_reference(
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [num_q_tokens, H, D]` over paged KV through the step's `plan` (block table,
-    lengths, query layout); see the module docstring. The plan validated the metadata
-    (`pagedkv.ops.plan.plan_attention`). `k_scale`/`v_scale` dequantize fp8 caches without a sidecar and are
-    ignored for other dtypes; `kv_scales` (`[2, num_blocks, block_size, Hkv]`, int8/fp8 caches) holds a scale
-    per token and KV head, applied to each gathered tile (codes * scale) as it is read.
-    """
+    lengths, query layout, validated by `plan_attention`); see the module docstring. `k_scale`/`v_scale`: fp8
+    caches' per-tensor scales; `kv_scales` (`[2, num_blocks, block_size, Hkv]`): int8/fp8 caches' scale per
+    token and KV head, applied to each gathered tile as it is read."""
     block_table, seq_lens, cu_seqlens_q = plan.block_table, plan.seq_lens, plan.cu_seqlens_q
     max_seqlen_q, sliding_window = plan.max_seqlen_q, options.sliding_window
     (num_q_tokens, num_heads, head_dim), num_kv_heads = query.shape, key_cache.shape[2]

@@ -378,12 +378,10 @@ def paged_attention_triton(
     plan: AttentionPlan,
     options: AttentionOptions,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    kv_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Triton `paged_attention` for a planned step (`pagedkv.ops.plan`): the launches and nothing else. The
-    kernel takes the options as scalars (its compile-time flags say which are set)."""
+    k_scale: float = 1.0, v_scale: float = 1.0, kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Triton `paged_attention` for a planned step (`pagedkv.ops.plan`): the launches and nothing else (the
+    options go as scalars; compile-time flags say which are set, and whether `kv_scales` come)."""
     tp = plan.triton
     assert tp is not None, "paged_attention_triton: the plan was made for another backend"
     cfg = tp.config
@@ -405,8 +403,7 @@ def paged_attention_triton(
         tp.part_l if split else out,
         tp.part_acc if split else out,
         options.sinks if options.sinks is not None else out,
-        kv_scales if kv_scales is not None else out,
-        kv_scales[0].numel() if kv_scales is not None else 0,
+        *((kv_scales, kv_scales[0].numel()) if kv_scales is not None else (out, 0)),
         options.scale_for(shape.head_dim),
         float(k_scale),
         float(v_scale),
