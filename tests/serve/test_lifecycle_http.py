@@ -169,3 +169,34 @@ def test_sleep_gives_kv_back_refuses_requests_then_wake_up_serves(lifecycle_serv
     assert woke.status_code == 200 and woke.json()["sleep_level"] == 0
     assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 409
     assert texts(client) == before
+
+
+def test_an_update_while_a_stream_runs_lets_it_finish_under_the_new_weights(
+    lifecycle_server: Any, model: Any, tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    server, client = lifecycle_server, lifecycle_server.client()
+    save_file({k: v.contiguous() for k, v in perturbed(model).items()}, str(tmp_path / "model.safetensors"))
+    got: dict[str, Any] = {}
+    started = threading.Event()
+    thread = stream_in_thread(client, 500, got, started)
+    assert started.wait(60)
+    up = httpx.post(f"{server.url}/update_weights", json={"path": str(tmp_path), "version": 2}, timeout=60)
+    assert up.status_code == 200 and up.json()["weight_version"] == "2" and up.json()["paused"] is None
+    assert up.json()["num_parked"] == 1  # it was streaming: parked, then recomputed under the new weights
+    thread.join(120)
+    assert "error" not in got and got["reason"] == "length"
+    assert httpx.get(f"{server.url}/health", timeout=30).headers["x-pagedkv-weight-version"] == "2"
+
+
+def test_a_verb_after_shutdown_is_refused_not_left_waiting(model: Any, tokenizer: Any) -> None:
+    import asyncio
+
+    from pagedkv.serve.async_engine import AsyncEngine, EngineDeadError
+
+    async_engine = AsyncEngine(engine_of(model, tokenizer))
+    async_engine.start()
+    async_engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(async_engine.call(lambda e: e.pause("abort")))

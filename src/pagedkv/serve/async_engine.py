@@ -424,6 +424,10 @@ class AsyncEngine:
                 kind, payload = self._commands.popleft()
                 if kind == "add":
                     queued.append(payload[0])
+                elif kind == "call":  # a lifecycle verb that will never run: its caller learns why
+                    _, loop, future = payload
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(_settle, future, (False, error))
         self._dispatch({stream: [_Failed(error)] for stream in [*self._streams.values(), *queued]})
         self._streams.clear()
 
