@@ -165,14 +165,43 @@ def test_a_soft_cap_is_refused() -> None:
         cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.5, None, 30.0))
 
 
-def test_takes_a_strided_query_and_applies_only_to_float32_on_one_thread() -> None:
+def test_takes_a_strided_query_and_applies_only_to_float32() -> None:
     q, kv, table, seq_lens = make_case([5, 30, 17], 6, 3, 16, 4, 2)
     strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
     assert not strided.is_contiguous()
     a = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.25))
     b = cpu_decode.decode_attention(strided, kv, table, seq_lens, AttentionOptions(0.25))
     assert torch.equal(a, b)
-    assert cpu_decode.available(q, kv) == (torch.get_num_threads() == 1)
+    assert cpu_decode.available(q, kv)
     assert not cpu_decode.available(q.half(), kv.half())
     assert not cpu_decode.available(q.clone().requires_grad_(), kv)  # no backward: SDPA serves it
     assert cpu_decode.isa() in ("avx2+fma", "generic")
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_group_cut_across_threads_is_bit_identical_to_one_thread(threads: int) -> None:
+    lens = [5, 30, 17, 1, 64, 33, 9, 12, 40, 7, 3, 21, 50]
+    q, kv, table, seq_lens = make_case(lens, 6, 3, 16, 4, 2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.25, 20))
+        torch.set_num_threads(threads)
+        cut = cpu_decode.decode_attention(q, kv, table, seq_lens, AttentionOptions(0.25, 20))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, cut)
+
+
+def test_split_rows_covers_every_row_once() -> None:
+    seen: list[tuple[int, int]] = []
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        cpu_decode._split_rows(13, lambda lo, hi: seen.append((lo, hi)))
+        assert sorted(seen) == [(0, 4), (4, 8), (8, 13)]
+        seen.clear()
+        cpu_decode._split_rows(5, lambda lo, hi: seen.append((lo, hi)))  # too few rows to cut
+        assert seen == [(0, 5)]
+    finally:
+        torch.set_num_threads(before)
