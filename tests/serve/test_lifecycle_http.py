@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,15 @@ def texts(client: Any) -> list[str]:
 
 @pytest.fixture
 def lifecycle_server(model: Any, tokenizer: Any) -> Any:
-    server = start_server(engine_of(model, tokenizer))
+    engine = engine_of(model, tokenizer)
+    step = engine.step
+
+    def slow_step() -> Any:  # >= 5 ms a step: a 500-token stream outlasts the verbs sent after its first chunk
+        time.sleep(0.005)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    server = start_server(engine)
     yield server
     server.stop()
 

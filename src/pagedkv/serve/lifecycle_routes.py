@@ -55,7 +55,7 @@ def mount(app: FastAPI, async_engine: AsyncEngine, authorize: Callable[[Request]
     async def answer(result: Any) -> JSONResponse:
         body = dataclasses.asdict(result) if dataclasses.is_dataclass(result) and not isinstance(result, type) else {}
         state = await async_engine.call(lambda e: e.lifecycle.state())
-        return JSONResponse({**body, **state})
+        return JSONResponse({**state, **body})  # the report wins: its num_parked is what the verb parked
 
     _pause_routes(app, async_engine, authorize, run, answer)
     _memory_routes(app, async_engine, authorize, run, answer)
