@@ -24,6 +24,7 @@ BS = 4
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 CACHED: dict[int, list[int]] = {}  # id(engine) -> each output's num_cached_tokens
 RNG = np.random.default_rng(3)
+RNG_SWAP = np.random.default_rng(4)
 SHARED = RNG.integers(3, VOCAB, size=30).tolist()
 OTHERS = [RNG.integers(3, VOCAB, size=30).tolist() for _ in range(3)]
 AGAIN = SHARED[:22] + RNG.integers(3, VOCAB, size=6).tolist()  # diverges inside block 5: partial reuse
@@ -57,11 +58,20 @@ def test_prefix_hits_and_partial_reuse_read_the_stored_codes(recomputed: tuple[s
 
 
 def test_swap_preemption_moves_codes_and_scales(recomputed: tuple[str, list[list[int]]]) -> None:
-    dtype, baseline = recomputed
-    swap = SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=9, admission_lookahead=0)
-    engine, tokens = run(dtype, num_blocks=14, scheduler=swap, enable_prefix_caching=False)
-    assert tokens == baseline
+    """Three requests that outgrow a small pool together: preempted by swap and back, they give the tokens
+    they give in a pool large enough to never preempt."""
+    dtype, _ = recomputed
+    prompts = [RNG_SWAP.integers(3, VOCAB, size=10).tolist() for _ in range(3)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    swap = SchedulerConfig(preemption_mode="swap", admission_lookahead=0)
+    tokens = []
+    for num_blocks in (64, 12):
+        engine = Engine(tiny_model("llama"), None, EngineConfig(num_blocks=num_blocks, block_size=BS, scheduler=swap,
+                                                                kv_cache_dtype=dtype))  # fmt: skip
+        tokens.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        engine.manager.check_invariants()
     assert engine.stats.num_swapped_in_blocks > 0, "the case did not swap"
+    assert tokens[0] == tokens[1]
 
 
 def test_host_and_disk_tiers_bring_codes_and_scales_back(recomputed: tuple[str, list[list[int]]],

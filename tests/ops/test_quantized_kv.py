@@ -161,3 +161,36 @@ def test_triton_reads_codes_and_scales(case: tuple[int, ...], dtype: torch.dtype
         out = paged_attention(batch.query, kc, vc, *args, kv_scales=scales, sliding_window=window, backend="triton",
                               max_seqlen_q=max_seqlen_q)  # fmt: skip
         check(out, oracle, exact, dtype)
+
+
+@pytest.mark.skipif(not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs triton and TRITON_INTERPRET=1")  # fmt: skip
+def test_triton_write_quantizes_int8_like_the_reference() -> None:
+    """One program per token: codes and scales of every KV head in one pass, from strided [T, Hkv, D] views."""
+    torch.manual_seed(3)
+    key = (torch.randn(3, 6, 24) * torch.tensor([0.01, 1.0, 40.0])[:, None, None]).transpose(0, 1)
+    value = torch.randn(3, 6, 24).transpose(0, 1)
+    value[2, 1] = 0.0  # an all-zero row
+    slots = torch.tensor([0, 9, 23, 4, 13, 30], dtype=torch.int64)
+    caches = [torch.full((8, 4, 3, 24), -99, dtype=torch.int8) for _ in range(4)]
+    scales = [torch.full((2, 8, 4, 3), float("nan")) for _ in range(2)]
+    write_kv(caches[0], caches[1], key, value, slots, kv_scales=scales[0], backend="reference")
+    write_kv(caches[2], caches[3], key, value, slots, kv_scales=scales[1], backend="triton")
+    torch.testing.assert_close(scales[1], scales[0], equal_nan=True, atol=0.0, rtol=0.0)  # NaN: not written
+    for ref, tri in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(ref, tri), "codes differ (no exact .5 ties in this data)"  # untouched slots stay -99
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        with pytest.raises(InvalidArgumentError, match="quantizes only to int8"):
+            write_kv(caches[0].to(fp8), caches[1].to(fp8), key, value, slots, kv_scales=scales[0], backend="triton")
+
+
+def test_quantizing_writes_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.ops import choose_backend
+
+    monkeypatch.delenv("PAGEDKV_ATTENTION_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    if triton_available():
+        assert choose_backend(cuda, cache_dtype=torch.int8, op="write", scaled=True) == "triton"
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert choose_backend(cuda, cache_dtype=fp8, op="write", scaled=True) == "reference"
+    assert choose_backend(cuda, cache_dtype=torch.int8, op="write") == "reference"  # no scales: cannot quantize

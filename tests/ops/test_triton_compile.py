@@ -189,3 +189,20 @@ def test_write_kernel_compiles(arch: int, num_kv_heads: int, head_dim: int, dtyp
              "stride_k_token": "i32", "stride_k_head": "i32", "stride_v_token": "i32", "stride_v_head": "i32"}
     compiler("_write_kv_kernel", types, tk.write_constexprs(num_kv_heads, head_dim), arch,
                       {"num_warps": 4, "num_stages": 2})
+
+
+WRITE_CODES_CASES = [(arch, kv_heads, head_dim, dtype) for arch in ARCHS for kv_heads, head_dim, dtype in
+                     ((1, 64, "bfloat16"), (8, 128, "float16"), (3, 80, "float32"), (32, 256, "bfloat16"))]
+
+
+@pytest.mark.parametrize("arch,num_kv_heads,head_dim,dtype", WRITE_CODES_CASES)
+def test_quantizing_write_kernel_compiles(arch: int, num_kv_heads: int, head_dim: int, dtype: str,
+                                          compiler: Callable[..., dict[str, int]]) -> None:  # fmt: skip
+    from pagedkv.ops import triton_kernels as tk
+
+    t = f"*{TRITON_TYPES[dtype]}"
+    types = {"key_ptr": t, "value_ptr": t, "key_cache_ptr": "*i8", "value_cache_ptr": "*i8", "scales_ptr": "*fp32",
+             "slot_ptr": "*i64", "stride_k_token": "i32", "stride_k_head": "i32", "stride_v_token": "i32",
+             "stride_v_head": "i32", "scales_half": "i32"}  # fmt: skip
+    compiler("_write_kv_codes_kernel", types, tk.write_codes_constexprs(num_kv_heads, head_dim, torch.int8), arch,
+             {"num_warps": 4, "num_stages": 2})

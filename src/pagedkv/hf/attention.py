@@ -122,7 +122,7 @@ def _attend_quantized(
     kv_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Attention group `i` over quantized pages (codes + per-token-head scales): the C decode kernel for a
-    float32 decode group on one CPU thread, else `pagedkv.ops` (reference or Triton), never a dequantized
+    float32 decode group on a CPU, else `pagedkv.ops` (reference or Triton), never a dequantized
     copy of the pages."""
     from pagedkv.ops import attention as ops_attention
     from pagedkv.ops import cpu_decode

@@ -219,11 +219,16 @@ class PagedStep:
         slots = self.batches[group].slot_mapping
         check_write_args(k0, v0, key, value, slots, check_range=storage.validate)
         data = storage.data
-        if choose_backend(k0.device, cache_dtype=k0.dtype, op="write") == "triton":
+        scales = storage.scales  # quantized pages: codes and per-token-head scales in one pass
+        backend = choose_backend(k0.device, cache_dtype=k0.dtype, op="write", scaled=scales is not None)
+        if backend == "triton" and scales is not None:
+            from pagedkv.ops.triton_kernels import write_kv_codes_triton
+
+            return lambda i, k, v: write_kv_codes_triton(data[i, 0], data[i, 1], k, v, slots, scales[i])
+        if backend == "triton":
             from pagedkv.ops.triton_kernels import write_kv_triton
 
             return lambda i, k, v: write_kv_triton(data[i, 0], data[i, 1], k, v, slots)
-        scales = storage.scales  # quantized pages: codes and per-token-head scales in one pass
         if scales is not None:
             return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots, kv_scales=scales[i])
         return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots)

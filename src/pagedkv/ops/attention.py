@@ -51,10 +51,15 @@ def write_kv(
 ) -> None:
     """Store new K/V at their slots (prefill chunks and decode tokens together), in place; into codes and
     `kv_scales` for a quantized cache with a sidecar."""
-    chosen = choose_backend(key_cache.device, backend, cache_dtype=key_cache.dtype, op="write")
+    chosen = choose_backend(key_cache.device, backend, cache_dtype=key_cache.dtype, op="write",
+                            scaled=kv_scales is not None)  # fmt: skip
     check_write_args(key_cache, value_cache, key, value, slot_mapping, check_range=chosen == "reference")
     check_scales(key_cache, kv_scales)
-    if chosen == "triton":
+    if chosen == "triton" and kv_scales is not None:
+        from pagedkv.ops.triton_kernels import write_kv_codes_triton
+
+        write_kv_codes_triton(key_cache, value_cache, key, value, slot_mapping, kv_scales)
+    elif chosen == "triton":
         from pagedkv.ops.triton_kernels import write_kv_triton
 
         write_kv_triton(key_cache, value_cache, key, value, slot_mapping)

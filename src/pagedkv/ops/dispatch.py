@@ -7,7 +7,9 @@ imports, everything else to the reference path. Triton on CPU tensors works only
 fp8 (e4m3, e5m2) caches: the Triton attention kernel reads them (dequantizing with `k_scale`/`v_scale` or
 the per-token-head `kv_scales`) on GPUs of compute capability 8.9 and up (Triton has no e4m3 type below), so
 the default sends fp8 attention to Triton only there; int8 caches go to Triton on any CUDA device. Writes
-into quantized caches (int8 or fp8: codes and scales) always take the reference path (`op="write"`).
+into int8 caches with their scale sidecar (`scaled=True`) go to the Triton kernel that quantizes; fp8 writes
+take the reference path (`op="write"`: Triton's interpreter rounds float32 to fp8 wrongly at binade edges, so
+an fp8 write kernel could not be tested here).
 """
 
 from __future__ import annotations
@@ -58,10 +60,13 @@ def choose_backend(
     *,
     cache_dtype: torch.dtype | None = None,
     op: str = "attention",
+    scaled: bool = False,
 ) -> str:
-    """The backend a call (`op` "attention" or "write") on `device` runs with; raises if it cannot run there."""
+    """The backend a call (`op` "attention" or "write") on `device` runs with; raises if it cannot run there.
+    `scaled`: a write into a quantized cache with its per-token-head scale sidecar (`kv_scales`)."""
     fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    fp8_write = (fp8 or cache_dtype == torch.int8) and op == "write"  # quantizing writes: reference only
+    triton_quantizes = scaled and cache_dtype == torch.int8
+    fp8_write = op == "write" and (fp8 or cache_dtype == torch.int8) and not triton_quantizes
     chosen = backend or _override.get() or os.environ.get(ENV_VAR) or None
     if chosen is None:
         if device.type == "cuda" and triton_available() and not fp8_write and (not fp8 or _has_fp8(device)):
@@ -77,7 +82,7 @@ def choose_backend(
             )
         if fp8_write:
             if backend == "triton":
-                raise InvalidArgumentError("the Triton write kernel does not quantize (int8/fp8); use backend='reference'")
+                raise InvalidArgumentError("the Triton write kernel quantizes only to int8 with kv_scales; use backend='reference'")
             return "reference"
     return chosen
 

@@ -7,7 +7,10 @@ specialization the launch heuristics can choose is also compiled to sm_80 and sm
 non-constexpr global, for one). So: no module-level values inside kernels; constants are literals.
 
 Write: one program per token copies its `num_kv_heads * head_dim` row of K and of V to its slot (reading
-strided `[T, Hkv, D]` views in place).
+strided `[T, Hkv, D]` views in place). Into int8 caches with a scale sidecar (`write_kv_codes_triton`), the
+program quantizes the rows in registers first: per KV head, scale = absmax / 127 and the codes, stored with
+their scale in one pass (halves round away from zero where the reference rounds them to even: a code may
+differ by one at an exact tie). fp8 writes stay on the reference (see `pagedkv.ops.dispatch`).
 
 Attention (one kernel for decode, prefill and chunked prefill), built like the fast paged decoders
 (flash-decoding, vLLM's and SGLang's Triton decode kernels):
@@ -115,6 +118,86 @@ def write_kv_triton(
         value.stride(1),
         **write_constexprs(key_cache.shape[2], key_cache.shape[3]),
     )
+
+
+@triton.jit
+def _write_kv_codes_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    scales_ptr,
+    slot_ptr,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    scales_half,
+    HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT8: tl.constexpr,
+):
+    # One token: its K and V rows of every KV head quantized in registers, codes and scales stored together.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    h_ok = h < NUM_HEADS
+    mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    dst = slot * (NUM_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+    s_dst = scales_ptr + slot * NUM_HEADS + h
+    k_src = key_ptr + token * stride_k_token + h[:, None] * stride_k_head + d[None, :]
+    _quantize_rows(k_src, mask, key_cache_ptr + dst, s_dst, h_ok, QMAX, IS_INT8)
+    v_src = value_ptr + token * stride_v_token + h[:, None] * stride_v_head + d[None, :]
+    _quantize_rows(v_src, mask, value_cache_ptr + dst, s_dst + scales_half, h_ok, QMAX, IS_INT8)
+
+
+@triton.jit
+def _quantize_rows(src, mask, dst, s_dst, h_ok, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+    """Rows [HEADS_PAD, DIM_PAD] at `src`: scale = absmax / QMAX per row (1 for a zero row), codes x / scale
+    (int8: to nearest, halves away from zero; other code types: the conversion's rounding)."""
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    absmax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(absmax > 0.0, absmax / QMAX, 1.0)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -QMAX), QMAX)
+    if IS_INT8:
+        y = tl.where(y >= 0.0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
+    tl.store(dst, y.to(dst.dtype.element_ty), mask=mask)
+    tl.store(s_dst, scale, mask=h_ok)
+
+
+def write_kv_codes_triton(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor,
+) -> None:
+    """Triton quantizing `write_kv` into int8 codes and their `kv_scales` sidecar (arguments already checked by
+    `pagedkv.ops.write_kv`); one launch, one program per token."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    _write_kv_codes_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, kv_scales, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), kv_scales[0].numel(), **write_codes_constexprs(key_cache.shape[2], key_cache.shape[3],
+                                                                       key_cache.dtype),
+    )  # fmt: skip
+
+
+def write_codes_constexprs(num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> dict[str, object]:
+    """The compile-time arguments of `_write_kv_codes_kernel` (launch and compile test)."""
+    from pagedkv.storage.slots import QUANT_MAX
+
+    return {"HEAD_DIM": head_dim, "NUM_HEADS": num_kv_heads, "HEADS_PAD": triton.next_power_of_2(num_kv_heads),
+            "DIM_PAD": triton.next_power_of_2(head_dim), "QMAX": QUANT_MAX[cache_dtype],
+            "IS_INT8": cache_dtype == torch.int8}  # fmt: skip
 
 
 # Over the 60-line limit of tests/test_layers.py, and exempt there: a Triton kernel takes every pointer,
