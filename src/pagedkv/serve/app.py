@@ -72,7 +72,8 @@ def build_app(
     install_handlers(app)
     _openai_routes(app, ctx, _authorizer(api_key), max_body_bytes)
     _operations_routes(app, async_engine, metrics)
-    mount_lifecycle(app, async_engine, _authorizer(api_key))  # /pause, /sleep, /update_weights, ...
+    # /pause, /sleep, /update_weights, ...; the Ray ingress's RemoteEngine broadcasts them to its replicas
+    mount_lifecycle(app, async_engine, _authorizer(api_key), getattr(async_engine, "broadcast", None))
     return app
 
 
@@ -106,6 +107,9 @@ def _openai_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Reques
         authorize(request)
         card = {"id": ctx.model_name, "object": "model", "created": created, "owned_by": "pagedkv",
                 "max_model_len": ctx.max_model_len, "weight_version": ctx.engine.weight_version}  # fmt: skip
+        replicas_card = getattr(ctx.engine, "model_card", None)  # the Ray ingress: every replica's version
+        if replicas_card is not None:
+            card.update(await replicas_card())
         return {"object": "list", "data": [card]}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -40,9 +41,62 @@ Message = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 
-def mount(app: FastAPI, async_engine: AsyncEngine, authorize: Callable[[Request], None]) -> None:
-    """Add the lifecycle routes and the weight-version header to `app` (see the module docstring)."""
+Verbs = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+VERBS = ("pause", "resume", "sleep", "wake_up", "update_weights", "reset_prefix_cache", "lifecycle")
+
+
+def mount(
+    app: FastAPI, async_engine: Any, authorize: Callable[[Request], None], verbs: Verbs | None = None
+) -> None:  # fmt: skip
+    """Add the lifecycle routes and the weight-version header to `app` (see the module docstring). `verbs`
+    runs a verb and answers its JSON body (or raises `APIError`); by default `apply_verb` on `async_engine`
+    (the Ray ingress passes its broadcast to every replica)."""
     app.add_middleware(_VersionHeader, async_engine=async_engine)
+    run: Verbs = verbs if verbs is not None else functools.partial(apply_verb, async_engine)
+
+    @app.post("/pause")
+    async def pause(request: Request, mode: str = "abort") -> JSONResponse:
+        authorize(request)
+        return JSONResponse(await run("pause", {"mode": mode}))
+
+    @app.post("/resume")
+    async def resume(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse(await run("resume", {}))
+
+    @app.get("/lifecycle")
+    async def lifecycle(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse(await run("lifecycle", {}))
+
+    @app.post("/sleep")
+    async def sleep(request: Request, level: int = 1) -> JSONResponse:
+        authorize(request)
+        return JSONResponse(await run("sleep", {"level": level}))
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse(await run("wake_up", {}))
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        authorize(request)
+        path, version, flush = _update_body(await request.body())
+        return JSONResponse(
+            await run("update_weights", {"path": path, "version": version, "flush_cache": flush})
+        )
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse(await run("reset_prefix_cache", {}))
+
+
+async def apply_verb(async_engine: AsyncEngine, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run one lifecycle verb (`VERBS`) with its arguments on `async_engine`'s thread and answer its JSON body:
+    the engine's report plus the state. A refusal of the engine's state is an `APIError` 409, a bad argument
+    a 400."""
 
     async def run(fn: Callable[[Any], Any]) -> Any:
         try:
@@ -52,63 +106,45 @@ def mount(app: FastAPI, async_engine: AsyncEngine, authorize: Callable[[Request]
         except (InvalidArgumentError, NotSupportedError) as err:
             raise bad_request(str(err)) from None
 
-    async def answer(result: Any) -> JSONResponse:
-        body = dataclasses.asdict(result) if dataclasses.is_dataclass(result) and not isinstance(result, type) else {}
-        state = await async_engine.call(lambda e: e.lifecycle.state())
-        return JSONResponse({**state, **body})  # the report wins: its num_parked is what the verb parked
+    async def state() -> dict[str, Any]:
+        return dict(await async_engine.call(lambda e: e.lifecycle.state()))
 
-    _pause_routes(app, async_engine, authorize, run, answer)
-    _memory_routes(app, async_engine, authorize, run, answer)
+    async def answer(result: Any) -> dict[str, Any]:
+        body = (
+            dataclasses.asdict(result)
+            if dataclasses.is_dataclass(result) and not isinstance(result, type)
+            else {}
+        )
+        return {**await state(), **body}  # the report wins: its num_parked is what the verb parked
 
-
-Run = Callable[[Callable[[Any], Any]], Awaitable[Any]]
-Answer = Callable[[Any], Awaitable[JSONResponse]]
-
-
-def _pause_routes(app: FastAPI, async_engine: AsyncEngine, authorize: Callable[[Request], None], run: Run, answer: Answer) -> None:
-    @app.post("/pause")
-    async def pause(request: Request, mode: str = "abort") -> JSONResponse:
-        authorize(request)
+    async def pause() -> dict[str, Any]:
+        mode = args.get("mode", "abort")
         aborted = await run(lambda e: e.pause(mode))
         if mode == "wait":
             while await async_engine.call(lambda e: e.has_unfinished()):
                 await asyncio.sleep(WAIT_POLL_S)
-        state = await async_engine.call(lambda e: e.lifecycle.state())
-        return JSONResponse({"aborted": aborted, **state})
+        return {"aborted": aborted, **await state()}
 
-    @app.post("/resume")
-    async def resume(request: Request) -> JSONResponse:
-        authorize(request)
-        return await answer(await run(lambda e: e.resume()))
-
-    @app.get("/lifecycle")
-    async def lifecycle(request: Request) -> JSONResponse:
-        authorize(request)
-        return JSONResponse(await async_engine.call(lambda e: e.lifecycle.state()))
-
-
-def _memory_routes(app: FastAPI, async_engine: AsyncEngine, authorize: Callable[[Request], None], run: Run, answer: Answer) -> None:
-    @app.post("/sleep")
-    async def sleep(request: Request, level: int = 1) -> JSONResponse:
-        authorize(request)
-        return await answer(await run(lambda e: e.sleep(level)))
-
-    @app.post("/wake_up")
-    async def wake_up(request: Request) -> JSONResponse:
-        authorize(request)
-        return await answer(await run(lambda e: e.wake_up()))
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> JSONResponse:
-        authorize(request)
-        path, version, flush = _update_body(await request.body())
+    async def update() -> dict[str, Any]:
+        path, version, flush = args["path"], args.get("version"), args.get("flush_cache", True)
         return await answer(await run(lambda e: e.update_weights(path, version, flush_cache=flush)))
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> JSONResponse:
-        authorize(request)
-        dropped = await run(lambda e: e.reset_prefix_cache())
-        return JSONResponse({"num_keys_dropped": dropped})
+    async def reset() -> dict[str, Any]:
+        return {"num_keys_dropped": await run(lambda e: e.reset_prefix_cache())}
+
+    verbs: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+        "pause": pause, "update_weights": update, "reset_prefix_cache": reset, "lifecycle": state,
+        "resume": lambda: _then(run(lambda e: e.resume()), answer),
+        "sleep": lambda: _then(run(lambda e: e.sleep(args.get("level", 1))), answer),
+        "wake_up": lambda: _then(run(lambda e: e.wake_up()), answer),
+    }  # fmt: skip
+    if verb in verbs:
+        return await verbs[verb]()
+    raise bad_request(f"unknown lifecycle verb {verb!r}; one of {', '.join(VERBS)}")
+
+
+async def _then(first: Awaitable[Any], then: Callable[[Any], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    return await then(await first)
 
 
 def _update_body(raw: bytes) -> tuple[str, str | int | None, bool]:
@@ -116,12 +152,14 @@ def _update_body(raw: bytes) -> tuple[str, str | int | None, bool]:
     try:
         body = json.loads(raw or b"{}")
     except ValueError:
-        raise bad_request("the body must be JSON: {\"path\": \"/a/folder\", \"version\": \"7\"}") from None
+        raise bad_request('the body must be JSON: {"path": "/a/folder", "version": "7"}') from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     path = body.get("path", body.get("model_path"))
     if not isinstance(path, str) or not path:
-        raise bad_request("path: a folder of .safetensors files on the server's disk is required", param="path")
+        raise bad_request(
+            "path: a folder of .safetensors files on the server's disk is required", param="path"
+        )
     version = body.get("version")
     if version is not None and (isinstance(version, bool) or not isinstance(version, str | int)):
         raise bad_request("version must be a string or an integer", param="version")
@@ -138,7 +176,12 @@ class _VersionHeader:
         self.app = app
         self.async_engine = async_engine
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]) -> None:
+    async def __call__(
+        self,
+        scope: Scope,
+        receive: Callable[[], Awaitable[Message]],
+        send: Callable[[Message], Awaitable[None]],
+    ) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -146,7 +189,10 @@ class _VersionHeader:
         async def send_with_version(message: Message) -> None:
             if message["type"] == "http.response.start":
                 version = self.async_engine.weight_version.encode("latin-1", "replace")
-                message = {**message, "headers": [*message.get("headers", []), (WEIGHT_VERSION_HEADER.encode(), version)]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (WEIGHT_VERSION_HEADER.encode(), version)],
+                }
             await send(message)
 
         await self.app(scope, receive, send_with_version)

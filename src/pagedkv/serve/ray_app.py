@@ -147,6 +147,21 @@ class PagedKVReplica:
         ):  # fmt: skip
             yield self.replica_id, out
 
+    async def lifecycle(self, target: ReplicaTarget, verb: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """Run a lifecycle verb (`pagedkv.serve.lifecycle_routes.VERBS`) on this replica's engine if it is the
+        named one: {"replica", "status" (HTTP), "body" (the single server's JSON answer)}; None if the call
+        reached another replica (the ingress sends it again)."""
+        from pagedkv.serve.error_bodies import APIError
+        from pagedkv.serve.lifecycle_routes import apply_verb
+
+        if target.replica != self.replica_id:
+            return None
+        try:
+            body = await apply_verb(self.engine, verb, args)
+        except APIError as err:
+            return {"replica": self.replica_id, "status": err.status, "body": err.body()}
+        return {"replica": self.replica_id, "status": 200, "body": body}
+
     def whoami(self) -> tuple[str, int]:
         """(replica id, process id)."""
         return self.replica_id, os.getpid()
@@ -187,6 +202,7 @@ class PagedKVReplica:
         return {
             "tokenizer": e.tokenizer, "max_positions": e.spec.max_position_embeddings,
             "capacity_tokens": e.capacity_tokens, "block_size": e.config.block_size, "pid": os.getpid(),
+            "replica": self.replica_id, "weight_version": self.engine.weight_version,
         }  # fmt: skip
 
     def kv_contents(self, target: ReplicaTarget) -> dict[str, list[int]]:

@@ -12,15 +12,20 @@ replicas' latest routing stats, under the single server's names.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from pagedkv.core.errors import EngineStateError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
+from pagedkv.serve.error_bodies import APIError, unavailable
 from pagedkv.serve.metrics import ServerMetrics
-from pagedkv.serve.ray_app import ReplicaRequest
+from pagedkv.serve.ray_app import ReplicaRequest, ReplicaTarget
+
+DIRECTED_TRIES = 32
 
 
 class RemoteStream:
@@ -76,6 +81,79 @@ class RemoteEngine:
         self.metrics: Any = None
         self.alive = True
         self._ids = 0
+        self._unary = handle  # directed calls (the lifecycle verbs)
+        self.versions: dict[str, str] = {}  # replica -> its weight version, as its last answer said
+        if "replica" in info:
+            self.versions[info["replica"]] = info["weight_version"]
+        self.refusing: str | None = (
+            None  # why the replicas refuse requests (paused, asleep), as they last said
+        )
+
+    @property
+    def weight_version(self) -> str:
+        """The replicas' weight version as their last answers said; "mixed" when they differ."""
+        known = set(self.versions.values())
+        return known.pop() if len(known) == 1 else "mixed" if known else "unknown"
+
+    def replica_ids(self) -> list[str]:
+        """The replicas Ray runs now, as this process's request router knows them (Ray 2.60 keeps it behind
+        private attributes: the replicas that answered before, if it moved)."""
+        router = getattr(getattr(self._unary, "_router", None), "_asyncio_router", None)
+        replicas = getattr(getattr(router, "_request_router", None), "curr_replicas", None)
+        try:
+            ids = sorted(str(r.unique_id) for r in list(replicas or {}))
+        except (RuntimeError, AttributeError):
+            ids = []
+        return ids or sorted(self.versions)
+
+    async def broadcast(self, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run a lifecycle verb on every replica at once and answer when all have: {"replicas": [each one's
+        answer, with "replica"], "weight_version"}; if one failed, the first failure's HTTP error with
+        "applied" (the replicas that did apply it) and "replicas" (every answer)."""
+        ids = self.replica_ids()
+        if not ids:
+            raise unavailable("no replica is running")
+        results = await asyncio.gather(*(self._directed(rid, verb, args) for rid in ids))
+        for r in results:
+            version = r["body"].get("weight_version") if r["status"] == 200 else None
+            if version is not None:
+                self.versions[r["replica"]] = str(version)
+        for gone in set(self.versions) - set(ids):
+            del self.versions[gone]
+        states = [r["body"] for r in results if r["status"] == 200]
+        if any(b.get("paused") or b.get("sleep_level") for b in states):
+            self.refusing = "the replicas are paused or asleep: POST /resume or /wake_up"
+        elif len(states) == len(results) and all("paused" in b for b in states):
+            self.refusing = None
+        failed = [r for r in results if r["status"] != 200]
+        if failed:
+            raise BroadcastError(failed[0], [r["replica"] for r in results if r["status"] == 200], results)
+        answers = [{"replica": r["replica"], **r["body"]} for r in results]
+        return {"replicas": answers, "weight_version": self.weight_version}
+
+    async def _directed(self, replica: str, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+        """One replica's answer to a verb (a router that does not honour `ReplicaTarget` may send the call to
+        another replica, which declines it: sent again, up to DIRECTED_TRIES times)."""
+        try:
+            for _ in range(DIRECTED_TRIES):
+                answer = await self._unary.lifecycle.remote(ReplicaTarget(replica), verb, args)
+                if answer is not None:
+                    return dict(answer)
+            failure = unavailable(
+                f"replica {replica} could not be reached (the router sent its call elsewhere)"
+            )
+        except Exception as err:  # the replica died or Ray failed the call: that replica's failure
+            failure = unavailable(f"replica {replica} failed: {type(err).__name__}: {err}".splitlines()[0])
+        return {"replica": replica, "status": failure.status, "body": failure.body()}
+
+    async def model_card(self) -> dict[str, Any]:
+        """The ingress's `/v1/models` card fields: every replica's weight version, asked now;
+        `weight_version` is theirs when they agree, else null (and `weight_versions_differ` is true)."""
+        answer = await self.broadcast("lifecycle", {})
+        versions = {a["replica"]: a["weight_version"] for a in answer["replicas"]}
+        agreed = len(set(versions.values())) == 1
+        return {"weight_version": next(iter(versions.values())) if agreed else None,
+                "weight_versions": versions, "weight_versions_differ": not agreed}  # fmt: skip
 
     def start(self) -> None:
         self.alive = True
@@ -87,6 +165,8 @@ class RemoteEngine:
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
         cache_salt: str | None = None, priority: int = 0,
     ) -> RemoteStream:  # fmt: skip
+        if self.refusing is not None:
+            raise EngineStateError(self.refusing)
         self._ids += 1
         rid = request_id or f"ingress-{os.getpid()}-{self._ids}"
         request = ReplicaRequest(list(prompt_token_ids), params, rid, cache_salt, priority)
@@ -106,6 +186,22 @@ class RemoteEngine:
             return [dict(r.routing_stats) for r in list(replicas.values()) if r.routing_stats]
         except RuntimeError:  # Ray's thread changed the replicas meanwhile: the next scrape reads them
             return []
+
+
+class BroadcastError(APIError):
+    """A verb some replica refused or failed: the first failure's status and error, with which replicas
+    applied the verb (`applied`) and every replica's answer (`replicas`)."""
+
+    def __init__(self, first: dict[str, Any], applied: list[str], results: list[dict[str, Any]]) -> None:
+        error = dict(first["body"].get("error") or {})
+        super().__init__(first["status"], f"replica {first['replica']}: {error.get('message', '')}",
+                         type=error.get("type") or "server_error", param=error.get("param"), code=error.get("code"))  # fmt: skip
+        self.applied = applied
+        self.results = results
+
+    def body(self) -> dict[str, Any]:
+        replicas = [{"replica": r["replica"], "status": r["status"], **r["body"]} for r in self.results]
+        return {**super().body(), "applied": self.applied, "replicas": replicas}
 
 
 class IngressMetrics(ServerMetrics):
