@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +27,19 @@ from pagedkv.serve.metrics import ServerMetrics
 from pagedkv.serve.ray_app import ReplicaRequest, ReplicaTarget
 
 DIRECTED_TRIES = 32
+
+
+def own_routing_id() -> None:
+    """Give the next handle calls of this task their own internal request id. Ray takes it from the serve
+    request context, so every call an HTTP request makes shares it, and Ray's router matches a chosen replica
+    to its call by that id: two calls in flight at once with one id leave the second unmatched, its routing
+    loop spinning (Ray 2.60's private `_set_request_context`; nothing if it moved)."""
+    try:
+        from ray.serve.context import _set_request_context
+
+        _set_request_context(_internal_request_id=uuid.uuid4().hex)
+    except (ImportError, TypeError):
+        pass
 
 
 class RemoteStream:
@@ -134,6 +148,7 @@ class RemoteEngine:
     async def _directed(self, replica: str, verb: str, args: dict[str, Any]) -> dict[str, Any]:
         """One replica's answer to a verb (a router that does not honour `ReplicaTarget` may send the call to
         another replica, which declines it: sent again, up to DIRECTED_TRIES times)."""
+        own_routing_id()  # this task's own: the replicas' calls are routed at once
         try:
             for _ in range(DIRECTED_TRIES):
                 answer = await self._unary.lifecycle.remote(ReplicaTarget(replica), verb, args)
@@ -170,6 +185,7 @@ class RemoteEngine:
         self._ids += 1
         rid = request_id or f"ingress-{os.getpid()}-{self._ids}"
         request = ReplicaRequest(list(prompt_token_ids), params, rid, cache_salt, priority)
+        own_routing_id()
         return RemoteStream(self.handle.generate.remote(request), rid, self._observe)
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
