@@ -15,6 +15,8 @@ is set. A verb the engine's state refuses (sleep with requests in flight, wake_u
 bad argument a 400. Every response of the server carries the weight version in force in the header
 `x-pagedkv-weight-version` (and `/v1/models` in its card): a client learns which weights answered it.
 The semantics are the engine's (`pagedkv.engine.lifecycle`); docs/rl.md says how trainers drive them.
+`apply_verb` is one verb on one engine, answering the JSON body; the Ray ingress (`pagedkv.serve.ray_ingress`)
+mounts the same routes over a broadcast that runs `apply_verb` on every replica.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@
 `RemoteEngine` is enough of an `AsyncEngine` for `build_app`; its streams (`RemoteStream`) are what
 `pagedkv.serve.fanout` reads, and a client that leaves cancels its replica call. `/metrics` is the
 ingress's own request counters and histograms (`IngressMetrics`), with the engine gauges summed over the
-replicas' latest routing stats, under the single server's names.
+replicas' latest routing stats, under the single server's names. The RL lifecycle verbs (`/pause`,
+`/update_weights`, ...: `pagedkv.serve.lifecycle_routes`) are broadcast to every replica by directed calls
+(`RemoteEngine.broadcast`, docs/rl.md).
 """
 
 from __future__ import annotations
