@@ -281,3 +281,52 @@ def test_process_tree_cpu_counts_a_child() -> None:
         assert procs.tree_cpu_seconds(proc.pid) > procs.cpu_seconds(proc.pid) + 0.2
     finally:
         proc.wait(120)
+
+
+@pytest.mark.slow
+def test_openvino_shim_streams_the_greedy_text_of_the_model(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shim over OpenVINO GenAI (run by the peer's own python on the tiny model exported to IR): streamed
+    completions and chat completions through the `openai` client, exactly `max_tokens` with `ignore_eos`,
+    and the completion's text is transformers' greedy text of the same model."""
+    from pagedkv.bench import peers
+    from pagedkv.bench import serve_procs as procs
+
+    peer = peers.registry()["openvino"]
+    python = peer.python()
+    if python is None:
+        pytest.skip("the openvino peer is not installed (bash benchmarks/install_peers.sh openvino)")
+    openai = pytest.importorskip("openai")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("PAGEDKV_PEERS_DIR", str(tmp_path / "peers"))  # the export goes under tmp_path
+    model = peers.Model(tiny, None, 2)
+    assert peer.prepare is not None
+    settings = peers.Settings("float32", 1, 64, 16, 128, 8, True, 512)
+    launch = peer.launch(peer.prepare(model, python), settings, tmp_path, python)
+    server = procs.start_server("openvino", launch.argv, tmp_path, env=launch.env, port=launch.port)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        prompt = "the cat sat on"
+        text, usage = "", None
+        stream = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=8, temperature=0.0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        assert usage is not None and usage.completion_tokens == 8
+        tok = AutoTokenizer.from_pretrained(tiny)
+        hf = AutoModelForCausalLM.from_pretrained(tiny).eval()
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert text == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        chat = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=5, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        pieces = [c.choices[0].delta.content or "" for c in chat if c.choices]
+        assert "".join(pieces) and [c for c in pieces if c is not None]
+    finally:
+        procs.stop_server(server)

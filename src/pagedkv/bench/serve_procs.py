@@ -139,8 +139,11 @@ def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
                 server.base_url = f"http://127.0.0.1:{match.group(1)}"
         if server.base_url:
             try:
-                if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
-                    models = httpx.get(f"{server.base_url}/v1/models", timeout=5).json()["data"]
+                # llama-cpp-python's server has no /health: its /v1/models answering is its readiness
+                health = httpx.get(f"{server.base_url}/health", timeout=5).status_code
+                listed = httpx.get(f"{server.base_url}/v1/models", timeout=5)
+                if health == 200 or (health == 404 and listed.status_code == 200):
+                    models = listed.json()["data"]
                     server.model_id = str(models[0]["id"])
                     return
             except (httpx.HTTPError, KeyError, IndexError, ValueError):
