@@ -55,6 +55,7 @@ from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.group import group_layers
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.groups import PrefillGroups
 from pagedkv.engine.intake import RequestIntake, family_ids, salt_bytes
 from pagedkv.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pagedkv.engine.params import SamplingParams
@@ -217,6 +218,7 @@ class Engine:
         self._auto_ids = itertools.count()
         self._in_callbacks = False
         self._scoring: set[str] = set()  # requests whose prompt log-probabilities are still being computed
+        self._groups = PrefillGroups()  # requests held until their group's leader wrote the prompt
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
@@ -267,13 +269,19 @@ class Engine:
         on_token: TokenCallback | None = None,
         chat: bool = False,
         cache_salt: str | bytes | None = None,
+        group_id: str | None = None,
     ) -> str:
         """Queue one request; returns its id. Everything is checked first (see the module docstring):
         `InvalidArgumentError` for misuse, `CapacityError` if it can never be served; either way nothing
-        is queued. `cache_salt` isolates its prefix cache entries from requests with another salt."""
+        is queued. `cache_salt` isolates its prefix cache entries from requests with another salt.
+        `group_id`: requests of one group with the same prompt compute it once (`pagedkv.engine.groups`)."""
         params = params if params is not None else SamplingParams()
+        PrefillGroups.check(group_id)
         rid = request_id if request_id is not None else self._new_id(_n_of(params))
         tracked = self._prepare(prompt, params, rid, priority, arrival_time, on_token, chat, cache_salt)
+        if group_id is not None and self._groups.hold(tracked, group_id, self._tracked.__contains__):
+            self._ids_in_use.update(family_ids(rid, tracked.params.n))  # queued once its leader's prompt is in
+            return rid
         self._accept(tracked)
         return rid
 
@@ -392,7 +400,13 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """True while a request has not ended, or its end has not been returned by `step()` yet."""
-        return bool(self._tracked or self._undelivered)
+        return bool(self._tracked or self._undelivered or self._groups.has_held())
+
+    @property
+    def group_prefill_shared_tokens(self) -> int:
+        """Prompt tokens that requests of a sample group took from their leader's prefill (`add_request`'s
+        `group_id`) instead of computing them."""
+        return self._groups.count()
 
     def take_event_batch(self) -> Any:
         """The KV events of every medium since the last call, as one `pagedkv.events.EventBatch` (None if
@@ -412,6 +426,7 @@ class Engine:
         """One schedule -> run -> update round; returns every output that ended since the last call."""
         if self._in_callbacks:
             raise InvalidArgumentError("step() cannot be called from an on_token callback")
+        self._groups.release(self._accept, self._tracked.__contains__)  # sample groups whose prompt is in
         out = self.scheduler.schedule(now=self.clock())
         if self.tiering is not None:
             self.tiering.before_forward(out)

@@ -1,0 +1,83 @@
+"""Sample groups sent as separate requests: one prompt's prefill computed once for the whole group.
+
+RL trainers (verl) send n samples of a prompt as n requests of `n=1` sharing a group id. Requests that
+arrive together would each compute the prompt: none finds it in the prefix cache before one has written
+it. `PrefillGroups` holds back every request whose group already has a request with the same prompt (and
+cache salt) still computing its prefill (the leader); once the leader's prompt KV is written (or it ended),
+the held requests are queued and find the prompt's full blocks in the prefix cache: only its last partial
+block is computed again. `shared_tokens` counts the prompt tokens the held requests took from the cache
+(the server's `pagedkv_group_prefill_shared_tokens_total`).
+
+The engine asks `hold` at the door, `release` before each schedule, and counts held requests as unfinished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.core.errors import InvalidArgumentError
+
+GroupKey = tuple[str, tuple[int, ...], Any]
+
+
+@dataclass
+class _Group:
+    leader: Any  # the leader's Request
+    held: list[Any] = field(default_factory=list)  # the held requests' _Tracked, in arrival order
+
+
+class PrefillGroups:
+    """The engine's groups of requests waiting for a leader's prefill (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[GroupKey, _Group] = {}
+        self._counting: list[Any] = []  # released requests not yet scheduled: their cache hit is counted then
+        self.shared_tokens = 0  # see count()
+
+    @staticmethod
+    def check(group_id: object) -> None:
+        if group_id is not None and (not isinstance(group_id, str) or not group_id):
+            raise InvalidArgumentError(f"group_id must be a non-empty string or None, got {group_id!r}")
+
+    def hold(self, tracked: Any, group_id: str, is_live: Callable[[str], bool]) -> bool:
+        """True if `tracked` waits for its group's leader (the engine then keeps it out of the scheduler);
+        False if it leads (the engine queues it as usual)."""
+        request = tracked.request
+        key = (group_id, tuple(int(t) for t in request.prompt_token_ids), request.salt)
+        group = self._groups.get(key)
+        if group is not None and self._computing(group.leader, is_live):
+            group.held.append(tracked)
+            return True
+        self._groups[key] = _Group(request)
+        return False
+
+    def count(self) -> int:
+        """`shared_tokens`, after counting the cache hits of the released requests scheduled since."""
+        for r in [r for r in self._counting if r.num_computed_tokens > 0]:
+            self.shared_tokens += int(r.num_cached_tokens)
+            self._counting.remove(r)
+        return self.shared_tokens
+
+    def release(self, accept: Callable[[Any], None], is_live: Callable[[str], bool]) -> None:
+        """Queue the held requests of every group whose leader's prompt is written (or that ended)."""
+        self.count()
+        self._counting = [r for r in self._counting if is_live(r.request_id)]
+        for key, group in list(self._groups.items()):
+            if self._computing(group.leader, is_live):
+                continue
+            for tracked in group.held:
+                accept(tracked)
+                self._counting.append(tracked.request)
+            del self._groups[key]
+
+    def has_held(self) -> bool:
+        return any(g.held for g in self._groups.values())
+
+    def held_ids(self) -> set[str]:
+        return {t.request.request_id for g in self._groups.values() for t in g.held}
+
+    @staticmethod
+    def _computing(leader: Any, is_live: Callable[[str], bool]) -> bool:
+        return bool(is_live(leader.request_id)) and leader.num_computed_tokens < leader.num_prompt_tokens
