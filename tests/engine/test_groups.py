@@ -55,9 +55,11 @@ def test_other_prompts_and_groups_are_not_held() -> None:
     assert eng._groups.held_ids() == set()  # another prompt, another group: each leads its own
     d = eng.add_request(PROMPT, SamplingParams(max_new_tokens=1), group_id="g")
     assert eng._groups.held_ids() == {d}  # a's prompt is not written yet
-    done = set()
+    e = eng.add_request(PROMPT, SamplingParams(max_new_tokens=1), group_id="g")
+    assert eng.finish(e) is True and eng._groups.held_ids() == {d}  # ended while held
+    done = {}
     while eng.has_unfinished():
-        done |= {o.request_id for o in eng.step()}
-    assert done == {a, b, c, d}
+        done |= {o.request_id: o.finish_reason for o in eng.step()}
+    assert set(done) == {a, b, c, d, e} and done[e] == "abort"
     with pytest.raises(InvalidArgumentError, match="group_id"):
         eng.add_request(PROMPT, group_id="")

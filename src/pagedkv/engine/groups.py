@@ -72,6 +72,15 @@ class PrefillGroups:
                 self._counting.append(tracked.request)
             del self._groups[key]
 
+    def take(self, request_id: str) -> Any:
+        """The held request `request_id`'s _Tracked, no longer held (the engine queues it to end it), or None."""
+        for group in self._groups.values():
+            for tracked in group.held:
+                if tracked.request.request_id == request_id:
+                    group.held.remove(tracked)
+                    return tracked
+        return None
+
     def has_held(self) -> bool:
         return any(g.held for g in self._groups.values())
 

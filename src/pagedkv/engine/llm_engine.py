@@ -343,6 +343,9 @@ class Engine:
             raise InvalidArgumentError(
                 f"finish reason must be one of {', '.join(CALLER_FINISH_REASONS)}, got {reason!r}"
             )
+        held = self._groups.take(request_id)  # a sample group's request still held: queued, then ended below
+        if held is not None:
+            self._accept(held)
         tracked = self._tracked.get(request_id)
         if tracked is not None and tracked.request.is_finished:
             self._collect(tracked)
