@@ -75,7 +75,7 @@ EOF
 }
 
 install_openvino() {
-  local stamp="openvino-genai==$OPENVINO_GENAI_VERSION optimum-intel==$OPTIMUM_INTEL_VERSION torch==$TORCH_VERSION"
+  local stamp="openvino-genai==$OPENVINO_GENAI_VERSION optimum-intel==$OPTIMUM_INTEL_VERSION torch==$TORCH_VERSION no-torchvision"
   if done_already openvino "$stamp"; then step "openvino: already installed ($stamp)"; return; fi
   local py; py=$(make_venv openvino)
   step "openvino: torch==$TORCH_VERSION (CPU build, so the exporter does not pull a CUDA torch)"
@@ -83,6 +83,10 @@ install_openvino() {
   step "openvino: openvino-genai==$OPENVINO_GENAI_VERSION, optimum-intel[openvino]==$OPTIMUM_INTEL_VERSION"
   "$py" -m pip install -q "openvino-genai==$OPENVINO_GENAI_VERSION" \
     "optimum-intel[openvino]==$OPTIMUM_INTEL_VERSION" "torch==$TORCH_VERSION"
+  # a dependency pulls a torchvision built for another torch ("operator torchvision::nms does not exist"
+  # breaks transformers' imports in the exporter); the text export needs none
+  step "openvino: removing torchvision (built for another torch)"
+  "$py" -m pip uninstall -y -q torchvision || true
   step "openvino: the shim's server (fastapi, uvicorn)"
   "$py" -m pip install -q fastapi uvicorn
   step "openvino: import check"

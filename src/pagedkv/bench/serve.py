@@ -253,15 +253,19 @@ def bench(args: argparse.Namespace, setup: Setup, systems: Sequence[str]) -> dic
         for system in (s for s in order if s not in failed):
             try:
                 started = _start(system, args, setup)
+                try:
+                    warm(started, setup, system, args)
+                except BaseException:
+                    procs.stop_server(started.server)
+                    raise
             except (RuntimeError, OSError) as err:
                 if system == PAGEDKV:
                     raise
-                failed[system] = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+                failed[system] = " ".join(str(err).split())[:400] or type(err).__name__
                 print(f"{system}: failed to start ({failed[system]}); see {setup.workdir}", file=sys.stderr)
                 continue
             configs[system] = started.config
             try:
-                warm(started, setup, system, args)
                 for k, name in enumerate(setup.loads):
                     requests = _requests(args, setup, name, variant=1 + i * len(setup.loads) + k)
                     figure, out = _run_served(started, system, requests, args, f"{name} round {i + 1}")

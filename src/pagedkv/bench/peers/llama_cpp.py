@@ -1,6 +1,7 @@
 """llama.cpp's Python server (`llama-cpp-python[server]`) as a peer: the GGUF file itself.
 
-It answers one request at a time (requests queue behind a lock; one context, one sequence): the bench
+It answers one request at a time (requests queue behind a lock; one context, one sequence; by default a
+new request interrupts the streaming one, so the bench turns that off: `--interrupt_requests False`): the bench
 reports it as a serial server, not a batching peer. It serves the GGUF's own weights (SmolLM2's is Q4_1),
 so its greedy text is not compared with the others'. Its context is the bench's KV budget in tokens
 (`--n_ctx`), its batch the token budget per step (`--n_batch`), its threads the bench's (`--n_threads`,
@@ -25,7 +26,8 @@ def launch(model: Model, settings: Settings, workdir: Path, python: Path) -> Lau
     port = free_port()
     argv = [str(python), "-m", "llama_cpp.server", "--model", str(model.gguf), "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", str(settings.kv_tokens), "--n_batch", str(settings.max_num_batched_tokens),
-            "--n_threads", str(settings.threads), "--n_threads_batch", str(settings.threads)]  # fmt: skip
+            "--n_threads", str(settings.threads), "--n_threads_batch", str(settings.threads),
+            "--interrupt_requests", "False"]  # fmt: skip
     config = {
         "dtype": "the GGUF's (Q4_1 weights for smollm2), f32 compute",
         "threads": settings.threads,

@@ -28,8 +28,10 @@ _DONE = "pagedkv-export-complete"
 def export(model: Model, python: Path) -> Model:
     """`model` with its folder replaced by its OpenVINO IR (fp32 weights), exported on first use into
     `<peers>/openvino/models/<folder name>-<hash of its path>-fp32`."""
-    key = hashlib.sha256(str(model.folder.resolve()).encode()).hexdigest()[:16]
-    out = peers_root() / "openvino" / "models" / f"{model.folder.name[:24]}-{key}-fp32"
+    weights = model.folder / "model.safetensors"  # the bench's folder links to the cached conversion's files
+    source = weights.resolve().parent if weights.exists() else model.folder.resolve()
+    key = hashlib.sha256(str(source).encode()).hexdigest()[:16]
+    out = peers_root() / "openvino" / "models" / f"{source.name[:24]}-{key}-fp32"
     if (out / _DONE).is_file():
         return replace(model, folder=out)
     shutil.rmtree(out, ignore_errors=True)
