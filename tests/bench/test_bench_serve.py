@@ -231,7 +231,9 @@ def test_every_peer_gets_the_same_settings_in_its_own_flags(tmp_path: Path) -> N
     assert llama.extra_body == {"logit_bias": {"2": -100.0}} and not reg["llama-cpp"].batching
     ov = reg["openvino"].launch(model, s, tmp_path, py)
     flag = dict(zip(ov.argv, ov.argv[1:]))
-    assert ov.argv[1].endswith("openvino_shim.py") and (flag["--threads"], flag["--precision"]) == ("3", "bf16")
+    import pagedkv.bench.peers.openvino  # noqa: F401  (peers.openvino below)
+
+    assert ov.argv[1:3] == ["-P", str(peers.openvino.SHIM)] and ov.argv[2].endswith("openvino_shim.py") and (flag["--threads"], flag["--precision"]) == ("3", "bf16")
     assert flag["--port"] == "0" and "--no-prefix-caching" in ov.argv and "shim" in ov.config["process"]
     configs = {**base_configs(args), "vllm": vllm.config, "openvino": ov.config, "llama-cpp": llama.config}  # type: ignore[arg-type]
     table = differing(configs, ["pagedkv-serve", "vllm", "openvino", "llama-cpp", "transformers-serve"])

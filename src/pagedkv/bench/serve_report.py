@@ -101,7 +101,7 @@ def goals(figures: dict[str, dict[str, Any]], ratios: dict[str, Any], loads: lis
     cost = ratios.get("pagedkv-serve/pagedkv-offline", {}).get("burst")
     ttft: dict[str, Any] = {}
     for name in loads:
-        if name == "burst" or "pagedkv-serve" not in figures or "transformers-serve" not in figures:
+        if name in ("burst", "shared-prefix") or "pagedkv-serve" not in figures or "transformers-serve" not in figures:
             continue
         a, b = figures["pagedkv-serve"][name]["ttft_p99_s"], figures["transformers-serve"][name]["ttft_p99_s"]
         ttft[name] = {"pagedkv_p99_s": a, "transformers_p99_s": b,

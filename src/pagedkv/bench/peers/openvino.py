@@ -56,7 +56,8 @@ def _export_env() -> dict[str, str]:
 def launch(model: Model, settings: Settings, workdir: Path, python: Path) -> Launch:
     ir = model.folder  # the IR `export` made
     precision = "bf16" if settings.dtype == "bfloat16" else "f32"
-    argv = [str(python), str(SHIM), "--model", str(ir), "--host", "127.0.0.1", "--port", "0",
+    # -P: the shim's folder must not lead sys.path, or `import openvino` would find this module, not OpenVINO
+    argv = [str(python), "-P", str(SHIM), "--model", str(ir), "--host", "127.0.0.1", "--port", "0",
             "--threads", str(settings.threads), "--num-kv-tokens", str(settings.kv_tokens),
             "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
             "--max-num-seqs", str(settings.max_num_seqs), "--precision", precision]  # fmt: skip

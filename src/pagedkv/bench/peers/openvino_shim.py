@@ -31,6 +31,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import Request  # at module level: FastAPI resolves the handlers' string annotations here
+
 OV_CPU_BLOCK_TOKENS = 32  # OpenVINO's CPU plugin pages its KV cache in blocks of 32 tokens
 
 
@@ -187,7 +189,7 @@ async def _events(engine: Engine, reply: Reply, queue: asyncio.Queue[Any], inclu
 
 
 def build_app(engine: Engine, model_id: str) -> Any:
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI(title="OpenVINO GenAI shim (pagedkv bench)")

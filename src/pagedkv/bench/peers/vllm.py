@@ -6,7 +6,9 @@ The KV budget is the bench's block count (`--num-gpu-blocks-override`, which siz
 cache space `VLLM_CPU_KVCACHE_SPACE` is set to 1 GiB, more than any bench budget needs), its threads are
 bound to the first `threads` CPUs of the bench's affinity (`VLLM_CPU_OMP_THREADS_BIND`, as vLLM's CPU docs
 say; `OMP_NUM_THREADS` too). EOS is ignored with `ignore_eos: true` in the body, as for pagedkv serve.
-Everything else (CUDA-graph-free torch.compile of the model, chunked prefill) is vLLM's CPU default.
+Its CPU attention takes only block sizes that are multiples of 32 ("No common block size for 16"): run the
+bench with `--block-size 32` (or 64, ...) when vLLM is among the systems. Everything else (torch.compile of
+the model, chunked prefill) is vLLM's CPU default.
 """
 
 from __future__ import annotations
