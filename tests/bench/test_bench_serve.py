@@ -326,9 +326,13 @@ def test_openvino_shim_streams_the_greedy_text_of_the_model(
         with torch.inference_mode():
             out = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
         assert text == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        chat = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=5, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-        pieces = [c.choices[0].delta.content or "" for c in chat if c.choices]
-        assert "".join(pieces) and [c for c in pieces if c is not None]
+        messages = [{"role": "user", "content": "hi"}]
+        if tok.chat_template is None:  # the tiny model's tokenizer has none: a 400 saying so, not a 500
+            with pytest.raises(openai.BadRequestError, match="chat_template"):
+                client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=5)  # type: ignore[arg-type]
+        else:
+            chat = client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=5,  # type: ignore[arg-type]
+                                                  stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
     finally:
         procs.stop_server(server)

@@ -204,7 +204,10 @@ def build_app(engine: Engine, model_id: str) -> Any:
 
     async def handle(request: Request, chat: bool) -> Any:
         body = await request.json()
-        ids = prompt_ids(engine, body, chat)
+        try:
+            ids = prompt_ids(engine, body, chat)
+        except ValueError as err:  # e.g. chat with a tokenizer that has no chat template
+            return JSONResponse({"error": {"message": str(err), "type": "invalid_request_error"}}, 400)
         if not ids:
             return JSONResponse({"error": {"message": "empty prompt", "type": "invalid_request_error"}}, 400)
         reply = Reply(body, chat, model_id, len(ids))
