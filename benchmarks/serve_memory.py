@@ -1,6 +1,7 @@
 """What grows inside a long-lived `pagedkv serve`? tracemalloc snapshots around a soak.
 
     PYTHONPATH=src python benchmarks/serve_memory.py [--warmup 2000] [--requests 8000] [--top 25] [--model FOLDER]
+        [--chaos] [--server-option=--dtype=float32 ...]
 
 `pagedkv bench serve --soak N` measures the server's resident memory from outside; this script says which
 lines of Python allocated what stayed. It starts `pagedkv serve` (a tiny random llama by default, the soak's
@@ -11,6 +12,7 @@ prints the `--top` allocation sites by bytes still held in the second and not th
 traceback), with their block counts: a structure that keeps something per finished request shows as a site
 whose count grows with the requests (about `--requests` or a multiple of it). tracemalloc makes the server
 2-3x slower; the figures are Python heap bytes (not RSS: the allocator's own arenas are not counted).
+`--chaos` sends the chaos soak's hostile rotation (`pagedkv bench serve --soak N --soak-chaos`) instead.
 """
 
 from __future__ import annotations
@@ -77,22 +79,34 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--model", default=None, help="model folder (default: the soak's tiny llama)")
+    parser.add_argument("--chaos", action="store_true", help="the chaos soak's hostile traffic")
+    parser.add_argument("--server-option", action="append", default=[],
+                        help="an extra pagedkv serve argument, e.g. --server-option=--dtype=float32")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pagedkv-serve-memory-") as tmp:
         work = Path(tmp)
         folder = Path(args.model) if args.model else serve_soak.tiny_folder(work / "tiny")
         os.environ["PAGEDKV_SNAPSHOT_DIR"] = str(work)
         argv = [sys.executable, "-c", LAUNCHER, "--model", str(folder), "--host", "127.0.0.1", "--port", "0",
-                "--num-blocks", "64", "--block-size", "16"]  # fmt: skip
+                "--num-blocks", "64", "--block-size", "16", *args.server_option]  # fmt: skip
         server = procs.start_server("pagedkv-serve-traced", argv, work)
         words = serve_soak._vocab_words(folder)
+        chaos = 1 << 20 if args.chaos else None
+
+        def drive(n: int) -> None:
+            _, errors, first_error = asyncio.run(
+                serve_soak._drive(server, n, args.concurrency, n, words, chaos_prompt_bytes=chaos)
+            )
+            if errors:
+                print(f"{errors} of {n} requests did not get their answer; first: {first_error}", file=sys.stderr)
+
         try:
-            asyncio.run(serve_soak._drive(server, args.warmup, args.concurrency, args.warmup, words))
+            drive(args.warmup)
             signal_and_wait(server, work, 0)  # tracing on
-            asyncio.run(serve_soak._drive(server, 200, args.concurrency, 200, words))
+            drive(200)
             first = snapshot(server, work, 1)
             rss0 = procs.rss_bytes(server.pid)
-            asyncio.run(serve_soak._drive(server, args.requests, args.concurrency, args.requests, words))
+            drive(args.requests)
             second = snapshot(server, work, 2)
             rss1 = procs.rss_bytes(server.pid)
         finally:

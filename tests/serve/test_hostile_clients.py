@@ -250,3 +250,36 @@ def test_models_advertises_what_the_kv_pool_can_hold(model: Any, tokenizer: Any,
         check_error(httpx.post(f"{running.url}/v1/completions", json=too_long), 400, None, "context_length_exceeded")
     finally:
         running.stop()
+
+
+# --- 5. the chaos rotation of `bench serve --soak-chaos` ------------------------------------------------
+
+
+def test_the_chaos_rotation_gets_its_answers_and_leaves_nothing_behind(model: Any, tokenizer: Any) -> None:
+    """Every kind of `pagedkv.bench.serve_soak.CHAOS_KINDS` twice, 4 at a time, against one server: each gets
+    the answer it must get, and afterwards nothing is in flight, no block is held and no completion failed."""
+    import asyncio
+    import os
+    from types import SimpleNamespace
+
+    from pagedkv.bench.serve_soak import CHAOS_KINDS, _drive
+
+    running = start_server(make_engine(model, tokenizer, num_blocks=256))
+    try:
+        target = SimpleNamespace(base_url=running.url, model_id=MODEL_NAME, pid=os.getpid())
+        words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
+        samples, errors, first_error = asyncio.run(
+            _drive(target, 2 * len(CHAOS_KINDS), 4, 10, words, chaos_prompt_bytes=1 << 20)  # type: ignore[arg-type]
+        )
+        assert (errors, first_error) == (0, None)
+        assert samples[-1][0] == 2 * len(CHAOS_KINDS)
+        deadline = time.monotonic() + 30
+        while running.async_engine.stats().num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        snapshot = running.async_engine.stats()
+        assert (snapshot.num_in_flight, snapshot.num_used_blocks) == (0, 0)
+        running.engine.manager.check_invariants()
+        assert scrape(running.url)[("pagedkv:request_success_total", (("finished_reason", "error"),))] == 0.0
+        serves(running)
+    finally:
+        running.stop()
