@@ -10,23 +10,42 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
 from pagedkv.hf.cpu_linear import (
+    TILE_ROWS,
     PackedLinear,
     choose_linear_backend,
     cpu_bf16_support,
     describe_weights,
     pack_linears,
+    padded_rows,
     resolve_dtype,
+    row_calls,
 )
 from pagedkv.hf.tiny import tiny_model
 
 CPU = torch.device("cpu")
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
 
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 48), (3, 48), (64, 48), (200, 48), (1, 5, 48)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 48),
+        (3, 48),
+        (17, 48),
+        (64, 48),
+        (129, 48),
+        (200, 48),
+        (256, 48),
+        (600, 48),
+        (1, 5, 48),
+        (3, 7, 48),
+    ],
+)
 def test_packed_linear_equals_nn_linear(dtype: torch.dtype, bias: bool, shape: tuple[int, ...]) -> None:
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no oneDNN bf16 on this CPU")
@@ -38,6 +57,19 @@ def test_packed_linear_equals_nn_linear(dtype: torch.dtype, bias: bool, shape: t
     assert got.shape == expected.shape and got.dtype == expected.dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_row_calls_cover_every_row_once_with_a_bounded_set_of_row_counts() -> None:
+    seen = set()
+    for rows in range(1, 2049):
+        calls = row_calls(rows)
+        covered = [r for start, count in calls for r in range(start, start + count)]
+        assert covered == list(range(rows))
+        for _, count in calls:
+            padded = padded_rows(count)
+            assert count <= padded < count + 16 and padded <= TILE_ROWS
+            seen.add(padded)
+    assert len(seen) <= 38  # the primitives oneDNN caches per weight, whatever the batch mix
 
 
 @needs_onednn
@@ -86,7 +118,9 @@ def test_engine_on_packed_linears_generates_what_nn_linear_does() -> None:
     params = SamplingParams(max_new_tokens=8)
     outputs = {}
     for backend in ("torch", "onednn"):
-        engine = Engine(tiny_model("llama", 0), None, EngineConfig(num_blocks=32, block_size=4, linear_backend=backend))
+        engine = Engine(
+            tiny_model("llama", 0), None, EngineConfig(num_blocks=32, block_size=4, linear_backend=backend)
+        )
         assert engine.linear_backend == backend
         outputs[backend] = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert outputs["onednn"] == outputs["torch"]
