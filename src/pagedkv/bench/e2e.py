@@ -4,7 +4,8 @@ Systems, all on the same model, the same requests, one torch thread and the same
 blocks of `--block-size` tokens, every block the systems may hold counted in it):
 - `pagedkv-paged`: the pagedkv engine with the paged allocator (prefix caching on, preemption by recompute
   by default; `--preemption swap` takes the host pool (`--host-blocks`, default a quarter of the budget)
-  out of the budget, so the device keeps `num_blocks - host_blocks` blocks and the total stays the same);
+  out of the budget, so the device keeps `num_blocks - host_blocks` blocks and the total stays the same;
+  `--speculative SPEC` speculates, its counters in the JSON's `speculation`);
 - `pagedkv-contiguous`: the same engine with the contiguous baseline (reserves prompt + max_new_tokens);
 - `pagedkv-contiguous-oracle`: the contiguous baseline told each request's true output length (it reserves
   prompt + true length): the gap between it and `pagedkv-contiguous` is the over-declared maximum, the gap
@@ -66,6 +67,7 @@ from pagedkv.engine.cli_args import (
     add_kv_cache_dtype,
     add_linear_backend,
     add_scheduler_arguments,
+    add_speculative,
     add_threads,
     check_fits_memory,
     float_in,
@@ -143,6 +145,8 @@ def pagedkv_config(system: str, args: argparse.Namespace) -> dict[str, Any]:
         "max_batch_tokens": args.max_num_batched_tokens,
         "declared_max_new_tokens": "true length" if system.endswith("-oracle") else args.max_new_tokens,
         "attention": "pagedkv (engine default)",
+        # speculation rolls rejected drafts back, which the contiguous baseline cannot: pagedkv-paged only
+        "speculative": args.speculative.describe() if args.speculative and allocator == "paged" else "off",
     }
 
 
@@ -188,6 +192,7 @@ def run_pagedkv(
         num_host_blocks=cfg["host_blocks"],
         kv_cache_dtype=args.kv_cache_dtype,
         linear_backend=args.linear_backend,
+        speculative=args.speculative if cfg["speculative"] != "off" else None,
     )
     oracle = system.endswith("-oracle")
     engine = Engine(model, None, config)
@@ -211,12 +216,14 @@ def run_pagedkv(
         )
     engine.run()
     stats = engine.stats
-    counters = {
+    counters: dict[str, Any] = {
         "num_steps": stats.num_steps,
         "num_preemptions": stats.num_preemptions,
         "num_scheduled_tokens": stats.num_scheduled_tokens,
         "num_swapped_out_blocks": stats.num_swapped_out_blocks,
     }
+    if stats.spec is not None:
+        counters["speculation"] = stats.spec.as_dict()
     return timelines, counters
 
 
@@ -363,6 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_threads(parser)
     add_linear_backend(parser)
+    add_speculative(parser)  # pagedkv-paged only (the contiguous baseline cannot roll drafts back)
     parser.add_argument("--num-requests", type=int_at_least(1, 10_000), default=32)
     parser.add_argument(
         "--trace-offset", type=int_at_least(0, 10_000), default=0,

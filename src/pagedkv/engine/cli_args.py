@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.speculative.config import SpeculativeConfig, parse_speculative
 from pagedkv.workloads.traces import MAX_TRACE_TOKENS
 
 # Far beyond any model's context (the longest are ~10M tokens): a length past this is a typo, refused
@@ -170,6 +171,25 @@ def add_linear_backend(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         help="the model's projections on a CPU: onednn (weights packed once; faster, not bit-identical to "
         "transformers in float32), torch (nn.Linear), auto (onednn for bf16 weights on a CPU with bf16 "
         "instructions, else torch)",
+    )  # fmt: skip
+
+
+def speculative_setting(text: str) -> SpeculativeConfig:
+    """An argparse type: a speculative decoding setting (`ngram:k=4`, `draft:PATH,k=3`), `parse_speculative`'s
+    text form."""
+    try:
+        return parse_speculative(text)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_speculative(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--speculative`, the one declaration every command that serves a model shares (`EngineConfig.speculative`,
+    docs/speculative.md)."""
+    parser.add_argument(
+        "--speculative", type=speculative_setting, default=None, metavar="SPEC",
+        help="speculative decoding: ngram:k=4 (prompt lookup; options min=, max=, off_above=) or draft:MODEL,k=3 "
+        "(a smaller model with the same tokenizer; option off_above=) (default: off; docs/speculative.md)",
     )  # fmt: skip
 
 

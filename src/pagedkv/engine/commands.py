@@ -33,6 +33,7 @@ from pagedkv.engine.cli_args import (
     add_kv_cache_dtype,
     add_linear_backend,
     add_scheduler_arguments,
+    add_speculative,
     add_threads,
     byte_size,
     check_fits_memory,
@@ -111,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype(parser)
     add_threads(parser)
     add_linear_backend(parser)
+    add_speculative(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -201,7 +203,7 @@ def _run(args: argparse.Namespace) -> int:
         f"pagedkv generate: {len(items) - len(rejected)} requests served ({len(done)} completions, {num_tokens} "
         f"tokens in {wall:.1f}s, {num_tokens / wall if wall > 0 else 0.0:.1f} tok/s), {len(rejected)} rejected; "
         f"{engine.manager.num_blocks} KV blocks ({config.allocator}), {engine.stats.num_preemptions} preemptions; "
-        f"{cached_summary(done)}",
+        f"{cached_summary(done)}{speculation_summary(engine)}",
         file=sys.stderr,
     )
     return 0 if not rejected else 1
@@ -218,6 +220,18 @@ def cached_summary(done: list[Any]) -> str:
                 by_tier[medium] = by_tier.get(medium, 0) + n
     detail = ", ".join(f"{m} {n}" for m, n in by_tier.items())
     return f"cached prompt tokens: {total}" + (f" ({detail})" if detail else "")
+
+
+def speculation_summary(engine: Any) -> str:
+    """"; speculation ngram:k=4,...: 120 of 300 draft tokens accepted (0.40), 1.9 tokens per verification", or
+    nothing when the engine does not speculate."""
+    spec, stats = engine.config.speculative, engine.stats.spec
+    if spec is None or stats is None:
+        return ""
+    return (
+        f"; speculation {spec.describe()}: {stats.num_accepted_tokens} of {stats.num_draft_tokens} draft tokens "
+        f"accepted ({stats.acceptance_rate:.2f}), {stats.mean_accepted_length:.2f} tokens per verification"
+    )
 
 
 def is_instruct(model: str, tokenizer: Any) -> bool:
@@ -284,6 +298,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         remote_url=args.remote_url,
         kv_cache_dtype=args.kv_cache_dtype,
         linear_backend=getattr(args, "linear_backend", "auto"),
+        speculative=getattr(args, "speculative", None),
     )
 
 

@@ -29,6 +29,7 @@ from pagedkv.engine.cli_args import (
     add_kv_cache_dtype,
     add_linear_backend,
     add_scheduler_arguments,
+    add_speculative,
     add_threads,
     byte_size,
     int_at_least,
@@ -90,6 +91,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype(engine)
     add_threads(engine)
     add_linear_backend(engine)
+    add_speculative(engine)
     tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
     tiers.add_argument("--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)")
     tiers.add_argument("--disk-path", type=writable_folder, default=None, help="folder of the local disk tier")
