@@ -133,3 +133,48 @@ def test_serve_speculates_and_answers_as_without(served: tuple[str, Any], tiny_f
     plain = Engine(engine.model, engine.tokenizer, engine.config.__class__(num_blocks=64))
     want = plain.generate([PROMPT], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
     assert got.choices[0].text == want.output_text
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_count_drafts_and_acceptance_as_vllm_names_them(served: tuple[str, Any]) -> None:
+    import openai
+
+    url, engine = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    before = _scrape(url)
+    for prompt in (PROMPT, "w9 w8 w9 w8 w9 w8 w7"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    after = _scrape(url)
+    spec = engine.stats.spec
+    assert spec is not None and spec.num_drafts > 0 and spec.num_accepted_tokens > 0
+    # cumulative since start: the module's earlier test's requests included
+    assert after[("pagedkv:spec_decode_num_drafts_total", ())] == spec.num_drafts
+    assert after[("pagedkv:spec_decode_num_draft_tokens_total", ())] == spec.num_draft_tokens
+    assert after[("pagedkv:spec_decode_num_accepted_tokens_total", ())] == spec.num_accepted_tokens
+    per_pos = [after[("pagedkv:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+               for i in range(4)]  # fmt: skip
+    assert per_pos == spec.accepted_per_pos and per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3]
+    assert sum(per_pos) == spec.num_accepted_tokens
+    moved = after[("pagedkv:spec_decode_num_drafts_total", ())] - before.get(("pagedkv:spec_decode_num_drafts_total", ()), 0)
+    assert moved > 0
+
+
+def test_a_server_that_does_not_speculate_has_no_speculation_samples() -> None:
+    from pagedkv.serve.metrics import ServerMetrics
+
+    text = ServerMetrics("m").exposition().decode()
+    assert "# TYPE pagedkv:spec_decode_num_drafts_total counter" in text  # declared, with no sample
+    assert not [line for line in text.splitlines() if line.startswith("pagedkv:spec_decode")]

@@ -76,6 +76,9 @@ class EngineSnapshot:
     # prompt tokens not served from cache since start, by reason (pagedkv.core.misses.MISS_REASONS; empty
     # for an allocator that keeps no prefix cache)
     miss_tokens: tuple[tuple[str, int], ...] = ()
+    # speculative decoding since start (pagedkv.engine.speculative.stats.SpecStats): drafts, draft tokens,
+    # accepted tokens, accepted per draft position; None when the engine does not speculate
+    spec: tuple[int, int, int, tuple[int, ...]] | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -444,6 +447,9 @@ class AsyncEngine:
             num_steps=int(engine.stats.num_steps),
             num_in_flight=len(self._streams),
             miss_tokens=tuple(misses.tokens.items()) if (misses := engine.stats.cache_misses) is not None else (),
+            spec=None if (sp := engine.stats.spec) is None else (
+                sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens, tuple(sp.accepted_per_pos)
+            ),
         )
         if self.metrics is not None:
             self.metrics.observe_engine(snapshot)

@@ -19,11 +19,22 @@ Each `ServerMetrics` has its own registry (several servers or Ray replicas in on
 | pagedkv:time_per_output_token_seconds          | histogram | per completion with 2+ tokens: mean gap           |
 | pagedkv:e2e_request_latency_seconds            | histogram | per completion: arrival -> end                    |
 | pagedkv:request_queue_time_seconds             | histogram | per completion that was scheduled: arrival -> run |
+| pagedkv:spec_decode_num_drafts_total           | counter   | every engine turn: verifications with a draft     |
+| pagedkv:spec_decode_num_draft_tokens_total     | counter   | every engine turn: draft tokens verified          |
+| pagedkv:spec_decode_num_accepted_tokens_total  | counter   | every engine turn: draft tokens accepted          |
+| pagedkv:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | every engine turn: verifications whose drafts 0..position were all accepted |
 
 Every series has a sample from start-up: the counters and histograms of each label value known in advance
 (`finished_reason`: each of `pagedkv.engine.request.FINISH_REASONS`; `tier` GPU) start at 0, so a rate over the first
 preemption or the first error is never computed against a missing series. Other tiers and the miss
 reasons appear (at 0 first) when the engine reports them.
+
+The `spec_decode_` counters are vLLM's (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos{position}`) and exist only when the engine
+speculates (`EngineConfig.speculative`), every position 0..k-1 at 0 from its first turn. Derived in PromQL as
+vLLM's dashboards do: the acceptance rate is `rate(accepted_tokens) / rate(draft_tokens)`, the rate at a
+position `rate(accepted_tokens_per_pos) / rate(drafts)`, the mean accepted length (tokens per verification,
+the one the model adds included) `1 + rate(accepted_tokens) / rate(drafts)`.
 
 Counters and histograms are fed by the engine thread when a request's last completion has ended (the
 per-request state lives only until then), gauges after every engine turn.
@@ -85,6 +96,22 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to end.", LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self._preemptions_seen = 0
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Verifications with at least one draft token (vllm:spec_decode_num_drafts)."
+        )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified (vllm:spec_decode_num_draft_tokens)."
+        )
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted (vllm:spec_decode_num_accepted_tokens)."
+        )
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Verifications whose drafts up to this position were all accepted "
+            "(vllm:spec_decode_num_accepted_tokens_per_pos).",
+            ["position"],
+        )
+        self._spec_seen: tuple[int, int, int, tuple[int, ...]] | None = None
         for series in (self.preemptions, self.queries, self.hits, self.prompt_tokens, self.generation_tokens,
                        self.ttft, self.tpot, self.e2e, self.queue):  # fmt: skip
             series.labels(model_name)  # a sample at 0 from the start
@@ -107,6 +134,20 @@ class ServerMetrics:
             if tokens > seen or reason not in self._misses_seen:
                 self.miss_tokens.labels(m, reason).inc(tokens - seen)  # every reason appears, at 0 at first
                 self._misses_seen[reason] = tokens
+        if snapshot.spec is not None:
+            self._observe_spec(snapshot.spec)
+
+    def _observe_spec(self, spec: tuple[int, int, int, tuple[int, ...]]) -> None:
+        """The speculation counters by what the engine's cumulative counts moved since the last turn."""
+        m = self.model_name
+        drafts, tokens, accepted, per_pos = spec
+        drafts0, tokens0, accepted0, per_pos0 = self._spec_seen or (0, 0, 0, (0,) * len(per_pos))
+        self.spec_drafts.labels(m).inc(drafts - drafts0)
+        self.spec_draft_tokens.labels(m).inc(tokens - tokens0)
+        self.spec_accepted.labels(m).inc(accepted - accepted0)
+        for pos, (now, before) in enumerate(zip(per_pos, per_pos0)):
+            self.spec_accepted_per_pos.labels(m, str(pos)).inc(now - before)  # every position, at 0 first
+        self._spec_seen = spec
 
     def observe_request(self, outputs: Sequence[RequestOutput]) -> None:
         """Counters and histograms of one ended request: its completions' final outputs, parent first."""
