@@ -84,6 +84,18 @@ def test_generate_speculates_and_prints_the_same_text(tiny_folder: Path, capsys:
     assert "speculation" not in plain.err
 
 
+def test_generate_with_a_draft_model_prints_the_same_text(tiny_folder: Path, capsys: Any) -> None:
+    """`draft:PATH`: the target's own folder as its draft, so every draft token is accepted."""
+    argv = ["generate", "--no-progress", PROMPT, "--model", str(tiny_folder), "--max-new-tokens", "16",
+            "--ignore-eos", "--num-blocks", "64"]  # fmt: skip
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    assert main([*argv, "--speculative", f"draft:{tiny_folder},k=3"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out
+    assert f"speculation draft:{tiny_folder},k=3:" in spec.err and "accepted (1.00)" in spec.err, spec.err
+
+
 def test_the_replicas_engine_speculates(tiny_folder: Path) -> None:
     """`--replicas N` builds each replica's engine from the same flags (`ray_cli.engine_from_args`)."""
     from pagedkv.serve import serve_command

@@ -32,7 +32,9 @@ Contracts (docs/engine.md spells them out; tests/engine/test_engine_contracts.py
   step appends, never which: greedy output is token-identical with and without it, sampled output follows
   the same distribution (rejection sampling), and the log-probabilities of accepted tokens are those of the
   forward that verified them. A step may append several tokens to a request: `on_token` then runs once for
-  them all, and a stop string cuts the output at the token that completed it;
+  them all, and a stop string cuts the output at the token that completed it. A draft model
+  (`speculative.draft`) holds KV pages of its own, inside the KV budget, freed when a request ends or is
+  preempted;
 - `SamplingParams.logprobs` / `prompt_logprobs` are recorded on the outputs from the raw logits, apart from
   the draw (a request asking for prompt log-probabilities computes its whole prompt: its blocks are keyed
   by a salt of its own, so it takes no prefix-cache hit); `release(id)` hands a finished request's outputs
@@ -62,6 +64,7 @@ from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import bad_rows, make_generator, sample, token_logprobs
 from pagedkv.engine.speculative.adaptive import AdaptiveK
+from pagedkv.engine.speculative.draft import DraftModelProposer
 from pagedkv.engine.speculative.proposer import make_proposer
 from pagedkv.engine.speculative.rejection import verify
 from pagedkv.engine.speculative.stats import SpecStats
@@ -122,6 +125,9 @@ class Engine:
         # 1. the cache's size, then the allocator, the KV tensors and the scheduler over them
         # (allocator "hybrid": the model's layers in KV cache groups, pagedkv.core.group; pages hold one group)
         self.layer_groups = group_layers(self.spec.sliding_windows) if is_hybrid(cfg.allocator) else None
+        spec = cfg.speculative  # a draft model loads first: its KV blocks share the budget (speculative.draft)
+        self.proposer = make_proposer(spec, model, cfg) if spec else None
+        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         num_blocks, num_host, bytes_per_block = self._cache_size()
         self.manager = self._make_manager(num_blocks, num_host)
         device = next(model.parameters()).device
@@ -136,13 +142,14 @@ class Engine:
             kv_cache_dtype=cfg.kv_cache_dtype,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
+        if self.draft is not None:  # as many blocks of its own as the target's
+            self.draft.allocate(num_blocks, device)
+            self.kv_budget_bytes += num_blocks * self.draft.bytes_per_block
         self.stats = EngineStats(cache_misses=getattr(self.manager, "misses", None))
         self.tiering: EngineTiering | None = self._make_tiering(model) if cfg.tiers_enabled else None
-        spec = cfg.speculative
         self.scheduler = Scheduler(  # tier hits: fetch_blocks; draft slots: k a decoding request
             self.manager, cfg.scheduler, source=self.tiering, num_lookahead_tokens=spec.k if spec else 0
         )
-        self.proposer = make_proposer(spec, model, cfg) if spec else None
         self.stats.spec = SpecStats(spec.k) if spec else None
         self.runner = ModelRunner(model, self.cache, fused)
         self.kv_events: Any = None
@@ -192,10 +199,11 @@ class Engine:
         host blocks default to as many as the device's when preemption swaps."""
         cfg = self.config
         bytes_per_block = cache_spec(self.spec, self.layer_groups, cfg.kv_cache_dtype).bytes_per_block(cfg.block_size)
+        draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0  # the budget split with it
         num_blocks = (
             cfg.num_blocks
             if cfg.num_blocks is not None
-            else blocks_in_budget(int(cfg.kv_budget_bytes or 0), bytes_per_block)
+            else blocks_in_budget(int(cfg.kv_budget_bytes or 0), bytes_per_block + draft_bytes)
         )
         if num_blocks < 2:
             raise CapacityError(
@@ -442,6 +450,7 @@ class Engine:
                 )
             self._collect_finished()
             return self._deliver()
+        self._forget_drafts(out.preempted)  # their KV is freed: a draft model's too
         # a failure here belongs to no request: it propagates, and the next step redoes this one
         logits = self._execute(out)
         producing = [c for c in chunks if c.produces_token]
@@ -586,6 +595,11 @@ class Engine:
             tracked = self._tracked.get(chunk.request.request_id)
             if tracked is not None and tracked.adaptive is not None:
                 tracked.adaptive.record(len(chunk.draft_token_ids), accepted)
+
+    def _forget_drafts(self, requests: Sequence[Request]) -> None:
+        if self.proposer is not None:
+            for request in requests:
+                self.proposer.forget(request.request_id)
 
     def _propose(self) -> None:
         """Draft tokens for the next step of every decoding request (`Request.draft_token_ids`), each asking
@@ -750,6 +764,8 @@ class Engine:
         if self._tracked.pop(rid, None) is None:
             return  # collected already
         self._scoring.discard(rid)
+        if self.proposer is not None:
+            self.proposer.forget(rid)  # a draft model's blocks for it
         self._outputs[rid] = self._snapshot(tracked)
         if self.tiering is not None:
             self.tiering.forget(rid)
