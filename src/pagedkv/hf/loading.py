@@ -75,8 +75,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 # The format of a cached conversion. 2: a complete transformers folder (config.json names `architectures`, a
 # tied embedding is saved under the input embedding's name), which vLLM and optimum load as the causal LM;
-# format 1 (no version in the marker's name) made vLLM load a bare model that answered token 0.
-CONVERSION_FORMAT = 2
+# format 1 (no version in the marker's name) made vLLM load a bare model that answered token 0. 3: the weights
+# (and config.json's dtype) are the de-quantised ones whatever dtype the converting load asked for; a format-2
+# folder could hold bf16 weights that a later default load took for the checkpoint's own dtype.
+CONVERSION_FORMAT = 3
 # Written last into a cache folder: its presence means the folder is whole, in this format; a folder marked by
 # an older format counts as not cached and is written again.
 _COMPLETE = f"pagedkv-complete-v{CONVERSION_FORMAT}"
@@ -233,7 +235,10 @@ def _load_weights(source: ModelSource, dtype: str | None, tokenizer: Any) -> Any
     from transformers import AutoModelForCausalLM
 
     folder, kwargs = source.load_kwargs()
-    if dtype is not None:
+    # A first load of a GGUF file converts it in its de-quantised dtype (what the cache holds, whatever this
+    # load asked for) and casts afterwards.
+    convert = source.gguf_file is not None and not source.cached and tokenizer is not None
+    if dtype is not None and not convert:
         kwargs["dtype"] = getattr(torch, dtype)
     if "gguf_file" in kwargs:
         _gguf_bar(on_terminal())  # tensor by tensor, on a terminal only
@@ -247,11 +252,13 @@ def _load_weights(source: ModelSource, dtype: str | None, tokenizer: Any) -> Any
             f"cannot load the model weights from {folder}: {_first_line(err)}"
         ) from None
     model.eval()  # type: ignore[no-untyped-call]
+    if convert:
+        _save_conversion(source, model, tokenizer)
+        if dtype is not None:
+            model = model.to(getattr(torch, dtype))
     digest = cached_digest(source, model)
     if digest is not None:  # tier fingerprints name the weights (the engine hashes them when it needs to)
         model.pagedkv_weights_digest = digest  # type: ignore[assignment]
-    if source.gguf_file is not None and not source.cached and tokenizer is not None:
-        _save_conversion(source, model, tokenizer)
     return model
 
 
@@ -337,7 +344,9 @@ def weights_digest(model: Any) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         h.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}\n".encode())
-        h.update(flat.view(torch.uint8).clone().numpy())  # a copy: numpy's view would pin the weights' storage
+        h.update(
+            flat.view(torch.uint8).clone().numpy()
+        )  # a copy: numpy's view would pin the weights' storage
     return h.hexdigest()
 
 
