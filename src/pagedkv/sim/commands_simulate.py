@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
+    float_in,
     int_at_least,
     nonnegative_float,
     output_file,
@@ -50,6 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sweep figure goes to OUT-sweep.png)",
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sp = parser.add_argument_group("speculative decoding (pagedkv.sim.speculation; paged allocators only)")
+    sp.add_argument(
+        "--spec-k", type=int_at_least(0, 64), default=0,
+        help="draft tokens per decoding request per step (default: 0, no speculation)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--spec-acceptance", type=float_in(0.0, 1.0), default=0.7,
+        help="probability that a draft token is accepted given the ones before it were (default: 0.7)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--spec-draft-cost", type=nonnegative_float, default=0.0,
+        help="one draft forward's time relative to the target's decode step (default: 0, n-gram lookup; "
+        "~0.1 for a draft model a tenth of the target's size)",
+    )  # fmt: skip
     s.add_argument(  # pagedkv.sim.guidance
         "--sweep-guidance",
         metavar="PATH",
@@ -175,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress and not args.json,
             evictions=args.eviction,
             partial_reuse=args.partial_reuse,
+            speculation=_speculation(args),
         )
     except PagedKVError as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
@@ -182,6 +198,15 @@ def run(args: argparse.Namespace) -> int:
     warn_dropped("simulate", report.workload, report.config)
     _print_report(args, report)
     return 0
+
+
+def _speculation(args: argparse.Namespace) -> Any:
+    """The `SpecSim` of `--spec-k`, `--spec-acceptance` and `--spec-draft-cost` (None when `--spec-k` is 0)."""
+    from pagedkv.sim.speculation import SpecSim
+
+    if not getattr(args, "spec_k", 0):
+        return None
+    return SpecSim(args.spec_k, args.spec_acceptance, args.spec_draft_cost)
 
 
 def _print_report(args: argparse.Namespace, report: Any) -> None:

@@ -188,7 +188,7 @@ class _Replica(Replay):
             self.backlog -= self.plans[req.request_id].backlog
         super().drop_rejected(output)
 
-    def _sample(self, chunks: Any) -> dict[str, int]:
+    def _sample(self, chunks: Any) -> dict[str, int | list[int]]:
         for c in chunks:
             if c.produces_token and not c.request.output_token_ids:  # its first token: its prefill is done
                 self.backlog -= self.plans[c.request.request_id].backlog

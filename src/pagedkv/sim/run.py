@@ -19,6 +19,7 @@ from pagedkv.sim.budget import KVBudget
 from pagedkv.sim.catalog import Catalog
 from pagedkv.sim.run_metrics import summarize
 from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig, SimTrace, simulate
+from pagedkv.sim.speculation import SpecSim
 from pagedkv.sim.workload import Workload, WorkloadSpec, build_workload
 
 
@@ -177,11 +178,13 @@ def run_simulation(
     evictions: Sequence[str] = (),
     partial_reuse: bool = False,
     kv_cache_dtype: str = "auto",
+    speculation: SpecSim | None = None,
 ) -> SimulationReport:
     """Replay `workload` (default: the shipped Azure conv trace) under each allocator; see `SimConfig`.
     `evictions`: run `paged-prefix` once per eviction policy (rows `paged-prefix:<policy>`); `partial_reuse`
     turns partial-block reuse on for it. A hybrid model runs each paged allocator's hybrid twin beside it.
     `kv_cache_dtype` stores the model's KV in another dtype (`ModelShape.kv_cache_dtype`).
+    `speculation` speculates on the paged allocators (`pagedkv.sim.speculation`).
     `progress`: one line on stderr naming each phase (building the workload, then each run with its
     finished requests), redrawn while it runs (`pagedkv.progress`)."""
     catalog = catalog or Catalog.builtin()
@@ -196,7 +199,7 @@ def run_simulation(
         model=model_spec, gpu=gpu_spec, allocator=allocators[0], block_size=block_size,
         max_model_len=max_model_len or model_spec.max_model_len, gpu_memory_utilization=gpu_memory_utilization,
         scheduler=scheduler, step_overhead_s=step_overhead_s, tensor_parallel=tensor_parallel,
-        activation_bytes=activation_bytes,
+        activation_bytes=activation_bytes, speculation=speculation,
     )  # fmt: skip
     bar = Progress("pagedkv simulate", enabled=progress, tick=True)
     try:

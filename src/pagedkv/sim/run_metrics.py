@@ -100,6 +100,19 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
         "num_blocks": trace.budget.num_blocks,
         **_cache_metrics(trace),
         **_held_metrics(trace, dt),
+        **_spec_metrics(trace),
+    }
+
+
+def _spec_metrics(trace: SimTrace) -> dict[str, Any]:
+    """With speculation on a paged allocator: the draws' acceptance, tokens per verification and the share of
+    the span the draft model took; nothing otherwise."""
+    if trace.config.speculation is None or not trace.spec_drafts:
+        return {}
+    return {
+        "spec_acceptance_rate": trace.spec_accepted_tokens / trace.spec_draft_tokens,
+        "spec_mean_accepted_length": 1.0 + trace.spec_accepted_tokens / trace.spec_drafts,
+        "spec_draft_time_fraction": trace.draft_s / sum(trace.step_s) if trace.step_s else 0.0,
     }
 
 

@@ -50,6 +50,7 @@ from pagedkv.sim.allocators import (
 from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.catalog import GPUSpec, ModelShape
 from pagedkv.sim.hybrid_kv import HybridKVBudget, manager_groups
+from pagedkv.sim.speculation import Drafter, SpecSim, verified
 from pagedkv.sim.step_time import StepTimeModel
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
@@ -87,6 +88,9 @@ class SimConfig:
     # The prefix cache's eviction policy (pagedkv.core.eviction) and partial-block reuse (paged-prefix only).
     eviction: str = "lru"
     partial_reuse: bool = False
+    # Speculative decoding (pagedkv.sim.speculation): k, acceptance rate, draft cost; paged allocators only
+    # (the contiguous ones cannot roll rejected drafts back, as in the engine), None: off.
+    speculation: SpecSim | None = None
 
     def __post_init__(self) -> None:
         check_allocator(self.allocator)
@@ -106,6 +110,8 @@ class SimConfig:
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{f} must be an int >= 1, got {value!r}")
+        if self.speculation is not None and not isinstance(self.speculation, SpecSim):
+            raise InvalidArgumentError(f"speculation must be a SpecSim or None, got {self.speculation!r}")
         if self.max_model_len > self.model.max_model_len:
             raise InvalidArgumentError(
                 f"max_model_len={self.max_model_len} exceeds {self.model.name}'s context length "
@@ -160,6 +166,12 @@ class SimTrace:
     prompt_len: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     output_len: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cached_tokens: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # speculative decoding (SimConfig.speculation): verifications with drafts, draft tokens, accepted ones,
+    # and the seconds the draft model's forwards took
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    draft_s: float = 0.0
 
 
 def realloc_copy_tokens(mode: str, capacity: int, start: int, end: int) -> tuple[int, int]:
@@ -267,7 +279,12 @@ class Replay:
         self.windows: dict[int | None, int] = {}  # layers per window (None: full attention)
         for w in config.model.layer_windows:
             self.windows[w] = self.windows.get(w, 0) + 1
-        self.scheduler = Scheduler(self.manager, config.scheduler)
+        # speculation: the engine's scheduler path (draft slots, rollback of the rejected); paged only
+        spec = config.speculation if config.allocator not in CONTIGUOUS else None
+        self.drafter = Drafter(spec) if spec is not None else None
+        self._draft_starts: list[int] = []  # context of each request that proposed since the last step
+        self._draft_forwards = 0  # draft forwards of those proposals (the longest one's length)
+        self.scheduler = Scheduler(self.manager, config.scheduler, num_lookahead_tokens=spec.k if spec else 0)
         self.step_model = config.step_model()
         self.arrivals = arrivals or Arrivals(workload)
         n = len(workload.requests)
@@ -308,6 +325,8 @@ class Replay:
 
     def step(self, progress: Callable[[int], None] | None) -> bool:
         """One scheduler step; False when nothing could be scheduled (the clock has not moved)."""
+        if self.drafter is not None:
+            self._propose(self.drafter)
         output = self.scheduler.schedule()
         self.drop_rejected(output)
         if not output.scheduled:
@@ -366,6 +385,15 @@ class Replay:
         config, out = self.config, self.out
         cost = self.step_model.cost(starts, news)
         dt = cost.seconds
+        if self._draft_forwards:  # the draft model's k forwards over the proposing requests, before this step
+            assert self.config.speculation is not None, "simulator: drafts without speculation"
+            ones = np.ones(len(self._draft_starts), dtype=np.int64)
+            draft_s = self.config.speculation.draft_cost * self._draft_forwards * self.step_model.step_seconds(
+                self._draft_starts, ones
+            )
+            out.draft_s += draft_s
+            dt += draft_s
+            self._draft_starts, self._draft_forwards = [], 0
         copy_s = 0.0
         if config.realloc != "none":
             copied = 0
@@ -401,10 +429,10 @@ class Replay:
         self.now += dt
         return dt
 
-    def _sample(self, chunks: Any) -> dict[str, int]:
+    def _sample(self, chunks: Any) -> dict[str, int | list[int]]:
         """The workload's next token for every chunk that produces one (EOS at the request's output length);
         records each request's prefix-cache hit the first time it is scheduled."""
-        sampled: dict[str, int] = {}
+        sampled: dict[str, int | list[int]] = {}
         for c in chunks:
             rid = c.request.request_id
             if rid not in self.seen:
@@ -413,8 +441,31 @@ class Replay:
             if c.produces_token:
                 g = self.live[rid][0]
                 k = len(c.request.output_token_ids)
+                if c.draft_token_ids:  # verify: the drafts that match the true continuation, then the next
+                    kept = verified(c.draft_token_ids, _truth(g, k, len(c.draft_token_ids) + 1))
+                    self.out.spec_drafts += 1
+                    self.out.spec_draft_tokens += len(c.draft_token_ids)
+                    self.out.spec_accepted_tokens += len(kept) - 1
+                    sampled[rid] = kept
+                    continue
                 sampled[rid] = EOS_TOKEN_ID if k + 1 >= g.output_len else int(g.output_token_ids[k])
         return sampled
+
+    def _propose(self, drafter: Drafter) -> None:
+        """Drafts for every decoding request (up to k, never past its true output), as the engine proposes
+        after each step; their draft forwards are charged to the next step."""
+        k = drafter.spec.k
+        for r in self.scheduler.running:
+            if not r.output_token_ids or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            g = self.live[r.request_id][0]
+            pos = len(r.output_token_ids)
+            n = min(k, g.output_len - pos - 1)
+            if n <= 0:
+                continue
+            r.draft_token_ids = drafter.drafts(_truth(g, pos, n), n)
+            self._draft_starts.append(int(r.num_computed_tokens))
+            self._draft_forwards = max(self._draft_forwards, n)
 
     def _record_step(self, dt: float, num_running: int, batched: int) -> None:
         """KV use after the step: every scheduled chunk's KV is written, finished requests are freed."""
@@ -474,6 +525,11 @@ class Replay:
         out.cached_tokens = self.cached
         out.manager_stats = manager.stats
         return out
+
+
+def _truth(g: GeneratedRequest, pos: int, n: int) -> list[int]:
+    """The request's true output tokens from output position `pos` on, at most `n` (EOS at its length)."""
+    return [EOS_TOKEN_ID if j + 1 >= g.output_len else int(g.output_token_ids[j]) for j in range(pos, min(pos + n, g.output_len))]
 
 
 def _fits(budget: KVBudget, tokens: int) -> bool:

@@ -1,0 +1,86 @@
+"""Speculative decoding in the simulator: what it buys on a modelled GPU, given how often drafts are accepted.
+
+The replay speculates through the engine's own scheduler path (`Scheduler(num_lookahead_tokens=k)`: draft
+slots in the token budget and the growth reserve, rejected drafts rolled back through the allocator), so
+KV use, preemption and the prefix cache behave as in the engine. What the simulator cannot know, it takes as
+parameters (`SpecSim`):
+
+- `k`: draft tokens per decoding request per step (fixed: the engine's adaptive k is not modelled);
+- `acceptance_rate` a: each draft token is accepted with probability a given that the ones before it were,
+  so a verification accepts i or more drafts with probability a^i (vLLM's and the papers' i.i.d. model;
+  the expected tokens per verification are (1 - a^(k+1)) / (1 - a));
+- `draft_cost`: the time of one draft forward relative to the target's decode step over the same requests
+  (0 for n-gram lookup; ~0.05-0.2 for a draft model 10-20x smaller). A proposal is k draft forwards.
+
+```
+step time = target step over its chunks (each speculating request: 1 + k tokens, its context read once)
+          + k x draft_cost x target decode step over the speculating requests (1 token each)
+```
+
+On a memory-bound GPU step (weights read once per step whatever the batch) the verification's extra k
+tokens per request cost little, so every accepted draft is close to a free token; near saturation the step
+becomes compute-bound and rejected drafts cost their FLOPs. Draws come from a generator seeded per replay:
+the same workload and configuration give the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv.core.errors import InvalidArgumentError
+
+REJECTED_TOKEN_ID = 50_001  # outside the synthetic vocabulary and not EOS: a draft the target never picks
+
+
+@dataclass(frozen=True)
+class SpecSim:
+    """Speculative decoding's parameters in the simulator (module docstring)."""
+
+    k: int = 4
+    acceptance_rate: float = 0.7
+    draft_cost: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise InvalidArgumentError(f"speculation k must be an int >= 1, got {self.k!r}")
+        a = self.acceptance_rate
+        if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
+            raise InvalidArgumentError(f"speculation acceptance_rate must be in [0, 1], got {a!r}")
+        c = self.draft_cost
+        if isinstance(c, bool) or not isinstance(c, int | float) or not 0.0 <= c < float("inf"):
+            raise InvalidArgumentError(f"speculation draft_cost must be a finite number >= 0, got {c!r}")
+
+    @property
+    def expected_tokens_per_verification(self) -> float:
+        """Accepted drafts plus the target's own token, on average, at the full k."""
+        a, k = float(self.acceptance_rate), self.k
+        return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class Drafter:
+    """Draws each decoding request's drafts: the true continuation for the accepted ones, then a token the
+    target rejects."""
+
+    def __init__(self, spec: SpecSim) -> None:
+        self.spec = spec
+        self.rng = np.random.default_rng(spec.seed)
+
+    def drafts(self, truth: Sequence[int], num_tokens: int) -> list[int]:
+        """`num_tokens` drafts after a request whose true next tokens are `truth`."""
+        a = 0
+        while a < num_tokens and a < len(truth) and self.rng.random() < self.spec.acceptance_rate:
+            a += 1
+        return [int(t) for t in truth[:a]] + [REJECTED_TOKEN_ID] * (num_tokens - a)
+
+
+def verified(drafts: Sequence[int], truth: Sequence[int]) -> list[int]:
+    """What the target keeps of `drafts` when its own choices are `truth`: the matching drafts, then its
+    own next token."""
+    a = 0
+    while a < len(drafts) and a < len(truth) - 1 and drafts[a] == truth[a]:
+        a += 1
+    return [int(t) for t in truth[: a + 1]]
