@@ -44,7 +44,9 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Pa
         (["--drain-timeout", "-1"], "--drain-timeout"),
     ],
 )
-def test_bad_arguments_are_one_line_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_one_line_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and err.startswith("pagedkv serve")
@@ -67,7 +69,10 @@ def test_serve_answers_then_drains_on_sigterm_or_sigint_and_exits_0(model_folder
 
         def stream() -> None:
             events = []
-            with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            with (
+                httpx.Client(timeout=60) as http,
+                http.stream("POST", f"{url}/v1/completions", json=body) as r,
+            ):
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -114,3 +119,23 @@ def _wait_until_healthy(proc: subprocess.Popen[str]) -> str:
             pass
         time.sleep(0.05)
     raise AssertionError("pagedkv serve did not become healthy")
+
+
+def test_the_start_up_line_says_the_kv_budget_back(model_folder: Path) -> None:
+    """`--kv-budget 1mib` is said back in bytes and MiB with what the whole blocks under it take."""
+    cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(model_folder), "--port", "0",
+           "--served-model-name", MODEL_NAME, "--kv-budget", "1mib"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert "(--kv-budget 1,048,576 bytes = 1.0 MiB, " in line, line
+        used, blocks = re.search(r"MiB, ([\d.]+) MiB in (\d+) KV blocks", line).groups()  # type: ignore[union-attr]
+        assert 0 < float(used) <= 1.0 and int(blocks) > 0, line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -167,7 +167,8 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
     positions = "" if limit is None else f" of the model's {limit} positions"
     print(
         f"pagedkv serve: {args.served_model_name or args.model} on http://{args.host}:{port} "
-        f"({engine.manager.num_blocks} KV blocks of {config.block_size} tokens: max_model_len "
+        f"({_kv_phrase(args.kv_budget, engine.kv_budget_bytes)}{engine.manager.num_blocks} KV blocks of "
+        f"{config.block_size} tokens: max_model_len "
         f"{app.state.context.max_model_len}{positions}, "
         f"{describe_weights(args.dtype, model.dtype, engine.linear_backend)}, "
         f"{threads} torch thread{'s' if threads != 1 else ''})",
@@ -175,6 +176,14 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
         flush=True,
     )
     return server, sock
+
+
+def _kv_phrase(asked: int | None, used: int) -> str:
+    """The KV budget said back for the start-up line: what `--kv-budget` asked for, in bytes and binary
+    units, and what the blocks take (a whole number of blocks fits under it)."""
+    if asked is None:
+        return ""
+    return f"--kv-budget {asked:,} bytes = {asked / 2**20:,.1f} MiB, {used / 2**20:,.1f} MiB in "
 
 
 def _draining_server(base: Any, async_engine: Any) -> Any:
