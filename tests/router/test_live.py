@@ -14,6 +14,7 @@ from pagedkv.events import GPU, EventLog, ManagerFeed
 from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.router.live import LiveRouter
 from pagedkv.router.policy import CostWeights
+from pagedkv.router.replica_stats import EngineGauges, ReplicaStats
 
 BS = 4
 
@@ -24,11 +25,11 @@ class Replica:
         self.feed = ManagerFeed(self.m, EventLog(BS))
         self.pub = ZmqEventPublisher(f"ipc://{folder}/{name}.pub", f"ipc://{folder}/{name}.replay")
 
-    def stats(self, **load: int) -> dict[str, object]:
-        return {"kv_events": self.pub.endpoint, "kv_replay": self.pub.replay_endpoint,
-                "incarnation": self.pub.first_seq, "block_size": BS, "hash_fn": "sha256", "epoch": 0,
-                "free_blocks": self.m.num_blocks - self.m.num_used_blocks,
-                "num_running": load.get("running", 0), "num_waiting": load.get("waiting", 0)}  # fmt: skip
+    def stats(self, **load: int) -> ReplicaStats:
+        return ReplicaStats(kv_events=self.pub.endpoint, kv_replay=self.pub.replay_endpoint,
+                            incarnation=self.pub.first_seq, block_size=BS, hash_fn="sha256", epoch=0,
+                            num_blocks=self.m.num_blocks, free_blocks=self.m.num_blocks - self.m.num_used_blocks,
+                            num_running=load.get("running", 0), num_waiting=load.get("waiting", 0))  # fmt: skip
 
     def serve(self, prompt: list[int]) -> None:
         adm = self.m.admit(np.asarray(prompt, dtype=np.int32))
@@ -202,18 +203,31 @@ def test_a_burst_groups_conversations_by_system_prompt(tmp_path, systems) -> Non
 def test_a_replicas_report_adds_only_other_routers_requests_and_a_stale_one_no_phantoms() -> None:
     router = LiveRouter(imbalance_threshold=3, sync_interval_s=3600)
     try:
-        router.observe("a", {"num_running": 0, "num_waiting": 0})
+        router.observe("a", ReplicaStats(num_running=0, num_waiting=0))
         for i in range(5):
             router.routed(f"q{i}", "b")  # five running on b (no prefill: nothing predicted)
-        router.observe("b", {"num_running": 5, "num_waiting": 0})  # its report counts the same five
+        router.observe("b", ReplicaStats(num_running=5, num_waiting=0))  # its report counts the same five
         assert router.rank(["a", "b"], [1, 2, 3]).loads == {"a": 0.0, "b": 5.0}
         for i in range(3):
             router.completed(f"q{i}")
-        router.observe("b", {"num_running": 5, "num_waiting": 0})  # the same report again: two are left
+        router.observe("b", ReplicaStats(num_running=5, num_waiting=0))  # the same report again: two are left
         ranking = router.rank(["a", "b"], [1, 2, 3])
         assert ranking.loads["b"] == 2.0 and not ranking.fallback
-        router.observe("b", {"num_running": 4, "num_waiting": 2})  # a new one: 4 beyond this router's 2
+        router.observe("b", ReplicaStats(num_running=4, num_waiting=2))  # a new one: 4 beyond this router's 2
         ranking = router.rank(["a", "b"], [1, 2, 3])
         assert ranking.loads["b"] == 6.0 and ranking.fallback and ranking.order == ["a", "b"]
     finally:
         router.streams.close()
+
+
+def test_a_routing_message_goes_through_its_dict_form_and_refuses_what_it_does_not_know() -> None:
+    sent = ReplicaStats(kv_events="tcp://h:1", kv_replay="tcp://h:2", incarnation=7, block_size=4, hash_fn="vllm",
+                        epoch=2, num_blocks=96, free_blocks=90, num_running=3, num_waiting=1,
+                        gauges=EngineGauges(3, 0, 0, 6, 96))  # fmt: skip
+    assert ReplicaStats.from_dict(sent.as_dict()) == sent and sent.load == 4
+    with pytest.raises(InvalidArgumentError, match="unknown fields"):
+        ReplicaStats.from_dict({**sent.as_dict(), "free": 1})
+    with pytest.raises(InvalidArgumentError, match="hash_fn"):
+        ReplicaStats.from_dict({"hash_fn": "md5"})
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        ReplicaStats.from_dict({"block_size": "4"})

@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` 
 from pagedkv.engine.params import SamplingParams  # noqa: E402
 from pagedkv.events import GPU  # noqa: E402
 from pagedkv.router.live import LiveRouter  # noqa: E402
+from pagedkv.router.replica_stats import ReplicaStats  # noqa: E402
 from pagedkv.serve.ray_app import Deployed, ReplicaRequest, ReplicaSet, ReplicaTarget, running  # noqa: E402
 
 DOC = 40  # tokens: 10 blocks of 4
@@ -211,7 +212,11 @@ def test_a_hybrid_replica_lists_what_its_groups_hold_as_its_events_reported() ->
         elif isinstance(event, AllBlocksCleared):
             held.clear()
     contents = replica.kv_contents(ReplicaTarget(replica.replica_id))
+    stats = replica.routing_stats(ReplicaTarget(replica.replica_id))  # the hybrid manager's epoch, its pool
+    sent = replica.record_routing_stats()
     replica.publisher.close()
+    assert ReplicaStats.from_dict(sent) == stats and stats.block_size == 4 and stats.gauges is not None
+    assert stats.num_blocks == stats.gauges.num_blocks > 0 and stats.kv_events == replica.publisher.endpoint
     assert sorted(held) == [0, 1], "the tiny Gemma2 has a full and a sliding group"
     assert contents == {GPU: sorted(set().union(*held.values()))}
 

@@ -4,6 +4,8 @@
 - `Router` and the policies (`policy.py`): round-robin, pure longest-prefix, and the cost model
   `compute_weight * blocks to compute + discounts * blocks to load + queue_weight * queued work`.
 - `request_hashes`: a prompt's block hashes, as the replicas' events name them.
+- `ReplicaStats` (`replica_stats.py`): the routing message a replica reports (its events' endpoints, its
+  block naming, its pool and load).
 - `EventStreams` (`streams.py`, needs pyzmq): the replicas' ZMQ event streams folded into one `ReplicaIndex`,
   exact through gaps, restarts and dead replicas.
 
@@ -26,8 +28,9 @@ from pagedkv.router.policy import (
     make_policy,
     request_hashes,
 )
+from pagedkv.router.replica_stats import EngineGauges, ReplicaStats
 
 __all__ = [
-    "LIVE_IMBALANCE_THRESHOLD", "LIVE_WEIGHTS", "POLICIES", "CostPolicy", "CostWeights", "Decision", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
-    "RoundRobin", "Router", "make_policy", "request_hashes",
+    "LIVE_IMBALANCE_THRESHOLD", "LIVE_WEIGHTS", "POLICIES", "CostPolicy", "CostWeights", "Decision", "EngineGauges", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
+    "ReplicaStats", "RoundRobin", "Router", "make_policy", "request_hashes",
 ]  # fmt: skip

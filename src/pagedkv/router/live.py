@@ -1,7 +1,7 @@
 """`LiveRouter`: the routing decision for live replicas (Ray Serve's `PagedKVRequestRouter` wraps it).
 
     router = LiveRouter()
-    router.observe("r0", stats)            # a replica's routing stats: where its events are, its sizes, its load
+    router.observe("r0", stats)            # a replica's `ReplicaStats`: where its events are, its sizes, its load
     ranked = router.rank(["r0", "r1"], prompt_ids, cache_salt=None)   # best first
     router.routed(request_id, ranked[0]); ...; router.completed(request_id)
 
@@ -41,11 +41,7 @@ come first, by cost among them, whatever the others hold.
 New conversations, which share a system prompt, are what the fallback moves, and they rebalance the fleet as
 conversations end.
 
-Replica stats (`record_routing_stats` on the replica; plain JSON types):
-
-    {"kv_events": "tcp://HOST:PORT", "kv_replay": "tcp://HOST:PORT", "incarnation": int,
-     "block_size": int, "hash_fn": "sha256" | "vllm", "free_blocks": int, "num_blocks": int,
-     "num_running": int, "num_waiting": int, "epoch": int}
+Replica stats: `pagedkv.router.replica_stats.ReplicaStats` (what `record_routing_stats` on the replica sends).
 
 Decisions never wait for the streams' periodic check (a round trip to each replica silent for
 `sync_interval_s`, `pagedkv.router.event_streams`): `rank` only applies the batches that have arrived, and
@@ -59,7 +55,7 @@ that leaves the candidate set for good is forgotten (`forget`). Not thread-safe:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +70,7 @@ from pagedkv.router.policy import (
     CostWeights,
     request_hashes,
 )
+from pagedkv.router.replica_stats import ReplicaStats
 
 MAX_PREDICTED = 100_000
 
@@ -97,7 +94,7 @@ class _InFlight:
 
 @dataclass
 class _Replica:
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: ReplicaStats | None = None
     inflight: dict[Hashable, _InFlight] = field(default_factory=dict)
     sharing: dict[int, int] = field(default_factory=dict)  # hash -> requests in flight there whose prompt has it
     others: int = 0  # requests other routers sent it: its last report's count beyond this router's then
@@ -141,25 +138,23 @@ class LiveRouter:
     def index(self) -> ReplicaIndex:
         return self.streams.index
 
-    def observe(self, replica: Hashable, stats: Mapping[str, Any] | None) -> None:
+    def observe(self, replica: Hashable, stats: ReplicaStats | None) -> None:
         """Take a replica's latest routing stats; follow its events (again, if its endpoints changed)."""
         rec = self._replicas.setdefault(replica, _Replica())
-        if not stats:
+        if stats is None:
             return
         old = rec.stats
-        rec.stats = dict(stats)
-        if rec.stats != old:  # a new report: what it counts beyond this router's requests is other routers'
-            reported = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-            rec.others = max(0, reported - len(rec.inflight))
-        endpoint, replay = stats.get("kv_events"), stats.get("kv_replay")
-        if not isinstance(endpoint, str):
+        rec.stats = stats
+        if stats != old:  # a new report: what it counts beyond this router's requests is other routers'
+            rec.others = max(0, stats.load - len(rec.inflight))
+        if stats.kv_events is None:
             return
         if replica in self.streams and (
-            old.get("kv_events") != endpoint or old.get("incarnation") != stats.get("incarnation")
+            old is None or old.kv_events != stats.kv_events or old.incarnation != stats.incarnation
         ):
             self.streams.remove(replica)  # restarted elsewhere: its old history means nothing
         if replica not in self.streams:
-            self.streams.add(replica, endpoint, replay if isinstance(replay, str) else None)
+            self.streams.add(replica, stats.kv_events, stats.kv_replay)
 
     def forget(self, replica: Hashable) -> None:
         """The replica is gone: drop its stream, its index entries and its load."""
@@ -265,13 +260,8 @@ class LiveRouter:
 
     def _keying(self, replica: Hashable) -> tuple[int, str, int]:
         """(block size, hash function, epoch) the replica keys its blocks with (defaults until it reports)."""
-        stats = self._replicas.get(replica, _Replica()).stats
-        bs, fn, epoch = stats.get("block_size"), stats.get("hash_fn"), stats.get("epoch")
-        return (
-            bs if isinstance(bs, int) and bs > 0 else 16,
-            fn if isinstance(fn, str) else "sha256",
-            epoch if isinstance(epoch, int) and epoch >= 0 else 0,
-        )
+        stats = self._replicas.get(replica, _Replica()).stats or ReplicaStats()
+        return stats.block_size, stats.hash_fn, stats.epoch
 
     def _prefills_done(self) -> None:
         """In-flight requests whose last cacheable block the replica's events now show on its GPU have been

@@ -1,4 +1,4 @@
-"""`build_app(async_engine, ...)`: the FastAPI application of `pagedkv serve`.
+"""`build_app(client, ...)`: the FastAPI application of `pagedkv serve`.
 
     POST /v1/completions         OpenAI completions (stream or not)       needs the API key when one is set
     POST /v1/chat/completions    OpenAI chat completions (stream or not)  needs the API key when one is set
@@ -6,9 +6,10 @@
     GET  /health                 200 while the engine loop runs, else 503
     GET  /metrics                Prometheus text format (pagedkv.serve.metrics)
 
-The app is built around an `AsyncEngine` someone else constructs (the CLI, a test, a Ray Serve replica), so it
-runs in-process anywhere an ASGI server does. With `manage_engine=True` the app's lifespan starts the engine
-loop and shuts it down after the server has drained; a host that manages the loop itself passes False.
+The app is built around an `EngineClient` (`pagedkv.serve.engine_client`: an `AsyncEngine` the CLI or a test
+constructs, or the Ray ingress's `RemoteEngine`), so it runs in-process anywhere an ASGI server does. With
+`manage_engine=True` the app's lifespan starts the engine loop and shuts it down after the server has drained;
+a host that manages the loop itself passes False.
 
 Bodies are read by the app with a size cap (`max_body_bytes`: 413 beyond it, the rest of the body is read and
 dropped so the client gets the answer) and parsed by `pagedkv.serve.bodies`; every error is an OpenAI body
@@ -30,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagedkv.serve.async_engine import AsyncEngine
+from pagedkv.serve.engine_client import EngineClient
 from pagedkv.serve.error_bodies import APIError, install_handlers, unavailable
 from pagedkv.serve.lifecycle_routes import mount as mount_lifecycle
 from pagedkv.serve.metrics import ServerMetrics
@@ -41,7 +42,7 @@ DISCARD_LIMIT_BYTES = 64 * 1024 * 1024  # an oversized body is read and dropped 
 
 
 def build_app(
-    async_engine: AsyncEngine,
+    async_engine: EngineClient,
     *,
     model_name: str,
     api_key: str | None = None,
@@ -53,7 +54,7 @@ def build_app(
         async_engine.metrics = ServerMetrics(model_name)
     metrics = async_engine.metrics
     tokenizer = copy.deepcopy(async_engine.tokenizer)  # the HTTP side's own: the engine thread decodes with its
-    ctx = ServerContext(async_engine, model_name, tokenizer, async_engine.engine.spec.max_position_embeddings)
+    ctx = ServerContext(async_engine, model_name, tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -73,7 +74,7 @@ def build_app(
     _openai_routes(app, ctx, _authorizer(api_key), max_body_bytes)
     _operations_routes(app, async_engine, metrics)
     # /pause, /sleep, /update_weights, ...; the Ray ingress's RemoteEngine broadcasts them to its replicas
-    mount_lifecycle(app, async_engine, _authorizer(api_key), getattr(async_engine, "broadcast", None))
+    mount_lifecycle(app, async_engine, _authorizer(api_key))
     return app
 
 
@@ -107,13 +108,11 @@ def _openai_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Reques
         authorize(request)
         card = {"id": ctx.model_name, "object": "model", "created": created, "owned_by": "pagedkv",
                 "max_model_len": ctx.max_model_len, "weight_version": ctx.engine.weight_version}  # fmt: skip
-        replicas_card = getattr(ctx.engine, "model_card", None)  # the Ray ingress: every replica's version
-        if replicas_card is not None:
-            card.update(await replicas_card())
+        card.update(await ctx.engine.model_card())  # the Ray ingress: every replica's weight version
         return {"object": "list", "data": [card]}
 
 
-def _operations_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics) -> None:
+def _operations_routes(app: FastAPI, async_engine: EngineClient, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.alive:

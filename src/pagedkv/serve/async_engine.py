@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 from pagedkv.core.errors import EngineStateError, InvalidArgumentError, PagedKVError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
+from pagedkv.serve.engine_client import ModelFacts
+from pagedkv.serve.lifecycle_routes import apply_verb
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import Engine
@@ -203,6 +205,30 @@ class AsyncEngine:
 
     def stats(self) -> EngineSnapshot:
         return self._snapshot
+
+    @property
+    def model_facts(self) -> ModelFacts:
+        e = self.engine
+        return ModelFacts(e.config.block_size, int(e.capacity_tokens), e.spec.max_position_embeddings)
+
+    def check_requests(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], cache_salt: str | None
+    ) -> None:
+        """The door's checks of every request (`Engine.intake.build`, as `add_request` runs them), queueing
+        nothing: a refusal raises here."""
+        arrival = self.engine.clock()
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            self.engine.intake.build(
+                f"check-{i}", ids, p, priority=0, arrival_time=arrival, cache_salt=cache_salt, ids_in_use=()
+            )
+
+    async def run_verb(self, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A lifecycle verb on this engine's thread (`pagedkv.serve.lifecycle_routes.apply_verb`)."""
+        return await apply_verb(self, verb, args)
+
+    async def model_card(self) -> dict[str, Any]:
+        """Nothing beyond what the app's `/v1/models` card says of one engine."""
+        return {}
 
     def num_waiting(self) -> int:
         """Requests accepted by the door that have not produced an output yet."""

@@ -23,8 +23,9 @@ from fastapi import Request
 from pagedkv.core.errors import CapacityError, EngineStateError, InvalidArgumentError, PagedKVError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
-from pagedkv.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerOverloadedError
+from pagedkv.serve.async_engine import EngineDeadError, ServerOverloadedError
 from pagedkv.serve.bodies import engine_refusal
+from pagedkv.serve.engine_client import EngineClient, EngineStream
 from pagedkv.serve.error_bodies import APIError, unavailable
 
 
@@ -33,16 +34,16 @@ class ClientGone(Exception):
 
 
 def submit(
-    engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams], cache_salt: str | None
-) -> list[RequestStream]:
+    engine: EngineClient, prompts: Sequence[list[int]], params: Sequence[SamplingParams], cache_salt: str | None
+) -> list[EngineStream]:
     """One engine request per prompt, all or none: a refusal aborts the ones already queued and becomes the
     matching OpenAI error (400, 429 with Retry-After, 503). Every prompt passes the engine's door checks
     before the first is queued, so an invalid prompt is a 400 whatever the queue holds (never a 429 met by
     an earlier, valid prompt) and nothing is queued for it."""
-    streams: list[RequestStream] = []
+    streams: list[EngineStream] = []
     try:
         if len(prompts) > 1:
-            _check_all(engine, prompts, params, cache_salt)
+            engine.check_requests(prompts, params, cache_salt)
         for ids, p in zip(prompts, params):
             streams.append(engine.add_request(ids, p, cache_salt=cache_salt))
     except ServerOverloadedError as err:
@@ -57,20 +58,7 @@ def submit(
     return streams
 
 
-def _check_all(
-    engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams], cache_salt: str | None
-) -> None:
-    """The door's checks of every prompt (`Engine.intake.build`, as `add_request` runs them), queueing
-    nothing; an engine without an intake here (a Ray ingress: the replicas check) skips them."""
-    intake = getattr(engine.engine, "intake", None)
-    if intake is None:
-        return
-    arrival = engine.engine.clock()
-    for i, (ids, p) in enumerate(zip(prompts, params)):
-        intake.build(f"check-{i}", ids, p, priority=0, arrival_time=arrival, cache_salt=cache_salt, ids_in_use=())
-
-
-def _abort(streams: Sequence[RequestStream]) -> None:
+def _abort(streams: Sequence[EngineStream]) -> None:
     for stream in streams:
         stream.abort()
 
@@ -80,11 +68,11 @@ def choice_index(prompt_index: int, out: RequestOutput, n: int) -> int:
     return prompt_index * n + j
 
 
-async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: Sequence[EngineStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every stream as they come; aborts every stream when closed early."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: EngineStream) -> None:
         try:
             async for out in stream:
                 queue.put_nowait((i, out))
@@ -110,7 +98,7 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
         _abort(streams)
 
 
-async def collect(streams: Sequence[RequestStream], request: Request) -> list[list[RequestOutput]]:
+async def collect(streams: Sequence[EngineStream], request: Request) -> list[list[RequestOutput]]:
     """The final outputs per prompt (parent first), or `ClientGone` (requests aborted) if the client leaves
     first; `EngineDeadError` becomes a 503."""
 

@@ -1,4 +1,4 @@
-"""The RL lifecycle over HTTP: `mount(app, async_engine, authorize)` adds these routes to `pagedkv serve`.
+"""The RL lifecycle over HTTP: `mount(app, client, authorize)` adds these routes to `pagedkv serve`.
 
     POST /pause?mode=abort|wait|keep   refuse new requests (503); abort / finish / park those in flight
                                        (wait answers once they have finished)
@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pagedkv.core.errors import EngineStateError, InvalidArgumentError, NotSupportedError
-from pagedkv.serve.async_engine import AsyncEngine
+from pagedkv.serve.engine_client import EngineClient
 from pagedkv.serve.error_bodies import APIError, bad_request
 
 WEIGHT_VERSION_HEADER = "x-pagedkv-weight-version"
@@ -44,17 +43,21 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message],
 
 
 Verbs = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class EngineCaller(Protocol):
+    """What `apply_verb` runs the verbs with: `call(fn)` runs `fn(engine)` on the engine's thread
+    (`pagedkv.serve.async_engine.AsyncEngine.call`)."""
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any: ...
 VERBS = ("pause", "resume", "sleep", "wake_up", "update_weights", "reset_prefix_cache", "lifecycle")
 
 
-def mount(
-    app: FastAPI, async_engine: Any, authorize: Callable[[Request], None], verbs: Verbs | None = None
-) -> None:  # fmt: skip
-    """Add the lifecycle routes and the weight-version header to `app` (see the module docstring). `verbs`
-    runs a verb and answers its JSON body (or raises `APIError`); by default `apply_verb` on `async_engine`
-    (the Ray ingress passes its broadcast to every replica)."""
-    app.add_middleware(_VersionHeader, async_engine=async_engine)
-    run: Verbs = verbs if verbs is not None else functools.partial(apply_verb, async_engine)
+def mount(app: FastAPI, client: EngineClient, authorize: Callable[[Request], None]) -> None:
+    """Add the lifecycle routes and the weight-version header to `app` (see the module docstring). Each verb
+    is `client.run_verb` (an `AsyncEngine` runs `apply_verb`; the Ray ingress broadcasts to every replica)."""
+    app.add_middleware(_VersionHeader, async_engine=client)
+    run: Verbs = client.run_verb
 
     @app.post("/pause")
     async def pause(request: Request, mode: str = "abort") -> JSONResponse:
@@ -95,7 +98,7 @@ def mount(
         return JSONResponse(await run("reset_prefix_cache", {}))
 
 
-async def apply_verb(async_engine: AsyncEngine, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+async def apply_verb(async_engine: EngineCaller, verb: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run one lifecycle verb (`VERBS`) with its arguments on `async_engine`'s thread and answer its JSON body:
     the engine's report plus the state. A refusal of the engine's state is an `APIError` 409, a bad argument
     a 400."""
@@ -174,7 +177,7 @@ def _update_body(raw: bytes) -> tuple[str, str | int | None, bool]:
 class _VersionHeader:
     """ASGI middleware: the weight version in force on every HTTP response (streams included)."""
 
-    def __init__(self, app: ASGIApp, async_engine: AsyncEngine) -> None:
+    def __init__(self, app: ASGIApp, async_engine: EngineClient) -> None:
         self.app = app
         self.async_engine = async_engine
 

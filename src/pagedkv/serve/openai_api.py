@@ -37,8 +37,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.core.errors import PagedKVError
 from pagedkv.engine.outputs import RequestOutput, TokenLogprobs
-from pagedkv.serve.async_engine import AsyncEngine
 from pagedkv.serve.bodies import ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
+from pagedkv.serve.engine_client import EngineClient
 from pagedkv.serve.error_bodies import APIError, bad_request, internal_error
 from pagedkv.serve.fanout import (
     ClientGone,
@@ -59,10 +59,9 @@ class ServerContext:
     """What the handlers need: the engine, the served model's name, the server's own tokenizer copies (one
     for the tokenizer thread, one for single-token decodes on the event loop) and the thread itself."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     tokenizer: Any
-    max_positions: int | None
     _token_text: dict[int, str] = field(default_factory=dict)
     _loop_tokenizer: Any = None
     _tokenizer_thread: ThreadPoolExecutor | None = None
@@ -77,8 +76,9 @@ class ServerContext:
     def max_model_len(self) -> int:
         """The longest request (prompt + output tokens) one completion can have: the model's positions or
         the KV pool, whichever is smaller (what `/v1/models` advertises)."""
-        capacity = int(self.engine.engine.capacity_tokens)
-        return capacity if self.max_positions is None else min(capacity, self.max_positions)
+        facts = self.engine.model_facts
+        capacity = facts.capacity_tokens
+        return capacity if facts.max_positions is None else min(capacity, facts.max_positions)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -108,10 +108,11 @@ class ServerContext:
         if bound is None or num_chars <= bound:
             return
         limit = self.max_model_len
-        if self.max_positions is not None and self.max_positions <= limit:
-            what = f"exceeds the model's {self.max_positions} positions"
+        max_positions = self.engine.model_facts.max_positions
+        if max_positions is not None and max_positions <= limit:
+            what = f"exceeds the model's {max_positions} positions"
         else:
-            block_size = self.engine.engine.config.block_size
+            block_size = self.engine.model_facts.block_size
             what = (f"can never fit: the cache holds {limit} tokens ({limit // block_size} blocks of {block_size}); "
                     "raise --kv-budget or shorten it")  # fmt: skip
         raise bad_request(
@@ -171,8 +172,9 @@ class ServerContext:
 
     def default_max_tokens(self, num_prompt: int) -> int:
         """Chat without max_tokens: what the positions and the KV pool leave (at least 1)."""
-        capacity = self.engine.engine.capacity_tokens - self.engine.engine.config.block_size
-        limit = capacity if self.max_positions is None else min(capacity, self.max_positions)
+        facts = self.engine.model_facts
+        capacity = facts.capacity_tokens - facts.block_size
+        limit = capacity if facts.max_positions is None else min(capacity, facts.max_positions)
         return max(1, limit - num_prompt)
 
     def completion_logprobs(self, entries: Sequence[TokenLogprobs | None], ids: Sequence[int], offset: int) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.events import external_hash
 from pagedkv.events.publisher import ZmqEventPublisher
+from pagedkv.router.replica_stats import EngineGauges, ReplicaStats
 from pagedkv.serve.async_engine import AsyncEngine
 
 ROUTERS = ("pagedkv", "prefix-affinity", "pow2")
@@ -167,16 +168,20 @@ class PagedKVReplica:
         return self.replica_id, os.getpid()
 
     def record_routing_stats(self) -> dict[str, Any]:
+        """`routing_message()` as Ray carries it (plain JSON types)."""
+        return self.routing_message().as_dict()
+
+    def routing_message(self) -> ReplicaStats:
+        """Where this replica's events are, how it names its blocks, its pool and its load."""
         s = self.engine.stats()
-        return {
-            "kv_events": self.publisher.endpoint, "kv_replay": self.publisher.replay_endpoint,
-            "incarnation": self.publisher.first_seq, "block_size": self.engine.engine.config.block_size,
-            "hash_fn": self.hash_fn, "epoch": int(self.engine.engine.manager.epoch),
-            "free_blocks": s.num_blocks - s.num_used_blocks, "num_blocks": s.num_blocks,
-            "num_running": s.num_running, "num_waiting": s.num_waiting + self.engine.num_waiting(),
-            "gauges": {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_swapped": s.num_swapped,
-                       "num_used_blocks": s.num_used_blocks, "num_blocks": s.num_blocks},  # the ingress's /metrics
-        }  # fmt: skip
+        gauges = EngineGauges(s.num_running, s.num_waiting, s.num_swapped, s.num_used_blocks, s.num_blocks)
+        return ReplicaStats(
+            kv_events=self.publisher.endpoint, kv_replay=self.publisher.replay_endpoint,
+            incarnation=self.publisher.first_seq, block_size=self.engine.model_facts.block_size,
+            hash_fn=self.hash_fn, epoch=int(self.engine.engine.manager.epoch),
+            num_blocks=s.num_blocks, free_blocks=s.num_blocks - s.num_used_blocks, num_running=s.num_running,
+            num_waiting=s.num_waiting + self.engine.num_waiting(), gauges=gauges,
+        )  # fmt: skip
 
     def __del__(self) -> None:
         """Ray Serve's graceful stop: abort what is in flight, stop the engine loop, close its tiers and the
@@ -187,10 +192,10 @@ class PagedKVReplica:
         if publisher is not None:
             publisher.close()
 
-    def routing_stats(self, target: ReplicaTarget) -> dict[str, Any]:
-        """`record_routing_stats` of the named replica (for a router outside Ray's handles, and tests)."""
+    def routing_stats(self, target: ReplicaTarget) -> ReplicaStats:
+        """`routing_message` of the named replica (for a router outside Ray's handles, and tests)."""
         self._check(target)
-        return self.record_routing_stats()
+        return self.routing_message()
 
     def check_health(self) -> None:
         if not self.engine.alive:
@@ -198,10 +203,9 @@ class PagedKVReplica:
 
     def describe(self) -> dict[str, Any]:
         """What the ingress needs to serve the OpenAI routes for this model."""
-        e = self.engine.engine
+        facts = self.engine.model_facts
         return {
-            "tokenizer": e.tokenizer, "max_positions": e.spec.max_position_embeddings,
-            "capacity_tokens": e.capacity_tokens, "block_size": e.config.block_size, "pid": os.getpid(),
+            "tokenizer": self.engine.tokenizer, "model_facts": facts, "pid": os.getpid(),
             "replica": self.replica_id, "weight_version": self.engine.weight_version,
         }  # fmt: skip
 

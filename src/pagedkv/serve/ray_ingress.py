@@ -4,7 +4,7 @@
                                           RemoteEngine: add_request -> handle.generate (streaming), routed
                                           by the handle's request router -> a PagedKVReplica (ray_app)
 
-`RemoteEngine` is enough of an `AsyncEngine` for `build_app`; its streams (`RemoteStream`) are what
+`RemoteEngine` is the ingress's `EngineClient` (`pagedkv.serve.engine_client`) for `build_app`; its streams (`RemoteStream`) are what
 `pagedkv.serve.fanout` reads, and a client that leaves cancels its replica call. `/metrics` is the
 ingress's own request counters and histograms (`IngressMetrics`), with the engine gauges summed over the
 replicas' latest routing stats, under the single server's names. The RL lifecycle verbs (`/pause`,
@@ -18,12 +18,13 @@ import asyncio
 import os
 import uuid
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 from pagedkv.core.errors import EngineStateError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
+from pagedkv.router.replica_stats import ReplicaStats
+from pagedkv.serve.engine_client import ModelFacts
 from pagedkv.serve.error_bodies import APIError, unavailable
 from pagedkv.serve.metrics import ServerMetrics
 from pagedkv.serve.ray_app import ReplicaRequest, ReplicaTarget
@@ -83,18 +84,14 @@ class RemoteStream:
 
 
 class RemoteEngine:
-    """The ingress's stand-in for an `AsyncEngine`: requests go to the replicas through a Ray handle (the
-    handle's request router picks the replica). Enough of AsyncEngine for `build_app`."""
+    """The ingress's `EngineClient`: requests go to the replicas through a Ray handle (the handle's request
+    router picks the replica); the lifecycle verbs go to every replica (`broadcast`)."""
 
     def __init__(self, handle: Any, info: dict[str, Any]) -> None:
         self.handle = handle.options(stream=True)
         self.tokenizer = info["tokenizer"]
-        self.engine = SimpleNamespace(
-            spec=SimpleNamespace(max_position_embeddings=info["max_positions"]),
-            capacity_tokens=info["capacity_tokens"],
-            config=SimpleNamespace(block_size=info["block_size"]),
-        )
-        self.metrics: Any = None
+        self.model_facts: ModelFacts = info["model_facts"]
+        self.metrics: ServerMetrics | None = None
         self.alive = True
         self._ids = 0
         self._unary = handle  # directed calls (the lifecycle verbs)
@@ -147,6 +144,10 @@ class RemoteEngine:
         answers = [{"replica": r["replica"], **r["body"]} for r in results]
         return {"replicas": answers, "weight_version": self.weight_version}
 
+    async def run_verb(self, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A lifecycle verb on every replica (`broadcast`)."""
+        return await self.broadcast(verb, args)
+
     async def _directed(self, replica: str, verb: str, args: dict[str, Any]) -> dict[str, Any]:
         """One replica's answer to a verb (a router that does not honour `ReplicaTarget` may send the call to
         another replica, which declines it: sent again, up to DIRECTED_TRIES times)."""
@@ -178,6 +179,11 @@ class RemoteEngine:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self.alive = False
 
+    def check_requests(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], cache_salt: str | None
+    ) -> None:
+        """Nothing: each replica's door checks the requests it gets."""
+
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
         cache_salt: str | None = None, priority: int = 0,
@@ -194,14 +200,14 @@ class RemoteEngine:
         if self.metrics is not None:
             self.metrics.observe_request(outputs)
 
-    def replica_stats(self) -> list[dict[str, Any]]:
-        """Each replica's latest `record_routing_stats`, as this process's request router holds them (Ray
-        refreshes them every `stats_period_s`; Ray 2.60 keeps the router behind private attributes: empty
-        if it moved)."""
+    def replica_stats(self) -> list[ReplicaStats]:
+        """Each replica's latest routing message, as this process's request router holds them (Ray refreshes
+        them every `stats_period_s`; Ray 2.60 keeps the router behind private attributes: empty if it
+        moved)."""
         router = getattr(getattr(self.handle, "_router", None), "_asyncio_router", None)
         replicas = getattr(getattr(router, "_request_router", None), "curr_replicas", None) or {}
         try:
-            return [dict(r.routing_stats) for r in list(replicas.values()) if r.routing_stats]
+            return [ReplicaStats.from_dict(r.routing_stats) for r in list(replicas.values()) if r.routing_stats]
         except RuntimeError:  # Ray's thread changed the replicas meanwhile: the next scrape reads them
             return []
 
@@ -226,16 +232,16 @@ class IngressMetrics(ServerMetrics):
     """The ingress's metrics: its own request counters and histograms, and the engine gauges summed over
     the replicas when scraped (running and waiting requests; KV usage = blocks held / blocks, all replicas)."""
 
-    def __init__(self, model_name: str, replica_stats: Callable[[], list[dict[str, Any]]]) -> None:
+    def __init__(self, model_name: str, replica_stats: Callable[[], list[ReplicaStats]]) -> None:
         super().__init__(model_name)
         self._replica_stats = replica_stats
 
-    def observe_replicas(self, stats: list[dict[str, Any]]) -> None:
-        """Set the gauges from the replicas' `record_routing_stats` (their "gauges": the single server's)."""
-        m, gauges = self.model_name, [s["gauges"] for s in stats if "gauges" in s]
+    def observe_replicas(self, stats: list[ReplicaStats]) -> None:
+        """Set the gauges from the replicas' routing messages (their `gauges`: the single server's)."""
+        m, gauges = self.model_name, [s.gauges for s in stats if s.gauges is not None]
 
         def total(name: str) -> int:
-            return sum(int(g[name]) for g in gauges)
+            return sum(int(getattr(g, name)) for g in gauges)
 
         self.running.labels(m).set(total("num_running"))
         self.waiting.labels(m).set(total("num_waiting"))
@@ -261,4 +267,4 @@ class OpenAIIngress:
         from pagedkv.serve.app import build_app
 
         self.remote.metrics = IngressMetrics(self.model_name, self.remote.replica_stats)
-        return build_app(self.remote, model_name=self.model_name, api_key=self.api_key, manage_engine=False)  # type: ignore[arg-type]
+        return build_app(self.remote, model_name=self.model_name, api_key=self.api_key, manage_engine=False)

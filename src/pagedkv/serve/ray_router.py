@@ -43,6 +43,7 @@ from ray.serve.request_router import (
 
 from pagedkv.router.live import LiveRouter
 from pagedkv.router.policy import LIVE_IMBALANCE_THRESHOLD, LIVE_WEIGHTS, CostWeights
+from pagedkv.router.replica_stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class PagedKVRequestRouter(RequestRouter):
             return [[random.choice(candidate_replicas)]]  # other calls: spread, not all on the first
         began = time.perf_counter()
         for r in candidate_replicas:
-            self.live.observe(r.replica_id, r.routing_stats)
+            self.live.observe(r.replica_id, ReplicaStats.from_dict(r.routing_stats) if r.routing_stats else None)
         by_id = {r.replica_id: r for r in candidate_replicas}
         rid = pending_request.metadata.internal_request_id
         self.live.withdraw(rid)  # Ray may ask again for the same request: rank it without its own placement
