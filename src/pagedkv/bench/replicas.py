@@ -271,7 +271,9 @@ def _decisions(handle: Any) -> dict[str, float]:
     """The handle's pagedkv router's counts (decisions, load-imbalance fallbacks, requests Ray placed elsewhere
     than the first of their ranking) and its time ranking (`ranking_ms`, in this process, beside the callers),
     read through Ray's private attributes (2.60): empty for Ray's routers or another Ray."""
-    router = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
+    from pagedkv.serve.ray_ingress import ray_request_router
+
+    router = ray_request_router(handle)
     live = getattr(router, "live", None)
     if live is None:
         return {}

@@ -375,8 +375,7 @@ class AsyncEngine:
             outcome: tuple[bool, Any] = (True, fn(self.engine))
         except Exception as e:  # the caller's to handle (a refused verb), not the loop's
             outcome = (False, e)
-        life = self.engine._life
-        self.refusing = life.refusal() if life is not None else None
+        self.refusing = self.engine.lifecycle.refusal()
         self.weight_version = self.engine.weight_version
         with contextlib.suppress(RuntimeError):  # a RuntimeError: the caller's loop is closed
             loop.call_soon_threadsafe(_settle, future, outcome)

@@ -45,6 +45,13 @@ def own_routing_id() -> None:
         pass
 
 
+def ray_request_router(handle: Any) -> Any:
+    """The request router behind `handle` in this process (Ray 2.60 keeps it behind private attributes of
+    the handle: None if they moved)."""
+    router = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    return getattr(router, "_request_router", None)
+
+
 class RemoteStream:
     """One request's outputs streamed from a replica; the interface `pagedkv.serve.fanout` expects."""
 
@@ -111,8 +118,7 @@ class RemoteEngine:
     def replica_ids(self) -> list[str]:
         """The replicas Ray runs now, as this process's request router knows them (Ray 2.60 keeps it behind
         private attributes: the replicas that answered before, if it moved)."""
-        router = getattr(getattr(self._unary, "_router", None), "_asyncio_router", None)
-        replicas = getattr(getattr(router, "_request_router", None), "curr_replicas", None)
+        replicas = getattr(ray_request_router(self._unary), "curr_replicas", None)
         try:
             ids = sorted(str(r.unique_id) for r in list(replicas or {}))
         except (RuntimeError, AttributeError):
@@ -204,8 +210,7 @@ class RemoteEngine:
         """Each replica's latest routing message, as this process's request router holds them (Ray refreshes
         them every `stats_period_s`; Ray 2.60 keeps the router behind private attributes: empty if it
         moved)."""
-        router = getattr(getattr(self.handle, "_router", None), "_asyncio_router", None)
-        replicas = getattr(getattr(router, "_request_router", None), "curr_replicas", None) or {}
+        replicas = getattr(ray_request_router(self.handle), "curr_replicas", None) or {}
         try:
             return [ReplicaStats.from_dict(r.routing_stats) for r in list(replicas.values()) if r.routing_stats]
         except RuntimeError:  # Ray's thread changed the replicas meanwhile: the next scrape reads them
