@@ -1,4 +1,5 @@
-/* pagedkv.ops._cpu_decode: paged decode attention for float32 on a CPU, one thread, reading the pages in place.
+/* pagedkv.ops._cpu_decode: paged decode attention in float32 on a CPU, one thread, reading the pages (float32,
+bfloat16 or quantized) in place.
 
 decode(query, kv, block_table, seq_lens, out, scale, window)
 
@@ -20,6 +21,15 @@ or on which blocks hold them. An x86-64 CPU with AVX2, FMA and F16C runs a vecto
 once, the value sum kept in registers) for head sizes that are a multiple of 8, chosen once at import
 (`set_isa` switches, for tests); the portable copy serves the rest. Arguments are checked before anything is
 written; the GIL is released while the kernel runs. Python side: `pagedkv.ops.cpu_decode`.
+
+decode_bf16(query, kv, block_table, seq_lens, out, scale, window)
+
+  kv          int16   [2, NB, BS, Hkv, D]   one layer's bfloat16 pages (their bit patterns), K then V
+
+The same attention over bfloat16 pages (query and out stay float32): a bfloat16 is the top half of a float32,
+so each key and value element is widened in registers as it is read (bits << 16, exact) and everything else is
+decode's float32 arithmetic in decode's order: the answer is bit-identical to decode's over the pages upcast
+to float32, with half the page bytes to read.
 
 decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, kind)
 
@@ -45,25 +55,39 @@ head (a few KiB, in L1), never a block.
 
 typedef struct {
     const float *query;
-    const float *kv;
+    const void *kv; /* float32, or bfloat16 bit patterns when bf16 */
     const int32_t *table;
     const int32_t *lens;
     float *out;
     Py_ssize_t batch, heads, kv_heads, dim, num_blocks, block_size, width;
     float scale;
     long window;
+    int bf16;
 } DecodeArgs;
 
-/* The row of each visible key of sequence b (KV head 0; head h is `+ h * dim`, its V row `+ half`), in
-position order, into rows[0..n); returns n. One division per block, none per key. */
-static Py_ssize_t visible_rows(const DecodeArgs *a, Py_ssize_t b, const float **rows) {
-    const Py_ssize_t bs = a->block_size, row = a->kv_heads * a->dim, block = bs * row, len = a->lens[b];
+#define INLINE inline __attribute__((always_inline))
+
+/* The float32 value of element i of a page row at p: a float32, or a bfloat16 widened (its bits are the top
+half of the float32's, so the widening is exact). `bf16` is a constant wherever this is inlined. */
+static INLINE float elem(const char *p, Py_ssize_t i, const int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The address of each visible key row of sequence b (KV head 0; head h is element `h * dim` of it, its V row
+element `half + h * dim`), in position order, into rows[0..n); returns n. One division per block, none per key. */
+static Py_ssize_t visible_rows(const DecodeArgs *a, Py_ssize_t b, const char **rows) {
+    const Py_ssize_t es = a->bf16 ? 2 : 4;
+    const Py_ssize_t bs = a->block_size, row = a->kv_heads * a->dim * es, block = bs * row, len = a->lens[b];
     const Py_ssize_t first = (a->window > 0 && len > a->window) ? len - a->window : 0;
     const int32_t *tbl = a->table + b * a->width;
     Py_ssize_t n = 0;
     for (Py_ssize_t l = first; l < len;) {
         const Py_ssize_t j = l / bs;
-        const float *base = a->kv + (Py_ssize_t)tbl[j] * block;
+        const char *base = (const char *)a->kv + (Py_ssize_t)tbl[j] * block;
         for (Py_ssize_t t = l - j * bs; t < bs && l < len; t++, l++) rows[n++] = base + t * row;
     }
     return n;
@@ -80,8 +104,8 @@ static float softmax_numerators(float *sc, Py_ssize_t n) {
     return sum;
 }
 
-/* The portable copy: any head size. */
-static void decode_generic(const DecodeArgs *a, float *scores, const float **rows) {
+/* The portable copy: any head size; pages of float32 or (bf16) bfloat16. */
+static INLINE void decode_generic_pages(const DecodeArgs *a, float *scores, const char **rows, const int bf16) {
     const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim;
     const Py_ssize_t half = a->num_blocks * a->block_size * a->kv_heads * D;
     for (Py_ssize_t b = 0; b < a->batch; b++) {
@@ -90,15 +114,15 @@ static void decode_generic(const DecodeArgs *a, float *scores, const float **row
             const float *q = a->query + (b * a->heads + h * g) * D;
             float *o = a->out + (b * a->heads + h * g) * D;
             for (Py_ssize_t l = 0; l < n; l++) {
-                const float *k = rows[l] + h * D;
+                const char *k = rows[l];
                 for (Py_ssize_t i = 0; i < g; i++) {
                     const float *qi = q + i * D;
                     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                     Py_ssize_t d = 0;
                     for (; d + 8 <= D; d += 8)
-                        for (int j = 0; j < 8; j++) acc[j] += qi[d + j] * k[d + j];
+                        for (int j = 0; j < 8; j++) acc[j] += qi[d + j] * elem(k, h * D + d + j, bf16);
                     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-                    for (; d < D; d++) s += qi[d] * k[d];
+                    for (; d < D; d++) s += qi[d] * elem(k, h * D + d, bf16);
                     scores[i * n + l] = s * a->scale;
                 }
             }
@@ -108,14 +132,20 @@ static void decode_generic(const DecodeArgs *a, float *scores, const float **row
                 float *oi = o + i * D;
                 memset(oi, 0, (size_t)D * sizeof(float));
                 for (Py_ssize_t l = 0; l < n; l++) {
-                    const float *v = rows[l] + half + h * D;
                     const float p = sc[l];
-                    for (Py_ssize_t d = 0; d < D; d++) oi[d] += p * v[d];
+                    for (Py_ssize_t d = 0; d < D; d++) oi[d] += p * elem(rows[l], half + h * D + d, bf16);
                 }
                 for (Py_ssize_t d = 0; d < D; d++) oi[d] *= inv;
             }
         }
     }
+}
+
+static void decode_generic(const DecodeArgs *a, float *scores, const char **rows) {
+    if (a->bf16)
+        decode_generic_pages(a, scores, rows, 1);
+    else
+        decode_generic_pages(a, scores, rows, 0);
 }
 
 
@@ -208,19 +238,27 @@ AVX2 static inline float hsum8(__m256 x) {
     return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
 }
 
-/* q . k of eight keys at once, each summed in hsum8's order: [s0 .. s7] */
-AVX2 static inline __m256 dot8(const float *q, const float *const *k, Py_ssize_t off, Py_ssize_t D) {
+/* Elements i .. i + 7 of a page row at p as floats: float32 loaded, bfloat16 widened (zero-extended to 32
+bits, shifted into the top half: exact). */
+AVX2 static INLINE __m256 elems8(const char *p, Py_ssize_t i, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+/* q . k of eight keys at once (elements off .. off + D of each row k[j]), each summed in hsum8's order */
+AVX2 static INLINE __m256 dot8(const float *q, const char *const *k, Py_ssize_t off, Py_ssize_t D, const int bf16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (Py_ssize_t d = 0; d < D; d += 8) {
         const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + off + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + off + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + off + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + off + d), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[4] + off + d), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[5] + off + d), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + off + d), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + off + d), a7);
+        a0 = _mm256_fmadd_ps(x, elems8(k[0], off + d, bf16), a0);
+        a1 = _mm256_fmadd_ps(x, elems8(k[1], off + d, bf16), a1);
+        a2 = _mm256_fmadd_ps(x, elems8(k[2], off + d, bf16), a2);
+        a3 = _mm256_fmadd_ps(x, elems8(k[3], off + d, bf16), a3);
+        a4 = _mm256_fmadd_ps(x, elems8(k[4], off + d, bf16), a4);
+        a5 = _mm256_fmadd_ps(x, elems8(k[5], off + d, bf16), a5);
+        a6 = _mm256_fmadd_ps(x, elems8(k[6], off + d, bf16), a6);
+        a7 = _mm256_fmadd_ps(x, elems8(k[7], off + d, bf16), a7);
     }
     /* after two hadds lane j of the low half holds key j's ((0+1)+(2+3)), of the high half its ((4+5)+(6+7)) */
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -272,36 +310,31 @@ AVX2 static float softmax_numerators8(float *sc, Py_ssize_t n) {
     return sum;
 }
 
-/* o[0..8*nv) = sum_l p[l] * (rows[l] + off)[0..8*nv), nv <= 8, kept in registers */
-AVX2 static inline void weighted_sum(float *o, const float *p, const float *const *rows, Py_ssize_t n,
-                                     Py_ssize_t off, int nv, float inv) {
+/* o[0..8*nv) = inv * sum_l p[l] * (elements off .. off + 8*nv of rows[l]), nv <= 8, kept in registers */
+AVX2 static INLINE void weighted_sum(float *o, const float *p, const char *const *rows, Py_ssize_t n,
+                                     Py_ssize_t off, int nv, float inv, const int bf16) {
     __m256 acc[8];
     for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
     if (nv == 8) {
         for (Py_ssize_t l = 0; l < n; l++) {
             const __m256 w = _mm256_broadcast_ss(p + l);
-            const float *v = rows[l] + off;
-            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(w, elems8(rows[l], off + 8 * c, bf16), acc[c]);
         }
     } else {
         for (Py_ssize_t l = 0; l < n; l++) {
             const __m256 w = _mm256_broadcast_ss(p + l);
-            const float *v = rows[l] + off;
-            for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(w, elems8(rows[l], off + 8 * c, bf16), acc[c]);
         }
     }
     const __m256 s = _mm256_set1_ps(inv);
     for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], s));
 }
 
-/* The AVX2 + FMA copy: head sizes that are a multiple of 8 (the others go to the portable copy). */
-AVX2 static void decode_avx2(const DecodeArgs *a, float *scores, const float **rows) {
+/* The AVX2 + FMA copy: head sizes that are a multiple of 8 (decode_avx2 sends the others to the portable
+copy); pages of float32 or (bf16) bfloat16. */
+AVX2 static INLINE void decode_avx2_pages(const DecodeArgs *a, float *scores, const char **rows, const int bf16) {
     const Py_ssize_t g = a->heads / a->kv_heads, D = a->dim;
     const Py_ssize_t half = a->num_blocks * a->block_size * a->kv_heads * D;
-    if (D % 8 != 0) {
-        decode_generic(a, scores, rows);
-        return;
-    }
     const __m256 scale = _mm256_set1_ps(a->scale);
     for (Py_ssize_t b = 0; b < a->batch; b++) {
         const Py_ssize_t n = visible_rows(a, b, rows);
@@ -312,11 +345,12 @@ AVX2 static void decode_avx2(const DecodeArgs *a, float *scores, const float **r
                 const float *qi = q + i * D;
                 float *sc = scores + i * n;
                 Py_ssize_t l = 0;
-                for (; l + 8 <= n; l += 8) _mm256_storeu_ps(sc + l, _mm256_mul_ps(dot8(qi, rows + l, h * D, D), scale));
+                for (; l + 8 <= n; l += 8)
+                    _mm256_storeu_ps(sc + l, _mm256_mul_ps(dot8(qi, rows + l, h * D, D, bf16), scale));
                 for (; l < n; l++) {
-                    const float *k = rows[l] + h * D;
                     __m256 acc = _mm256_setzero_ps();
-                    for (Py_ssize_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(k + d), acc);
+                    for (Py_ssize_t d = 0; d < D; d += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), elems8(rows[l], h * D + d, bf16), acc);
                     sc[l] = hsum8(acc) * a->scale;
                 }
             }
@@ -325,11 +359,20 @@ AVX2 static void decode_avx2(const DecodeArgs *a, float *scores, const float **r
                 const float inv = 1.0f / softmax_numerators8(sc, n);
                 for (Py_ssize_t d0 = 0; d0 < D; d0 += 64) {
                     const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
-                    weighted_sum(o + i * D + d0, sc, rows, n, half + h * D + d0, nv, inv);
+                    weighted_sum(o + i * D + d0, sc, rows, n, half + h * D + d0, nv, inv, bf16);
                 }
             }
         }
     }
+}
+
+AVX2 static void decode_avx2(const DecodeArgs *a, float *scores, const char **rows) {
+    if (a->dim % 8 != 0)
+        decode_generic(a, scores, rows);
+    else if (a->bf16)
+        decode_avx2_pages(a, scores, rows, 1);
+    else
+        decode_avx2_pages(a, scores, rows, 0);
 }
 
 /* Eight codes at c as floats, exactly their values: int8 converted directly; fp8 through F16C, e5m2 being the
@@ -364,8 +407,8 @@ AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots
         return;
     }
     const __m256 scale = _mm256_set1_ps(a->scale);
-    const float *k[8];
-    for (int j = 0; j < 8; j++) k[j] = buf + j * D;
+    const char *k[8];
+    for (int j = 0; j < 8; j++) k[j] = (const char *)(buf + j * D);
     for (Py_ssize_t b = 0; b < a->batch; b++) {
         const Py_ssize_t n = visible_slots(a, b, slots);
         for (Py_ssize_t h = 0; h < H; h++) {
@@ -375,7 +418,7 @@ AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots
             for (; l + 8 <= n; l += 8) {
                 for (int j = 0; j < 8; j++) dequant_row8(a, 0, slots[l + j] * H + h, buf + j * D);
                 for (Py_ssize_t i = 0; i < g; i++)
-                    _mm256_storeu_ps(scores + i * n + l, _mm256_mul_ps(dot8(q + i * D, k, 0, D), scale));
+                    _mm256_storeu_ps(scores + i * n + l, _mm256_mul_ps(dot8(q + i * D, k, 0, D, 0), scale));
             }
             for (; l < n; l++) {
                 dequant_row8(a, 0, slots[l] * H + h, buf);
@@ -417,22 +460,23 @@ AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots
 }
 #endif
 
-static void (*decode_impl)(const DecodeArgs *, float *, const float **) = decode_generic;
+static void (*decode_impl)(const DecodeArgs *, float *, const char **) = decode_generic;
 static void (*codes_impl)(const CodesArgs *, float *, Py_ssize_t *, float *) = codes_generic;
 
-/* A C-contiguous buffer of `ndim` dimensions with items of `itemsize` bytes and format `fmt`. */
+/* A C-contiguous buffer of `ndim` dimensions with format `fmt`: "f" float32, "i" int32, "h" int16 (bfloat16
+bit patterns). */
 static int get_array(PyObject *obj, Py_buffer *view, const char *name, const char *fmt, int ndim, int writable) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    const char *type = fmt[0] == 'f' ? "float32" : fmt[0] == 'i' ? "int32" : "int16 (bfloat16 bits)";
     if (PyObject_GetBuffer(obj, view, flags) < 0) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "decode: %s must be a C-contiguous%s %s array", name,
-                     writable ? " writable" : "", fmt[0] == 'f' ? "float32" : "int32");
+                     writable ? " writable" : "", type);
         return -1;
     }
-    if (view->ndim != ndim || view->itemsize != 4 || view->format == NULL || view->format[0] != fmt[0] ||
-        view->format[1] != '\0') {
-        PyErr_Format(PyExc_TypeError, "decode: %s must be a %d-d %s array", name, ndim,
-                     fmt[0] == 'f' ? "float32" : "int32");
+    if (view->ndim != ndim || view->itemsize != (fmt[0] == 'h' ? 2 : 4) || view->format == NULL ||
+        view->format[0] != fmt[0] || view->format[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "decode: %s must be a %d-d %s array", name, ndim, type);
         PyBuffer_Release(view);
         return -1;
     }
@@ -469,11 +513,11 @@ static int check_args(const DecodeArgs *a, const Py_buffer *q, const Py_buffer *
     return 0;
 }
 
-static PyObject *native_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    (void)self;
+/* decode (bf16 = 0: float32 pages) and decode_bf16 (bf16 = 1: bfloat16 pages as int16) */
+static PyObject *decode_pages(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int bf16) {
     if (kwnames != NULL || nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "decode(query, kv, block_table, seq_lens, out, scale, window): 7 "
-                                         "positional arguments");
+        PyErr_Format(PyExc_TypeError, "%s(query, kv, block_table, seq_lens, out, scale, window): 7 positional "
+                                      "arguments", bf16 ? "decode_bf16" : "decode");
         return NULL;
     }
     const double scale = PyFloat_AsDouble(args[5]);
@@ -482,17 +526,17 @@ static PyObject *native_decode(PyObject *self, PyObject *const *args, Py_ssize_t
     PyObject *result = NULL;
     Py_buffer q, kv, t, s, o;
     if (get_array(args[0], &q, "query", "f", 3, 0) < 0) return NULL;
-    if (get_array(args[1], &kv, "kv", "f", 5, 0) < 0) goto fail_q;
+    if (get_array(args[1], &kv, "kv", bf16 ? "h" : "f", 5, 0) < 0) goto fail_q;
     if (get_array(args[2], &t, "block_table", "i", 2, 0) < 0) goto fail_kv;
     if (get_array(args[3], &s, "seq_lens", "i", 1, 0) < 0) goto fail_t;
     if (get_array(args[4], &o, "out", "f", 3, 1) < 0) goto fail_s;
     DecodeArgs a = {q.buf, kv.buf, t.buf, s.buf, o.buf, q.shape[0], q.shape[1], kv.shape[3], q.shape[2],
-                    kv.shape[1], kv.shape[2], t.shape[1], (float)scale, window};
+                    kv.shape[1], kv.shape[2], t.shape[1], (float)scale, window, bf16};
     if (check_args(&a, &q, &kv, &t, &s, &o) == 0) {
         const Py_ssize_t g = a.kv_heads > 0 ? a.heads / a.kv_heads : 0;
         const size_t keys = (size_t)(a.width * a.block_size + 1);
         float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * keys);
-        const float **rows = malloc(sizeof(float *) * keys);
+        const char **rows = malloc(sizeof(char *) * keys);
         if (scores == NULL || rows == NULL) {
             PyErr_NoMemory();
         } else {
@@ -512,6 +556,16 @@ fail_kv:
 fail_q:
     PyBuffer_Release(&q);
     return result;
+}
+
+static PyObject *native_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    (void)self;
+    return decode_pages(args, nargs, kwnames, 0);
+}
+
+static PyObject *native_decode_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    (void)self;
+    return decode_pages(args, nargs, kwnames, 1);
 }
 
 
@@ -556,7 +610,7 @@ static PyObject *native_decode_codes(PyObject *self, PyObject *const *args, Py_s
     if (get_array(args[6], &o, "out", "f", 3, 1) < 0) goto fail_s;
     /* the shape checks of the float kernel, on a DecodeArgs view of the same shapes */
     DecodeArgs d = {q.buf, NULL, t.buf, s.buf, o.buf, q.shape[0], q.shape[1], c.shape[3], q.shape[2],
-                    c.shape[1], c.shape[2], t.shape[1], (float)scale, window};
+                    c.shape[1], c.shape[2], t.shape[1], (float)scale, window, 0};
     if (lut.shape[0] != 256 || sc.shape[0] != 2 || sc.shape[1] != c.shape[1] || sc.shape[2] != c.shape[2] ||
         sc.shape[3] != c.shape[3]) {
         PyErr_SetString(PyExc_ValueError, "decode_codes: scales must be [2, NB, BS, Hkv] like the codes, lut [256]");
@@ -627,6 +681,9 @@ static PyObject *native_set_isa(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))native_decode, METH_FASTCALL | METH_KEYWORDS,
      "decode(query, kv, block_table, seq_lens, out, scale, window): paged float32 decode attention into out."},
+    {"decode_bf16", (PyCFunction)(void (*)(void))native_decode_bf16, METH_FASTCALL | METH_KEYWORDS,
+     "decode_bf16(query, kv, block_table, seq_lens, out, scale, window): decode over bfloat16 pages (int16 "
+     "bits)."},
     {"decode_codes", (PyCFunction)(void (*)(void))native_decode_codes, METH_FASTCALL | METH_KEYWORDS,
      "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, kind): paged decode "
      "attention over quantized pages into out."},

@@ -4,21 +4,26 @@
 `pagedkv.ops.paged_attention` computes for a decode group (one query per sequence, at its last position:
 causal, GQA, optional sliding window) without gathering the blocks into a dense tensor first: for each
 sequence and KV head the C kernel reads each visible key row once for all query heads that share it, then
-the exact softmax (max, exp, sum) and the weighted sum of value rows. float32 only; a group of many
+the exact softmax (max, exp, sum) and the weighted sum of value rows, in float32. A group of many
 sequences is cut across torch's threads (each part in its own call, the GIL released), one thread otherwise. An x86-64 CPU
 with AVX2, FMA and F16C runs a vectorised copy (`isa()`; head sizes that are a multiple of 8, eight keys scored at
 once, e^x in eight lanes within 2 ulp of libm's), `set_isa` switches copies (tests compare them).
 
+bfloat16 pages with a bfloat16 query (what `--dtype auto` serves on a CPU with bf16 instructions) run
+in the same kernel: each K/V element is widened to float32 in registers as it is read (a bfloat16 is the top
+half of a float32, so exactly), the query is widened before the call and the float32 output rounded to the
+query's dtype after it, so the answer is the float32 kernel's over the pages upcast to float32, rounded to
+bfloat16, with half the page bytes to read.
+
 Quantized pages (int8, fp8 e4m3/e5m2 codes with their per-token-per-head `scales`,
 `pagedkv.storage.slots`) are read in place too (`scales=`): each element is dequantized in registers as it
 is read, so the answer is bit-identical to the float32 kernel's over pages holding `code * scale`, with a
-quarter of the page bytes to read: one decode call (batch 4, SmolLM2's 9/3 heads x 64) at 8k and 16k
-context takes 11.1 and 17.4 ms over int8 codes, 12.4 and 37.4 ms over float32 pages, 22.9 and 46.4 ms over
-bf16 pages through the SDPA gather path (`pagedkv bench kv-dtype`, docs/quantized-kv.md).
+quarter of the page bytes to read (`pagedkv bench kv-dtype` compares the page dtypes, docs/quantized-kv.md).
 
 `available(query, kv, scales)` says whether it applies: the extension is built (an optional C extension, like the
-allocator's hot path, and off under `PAGEDKV_NATIVE=0`), the tensors are float32 on the CPU, and no
-gradient is wanted; quantized pages need their scales (the kernel has no backward). Callers fall back to that path otherwise.
+allocator's hot path, and off under `PAGEDKV_NATIVE=0`), the tensors are on the CPU, query and pages are both
+float32 or both bfloat16, or the query is float32 over quantized pages with their scales, and no gradient is
+wanted (the kernel has no backward). Callers fall back to the SDPA or `pagedkv.ops` path otherwise.
 """
 
 from __future__ import annotations
@@ -68,11 +73,13 @@ def set_isa(name: str) -> None:
 
 def available(query: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
     """Whether `decode_attention` serves these tensors (see the module docstring)."""
-    pages_ok = kv.dtype == torch.float32 if scales is None else kv.dtype in _CODE_DTYPES
+    if scales is None:
+        dtypes_ok = query.dtype == kv.dtype and kv.dtype in (torch.float32, torch.bfloat16)
+    else:
+        dtypes_ok = query.dtype == torch.float32 and kv.dtype in _CODE_DTYPES
     return (
         _NATIVE is not None
-        and query.dtype == torch.float32
-        and pages_ok
+        and dtypes_ok
         and query.device.type == "cpu"
         and kv.device.type == "cpu"
         and not (query.requires_grad or kv.requires_grad)  # the kernel has no backward
@@ -91,8 +98,9 @@ def decode_attention(
     """`[B, H, D]` attention of `query` `[B, H, D]` (sequence i's newest token, at position `seq_lens[i] - 1`)
     over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`, with
     `options`' scale and sliding window (the kernel has no soft cap and no sinks: asking for them is an
-    error). Quantized `kv` (int8/fp8 codes) comes with its `scales` `[2, num_blocks, block_size, Hkv]`. Bad
-    shapes, lengths or block ids raise `InvalidArgumentError`; nothing is written then."""
+    error). Quantized `kv` (int8/fp8 codes) comes with its `scales` `[2, num_blocks, block_size, Hkv]`;
+    bfloat16 `kv` takes a bfloat16 query, and the output has the query's dtype. Bad shapes, lengths, block ids
+    or dtypes raise `InvalidArgumentError`; nothing is written then."""
     if _NATIVE is None:
         raise InvalidArgumentError("pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)")
     if options.soft_cap is not None or options.sinks is not None:
@@ -102,12 +110,20 @@ def decode_attention(
             f"decode attention: shapes disagree: query {tuple(query.shape)}, block_table {tuple(block_table.shape)}, "
             f"seq_lens {tuple(seq_lens.shape)} (one row per sequence each)"
         )
-    q = query.contiguous()
-    out = torch.empty_like(q)
     quantized = scales is not None or kv.dtype in _CODE_DTYPES
     if quantized and (scales is None or kv.dtype not in _CODE_DTYPES):
         raise InvalidArgumentError("quantized pages (int8/fp8 codes) and scales go together; pass both")
-    pages = kv.contiguous().view(torch.uint8).numpy() if quantized else kv.contiguous().numpy()
+    bf16 = kv.dtype == torch.bfloat16
+    if bf16 != (query.dtype == torch.bfloat16):
+        raise InvalidArgumentError(
+            f"decode attention: a bfloat16 query goes with bfloat16 pages, got query {query.dtype}, pages {kv.dtype}"
+        )
+    q = query.float().contiguous() if bf16 else query.contiguous()  # widening a bfloat16 is exact
+    out = torch.empty_like(q)
+    if quantized:
+        pages = kv.contiguous().view(torch.uint8).numpy()
+    else:  # numpy has no bfloat16: the kernel takes its bit patterns as int16
+        pages = kv.contiguous().view(torch.int16).numpy() if bf16 else kv.contiguous().numpy()
     sidecar = scales.float().contiguous().numpy() if scales is not None else None
     table = block_table.to(torch.int32).contiguous().numpy()
     lens = seq_lens.to(torch.int32).contiguous().numpy()
@@ -119,13 +135,14 @@ def decode_attention(
             _NATIVE.decode_codes(qn[lo:hi], pages, sidecar, _lut(kv.dtype).numpy(), table[lo:hi], lens[lo:hi],
                                  on[lo:hi], scale, window, _KINDS[kv.dtype])  # fmt: skip
         else:
-            _NATIVE.decode(qn[lo:hi], pages, table[lo:hi], lens[lo:hi], on[lo:hi], scale, window)
+            (_NATIVE.decode_bf16 if bf16 else _NATIVE.decode)(qn[lo:hi], pages, table[lo:hi], lens[lo:hi],
+                                                              on[lo:hi], scale, window)  # fmt: skip
 
     try:
         _split_rows(q.shape[0], rows)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(str(e)) from None
-    return out
+    return out.to(query.dtype) if bf16 else out
 
 
 def _split_rows(batch: int, rows: Callable[[int, int], None]) -> None:
