@@ -13,7 +13,7 @@ for the two shapes a CPU step is made of (see `pagedkv.hf.step_metadata`, attent
 - one prefill chunk: a single sequence's n queries against its L keys, gathered from its blocks; with no
   cached context and no window it is plain causal SDPA, otherwise a bottom-right causal mask.
 
-A float32 decode group on a CPU skips the gather and SDPA altogether: `pagedkv.ops.cpu_decode`
+A float32 or bfloat16 decode group on a CPU skips the gather and SDPA altogether: `pagedkv.ops.cpu_decode`
 (a C kernel, built with the package) reads the pages in place, about 2x faster than the buckets on the
 decode groups of `pagedkv bench e2e`; the buckets serve every other dtype and builds without
 the extension (`PAGEDKV_NATIVE=0` turns it off).
@@ -178,7 +178,7 @@ def paged_sdpa(
     gqa = num_heads != kv.shape[3]
     scale, sliding_window = options.scale_for(head_dim), options.sliding_window
     if plan.max_seqlen_q == 1:  # decode group: one query per sequence, at position seq_len - 1
-        if cpu_decode.available(query, kv):  # float32: the C kernel reads the pages in place
+        if cpu_decode.available(query, kv):  # float32 or bf16: the C kernel reads the pages in place
             return cpu_decode.decode_attention(query, kv, plan.block_table, plan.seq_lens, options)
         return _decode(query, kv, plan, options)
     if plan.max_seqlen_k == plan.max_seqlen_q and new_key is not None and new_value is not None:
