@@ -17,10 +17,10 @@ float32, the baseline every difference is taken against):
   `--budget` KV cache of the real model (the blocks that budget buys in that dtype);
 - speed: one decode attention call (`--batch` sequences, the model's heads, one layer) at each of
   `--contexts` tokens through the path the engine takes on a one-thread CPU: float32 pages and quantized
-  pages through the C kernel (`pagedkv.ops.cpu_decode`), bf16 pages through the SDPA gather path a bf16
-  model uses (`pagedkv.hf.sdpa`); the median of `--repeat` calls, in CPU time of the calling thread
-  (`time.thread_time`: on a shared machine the time the thread is descheduled does not count; one torch
-  thread, so the calls do all their work on it).
+  pages through the C kernel (`pagedkv.ops.cpu_decode`), bf16 pages with a bf16 query through the entry a
+  bf16 model uses (`pagedkv.hf.sdpa.paged_sdpa`: the C kernel where it is built, else the SDPA gather); the
+  median of `--repeat` calls, in CPU time of the calling thread (`time.thread_time`: on a shared machine the
+  time the thread is descheduled does not count; one torch thread, so the calls do all their work on it).
 
 Timings are taken on whatever machine runs this, with whatever else it runs: say which when quoting them.
 """
@@ -328,7 +328,8 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
             else:
                 kv16, q16 = kv32.to(torch_dtype(storage)), q32.to(torch_dtype(storage))
                 plan = SdpaPlan.build(table, lens, 1, context, BLOCK_SIZE)
-                call, paths[dtype] = partial(paged_sdpa, q16, kv16, plan, options), "SDPA gather"
+                call = partial(paged_sdpa, q16, kv16, plan, options)
+                paths[dtype] = "C kernel (bf16)" if cpu_decode.available(q16, kv16) else "SDPA gather"
             call()  # warm-up (the SDPA plan's masks and buckets are made here)
             times = []
             for _ in range(args.repeat):
