@@ -115,7 +115,7 @@ def served(tiny_folder: Path) -> Iterator[tuple[str, Any]]:
     args = _parse(serve_command.add_arguments, ["--model", str(tiny_folder), "--port", "0", "--num-blocks", "64",
                                                 "--served-model-name", "tiny", "--threads", "1",
                                                 "--speculative", "ngram:k=4,min=1"])  # fmt: skip
-    server, sock = serve_command._build_server(args)
+    server, sock, _ = serve_command._build_server(args)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

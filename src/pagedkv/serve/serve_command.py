@@ -109,22 +109,24 @@ def run(args: argparse.Namespace) -> int:
             print(f"pagedkv serve: {err}", file=sys.stderr)
             return 2
     try:
-        server, sock = _build_server(args)
+        server, sock, started = _build_server(args)
     except PagedKVError as err:
         print(f"pagedkv serve: {err}", file=sys.stderr)
         return 2
-    # uvicorn re-raises the signal it caught once it has drained; a handler here makes that a no-op, so the
+    # uvicorn re-raises the signal it caught once it has drained; this handler makes that harmless, so the
     # process ends with exit code 0 after a graceful SIGTERM or Ctrl-C (SIGINT's default handler would raise
-    # KeyboardInterrupt then: a traceback and exit 130)
+    # KeyboardInterrupt then: a traceback and exit 130). A signal that arrives before uvicorn installs its own
+    # handlers (after the start-up line) asks the server to exit as soon as it has started.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    print(started, file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
 
 
-def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
+def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket, str]:
     """Check the source, load the model, build the engine, the app and the uvicorn server (not started),
-    and bind its socket (so `--port 0` can say which port it got)."""
+    and bind its socket (so `--port 0` can say which port it got); with the start-up line to print."""
     import uvicorn
 
     from pagedkv.engine.commands import _engine_config
@@ -165,17 +167,15 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket]:
     port = sock.getsockname()[1]
     limit = engine.spec.max_position_embeddings
     positions = "" if limit is None else f" of the model's {limit} positions"
-    print(
+    started = (
         f"pagedkv serve: {args.served_model_name or args.model} on http://{args.host}:{port} "
         f"({_kv_phrase(args.kv_budget, engine.kv_budget_bytes)}{engine.manager.num_blocks} KV blocks of "
         f"{config.block_size} tokens: max_model_len "
         f"{app.state.context.max_model_len}{positions}, "
         f"{describe_weights(args.dtype, model.dtype, engine.linear_backend)}, "
-        f"{threads} torch thread{'s' if threads != 1 else ''})",
-        file=sys.stderr,
-        flush=True,
+        f"{threads} torch thread{'s' if threads != 1 else ''})"
     )
-    return server, sock
+    return server, sock, started
 
 
 def _kv_phrase(asked: int | None, used: int) -> str:
