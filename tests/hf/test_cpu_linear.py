@@ -89,7 +89,9 @@ def test_pack_linears_replaces_every_projection_and_keeps_the_logits() -> None:
 
 def test_choose_linear_backend() -> None:
     assert choose_linear_backend("torch", torch.bfloat16, CPU) == "torch"
-    assert choose_linear_backend("auto", torch.float32, CPU) == "torch"  # fp32: bitwise nn.Linear by default
+    assert choose_linear_backend("torch", torch.float32, CPU) == "torch"  # bitwise nn.Linear when asked
+    assert choose_linear_backend("auto", torch.float32, CPU) == "onednn"  # fp32: oneDNN's packed GEMMs by default
+    assert choose_linear_backend("auto", torch.float16, CPU) == "torch"
     expected = "onednn" if cpu_bf16_support() else "torch"
     assert choose_linear_backend("auto", torch.bfloat16, CPU) == expected
     assert choose_linear_backend("auto", torch.bfloat16, torch.device("cuda")) == "torch"

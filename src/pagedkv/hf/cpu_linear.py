@@ -19,12 +19,14 @@ Contract:
   under any mix of batch sizes (every row count from 1 to 512, twice, through four SmolLM2 projections
   in bf16: 1.4 GiB of growth without the bound, 0.1 GiB with it). Its results equal
   `torch.nn.functional.linear` up to the GEMM's summation order, not bitwise: greedy tokens in float32 can
-  differ where two logits tie to the last bit, which is why `choose_linear_backend` packs only
-  reduced-precision weights unless asked.
+  differ from transformers' where two logits tie to the last bit (`linear_backend="torch"` gives
+  transformers' float32 arithmetic bit for bit).
 - `resolve_dtype("auto")` is bfloat16 on such a CPU and the checkpoint's dtype elsewhere (the default of
   `pagedkv serve` and `generate`).
-- `choose_linear_backend("auto", dtype)` is "onednn" for bfloat16 weights on a CPU whose oneDNN supports bf16,
-  "torch" otherwise; `cpu_bf16_support()` says what the CPU offers (for the start-up line).
+- `choose_linear_backend("auto", dtype)` is "onednn" on a CPU for float32 weights, and for bfloat16 weights
+  where the CPU's oneDNN supports bf16 (the faster of the two in both dtypes: `pagedkv bench step`,
+  docs/benchmarks.md), "torch" otherwise; `cpu_bf16_support()` says what the CPU offers (for the start-up
+  line).
 """
 
 from __future__ import annotations
@@ -131,8 +133,9 @@ def choose_linear_backend(backend: str, dtype: torch.dtype, device: torch.device
                 "linear_backend 'onednn': this CPU has no bf16 support in oneDNN; use 'torch'"
             )
         return "onednn"
-    if backend == "auto" and dtype == torch.bfloat16 and cpu_bf16_support() is not None:
-        return "onednn"
+    if backend == "auto" and torch.backends.mkldnn.is_available():
+        if dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_support() is not None):
+            return "onednn"
     return "torch"
 
 
