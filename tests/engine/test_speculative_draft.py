@@ -211,3 +211,69 @@ def test_seeded_sampling_with_a_draft_repeats_itself(same: str) -> None:
         got.append([o.output_token_ids for o in engine.generate(prompts(4, (7, 12)), params)])
         assert engine.draft is not None and engine.draft.num_used_blocks == 0
     assert got[0] == got[1] and all(len(o) == 12 for o in got[0])
+
+
+def _draft_kv_bytes(engine: Engine) -> int:
+    assert engine.draft is not None and engine.draft.runner is not None
+    cache = engine.draft.runner.cache
+    tensors = (cache.storage.data, cache.storage.scales, cache.host, cache.host_scales)
+    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_releases_the_drafts_kv_and_wake_up_serves_the_same(same: str, level: int) -> None:
+    """Requests parked mid-generation (their draft sequences live) across sleep and wake_up: the draft's
+    pages are released and counted in the report, every draft sequence is dropped with them (after the wake
+    the draft still agrees with the target on every token: no proposal reads the released KV), and greedy
+    outputs equal the ones before the sleep, token for token."""
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    spec = SpeculativeConfig("draft", 3, draft_model=same)
+    engine = Engine(tiny_model("llama", 0), None, EngineConfig(num_blocks=64, block_size=4, linear_backend="torch",
+                                                               speculative=spec))  # fmt: skip
+    if level == 2:  # on the CPU, level 2 reloads the weights from the folder that holds the version in force
+        engine.update_weights(same)
+    ps = prompts(6, (9, 14, 5))
+    before = [o.output_token_ids for o in engine.generate(ps, params)]
+    assert before == reference(ps, 16)
+    ids = [engine.add_request(p, params) for p in ps]
+    for _ in range(3):
+        engine.step()
+    engine.pause("keep")
+    draft = engine.draft
+    assert draft is not None and draft.runner is not None and draft.num_used_blocks > 0
+    target_kv = engine.cache.storage.data.untyped_storage().nbytes() + engine.cache.host.untyped_storage().nbytes()
+    draft_kv, shape = _draft_kv_bytes(engine), tuple(draft.runner.cache.storage.data.shape)
+    assert draft_kv > 0
+    report = engine.sleep(level)
+    assert report.kv_bytes == target_kv + draft_kv
+    assert _draft_kv_bytes(engine) == 0 and draft.released and draft.num_used_blocks == 0
+    draft.check_invariants()
+    engine.wake_up()
+    assert not draft.released and tuple(draft.runner.cache.storage.data.shape) == shape
+    assert _draft_kv_bytes(engine) == draft_kv and not draft.runner.cache.storage.data.any()
+    spec_stats = engine.stats.spec
+    assert spec_stats is not None
+    drafted, accepted = spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens
+    engine.resume()
+    ended: dict[str, list[int]] = {}
+    engine.run(on_step=lambda outs: ended.update((o.request_id, o.output_token_ids) for o in outs))
+    assert [ended[i] for i in ids] == before
+    assert [o.output_token_ids for o in engine.generate(ps, params)] == before
+    assert spec_stats.num_draft_tokens > drafted
+    assert spec_stats.num_accepted_tokens - accepted == spec_stats.num_draft_tokens - drafted  # all accepted
+    assert draft.num_used_blocks == 0
+    draft.check_invariants()
+
+
+def test_a_released_draft_refuses_to_propose(same: str) -> None:
+    from pagedkv.core.errors import EngineStateError
+
+    engine = Engine(target(), None, EngineConfig(num_blocks=16, block_size=4,
+                                                 speculative=SpeculativeConfig("draft", 2, draft_model=same)))  # fmt: skip
+    assert engine.draft is not None
+    assert engine.draft.release() > 0 and engine.draft.release() == 0  # twice: nothing more to give back
+    with pytest.raises(EngineStateError, match="released"):
+        engine.draft.propose([], [1])
+    assert engine.draft.propose([], []) == []
+    engine.draft.restore()
+    assert not engine.draft.released

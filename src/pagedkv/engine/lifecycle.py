@@ -29,9 +29,10 @@ Invariants:
   ends what is in flight now (finish_reason "abort", with the tokens it has); `pause("wait")` lets it
   finish; `pause("keep")` parks it (no KV held) until `resume()`.
 - `sleep` needs nothing scheduled (pause first). Level 1 empties the prefix cache and releases the device
-  KV pages, the swap pool and the host / disk tiers; level 2 also releases the weights: to host memory on
-  an accelerator, or dropped where they can be read again from a folder of safetensors that holds the
-  version in force. `wake_up` allocates them again (the KV pages zeroed, the caches empty).
+  KV pages (a draft model's too), the swap pool and the host / disk tiers; level 2 also releases the
+  weights: to host memory on an accelerator, or dropped where they can be read again from a folder of
+  safetensors that holds the version in force. `wake_up` allocates them again (the KV pages zeroed, the
+  caches empty).
 - `pagedkv.core` stays torch-free: this module owns the torch side of the lifecycle.
 """
 
@@ -292,6 +293,8 @@ class Lifecycle:
             fill = torch.ones if name.endswith("scales") else torch.zeros
             setattr(owner, name, fill(shape, dtype=dtype, device=device))
         self._kv = []
+        if self.engine.draft is not None:
+            self.engine.draft.restore()
         self.sleep_level = 0
         if self._renew_on_wake:  # the weights changed while asleep: the tiers' fingerprint follows
             self._renew_on_wake = False
@@ -314,6 +317,8 @@ class Lifecycle:
         if tiering is not None:
             host = [t for t in tiering.store.local if type(t).__name__ == "HostTier"]
             freed += sum(int(t.num_blocks) for t in host) * tiering.store.layout.nbytes
+        if self.engine.draft is not None:  # its pages and every draft sequence (pagedkv.engine.speculative.draft)
+            freed += self.engine.draft.release()
         return freed
 
     def _weights_plan(self) -> str:

@@ -25,6 +25,8 @@ tokens and never computes a token twice that it still holds. A request whose dra
 (the draft's pool is full) gets the drafts made so far, or none: a proposer can miss, never fail a request.
 `forget(request_id)` frees a request's draft blocks: the engine calls it when a request ends (finish, abort,
 error) and when it is preempted (its target KV is freed too; the next proposal starts it again).
+`release()` drops every sequence and gives the pages back, `restore()` allocates them again, zeroed: the
+engine's `sleep` and `wake_up` (`pagedkv.engine.lifecycle`), whose report counts the draft's bytes.
 
 Proposals are greedy, hence deterministic given the tokens: rejection sampling treats them as one-hot
 (`rejection.verify` with `draft_probs=None`), which keeps the target's distribution exactly.
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pagedkv.core.errors import CapacityError, InvalidArgumentError
+from pagedkv.core.errors import CapacityError, EngineStateError, InvalidArgumentError
 from pagedkv.engine.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.request import Request
     from pagedkv.engine.runner import ModelRunner
+    from pagedkv.hf.cache import PagedKVCache
 
 
 @dataclass(slots=True)
@@ -89,6 +92,7 @@ class DraftModelProposer:
         self.manager: PagedKVManager | None = None
         self.runner: ModelRunner | None = None
         self._seqs: dict[str, _DraftSeq] = {}
+        self._released: tuple[int, torch.device] | None = None  # (blocks, device) of the pages `release` gave back
 
     @classmethod
     def load(cls, spec: SpeculativeConfig, model: Any, config: EngineConfig) -> DraftModelProposer:
@@ -106,15 +110,52 @@ class DraftModelProposer:
         from pagedkv.engine.llm_engine import _prepare_forward
         from pagedkv.engine.managers import make_manager
         from pagedkv.engine.runner import ModelRunner
-        from pagedkv.hf.cache import PagedKVCache
 
         cfg = self.config
         manager = make_manager("paged", num_blocks, cfg.block_size, enable_prefix_caching=False)
-        cache = PagedKVCache.for_model(self.spec, num_blocks, cfg.block_size, device=device,
-                                       attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype)  # fmt: skip
         _, fused = _prepare_forward(self.model, cfg.linear_backend, cfg.model_forward)
         self.manager = manager  # type: ignore[assignment]
-        self.runner = ModelRunner(self.model, cache, fused)
+        self.runner = ModelRunner(self.model, self._pages(num_blocks, device), fused)
+
+    def _pages(self, num_blocks: int, device: torch.device | str) -> PagedKVCache:
+        """Zeroed KV pages of `num_blocks` blocks for the draft model."""
+        from pagedkv.hf.cache import PagedKVCache
+
+        cfg = self.config
+        return PagedKVCache.for_model(self.spec, num_blocks, cfg.block_size, device=device,
+                                      attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype)  # fmt: skip
+
+    @property
+    def released(self) -> bool:
+        """True between `release` and `restore`: the draft holds no KV pages and cannot propose."""
+        return self._released is not None
+
+    def release(self) -> int:
+        """Drop every request's draft sequence and give back the draft's KV pages (device pages and host
+        pool: the engine's `sleep`); the bytes released. Its KV is gone, so no sequence may outlive it: a
+        request parked across the sleep starts its draft sequence again. Releasing twice releases nothing."""
+        if self.manager is None or self.runner is None or self._released is not None:
+            return 0
+        for request_id in list(self._seqs):
+            self.forget(request_id)
+        cache = self.runner.cache
+        storage = cache.storage
+        freed = 0
+        for owner, name in ((storage, "data"), (storage, "scales"), (cache, "host"), (cache, "host_scales")):
+            tensor = getattr(owner, name, None)
+            if isinstance(tensor, torch.Tensor):
+                freed += tensor.numel() * tensor.element_size()
+                setattr(owner, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+        self._released = (int(storage.num_blocks), storage.device)
+        return freed
+
+    def restore(self) -> None:
+        """Allocate the pages `release` gave back, zeroed (the engine's `wake_up`); nothing when none were."""
+        if self._released is None or self.runner is None:
+            return
+        num_blocks, device = self._released
+        self.runner.cache = self._pages(num_blocks, device)
+        self._released = None
 
     @property
     def num_used_blocks(self) -> int:
@@ -131,6 +172,8 @@ class DraftModelProposer:
         """Up to `num_tokens[i]` greedy draft tokens after each request's tokens (module docstring)."""
         if self.manager is None or self.runner is None:
             raise InvalidArgumentError("DraftModelProposer.allocate must run before propose (the engine does it)")
+        if self._released is not None and any(k > 0 for k in num_tokens):
+            raise EngineStateError("the draft model's KV pages were released (the engine sleeps); restore() first")
         drafts: list[list[int]] = [[] for _ in requests]
         chunks: list[tuple[int, _DraftSeq, int]] = []  # (request index, its draft sequence, first token to feed)
         for i, (request, k) in enumerate(zip(requests, num_tokens)):
