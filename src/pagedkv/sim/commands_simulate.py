@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one draft forward's time relative to the target's decode step (default: 0, n-gram lookup; "
         "~0.1 for a draft model a tenth of the target's size)",
     )  # fmt: skip
+    sp.add_argument(
+        "--spec-fixed-k", action="store_true",
+        help="every step proposes --spec-k drafts (default: each request adapts its k as the engine does, "
+        "and a request whose drafts keep missing stops speculating for a while)",
+    )  # fmt: skip
     s.add_argument(  # pagedkv.sim.guidance
         "--sweep-guidance",
         metavar="PATH",
@@ -201,12 +206,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _speculation(args: argparse.Namespace) -> Any:
-    """The `SpecSim` of `--spec-k`, `--spec-acceptance` and `--spec-draft-cost` (None when `--spec-k` is 0)."""
+    """The `SpecSim` of `--spec-k`, `--spec-acceptance`, `--spec-draft-cost` and `--spec-fixed-k` (None when
+    `--spec-k` is 0)."""
     from pagedkv.sim.speculation import SpecSim
 
     if not getattr(args, "spec_k", 0):
         return None
-    return SpecSim(args.spec_k, args.spec_acceptance, args.spec_draft_cost)
+    return SpecSim(args.spec_k, args.spec_acceptance, args.spec_draft_cost,
+                   adaptive=not getattr(args, "spec_fixed_k", False))  # fmt: skip
 
 
 def _print_report(args: argparse.Namespace, report: Any) -> None:

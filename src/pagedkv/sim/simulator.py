@@ -198,14 +198,16 @@ def simulate(
     *,
     progress: Callable[[int], None] | None = None,
     check_every: int = 0,
+    drafter: Drafter | None = None,
 ) -> SimTrace:
     """Replay `workload` under `config`; `progress(n)` is called with each batch of finished requests.
 
-    `check_every > 0` runs the allocator's `check_invariants()` every that many steps (tests).
+    `check_every > 0` runs the allocator's `check_invariants()` every that many steps (tests). `drafter`
+    draws the drafts' acceptance under `config.speculation` (default: `Drafter(config.speculation)`).
     """
     budget = config.budget()
     check_budget(config, budget)
-    replay = Replay(config, workload, budget)
+    replay = Replay(config, workload, budget, drafter=drafter)
     steps = 0
     while replay.arrivals.pending or replay.scheduler.has_unfinished():
         replay.admit_arrivals()
@@ -265,7 +267,7 @@ class Replay:
 
     def __init__(
         self, config: SimConfig, workload: Workload, budget: KVBudget, *, arrivals: Arrivals | None = None,
-        record_events: bool = False,
+        record_events: bool = False, drafter: Drafter | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.workload = workload
@@ -281,7 +283,7 @@ class Replay:
             self.windows[w] = self.windows.get(w, 0) + 1
         # speculation: the engine's scheduler path (draft slots, rollback of the rejected); paged only
         spec = config.speculation if config.allocator not in CONTIGUOUS else None
-        self.drafter = Drafter(spec) if spec is not None else None
+        self.drafter = (drafter or Drafter(spec)) if spec is not None else None
         self._draft_starts: list[int] = []  # context of each request that proposed since the last step
         self._draft_forwards = 0  # draft forwards of those proposals (the longest one's length)
         self.scheduler = Scheduler(self.manager, config.scheduler, num_lookahead_tokens=spec.k if spec else 0)
@@ -338,6 +340,8 @@ class Replay:
         """Requests that can never fit finish without a token; a chat goes on even if one turn was refused."""
         for req in getattr(output, "rejected", ()):
             g, _ = self.live.pop(req.request_id)
+            if self.drafter is not None:
+                self.drafter.forget(req.request_id)
             self.out.rejected += 1
             self.arrivals.follow(g.index, self.now)
 
@@ -371,6 +375,8 @@ class Replay:
         self._record_step(dt, num_running, int(news.sum()))
         for req in finished:
             g, _ = self.live.pop(req.request_id)
+            if self.drafter is not None:
+                self.drafter.forget(req.request_id)
             i = self.order[g.index]
             self.first_token[i] = req.first_token_time
             self.finish_time[i] = req.finish_time
@@ -446,21 +452,22 @@ class Replay:
                     self.out.spec_drafts += 1
                     self.out.spec_draft_tokens += len(c.draft_token_ids)
                     self.out.spec_accepted_tokens += len(kept) - 1
+                    assert self.drafter is not None, "simulator: a verification without speculation"
+                    self.drafter.record(rid, len(c.draft_token_ids), len(kept) - 1)
                     sampled[rid] = kept
                     continue
                 sampled[rid] = EOS_TOKEN_ID if k + 1 >= g.output_len else int(g.output_token_ids[k])
         return sampled
 
     def _propose(self, drafter: Drafter) -> None:
-        """Drafts for every decoding request (up to k, never past its true output), as the engine proposes
-        after each step; their draft forwards are charged to the next step."""
-        k = drafter.spec.k
+        """Drafts for every decoding request (up to its k, adaptive as in the engine; never past its true
+        output), as the engine proposes after each step; their draft forwards are charged to the next step."""
         for r in self.scheduler.running:
             if not r.output_token_ids or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             g = self.live[r.request_id][0]
             pos = len(r.output_token_ids)
-            n = min(k, g.output_len - pos - 1)
+            n = min(drafter.next_k(r.request_id), g.output_len - pos - 1)
             if n <= 0:
                 continue
             r.draft_token_ids = drafter.drafts(_truth(g, pos, n), n)

@@ -5,7 +5,11 @@ slots in the token budget and the growth reserve, rejected drafts rolled back th
 KV use, preemption and the prefix cache behave as in the engine. What the simulator cannot know, it takes as
 parameters (`SpecSim`):
 
-- `k`: draft tokens per decoding request per step (fixed: the engine's adaptive k is not modelled);
+- `k`: the most draft tokens per decoding request per step. Each request adapts its own k by the
+  engine's rule (`pagedkv.engine.speculative.adaptive.AdaptiveK`, the same class and constants): k shrinks
+  to one more than the last verification accepted and grows back by one when all are accepted, and two
+  verifications in a row that accept nothing switch speculation off for that request for a cool-down of
+  4 steps doubling to 64. `adaptive=False` models a fixed k instead (every step proposes k);
 - `acceptance_rate` a: each draft token is accepted with probability a given that the ones before it were,
   so a verification accepts i or more drafts with probability a^i (vLLM's and the papers' i.i.d. model;
   the expected tokens per verification are (1 - a^(k+1)) / (1 - a));
@@ -13,14 +17,15 @@ parameters (`SpecSim`):
   (0 for n-gram lookup; ~0.05-0.2 for a draft model 10-20x smaller). A proposal is k draft forwards.
 
 ```
-step time = target step over its chunks (each speculating request: 1 + k tokens, its context read once)
-          + k x draft_cost x target decode step over the speculating requests (1 token each)
+step time = target step over its chunks (each speculating request: 1 + its k tokens, its context read once)
+          + max k x draft_cost x target decode step over the speculating requests (1 token each)
 ```
 
 On a memory-bound GPU step (weights read once per step whatever the batch) the verification's extra k
 tokens per request cost little, so every accepted draft is close to a free token; near saturation the step
-becomes compute-bound and rejected drafts cost their FLOPs. Draws come from a generator seeded per replay:
-the same workload and configuration give the same numbers.
+becomes compute-bound and rejected drafts cost their FLOPs; the adaptive rule bounds what a proposer that
+keeps missing costs. Draws come from a generator seeded per replay: the same workload and configuration give
+the same numbers. `Drafter.accepted` is the one draw (a subclass may script it: tests).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.speculative.adaptive import AdaptiveK
 
 REJECTED_TOKEN_ID = 50_001  # outside the synthetic vocabulary and not EOS: a draft the target never picks
 
@@ -43,6 +49,7 @@ class SpecSim:
     acceptance_rate: float = 0.7
     draft_cost: float = 0.0
     seed: int = 0
+    adaptive: bool = True  # each request's k follows the engine's AdaptiveK; False: always k
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -53,6 +60,8 @@ class SpecSim:
         c = self.draft_cost
         if isinstance(c, bool) or not isinstance(c, int | float) or not 0.0 <= c < float("inf"):
             raise InvalidArgumentError(f"speculation draft_cost must be a finite number >= 0, got {c!r}")
+        if not isinstance(self.adaptive, bool):
+            raise InvalidArgumentError(f"speculation adaptive must be a bool, got {self.adaptive!r}")
 
     @property
     def expected_tokens_per_verification(self) -> float:
@@ -63,17 +72,45 @@ class SpecSim:
 
 class Drafter:
     """Draws each decoding request's drafts: the true continuation for the accepted ones, then a token the
-    target rejects."""
+    target rejects; and keeps each request's draft length (`AdaptiveK`, or the fixed k)."""
 
     def __init__(self, spec: SpecSim) -> None:
         self.spec = spec
         self.rng = np.random.default_rng(spec.seed)
+        self._k: dict[str, AdaptiveK] = {}
+
+    def next_k(self, request_id: str) -> int:
+        """How many drafts the request asks for this step (0: its speculation is off for now), as the
+        engine asks each decoding request once per step."""
+        if not self.spec.adaptive:
+            return self.spec.k
+        adaptive = self._k.get(request_id)
+        if adaptive is None:
+            adaptive = self._k[request_id] = AdaptiveK(self.spec.k)
+        return adaptive.next_k()
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A verification of the request's `proposed` drafts accepted `accepted` of them."""
+        if self.spec.adaptive:
+            adaptive = self._k.get(request_id)
+            assert adaptive is not None, f"Drafter: request {request_id} verified drafts it never asked for"
+            adaptive.record(proposed, accepted)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its draft length."""
+        self._k.pop(request_id, None)
+
+    def accepted(self, limit: int) -> int:
+        """How many of the next `limit` drafts the target accepts: each with probability `acceptance_rate`
+        given the ones before it were."""
+        a = 0
+        while a < limit and self.rng.random() < self.spec.acceptance_rate:
+            a += 1
+        return a
 
     def drafts(self, truth: Sequence[int], num_tokens: int) -> list[int]:
         """`num_tokens` drafts after a request whose true next tokens are `truth`."""
-        a = 0
-        while a < num_tokens and a < len(truth) and self.rng.random() < self.spec.acceptance_rate:
-            a += 1
+        a = self.accepted(min(num_tokens, len(truth)))
         return [int(t) for t in truth[:a]] + [REJECTED_TOKEN_ID] * (num_tokens - a)
 
 
