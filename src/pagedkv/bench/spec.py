@@ -5,10 +5,10 @@ Same model, same requests, same KV budget and scheduler; the only difference is 
 
 - `grounded` (input-grounded: the output copies spans of the prompt). Real English text: the first
   paragraphs (>= 200 characters) of the docstrings of Python standard-library modules (`GROUNDED_MODULES`,
-  present wherever Python is), one passage per request, in the chat template: "Here is a passage: ...
-  Repeat the passage above exactly, word for word." Greedy; each request stops at EOS or at the passage's
-  token length + 16. Copying and quoting (editing code, answering from a document, summarising with
-  quotes) is where prompt lookup pays.
+  present wherever Python is), one passage per request, in the chat template (as plain text where the
+  tokenizer has none): "Here is a passage: ... Repeat the passage above exactly, word for word." Greedy;
+  each request stops at EOS or at the passage's token length + 16. Copying and quoting (editing code,
+  answering from a document, summarising with quotes) is where prompt lookup pays.
 - `conversation`: the Azure conversation slice the other benchmarks use (`bench e2e`'s workload: trace
   rows from `--trace-offset`, prompt and output lengths scaled by `--prompt-scale` / `--output-scale`,
   seeded random prompt ids), greedy, EOS ignored, each request stopped at its trace length.
@@ -85,11 +85,16 @@ def passages(num: int, min_chars: int = 200, max_chars: int = 900) -> list[str]:
 
 
 def grounded_workload(tokenizer: Any, num: int) -> list[SpecRequest]:
+    """One request per passage: the instruction in the tokenizer's chat template (the plain message where
+    it has none: a base model), stopped at the passage's token length + 16."""
     out = []
     for i, text in enumerate(passages(num)):
         message = f"Here is a passage:\n\n{text}\n\nRepeat the passage above exactly, word for word."
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                            tokenize=True)  # fmt: skip
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                                tokenize=True)  # fmt: skip
+        else:
+            ids = tokenizer(message)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         out.append(SpecRequest(f"g{i}", ids, len(tokenizer(text)["input_ids"]) + 16, False))
     return out
