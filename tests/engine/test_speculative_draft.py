@@ -277,3 +277,16 @@ def test_a_released_draft_refuses_to_propose(same: str) -> None:
     assert engine.draft.propose([], []) == []
     engine.draft.restore()
     assert not engine.draft.released
+
+
+def test_the_draft_loads_on_the_targets_device_and_dtype(same: str) -> None:
+    """A target on another device (here "meta", which any build has) gets its draft there, in its dtype."""
+    import torch
+
+    from pagedkv.engine.speculative.draft import DraftModelProposer
+
+    model = tiny_model("llama", 0).to(device="meta", dtype=torch.bfloat16)
+    proposer = DraftModelProposer.load(SpeculativeConfig("draft", 3, draft_model=same), model,
+                                       EngineConfig(num_blocks=16, block_size=4))  # fmt: skip
+    param = next(proposer.model.parameters())
+    assert (param.device.type, param.dtype) == ("meta", torch.bfloat16)

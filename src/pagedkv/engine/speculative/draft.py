@@ -97,12 +97,13 @@ class DraftModelProposer:
     @classmethod
     def load(cls, spec: SpeculativeConfig, model: Any, config: EngineConfig) -> DraftModelProposer:
         """The draft `spec.draft_model` names (`pagedkv.hf.loading`, as the engine's model loads), in the
-        target's dtype, checked to share its vocabulary; its pages come with `allocate`."""
+        target's dtype and on its device, checked to share its vocabulary; its pages come with `allocate`."""
         from pagedkv.hf.loading import check_source, load_weights
 
         assert spec.draft_model is not None, "SpeculativeConfig: method 'draft' without a draft_model"
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        draft = load_weights(check_source(spec.draft_model), dtype=dtype)
+        param = next(model.parameters())
+        draft = load_weights(check_source(spec.draft_model), dtype=str(param.dtype).removeprefix("torch."))
+        draft = draft.to(param.device)  # loaded on the CPU; its forwards run where the target's do
         return cls(draft, config, vocab_size=int(model.get_input_embeddings().num_embeddings))
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> None:
