@@ -133,9 +133,9 @@ def choose_linear_backend(backend: str, dtype: torch.dtype, device: torch.device
                 "linear_backend 'onednn': this CPU has no bf16 support in oneDNN; use 'torch'"
             )
         return "onednn"
-    if backend == "auto" and torch.backends.mkldnn.is_available():
-        if dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_support() is not None):
-            return "onednn"
+    packable = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_support() is not None)
+    if backend == "auto" and torch.backends.mkldnn.is_available() and packable:
+        return "onednn"
     return "torch"
 
 
