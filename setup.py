@@ -10,6 +10,9 @@ import sys
 from setuptools import Extension, setup
 
 FLAGS = [] if sys.platform == "win32" else ["-O3", "-std=c11", "-Wall", "-Wextra"]
+# The decode kernel splits a batch over OpenMP threads on Linux, linking libgomp.so.1 by name: torch's own
+# copy once torch is imported (pagedkv.ops.cpu_decode imports it first), so one team serves both.
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 
 setup(
     ext_modules=[
@@ -17,7 +20,11 @@ setup(
         # paged float32 decode attention on a CPU (pagedkv.ops.cpu_decode); the hf integration falls back to
         # its SDPA path without it
         Extension(
-            "pagedkv.ops._cpu_decode", ["src/pagedkv/ops/_cpu_decode.c"], optional=True, extra_compile_args=FLAGS
+            "pagedkv.ops._cpu_decode",
+            ["src/pagedkv/ops/_cpu_decode.c"],
+            optional=True,
+            extra_compile_args=FLAGS + OPENMP,
+            extra_link_args=OPENMP,
         ),
     ]
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -191,6 +193,37 @@ def test_a_group_cut_across_threads_is_bit_identical_to_one_thread(threads: int)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, cut)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the OpenMP build is Linux's (setup.py)")
+def test_the_linux_build_splits_in_c_on_torchs_own_openmp_runtime() -> None:
+    """setup.py builds the kernel with -fopenmp on Linux, and the process then holds one libgomp: torch's."""
+    assert cpu_decode._OPENMP
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        gomps = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomps) == 1, gomps
+    assert os.path.dirname(next(iter(gomps))) == os.path.join(os.path.dirname(torch.__file__), "lib")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_openmp_team_size_gives_the_one_thread_answer(dtype: torch.dtype) -> None:
+    if not cpu_decode._OPENMP:
+        pytest.skip("this build has no OpenMP")
+    lens = [5, 30, 17, 1, 64, 33, 9]
+    q, kv, table, seq_lens = make_case(lens, 6, 3, 16, 4, 3)
+    q, kv = q.to(dtype), kv.to(dtype)
+    bf16 = dtype == torch.bfloat16
+    kernel = cpu_decode._NATIVE.decode_bf16 if bf16 else cpu_decode._NATIVE.decode
+    pages = kv.view(torch.int16).numpy() if bf16 else kv.numpy()
+    args = (q.float().contiguous().numpy(), pages, table.numpy(), seq_lens.numpy())
+    outs = []
+    for team in (1, 2, 3, 7, 50):  # more threads than sequences: one sequence each
+        out = np.zeros((len(lens), 6, 16), dtype=np.float32)
+        kernel(*args, out, 0.25, 20, team)
+        outs.append(out)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        kernel(*args, np.zeros((len(lens), 6, 16), dtype=np.float32), 0.25, 20, 0)
 
 
 def test_split_rows_covers_every_row_once() -> None:

@@ -47,6 +47,9 @@ head (a few KiB, in L1), never a block.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <math.h>
 #include <stdint.h>
@@ -513,16 +516,35 @@ static int check_args(const DecodeArgs *a, const Py_buffer *q, const Py_buffer *
     return 0;
 }
 
-/* decode (bf16 = 0: float32 pages) and decode_bf16 (bf16 = 1: bfloat16 pages as int16) */
+/* decode_impl over sequences [lo, hi) of a, with their own scratch: every sequence is computed alone, so any
+cut of the batch gives the same answer. */
+static void decode_rows(const DecodeArgs *a, Py_ssize_t lo, Py_ssize_t hi, float *scores, const char **rows) {
+    DecodeArgs part = *a;
+    part.query = a->query + lo * a->heads * a->dim;
+    part.out = a->out + lo * a->heads * a->dim;
+    part.table = a->table + lo * a->width;
+    part.lens = a->lens + lo;
+    part.batch = hi - lo;
+    decode_impl(&part, scores, rows);
+}
+
+/* decode (bf16 = 0: float32 pages) and decode_bf16 (bf16 = 1: bfloat16 pages as int16); an optional 8th
+argument runs the batch on that many OpenMP threads (contiguous parts, one per thread): in a build with
+OpenMP, on the team torch's own threads form where torch's libgomp is the one loaded. */
 static PyObject *decode_pages(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int bf16) {
-    if (kwnames != NULL || nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "%s(query, kv, block_table, seq_lens, out, scale, window): 7 positional "
-                                      "arguments", bf16 ? "decode_bf16" : "decode");
+    if (kwnames != NULL || (nargs != 7 && nargs != 8)) {
+        PyErr_Format(PyExc_TypeError, "%s(query, kv, block_table, seq_lens, out, scale, window[, threads]): 7 or 8 "
+                                      "positional arguments", bf16 ? "decode_bf16" : "decode");
         return NULL;
     }
     const double scale = PyFloat_AsDouble(args[5]);
     const long window = PyLong_AsLong(args[6]);
+    const long threads = nargs == 8 ? PyLong_AsLong(args[7]) : 1;
     if (PyErr_Occurred()) return NULL;
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "decode: threads must be >= 1, got %ld", threads);
+        return NULL;
+    }
     PyObject *result = NULL;
     Py_buffer q, kv, t, s, o;
     if (get_array(args[0], &q, "query", "f", 3, 0) < 0) return NULL;
@@ -534,13 +556,29 @@ static PyObject *decode_pages(PyObject *const *args, Py_ssize_t nargs, PyObject 
                     kv.shape[1], kv.shape[2], t.shape[1], (float)scale, window, bf16};
     if (check_args(&a, &q, &kv, &t, &s, &o) == 0) {
         const Py_ssize_t g = a.kv_heads > 0 ? a.heads / a.kv_heads : 0;
-        const size_t keys = (size_t)(a.width * a.block_size + 1);
-        float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * keys);
-        const char **rows = malloc(sizeof(char *) * keys);
+        const size_t keys = (size_t)(a.width * a.block_size + 1), per = (size_t)(g > 0 ? g : 1) * keys;
+#ifdef _OPENMP
+        const int team = (int)(threads < a.batch ? threads : (a.batch > 0 ? a.batch : 1));
+#else
+        const int team = 1;
+#endif
+        float *scores = malloc(sizeof(float) * per * (size_t)team);
+        const char **rows = malloc(sizeof(char *) * keys * (size_t)team);
         if (scores == NULL || rows == NULL) {
             PyErr_NoMemory();
         } else {
-            Py_BEGIN_ALLOW_THREADS decode_impl(&a, scores, rows);
+            Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+            if (team > 1) {
+#pragma omp parallel num_threads(team)
+                {
+                    const Py_ssize_t t = omp_get_thread_num(), n = omp_get_num_threads();
+                    decode_rows(&a, a.batch * t / n, a.batch * (t + 1) / n, scores + per * (size_t)t,
+                                rows + keys * (size_t)t);
+                }
+            } else
+#endif
+                decode_impl(&a, scores, rows);
             Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
         }
         free(scores);
@@ -657,6 +695,16 @@ static PyObject *native_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString("generic");
 }
 
+static PyObject *native_openmp(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#ifdef _OPENMP
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyObject *native_set_isa(PyObject *self, PyObject *arg) {
     (void)self;
     const char *name = PyUnicode_AsUTF8(arg);
@@ -688,6 +736,7 @@ static PyMethodDef methods[] = {
      "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, kind): paged decode "
      "attention over quantized pages into out."},
     {"isa", native_isa, METH_NOARGS, "Which compiled copy of the kernel runs: 'avx2+fma' or 'generic'."},
+    {"openmp", native_openmp, METH_NOARGS, "Whether decode and decode_bf16 can split a batch over OpenMP threads."},
     {"set_isa", native_set_isa, METH_O, "set_isa(name): run the 'generic' or the 'avx2+fma' copy from now on."},
     {NULL, NULL, 0, NULL},
 };

@@ -5,7 +5,11 @@
 causal, GQA, optional sliding window) without gathering the blocks into a dense tensor first: for each
 sequence and KV head the C kernel reads each visible key row once for all query heads that share it, then
 the exact softmax (max, exp, sum) and the weighted sum of value rows, in float32. A group of many
-sequences is cut across torch's threads (each part in its own call, the GIL released), one thread otherwise. An x86-64 CPU
+sequences is cut across torch's threads, one thread otherwise: float32 and bfloat16 pages inside the C call, as
+an OpenMP parallel region (the extension is built with `-fopenmp` on Linux and links `libgomp.so.1` by name,
+so in a process that imported torch it is torch's own libgomp and the region runs on the team whose threads
+torch's GEMMs just used, instead of a Python thread that would have to win a core from them); quantized pages,
+and builds without OpenMP, in one call per part from a pool of Python threads (the GIL released). An x86-64 CPU
 with AVX2, FMA and F16C runs a vectorised copy (`isa()`; head sizes that are a multiple of 8, eight keys scored at
 once, e^x in eight lanes within 2 ulp of libm's), `set_isa` switches copies (tests compare them).
 
@@ -38,6 +42,8 @@ from pagedkv.core.hotpath import load_extension
 from pagedkv.ops.options import AttentionOptions
 
 _NATIVE = load_extension("pagedkv.ops._cpu_decode")
+# A build with OpenMP splits float32 and bfloat16 decode groups itself (`_cpu_decode.openmp()`).
+_OPENMP = _NATIVE is not None and hasattr(_NATIVE, "openmp") and bool(_NATIVE.openmp())
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 _KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # how the vector copy converts codes
 _LUTS: dict[torch.dtype, torch.Tensor] = {}
@@ -139,17 +145,27 @@ def decode_attention(
                                                               on[lo:hi], scale, window)  # fmt: skip
 
     try:
-        _split_rows(q.shape[0], rows)
+        if not quantized and _OPENMP:  # the split in C, on torch's OpenMP team (module docstring)
+            kernel = _NATIVE.decode_bf16 if bf16 else _NATIVE.decode
+            kernel(qn, pages, table, lens, on, scale, window, _parts(q.shape[0]))
+        else:
+            _split_rows(q.shape[0], rows)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(str(e)) from None
     return out.to(query.dtype) if bf16 else out
 
 
+def _parts(batch: int) -> int:
+    """How many parts a decode group of `batch` sequences is cut into: one per torch thread, at least
+    `MIN_ROWS_PER_THREAD` sequences each."""
+    return max(1, min(torch.get_num_threads(), batch // MIN_ROWS_PER_THREAD))
+
+
 def _split_rows(batch: int, rows: Callable[[int, int], None]) -> None:
-    """Run `rows(lo, hi)` over `[0, batch)` cut into contiguous parts, one per torch thread (at least
-    `MIN_ROWS_PER_THREAD` rows each): the kernel releases the GIL, so the parts run at once; the calling
-    thread runs the first. Every row is computed alone, so the answer does not depend on the cut."""
-    parts = max(1, min(torch.get_num_threads(), batch // MIN_ROWS_PER_THREAD))
+    """Run `rows(lo, hi)` over `[0, batch)` cut into contiguous parts (`_parts`): the kernel releases the GIL,
+    so the parts run at once on a pool of Python threads; the calling thread runs the first. Every row is
+    computed alone, so the answer does not depend on the cut."""
+    parts = _parts(batch)
     if parts == 1:
         rows(0, batch)
         return
