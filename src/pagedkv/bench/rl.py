@@ -80,14 +80,14 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
     from pagedkv.engine.params import SamplingParams
 
     pristine = copy.deepcopy(model)
-    config = EngineConfig(num_blocks=args.num_blocks, block_size=16, host_blocks=args.host_blocks, linear_backend="torch")
-    engine = Engine(model, None, config)
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=16, host_blocks=args.host_blocks)
+    engine = Engine(model, None, config)  # the default linear backend: oneDNN-packed on most CPUs
     vocab = int(engine.vocab_size)
     rng = np.random.default_rng(args.seed)
     system = rng.integers(3, vocab, size=args.prompt_len // 2).tolist()
     prompts = [system + rng.integers(3, vocab, size=args.prompt_len - len(system)).tolist() for _ in range(args.prompts)]
     greedy = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in pristine.state_dict().items()}  # the engine may have packed model's
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[dict[str, Any]] = []
     checks: list[bool] = []

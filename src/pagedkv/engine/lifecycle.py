@@ -52,6 +52,7 @@ from pagedkv.core.errors import EngineStateError, InvalidArgumentError, NotSuppo
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.manager import PagedKVManager
 from pagedkv.events.wire import CPU, DISK, REMOTE
+from pagedkv.hf.cpu_linear import PackedLinear, packed_linears
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import Engine
@@ -186,9 +187,6 @@ class Lifecycle:
         since replicas sharing a remote tier share its entries. Misuse changes nothing."""
         started = time.perf_counter()
         engine = self.engine
-        if engine.linear_backend == "onednn":
-            raise NotSupportedError("update_weights: the oneDNN-packed projections hold copies of the weights; "
-                                    "build the engine with linear_backend='torch'")  # fmt: skip
         if engine.kv_events is not None and type(engine.kv_events.feed).__name__ != "ManagerFeed" and flush_cache:
             raise NotSupportedError("update_weights with kv_events needs the paged allocator (hybrid: not yet)")
         new_version = self._next_version(version)
@@ -228,31 +226,58 @@ class Lifecycle:
         """Every name is a parameter of the model and every shape its own (a released parameter: the shape
         it had). `full`: the weights were released (sleep level 2), so every parameter must be given (or
         tied to one that is)."""
-        own = dict(self.engine.model.named_parameters(remove_duplicate=False))
+        own = self._targets()
         unknown = [n for n in tensors if n not in own]
         if unknown:
             raise InvalidArgumentError(
                 f"update_weights: {len(unknown)} name(s) the model has no parameter for (first: {unknown[0]!r})"
             )
         for name, tensor in tensors.items():
-            want = tuple(own[name].shape)
+            target = own[name]
+            want = tuple(target.shape) if isinstance(target, torch.Tensor) else (target.out_features, target.in_features)
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != want:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise InvalidArgumentError(f"update_weights: {name!r} is {got}, the model's is {want}")
         if full:  # a tied parameter is given with the one it shares its storage with
-            given = {(own[n].untyped_storage()._cdata, own[n].storage_offset()) for n in tensors}
-            missing = [n for n, p in own.items() if (p.untyped_storage()._cdata, p.storage_offset()) not in given]
+            params = dict(self.engine.model.named_parameters(remove_duplicate=False))
+            given = {(params[n].untyped_storage()._cdata, params[n].storage_offset()) for n in tensors if n in params}
+            missing = [n for n, p in params.items() if (p.untyped_storage()._cdata, p.storage_offset()) not in given]
             if missing:
                 raise InvalidArgumentError(
                     f"update_weights: the weights were released by sleep(level=2); give all of them "
                     f"({len(missing)} missing, first: {missing[0]!r})"
                 )
 
+    def _targets(self) -> dict[str, torch.Tensor | PackedLinear]:
+        """What a weight name can be written into: the model's parameters, and the oneDNN-packed projections
+        under the name of the weight each was packed from (`pagedkv.hf.cpu_linear.pack_linears`)."""
+        model = self.engine.model
+        return {**dict(model.named_parameters(remove_duplicate=False)), **packed_linears(model)}
+
     def _copy(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        own = dict(self.engine.model.named_parameters(remove_duplicate=False))
+        """Write `tensors` into the model, then refresh whatever was packed or fused from its weights: a
+        packed projection is packed anew (a tied one from the parameter it shares), the fused forward's
+        packed copies and concatenated biases are taken again (`FusedLlama.refresh`)."""
+        own = self._targets()
         with torch.no_grad():
             for name, tensor in tensors.items():
-                own[name].data.copy_(tensor.to(own[name].device))
+                target = own[name]
+                if isinstance(target, torch.Tensor):
+                    target.data.copy_(tensor.to(target.device))
+                elif target.tied_to is not None and isinstance(tied := own.get(target.tied_to), torch.Tensor):
+                    tied.data.copy_(tensor.to(tied.device))  # one tensor: the tied parameter holds its values
+                else:
+                    target.repack(tensor)
+            for name, target in own.items():  # a tied projection follows its parameter, whichever name was given
+                if isinstance(target, PackedLinear) and target.tied_to is not None and (
+                    name in tensors or target.tied_to in tensors
+                ):
+                    tied = own.get(target.tied_to)
+                    if isinstance(tied, torch.Tensor):
+                        target.repack(tied)
+        fused = self.engine.runner.fused
+        if fused is not None:
+            fused.refresh()
 
     # --- sleep / wake ---------------------------------------------------------------------------
 

@@ -10,7 +10,10 @@ small batches.
 Contract:
 - `pack_linears(model)` replaces every `torch.nn.Linear` of `model` (in place) by a `PackedLinear` holding the
   packed weight and the same bias; it returns how many it replaced. The original weights are released unless
-  another module still holds them (a tied `lm_head` keeps the input embedding's tensor alive).
+  another module still holds them (a tied `lm_head` keeps the input embedding's tensor alive: its
+  `PackedLinear.tied_to` names that parameter).
+- `PackedLinear.repack(weight, bias)` packs new values of the same shape in place of the packed weight (and
+  copies the bias): what a weight update calls, since the packed copy does not follow the original tensor.
 - A `PackedLinear` computes `x @ W.T + b` for any number of leading dimensions and any token count. oneDNN
   builds and caches a kernel (a primitive, about 0.6 MiB of JIT code and buffers) for every row count it
   sees, and a server sees hundreds: each call therefore runs over a bounded set of row counts
@@ -62,7 +65,7 @@ def row_calls(rows: int) -> list[tuple[int, int]]:
 class PackedLinear(torch.nn.Module):
     """`x @ weight.T + bias` with the weight packed once for oneDNN (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tied_to: str | None = None) -> None:
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
@@ -71,6 +74,22 @@ class PackedLinear(torch.nn.Module):
         )
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_dtype = weight.dtype
+        self.tied_to = tied_to  # the model's parameter this weight was packed from, where it outlives the packing
+
+    def repack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Pack `weight` (`[out_features, in_features]`, cast to the packed dtype) in place of the packed weight,
+        and copy `bias` into the bias; a wrong shape (or a bias where the layer has none) changes nothing."""
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.out_features, self.in_features):
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise InvalidArgumentError(f"repack: the weight is {got}, the layer's is {(self.out_features, self.in_features)}")
+        if bias is not None and (self.bias is None or tuple(bias.shape) != tuple(self.bias.shape)):
+            want = None if self.bias is None else tuple(self.bias.shape)
+            raise InvalidArgumentError(f"repack: the bias is {tuple(bias.shape)}, the layer's is {want}")
+        source = weight.detach().to(device=self.packed_weight.device, dtype=self.weight_dtype)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(source.contiguous(), BATCH_HINT)
+        if bias is not None and self.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -162,11 +181,23 @@ def describe_weights(requested: str | None, dtype: torch.dtype, linear_backend: 
 
 
 def pack_linears(model: Any) -> int:
-    """Replace every `torch.nn.Linear` of `model` by a `PackedLinear`, in place; return the count."""
+    """Replace every `torch.nn.Linear` of `model` by a `PackedLinear`, in place; return the count. A weight
+    that another (non-linear) parameter shares, such as a tied `lm_head`, names it in `tied_to`."""
+    linear_weights = {f"{prefix}.weight" for prefix, m in model.named_modules() if type(m) is torch.nn.Linear}
+    names: dict[int, list[str]] = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(pname)
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                tied = [n for n in names.get(id(child.weight), []) if n not in linear_weights]
+                packed = PackedLinear(child.weight, child.bias, tied_to=tied[0] if tied else None)
+                setattr(module, name, packed)
                 count += 1
     return count
+
+
+def packed_linears(model: Any) -> dict[str, PackedLinear]:
+    """Every `PackedLinear` of `model` under the name of the weight it was packed from (`<module>.weight`)."""
+    return {f"{prefix}.weight": m for prefix, m in model.named_modules() if isinstance(m, PackedLinear)}

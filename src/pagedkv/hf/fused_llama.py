@@ -26,6 +26,9 @@ Contract:
 - The concatenated weights are the model's storage: q/k/v and gate/up weights become views into them, so the
   model's own modules keep working (transformers' forward, `model.generate`) and no weight is held twice.
   With the "onednn" backend the fused GEMMs use oneDNN-packed copies (`pagedkv.hf.cpu_linear`).
+- What the fused GEMMs hold apart from the model's storage (the packed copies, the concatenated biases) is
+  taken from the weights when built and again by `refresh()`, which a weight update calls after writing new
+  values into the model's parameters.
 - Norms, rotary, activation and residuals are the same tensor operations transformers runs, in the same order;
   only the GEMMs over concatenated weights differ from separate ones, in summation order at most. The tests
   check greedy tokens and logits against transformers' forward.
@@ -58,6 +61,8 @@ class _Layer:
     o: Linear
     gate_up: Linear
     down: Linear
+    qkv_weight: torch.Tensor  # the concatenated q/k/v rows: the q/k/v projections' weights are views of it
+    gate_up_weight: torch.Tensor
 
 
 def fuse_llama(model: Any, backend: str = "torch") -> FusedLlama | None:
@@ -100,21 +105,32 @@ class FusedLlama:
         self.num_kv_heads = int(model.config.num_key_value_heads)
         self.eps = float(body.norm.variance_epsilon)
         self.options: AttentionOptions = attention_options(float(attn0.scaling), None, None, None)
-        self.layers = [self._fuse(i, layer) for i, layer in enumerate(body.layers)]
+        self.layers = [
+            self._build(layer, _concat_into(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                        _concat_into(layer.mlp.gate_proj, layer.mlp.up_proj))
+            for layer in body.layers
+        ]  # fmt: skip
         self.lm_head = self._linear(model.lm_head.weight, model.lm_head.bias)
 
-    def _fuse(self, index: int, layer: Any) -> _Layer:
+    def refresh(self) -> None:
+        """Take the fused GEMMs' weights from the model's parameters again (after new values were copied
+        into them): the packed copies are packed anew, the concatenated biases built anew."""
+        for i, (fused, layer) in enumerate(zip(self.layers, self.model.model.layers, strict=True)):
+            self.layers[i] = self._build(layer, fused.qkv_weight, fused.gate_up_weight)
+        self.lm_head = self._linear(self.model.lm_head.weight, self.model.lm_head.bias)
+
+    def _build(self, layer: Any, qkv_weight: torch.Tensor, gate_up_weight: torch.Tensor) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_w = _concat_into(attn.q_proj, attn.k_proj, attn.v_proj)
-        gate_up_w = _concat_into(mlp.gate_proj, mlp.up_proj)
         return _Layer(
             index=int(attn.layer_idx),
             input_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
-            qkv=self._linear(qkv_w, _concat_bias(attn.q_proj, attn.k_proj, attn.v_proj)),
+            qkv=self._linear(qkv_weight, _concat_bias(attn.q_proj, attn.k_proj, attn.v_proj)),
             o=self._linear(attn.o_proj.weight, attn.o_proj.bias),
-            gate_up=self._linear(gate_up_w, _concat_bias(mlp.gate_proj, mlp.up_proj)),
+            gate_up=self._linear(gate_up_weight, _concat_bias(mlp.gate_proj, mlp.up_proj)),
             down=self._linear(mlp.down_proj.weight, mlp.down_proj.bias),
+            qkv_weight=qkv_weight,
+            gate_up_weight=gate_up_weight,
         )
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
