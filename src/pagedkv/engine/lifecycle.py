@@ -226,7 +226,7 @@ class Lifecycle:
         """Every name is a parameter of the model and every shape its own (a released parameter: the shape
         it had). `full`: the weights were released (sleep level 2), so every parameter must be given (or
         tied to one that is)."""
-        own = self._targets()
+        own: dict[str, Any] = self._targets()
         unknown = [n for n in tensors if n not in own]
         if unknown:
             raise InvalidArgumentError(
@@ -239,9 +239,9 @@ class Lifecycle:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise InvalidArgumentError(f"update_weights: {name!r} is {got}, the model's is {want}")
         if full:  # a tied parameter is given with the one it shares its storage with
-            params = dict(self.engine.model.named_parameters(remove_duplicate=False))
-            given = {(params[n].untyped_storage()._cdata, params[n].storage_offset()) for n in tensors if n in params}
-            missing = [n for n, p in params.items() if (p.untyped_storage()._cdata, p.storage_offset()) not in given]
+            own = dict(self.engine.model.named_parameters(remove_duplicate=False))  # a packed weight has no storage
+            given = {(own[n].untyped_storage()._cdata, own[n].storage_offset()) for n in tensors if n in own}
+            missing = [n for n, p in own.items() if (p.untyped_storage()._cdata, p.storage_offset()) not in given]
             if missing:
                 raise InvalidArgumentError(
                     f"update_weights: the weights were released by sleep(level=2); give all of them "
