@@ -23,7 +23,7 @@ for first turns alone, and the share of later turns served where the previous tu
 to first streamed output, in this process), throughput (output tokens / wall time), imbalance (most requests
 on one replica / the mean), the 1-minute load average before and after; medians over the rounds. The output
 names every router setting (its class, the arguments it was given and its defaults) and the machine. Then the
-simulator (`pagedkv.sim.replicas`, the same `CostPolicy` code as the live router) replays the pagedkv rounds'
+simulator (`pagedkv.sim.replicas`, the same `CostRouting` code as the live router) replays the pagedkv rounds'
 requests (their prompts and answers, each conversation starting when it started here, the same turn
 structure and block size) over the same number of replicas and predicts its hit rate. The simulator's KV
 cache (an H100's) never evicts; here a replica's `--num-blocks` 2048 hold the full histories (about 55 blocks
@@ -50,7 +50,7 @@ import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.cli_args import add_threads
-from pagedkv.router.policy import LIVE_WEIGHTS, CostPolicy, CostWeights
+from pagedkv.router.policy import LIVE_WEIGHTS, CostRouting, CostWeights
 
 BLOCK_SIZE = 4
 VOCAB_LOW, VOCAB_HIGH = 3, 128  # the tiny model's vocabulary, without pad/bos/eos
@@ -349,13 +349,13 @@ def predict(run: RouterRun, args: argparse.Namespace) -> dict[str, Any]:
     workload = Workload(WorkloadSpec(source="multi-turn", num_requests=len(requests)), requests, 0, 0)
     tiers = TierConfig(remote_tier=args.remote_url is not None)
     sim = ReplicaSimulation(config, workload, num_replicas=args.replicas, router="cost", tiers=tiers)
-    sim.router.policy = CostPolicy(weights(args))  # the live router's weights
+    sim.router.policy = CostRouting(weights(args))  # the live router's weights
     return sim.run()
 
 
 def weights(args: argparse.Namespace) -> CostWeights:
     """`--cost-weights COMPUTE,LOCAL,REMOTE,QUEUE[,DUPLICATE]` (default: the live router's, `LIVE_WEIGHTS`;
-    DUPLICATE left out is 0)."""
+    DUPLICATE left out is the default's, 3)."""
     if not getattr(args, "cost_weights", None):
         return LIVE_WEIGHTS
     try:

@@ -11,26 +11,30 @@
 
 Real replicas publish with `EngineConfig(kv_events=True)` and `Engine.take_event_batch()`;
 `LiveRouter` (`live.py`) ranks live replicas for `pagedkv.serve.ray_router.PagedKVRequestRouter` (Ray Serve),
-with the same `CostPolicy` the simulator (`pagedkv simulate --replicas`) runs.
+with the decision (`rank`), policy object (`CostRouting`) and load model (`FleetLoad`, `load.py`) the simulator
+(`pagedkv simulate --replicas`) runs.
 """
 
 from pagedkv.router.index import PrefixMatch, ReplicaIndex
+from pagedkv.router.load import FleetLoad, Placement
 from pagedkv.router.policy import (
     LIVE_IMBALANCE_THRESHOLD,
     LIVE_WEIGHTS,
     POLICIES,
-    CostPolicy,
+    CostRouting,
     CostWeights,
     Decision,
     LongestPrefix,
+    Ranking,
     RoundRobin,
     Router,
     make_policy,
+    rank,
     request_hashes,
 )
 from pagedkv.router.replica_stats import EngineGauges, ReplicaStats
 
 __all__ = [
-    "LIVE_IMBALANCE_THRESHOLD", "LIVE_WEIGHTS", "POLICIES", "CostPolicy", "CostWeights", "Decision", "EngineGauges", "LongestPrefix", "ReplicaIndex", "PrefixMatch",
-    "ReplicaStats", "RoundRobin", "Router", "make_policy", "request_hashes",
+    "LIVE_IMBALANCE_THRESHOLD", "LIVE_WEIGHTS", "POLICIES", "CostRouting", "CostWeights", "Decision", "EngineGauges", "FleetLoad", "LongestPrefix", "Placement", "ReplicaIndex", "PrefixMatch",
+    "Ranking", "ReplicaStats", "RoundRobin", "Router", "make_policy", "rank", "request_hashes",
 ]  # fmt: skip

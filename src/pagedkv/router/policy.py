@@ -16,10 +16,10 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
            + queue_weight * queued work
 
   with queued work in blocks (the caller's measure, e.g. prompt blocks not yet computed plus running
-  sequences). Ties go to the least loaded, then round-robin. With `duplicate_weight` (0 by default, 1 for the
-  live router: `LIVE_WEIGHTS`) each block to compute that another candidate already holds costs that much
-  more: the fleet would compute it twice, and a conversation's history left on the replica that holds it
-  keeps drawing its later turns there (a turn moved for a moment's queue recomputes the whole history).
+  sequences). Ties go to the least loaded, then round-robin. With `duplicate_weight` (3 by default) each
+  block to compute that another candidate already holds costs that much more: the fleet would compute it
+  twice, and a conversation's history left on the replica that holds it keeps drawing its later turns there
+  (a turn moved for a moment's queue recomputes the whole history).
 
   Blocks on their way (`PrefixMatch.pending`: a request already sent there is computing them now) are not
   computed again, and the queued work that computes them is not charged again either: the request waits
@@ -29,21 +29,23 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
 
   Charged in full, that work cancelled the blocks saved: a second request sharing only a system prompt
   with one still prefilling went to the idle replica and computed the prompt again. Where nothing is on its
-  way (the simulator's index, an idle fleet) the cost is the formula above unchanged.
-- `rank` adds two rules over requests in flight. A request whose own history one replica holds (`sticky`,
-  the caller's judgement: `pagedkv.router.live` knows which prefixes requests in flight share) stays there
-  unless that replica's requests exceed the least loaded's by more than a threshold. Any other request: when
-  the replicas' requests differ by more than the threshold, those within it of the least loaded lead, by
-  cost among them, whatever the others hold (a hot prefix, or one on its way, must not pile everything onto
-  one replica).
+  way (an idle fleet) the cost is the formula above unchanged.
+- `CostRouting.rank` adds two rules over requests in flight. A request whose own history one replica holds
+  (`sticky`: `FleetLoad.private`) stays there unless that replica's requests exceed the least loaded's by
+  more than the imbalance threshold (16 by default). Any other request: when the replicas' requests differ
+  by more than the threshold, those within it of the least loaded lead, by cost among them, whatever the
+  others hold (a hot prefix, or one on its way, must not pile everything onto one replica).
 
-Every policy's `choose(matches, loads)` takes one `PrefixMatch` and one load per replica, in replica order, and
-returns the chosen position; `Router` glues a policy to a `ReplicaIndex`.
+Every policy's `choose(num_blocks, matches, loads)` takes one `PrefixMatch` and one load per replica, in
+replica order, and returns the chosen position; its `rank` orders them all. `rank` (the function) is the one
+decision the live router (`pagedkv.router.live`) and the simulator (`pagedkv.sim.replicas`, through `Router`)
+make: the index's matches, the load model's queued work, requests in flight, blocks on their way and a
+request's own history (`pagedkv.router.load.FleetLoad`), ranked by the policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Protocol
 
@@ -52,8 +54,9 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.prefix import BlockKeys, KeyFunction, key_function
-from pagedkv.events.wire import external_hash
+from pagedkv.events.wire import GPU, external_hash
 from pagedkv.router.index import PrefixMatch, ReplicaIndex
+from pagedkv.router.load import FleetLoad, placement
 
 POLICIES = ("round-robin", "prefix", "cost")
 
@@ -79,6 +82,19 @@ class Policy(Protocol):
 
     def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int: ...
 
+    def rank(
+        self,
+        num_blocks: int,
+        matches: Sequence[PrefixMatch],
+        loads: Sequence[float],
+        requests: Sequence[int] | None = None,
+        sticky: int | None = None,
+    ) -> tuple[list[int], bool]: ...
+
+
+def _choice_first(first: int, n: int) -> tuple[list[int], bool]:
+    return [first] + [i for i in range(n) if i != first], False
+
 
 class _Turns:
     """Round-robin among a set of candidates, remembering where the last pick was."""
@@ -101,6 +117,17 @@ class RoundRobin:
     def choose(self, num_blocks: int, matches: Sequence[PrefixMatch], loads: Sequence[float]) -> int:
         return self._turns.pick(range(len(matches)), len(matches))
 
+    def rank(
+        self,
+        num_blocks: int,
+        matches: Sequence[PrefixMatch],
+        loads: Sequence[float],
+        requests: Sequence[int] | None = None,
+        sticky: int | None = None,
+    ) -> tuple[list[int], bool]:
+        """`choose` first, the rest in replica order."""
+        return _choice_first(self.choose(num_blocks, matches, loads), len(matches))
+
 
 class LongestPrefix:
     name = "prefix"
@@ -113,14 +140,32 @@ class LongestPrefix:
         top = max(held)
         return self._turns.pick([i for i, h in enumerate(held) if h == top], len(matches))
 
+    def rank(
+        self,
+        num_blocks: int,
+        matches: Sequence[PrefixMatch],
+        loads: Sequence[float],
+        requests: Sequence[int] | None = None,
+        sticky: int | None = None,
+    ) -> tuple[list[int], bool]:
+        """`choose` first, the rest in replica order."""
+        return _choice_first(self.choose(num_blocks, matches, loads), len(matches))
+
 
 @dataclass(frozen=True)
 class CostWeights:
+    """The cost's weights. The defaults are the ones the live router (`pagedkv.router.live`, Ray Serve's
+    PagedKVRequestRouter, `pagedkv bench replicas`) and the simulator (`pagedkv simulate --replicas`) run: a
+    block another replica already holds costs four times to compute again (`duplicate_weight` 3). At 1 a
+    replica a few prefills behind took new conversations whose system prompt only the busier one held and
+    computed the prompt again (3 of 160 first turns a run at 2 replicas in `pagedkv bench replicas`,
+    docs/scale-out.md)."""
+
     compute_weight: float = 1.0
     local_discount: float = 0.1
     remote_discount: float = 0.3
     queue_weight: float = 1.0
-    duplicate_weight: float = 0.0
+    duplicate_weight: float = 3.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -129,28 +174,27 @@ class CostWeights:
                 raise InvalidArgumentError(f"{f.name} must be >= 0, got {value!r}")
 
 
-# The live router's weights (`pagedkv.router.live`, Ray Serve's PagedKVRequestRouter, `pagedkv bench
-# replicas`): a block another replica already holds costs four times to compute again (duplicate_weight 3). At
-# 1 (until 2026-12-01) a replica a few prefills behind took new conversations whose system prompt only the
-# busier one held and computed the prompt again: 3 of 160 first turns a run at 2 replicas in `pagedkv bench
-# replicas`, the hit rate 0.1-0.2 points under the fleet's ceiling, for a queue difference of milliseconds
-# (docs/scale-out.md). The simulator's tables were measured with `CostWeights()` (no duplicate charge) and keep
-# them until they are measured again.
-LIVE_WEIGHTS = CostWeights(duplicate_weight=3.0)
+LIVE_WEIGHTS = CostWeights()  # the live router's weights: the defaults
 
-# The live router's load-imbalance threshold (requests in flight beyond the least loaded replica's), for a
-# conversation's turn to leave its history and for any other request to be sent by load alone. At 8 (until
-# 2026-12-01) the lockstep waves of `pagedkv bench replicas`'s closed-loop conversations crossed it every few
-# seconds: up to 2 later turns a run moved and recomputed their history, and new conversations computed a system
-# prompt again on the lighter replica.
+# The load-imbalance threshold (requests in flight beyond the least loaded replica's), for a conversation's
+# turn to leave its history and for any other request to be sent by load alone. At 8 the lockstep waves of
+# `pagedkv bench replicas`'s closed-loop conversations crossed it every few seconds: up to 2 later turns a run
+# moved and recomputed their history, and new conversations computed a system prompt again on the lighter
+# replica.
 LIVE_IMBALANCE_THRESHOLD = 16
 
 
-class CostPolicy:
+class CostRouting:
+    """The `cost` routing policy (see the module docstring): the weights and the imbalance threshold, whose
+    defaults the live router and the simulator share."""
+
     name = "cost"
 
-    def __init__(self, weights: CostWeights | None = None) -> None:
+    def __init__(self, weights: CostWeights | None = None, imbalance_threshold: int = LIVE_IMBALANCE_THRESHOLD) -> None:
+        if isinstance(imbalance_threshold, bool) or not isinstance(imbalance_threshold, int) or imbalance_threshold < 0:
+            raise InvalidArgumentError(f"imbalance_threshold must be an int >= 0, got {imbalance_threshold!r}")
         self.weights = weights or CostWeights()
+        self.imbalance_threshold = imbalance_threshold
         self._turns = _Turns()
 
     def cost(self, num_blocks: int, match: PrefixMatch, load: float, held_elsewhere: int = 0) -> float:
@@ -188,14 +232,13 @@ class CostPolicy:
         matches: Sequence[PrefixMatch],
         loads: Sequence[float],
         requests: Sequence[int] | None = None,
-        imbalance_threshold: int | None = None,
         sticky: int | None = None,
     ) -> tuple[list[int], bool]:
         """Every position, best first, and whether the load-imbalance fallback decided.
 
         - `sticky` (the position holding the request's own history, e.g. a conversation's earlier turns):
-          it comes first unless its requests in flight exceed the least loaded's by more than
-          `imbalance_threshold`; then `choose` decides (the history is recomputed elsewhere only if that
+          it comes first unless its requests in flight exceed the least loaded's by more than the
+          imbalance threshold; then `choose` decides (the history is recomputed elsewhere only if that
           costs less). Moving a turn for a smaller gap trades a history's recomputation, and the cache hit
           that is sure, for a queue difference the router only estimates.
         - otherwise, when the replicas' requests in flight differ by more than `imbalance_threshold`, those
@@ -203,14 +246,13 @@ class CostPolicy:
           prefix must not pile everything onto one replica);
         - otherwise `choose`.
 
-        The rest follow by cost. Without `requests` or a threshold: `sticky` if given, else `choose`, then the
-        rest."""
+        The rest follow by cost. Without `requests`: `sticky` if given, else `choose`, then the rest."""
         n = len(matches)
         costs = self.costs(num_blocks, matches, loads)
         heavy = [False] * n  # past the threshold: more requests in flight than the least loaded's + threshold
-        if requests is not None and imbalance_threshold is not None:
+        if requests is not None:
             least = min(requests)
-            heavy = [r - least > imbalance_threshold for r in requests]
+            heavy = [r - least > self.imbalance_threshold for r in requests]
         if sticky is not None and not heavy[sticky]:
             first = sticky
         elif sticky is None and any(heavy):
@@ -226,14 +268,54 @@ class CostPolicy:
         ), False
 
 
-def make_policy(name: str, weights: CostWeights | None = None) -> Policy:
+def make_policy(name: str) -> Policy:
+    """A policy by name, with the default weights and threshold."""
     if name == "round-robin":
         return RoundRobin()
     if name == "prefix":
         return LongestPrefix()
     if name == "cost":
-        return CostPolicy(weights)
+        return CostRouting()
     raise InvalidArgumentError(f"unknown router {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A decision: candidates best first, with what the index and the load model predicted for each."""
+
+    order: list[Hashable]
+    matches: dict[Hashable, PrefixMatch]
+    loads: dict[Hashable, float]
+    fallback: bool  # the load-imbalance fallback decided
+    num_blocks: int  # the request's cacheable blocks
+    hashes: dict[Hashable, list[int]]  # per candidate, the request's cacheable blocks as it names them
+
+
+def rank(
+    policy: Policy,
+    index: ReplicaIndex,
+    load: FleetLoad,
+    candidates: Sequence[Hashable],
+    hashes: dict[Hashable, list[int]],
+    followed: Container[Hashable] | None = None,
+) -> Ranking:
+    """The one routing decision, the live router's and the simulator's: each candidate's match in the index
+    (none where its events are not `followed`) extended by the blocks on their way there, its queued work and
+    requests in flight from `load`, the request's own history (`FleetLoad.private`) as `sticky`, ranked by
+    `policy.rank`."""
+    load.prefills_done(lambda h, r: GPU in index.media(h, r))
+    matches: dict[Hashable, PrefixMatch] = {}
+    for r in candidates:
+        found = index.match(hashes[r], [r])[r] if followed is None or r in followed else PrefixMatch()
+        matches[r] = load.match(r, found, hashes[r])
+    loads = {r: load.load(r) for r in candidates}
+    holder = load.private(candidates, matches, hashes)
+    positions, fallback = policy.rank(
+        max(len(hashes[r]) for r in candidates), [matches[r] for r in candidates], [loads[r] for r in candidates],
+        [load.requests(r) for r in candidates], None if holder is None else candidates.index(holder),
+    )  # fmt: skip
+    order = [candidates[i] for i in positions]
+    return Ranking(order, matches, loads, fallback, max(len(hashes[r]) for r in candidates), hashes)
 
 
 class Decision(NamedTuple):
@@ -242,7 +324,8 @@ class Decision(NamedTuple):
 
 
 class Router:
-    """A policy over a fixed list of replicas, reading a `ReplicaIndex` the caller keeps fed with events."""
+    """A policy over a fixed list of replicas, reading a `ReplicaIndex` the caller keeps fed with events and
+    keeping the requests it routed in a `FleetLoad` (the caller says when each completes: `load.release`)."""
 
     def __init__(
         self, replicas: Sequence[Hashable], policy: str | Policy = "cost", index: ReplicaIndex | None = None
@@ -254,11 +337,14 @@ class Router:
         self.replicas = list(replicas)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.index = index if index is not None else ReplicaIndex()
+        self.load = FleetLoad()
 
-    def route(self, hashes: Sequence[int], loads: Sequence[float]) -> Decision:
-        if len(loads) != len(self.replicas):
-            raise InvalidArgumentError(f"{len(loads)} loads for {len(self.replicas)} replicas")
-        found = self.index.match(hashes, self.replicas)
-        matches = [found[r] for r in self.replicas]
-        i = self.policy.choose(len(hashes), matches, loads)
-        return Decision(self.replicas[i], matches[i])
+    def route(self, request_id: Hashable, hashes: Sequence[int]) -> Decision:
+        """Rank the replicas for a request of cacheable blocks `hashes` and place it on the first."""
+        if request_id in self.load:
+            raise InvalidArgumentError(f"request {request_id!r} is routed already; release it first")
+        ranking = rank(self.policy, self.index, self.load, self.replicas, dict.fromkeys(self.replicas, list(hashes)))
+        best = ranking.order[0]
+        match = ranking.matches[best]
+        self.load.place(request_id, placement(best, hashes, match))
+        return Decision(best, match)

@@ -15,8 +15,9 @@ wherever that ran). Around them:
 - Remote store (`remote_tier`): every block a replica publishes is written through to one store all replicas
   share (LRU when `remote_bytes` is set; unbounded by default, like a store sized for the working set).
 - Router (`round-robin`, `prefix`, `cost`; see `pagedkv.router.policy`): picks a replica per request when it
-  arrives, from the index. Queued work for the cost policy = the replica's prefill blocks routed but not yet
-  computed + its running sequences.
+  arrives, from the index, with the live router's decision (`pagedkv.router.policy.rank`: the same policy
+  object, defaults and load model, `pagedkv.router.load.FleetLoad`, fed the same events). A request counts
+  on its replica from when it is routed until it finishes (or is rejected).
 - Loads: the blocks after the replica's GPU prefix that its host tier, then the store, hold (the chain stops
   at the first miss) are copied in before the request joins the replica's queue: host over the GPU's
   host link, store over the replica's network link, each link serving one copy at a time. A loaded prefix
@@ -145,18 +146,16 @@ class _Plan:
     gpu: int
     host: int
     remote: int
-    compute_blocks: int
     sources: list[int] = field(default_factory=list)  # per prefix block: 0 GPU, 1 host, 2 store
-    backlog: int = 0  # what it adds to the replica's queued work until its first token
 
 
 class _Replica(Replay):
     """One modelled GPU behind the router: the simulator's replay plus its event feed, host tier, links, the
-    requests on their way to it (`loading`) and its queued work as the cost policy counts it (`backlog`)."""
+    requests on their way to it (`loading`); `done(request_id)` is called when a request routed here ends."""
 
     def __init__(
         self, name: int, config: SimConfig, workload: Workload, budget: KVBudget, arrivals: Arrivals,
-        tiers: TierConfig,
+        tiers: TierConfig, done: Callable[[str], None],
     ) -> None:  # fmt: skip
         super().__init__(config, workload, budget, arrivals=arrivals, record_events=True)
         assert isinstance(self.manager, PagedKVManager), "replicas: the paged-prefix allocator is a PagedKVManager"
@@ -169,7 +168,7 @@ class _Replica(Replay):
         self.host_link_free = self.net_link_free = 0.0
         self.loading: list[tuple[float, int, _Plan]] = []  # (release time, tiebreak, plan) heap
         self.plans: dict[str, _Plan] = {}  # request id -> its plan, for every request routed here
-        self.backlog = 0  # prefill blocks routed here and not yet computed
+        self.done = done
         self.stalled = False  # nothing schedulable until something new arrives
 
     def busy(self) -> bool:
@@ -180,19 +179,16 @@ class _Replica(Replay):
             return self.now
         return self.loading[0][0] if self.loading else math.inf
 
-    def load(self) -> float:
-        return self.backlog + self.scheduler.num_running
-
     def drop_rejected(self, output: Any) -> None:
         for req in getattr(output, "rejected", ()):
-            self.backlog -= self.plans[req.request_id].backlog
+            self.done(req.request_id)
         super().drop_rejected(output)
 
-    def _sample(self, chunks: Any) -> dict[str, int | list[int]]:
-        for c in chunks:
-            if c.produces_token and not c.request.output_token_ids:  # its first token: its prefill is done
-                self.backlog -= self.plans[c.request.request_id].backlog
-        return super()._sample(chunks)
+    def run_step(self, output: Any, progress: Callable[[int], None] | None) -> None:
+        before = set(self.live)
+        super().run_step(output, progress)
+        for rid in before.difference(self.live):  # finished this step
+            self.done(rid)
 
     def tier_tokens(self) -> np.ndarray:
         """Prompt tokens its requests found at first admission: (on its GPU, loaded from host, from the store)."""
@@ -228,8 +224,11 @@ class ReplicaSimulation:
         self.block_bytes = budget.bytes_per_block
         self.host_bw = self.tiers.host_bandwidth or host_link_bandwidth(config.gpu.name)
         self.arrivals = Arrivals(workload)
-        self.replicas = [_Replica(i, config, workload, budget, self.arrivals, self.tiers) for i in range(num_replicas)]
         self.router = Router(list(range(num_replicas)), router, ReplicaIndex())
+        done = self.router.load.release
+        self.replicas = [
+            _Replica(i, config, workload, budget, self.arrivals, self.tiers, done) for i in range(num_replicas)
+        ]
         self.store_log = EventLog(config.block_size)
         remote_blocks = None if self.tiers.remote_bytes is None else self.tiers.remote_bytes // self.block_bytes
         self.store = _LRU(remote_blocks if self.tiers.remote_tier else 0, self.store_log, REMOTE)
@@ -264,15 +263,14 @@ class ReplicaSimulation:
     def _route(self, g: GeneratedRequest, t: float) -> None:
         """Pick `g`'s replica; its loads from host RAM and the store are queued on that replica's links."""
         hashes = request_hashes(g.prompt_token_ids, self.config.block_size)
-        decision = self.router.route(hashes, [r.load() for r in self.replicas])
+        decision = self.router.route(str(g.index), hashes)
         r = next(x for x in self.replicas if x.name == decision.replica)
         m = decision.match
         remote = m.remote if self.tiers.remote_tier else 0
-        plan = _Plan(g, t, hashes, m.gpu, m.local, remote, len(hashes) - m.gpu - m.local - remote)
+        plan = _Plan(g, t, hashes, m.gpu, m.local, remote)
         media = self.router.index.media
-        plan.sources = [0 if GPU in media(h, r.name) else 1 if h in r.host else 2 for h in hashes[: m.total]]
-        plan.backlog = plan.compute_blocks + 1  # + the block holding the last prompt token
-        r.backlog += plan.backlog
+        held = m.gpu + m.local + m.remote  # not the blocks on their way (`pending`): those are computed there
+        plan.sources = [0 if GPU in media(h, r.name) else 1 if h in r.host else 2 for h in hashes[:held]]
         r.plans[str(g.index)] = plan
         done = t
         if plan.host:
