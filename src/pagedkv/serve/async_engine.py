@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 from pagedkv.core.errors import EngineStateError, InvalidArgumentError, PagedKVError
+from pagedkv.engine.groups import PrefillGroups
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.serve.engine_client import ModelFacts
@@ -81,6 +82,9 @@ class EngineSnapshot:
     # speculative decoding since start (pagedkv.engine.speculative.stats.SpecStats): drafts, draft tokens,
     # accepted tokens, accepted per draft position; None when the engine does not speculate
     spec: tuple[int, int, int, tuple[int, ...]] | None = None
+    # prompt tokens that requests of a sample group took from their leader's prefill since start
+    # (`Engine.group_prefill_shared_tokens`)
+    group_prefill_shared_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -155,6 +159,7 @@ class RequestOptions(TypedDict, total=False):
     request_id: str | None
     cache_salt: str | bytes | None
     priority: int
+    group_id: str | None
 
 
 class AsyncEngine:
@@ -242,9 +247,12 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | bytes | None = None,
         priority: int = 0,
+        group_id: str | None = None,
     ) -> RequestStream:
-        """Check the request and queue it; its stream. Must be called from a running event loop."""
+        """Check the request and queue it; its stream. Must be called from a running event loop. `group_id`:
+        requests of one group with the same prompt prefill it once (`Engine.add_request`)."""
         loop = asyncio.get_running_loop()
+        PrefillGroups.check(group_id)
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
         arrival = self.engine.clock()
         self.engine.intake.build(
@@ -262,7 +270,7 @@ class AsyncEngine:
                     f"{self.max_waiting}); retry later"
                 )
             self._num_waiting += 1
-            self._send("add", (stream, list(prompt_token_ids), params, cache_salt, priority, arrival))
+            self._send("add", (stream, list(prompt_token_ids), params, cache_salt, priority, arrival, group_id))
         return stream
 
     async def generate(
@@ -357,12 +365,13 @@ class AsyncEngine:
                     self._abort(rid)
 
     def _add(
-        self, stream: RequestStream, ids: list[int], params: SamplingParams, salt: Any, priority: int, arrival: float
+        self, stream: RequestStream, ids: list[int], params: SamplingParams, salt: Any, priority: int, arrival: float,
+        group_id: str | None,
     ) -> None:
         try:
             self.engine.add_request(
                 ids, params, request_id=stream.request_id, priority=priority, arrival_time=arrival,
-                on_token=self._notes.append, cache_salt=salt,
+                on_token=self._notes.append, cache_salt=salt, group_id=group_id,
             )  # fmt: skip
         except PagedKVError as e:  # checked at the door already; an id clash can still land here
             self._dispatch({stream: [_Failed(e)]})
@@ -475,6 +484,7 @@ class AsyncEngine:
             spec=None if (sp := engine.stats.spec) is None else (
                 sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens, tuple(sp.accepted_per_pos)
             ),
+            group_prefill_shared_tokens=int(engine.group_prefill_shared_tokens),
         )
         if self.metrics is not None:
             self.metrics.observe_engine(snapshot)

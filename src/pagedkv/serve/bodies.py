@@ -6,7 +6,9 @@ ignored (clients send extras); fields the engine cannot honour (penalties, logit
 than n) are refused by name rather than silently dropped.
 
 Extensions beyond OpenAI, as vLLM spells them: `top_k` (0 or -1 = off), `ignore_eos`, `cache_salt` (isolates
-the request's prefix-cache entries: see docs/engine.md, "Tenants").
+the request's prefix-cache entries: see docs/engine.md, "Tenants"). pagedkv's own: `group_id` (a non-empty
+string: requests of one group with the same prompt prefill it once, as RL trainers send a prompt's samples as
+separate n=1 requests; `pagedkv.engine.groups`, docs/rl.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pagedkv.serve.error_bodies import APIError, bad_request
 
 MAX_N = 128
 MAX_STOP = 16
+MAX_GROUP_ID = 256  # characters
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -49,6 +52,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    group_id: str | None = Field(default=None, min_length=1, max_length=MAX_GROUP_ID)
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -85,6 +85,7 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        group_id: str | None = None,
     ) -> EngineStream: ...
 
     async def run_verb(self, verb: str, args: dict[str, Any]) -> dict[str, Any]: ...

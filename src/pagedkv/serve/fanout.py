@@ -34,18 +34,23 @@ class ClientGone(Exception):
 
 
 def submit(
-    engine: EngineClient, prompts: Sequence[list[int]], params: Sequence[SamplingParams], cache_salt: str | None
+    engine: EngineClient,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    cache_salt: str | None,
+    group_id: str | None = None,
 ) -> list[EngineStream]:
     """One engine request per prompt, all or none: a refusal aborts the ones already queued and becomes the
     matching OpenAI error (400, 429 with Retry-After, 503). Every prompt passes the engine's door checks
     before the first is queued, so an invalid prompt is a 400 whatever the queue holds (never a 429 met by
-    an earlier, valid prompt) and nothing is queued for it."""
+    an earlier, valid prompt) and nothing is queued for it. `group_id` goes to every request
+    (`pagedkv.engine.groups`: one prefill per prompt of the group)."""
     streams: list[EngineStream] = []
     try:
         if len(prompts) > 1:
             engine.check_requests(prompts, params, cache_salt)
         for ids, p in zip(prompts, params):
-            streams.append(engine.add_request(ids, p, cache_salt=cache_salt))
+            streams.append(engine.add_request(ids, p, cache_salt=cache_salt, group_id=group_id))
     except ServerOverloadedError as err:
         _abort(streams)
         raise APIError(429, str(err), type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None

@@ -13,6 +13,7 @@ Each `ServerMetrics` has its own registry (several servers or Ray replicas in on
 | pagedkv:prefix_cache_hits_by_tier_total{tier}  | counter   | the same, by medium (GPU = the device pool)       |
 | pagedkv:prefix_cache_miss_tokens_total{reason} | counter   | every engine turn: prompt tokens admitted uncached, by why (pagedkv.core.misses) |
 | pagedkv:prompt_tokens_total                    | counter   | a request ends: its prompt tokens (once for n > 1) |
+| pagedkv:group_prefill_shared_tokens_total      | counter   | every engine turn: prompt tokens a request of a sample group (`group_id`) took from its leader's prefill instead of computing them |
 | pagedkv:generation_tokens_total                | counter   | a request ends: tokens of all its completions     |
 | pagedkv:request_success_total{finished_reason} | counter   | a completion ends (stop, length, abort, error)    |
 | pagedkv:time_to_first_token_seconds            | histogram | per completion with a token: arrival -> first     |
@@ -112,8 +113,13 @@ class ServerMetrics:
             ["position"],
         )
         self._spec_seen: tuple[int, int, int, tuple[int, ...]] | None = None
+        self.group_shared = counter(
+            "group_prefill_shared_tokens",
+            "Prompt tokens not computed because a request of the same sample group (group_id) computed them.",
+        )
+        self._group_shared_seen = 0
         for series in (self.preemptions, self.queries, self.hits, self.prompt_tokens, self.generation_tokens,
-                       self.ttft, self.tpot, self.e2e, self.queue):  # fmt: skip
+                       self.ttft, self.tpot, self.e2e, self.queue, self.group_shared):  # fmt: skip
             series.labels(model_name)  # a sample at 0 from the start
         self.hits_by_tier.labels(model_name, "GPU")
         for reason in FINISH_REASONS:
@@ -134,6 +140,9 @@ class ServerMetrics:
             if tokens > seen or reason not in self._misses_seen:
                 self.miss_tokens.labels(m, reason).inc(tokens - seen)  # every reason appears, at 0 at first
                 self._misses_seen[reason] = tokens
+        if snapshot.group_prefill_shared_tokens > self._group_shared_seen:
+            self.group_shared.labels(m).inc(snapshot.group_prefill_shared_tokens - self._group_shared_seen)
+            self._group_shared_seen = snapshot.group_prefill_shared_tokens
         if snapshot.spec is not None:
             self._observe_spec(snapshot.spec)
 

@@ -278,7 +278,7 @@ async def create_completion(ctx: ServerContext, request: Request, body: bytes) -
     max_tokens = 1 if job.echo_only else (req.max_tokens or DEFAULT_COMPLETION_TOKENS)
     scoring = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=scoring)
-    streams = submit(ctx.engine, ids, [params] * len(ids), req.cache_salt)
+    streams = submit(ctx.engine, ids, [params] * len(ids), req.cache_salt, req.group_id)
     if not texts and req.echo:
         try:
             job.texts = await ctx.decode_all(ids)
@@ -407,7 +407,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request, body: byt
     max_tokens = req.max_completion_tokens or req.max_tokens or ctx.default_max_tokens(len(job.ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
-    streams = submit(ctx.engine, [job.ids], [params], req.cache_salt)
+    streams = submit(ctx.engine, [job.ids], [params], req.cache_salt, req.group_id)
     if req.stream:
         st = _Streamed(merged(streams), DeltaTracker.for_params(params), [[]])
         usage_of = functools.partial(usage, [job.ids], st.finals)  # read when the stream ends

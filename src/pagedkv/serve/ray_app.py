@@ -90,6 +90,7 @@ class ReplicaRequest:
     request_id: str | None = None
     cache_salt: str | None = None
     priority: int = 0
+    group_id: str | None = None  # a sample group's requests prefill their prompt once on the replica they share
 
     @property
     def prompt(self) -> str:
@@ -144,7 +145,7 @@ class PagedKVReplica:
         """The request's outputs as they come, each tagged with this replica's id."""
         async for out in self.engine.generate(
             request.prompt_token_ids, request.params, request_id=request.request_id,
-            cache_salt=request.cache_salt, priority=request.priority,
+            cache_salt=request.cache_salt, priority=request.priority, group_id=request.group_id,
         ):  # fmt: skip
             yield self.replica_id, out
 

@@ -192,13 +192,13 @@ class RemoteEngine:
 
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-        cache_salt: str | None = None, priority: int = 0,
+        cache_salt: str | None = None, priority: int = 0, group_id: str | None = None,
     ) -> RemoteStream:  # fmt: skip
         if self.refusing is not None:
             raise EngineStateError(self.refusing)
         self._ids += 1
         rid = request_id or f"ingress-{os.getpid()}-{self._ids}"
-        request = ReplicaRequest(list(prompt_token_ids), params, rid, cache_salt, priority)
+        request = ReplicaRequest(list(prompt_token_ids), params, rid, cache_salt, priority, group_id)
         own_routing_id()
         return RemoteStream(self.handle.generate.remote(request), rid, self._observe)
 
