@@ -3,7 +3,7 @@
 Each iteration, as a colocated trainer (verl, slime) runs it:
 
 ```
-rollout        generate --samples completions of each of --prompts prompts (sampled, one prefill per prompt)
+rollout        generate --samples completions of each of --prompts prompts (sampled), once per --sharing mode
 stale check    greedy outputs of the engine (prefix cache and host tier warm) == a fresh engine's on the same
                weights, token for token (after the first iteration: the weights were updated in between)
 sleep          sleep(--sleep-level): the KV memory (and at level 2 the weights) given back while "training"
@@ -12,9 +12,18 @@ wake_up        the memory taken back (level 2: the weights reloaded from the fol
 update         update_weights(folder, version i+1): no KV of the old weights is served after it
 ```
 
+The samples of a prompt share its prefill or not, by `--sharing` mode (each one's rollout is timed, the
+first one's in the main columns):
+
+- `n`: one request of n samples per prompt (fork + copy-on-write: the prompt computed once);
+- `group`: n separate requests of one sample with a shared `group_id` per prompt, as verl sends them
+  (`pagedkv.engine.groups`: the group's leader computes the prompt, the others take its full blocks);
+- `none`: n separate requests, each with a cache salt of its own: every sample computes its whole prompt.
+
 It prints one row per iteration (rollout tokens/s, the times of update, sleep and wake_up, what sleep gave
-back: the allocator's KV bytes, the weights' bytes, the process's RSS) and the stale-KV check; `--json`
-writes them. Figures from a loaded machine are relative, not a capacity statement.
+back: the allocator's KV bytes, the weights' bytes, the process's RSS), the stale-KV check, and per sharing
+mode the rollout tokens/s and the prompt tokens the model computed (tokens run minus decode tokens);
+`--json` writes them. Figures from a loaded machine are relative, not a capacity statement.
 """
 
 from __future__ import annotations
@@ -32,6 +41,16 @@ import numpy as np
 
 from pagedkv.engine.cli_args import add_threads, int_at_least, use_threads
 
+SHARING = ("n", "group", "none")
+
+
+def sharing_modes(text: str) -> list[str]:
+    """`--sharing`'s comma-separated modes (see the module docstring), each at most once."""
+    modes = [m.strip() for m in text.split(",")]
+    if not modes or any(m not in SHARING for m in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"give distinct modes among {', '.join(SHARING)}, comma-separated; got {text!r}")
+    return modes
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny:llama", help="tiny:FAMILY (seeded random weights), smollm2 or a folder")
@@ -46,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sleep-level", type=int, choices=(1, 2), default=1, help="what sleep releases")
     parser.add_argument("--perturb", type=float, default=0.05, help="weight noise per update, times each tensor's std")
     parser.add_argument("--seed", type=int, default=0, help="prompts, sampling and perturbations")
+    parser.add_argument("--sharing", type=sharing_modes, default=list(SHARING),
+                        help="how a prompt's samples share its prefill, comma-separated: n (one request of n samples), "
+                             "group (n requests with one group_id), none (n requests, no sharing); the first one's "
+                             "rollout fills the main columns")  # fmt: skip
     add_threads(parser)
     parser.add_argument("--json", metavar="PATH", help="also write the rows and settings as JSON")
 
@@ -96,14 +119,8 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
         engine.update_weights(folder, version=0, flush_cache=False)  # the same weights: nothing to flush
     for i in range(args.iterations):
         row: dict[str, Any] = {"iteration": i, "weight_version": engine.weight_version}
-        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, n=args.samples, seed=args.seed + i,
-                                ignore_eos=True)  # fmt: skip
-        started = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        row["rollout_s"] = time.perf_counter() - started
-        row["rollout_tokens"] = sum(len(o.output_token_ids) for o in outs)
-        row["rollout_tok_s"] = row["rollout_tokens"] / row["rollout_s"]
-        row["prefix_cached_tokens"] = sum(o.num_cached_tokens for o in outs)
+        row["sharing"] = {mode: _rollout(engine, prompts, args, mode, seed=args.seed + i) for mode in args.sharing}
+        row.update(row["sharing"][args.sharing[0]])
         engine.generate(prompts, greedy)  # fills the cache; the checked pass below hits it
         got = [o.output_token_ids for o in engine.generate(prompts, greedy)]
         fresh_model = copy.deepcopy(pristine)
@@ -120,9 +137,41 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
                    weight_bytes_freed=sleep.weight_bytes, rss_freed_bytes=sleep.rss_freed_bytes)  # fmt: skip
         rows.append(row)
     engine.close()
-    settings = {k: v for k, v in vars(args).items() if k != "json" and isinstance(v, str | int | float | None)}
+    settings = {k: v for k, v in vars(args).items() if k != "json" and isinstance(v, str | int | float | list | None)}
     return {"settings": settings, "rows": rows, "stale_kv_check": "pass" if all(checks) else "FAIL",
             "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _rollout(engine: Any, prompts: list[list[int]], args: argparse.Namespace, mode: str, *, seed: int) -> dict[str, Any]:
+    """One rollout of `--samples` completions per prompt, shared by `mode` (module docstring): its seconds,
+    tokens, tokens/s, the prompt tokens the model computed and those a group's members took from their
+    leader's prefill (`Engine.group_prefill_shared_tokens`)."""
+    from pagedkv.engine.params import SamplingParams
+
+    def params(n: int, sample: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, n=n, seed=seed * 1_000_003 + sample,
+                              ignore_eos=True)  # fmt: skip
+
+    engine.reset_prefix_cache()  # every mode starts cold (the same weights: the previous mode's prompts)
+    scheduled, shared = int(engine.stats.num_scheduled_tokens), int(engine.group_prefill_shared_tokens)
+    started = time.perf_counter()
+    if mode == "n":
+        outs = engine.generate(prompts, params(args.samples, 0))
+    else:
+        ids = [
+            engine.add_request(p, params(1, s), group_id=f"rollout-{seed}-{j}" if mode == "group" else None,
+                               cache_salt=f"sample-{seed}-{j}-{s}" if mode == "none" else None)
+            for j, p in enumerate(prompts) for s in range(args.samples)
+        ]  # fmt: skip
+        engine.run()
+        outs = [engine.output(rid) for rid in ids]
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.output_token_ids) for o in outs)
+    decode = sum(max(len(o.output_token_ids) - 1, 0) for o in outs)  # each token after a sample's first
+    return {"rollout_s": seconds, "rollout_tokens": tokens, "rollout_tok_s": tokens / seconds,
+            "prefix_cached_tokens": sum(o.num_cached_tokens for o in outs),
+            "prompt_tokens_computed": int(engine.stats.num_scheduled_tokens) - scheduled - decode,
+            "group_shared_tokens": int(engine.group_prefill_shared_tokens) - shared}  # fmt: skip
 
 
 def _save(weights: dict[str, Any], folder: Path) -> None:
@@ -160,6 +209,11 @@ def render(result: dict[str, Any]) -> str:
             f"{_mib(r['weight_bytes_freed']):>13} {_mib(r['rss_freed_bytes']):>10} {r['stale_kv_check']:>8}"
         )
     lines.append(f"stale-KV check (engine == fresh engine on the same weights, every iteration): {result['stale_kv_check']}")
+    lines.append(f"{'sharing':>7} {'rollout tok/s (per iteration)':>40} {'prompt tokens computed':>22}")
+    for mode in s["sharing"]:
+        rates = " ".join(f"{r['sharing'][mode]['rollout_tok_s']:.0f}" for r in result["rows"])
+        computed = result["rows"][0]["sharing"][mode]["prompt_tokens_computed"]
+        lines.append(f"{mode:>7} {rates:>40} {computed:>22}")
     return "\n".join(lines)
 
 
