@@ -131,3 +131,24 @@ def test_a_packed_projection_s_wrong_shape_is_refused_by_name_and_changes_nothin
     with pytest.raises(InvalidArgumentError, match="q_proj.weight.*is \\(64, 63\\), the model's is \\(64, 64\\)"):
         engine.update_weights({"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 63)})
     assert engine.weight_version == "0" and greedy(engine, prompts) == before
+
+
+@pytest.mark.parametrize(("family", "forward"), [("llama", "fused"), ("llama", "transformers"), ("gpt2", "auto")])
+def test_sleep_level_2_with_packed_projections_wakes_on_the_version_in_force(family: str, forward: str, tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    prompts = rollout_prompts(4)
+    engine = Engine(model_of(family, 0, torch.float32), None, config("onednn", forward))
+    new = {k: v.clone().contiguous() for k, v in model_of(family, 1, torch.float32).state_dict().items()}
+    if family == "gpt2":  # safetensors keeps one name of a shared tensor
+        new.pop("lm_head.weight")
+    save_file(new, str(tmp_path / "model.safetensors"))
+    engine.update_weights(tmp_path)
+    engine.sleep(2)
+    engine.wake_up()  # the folder read back into the parameters and the packed projections
+    want = greedy(Engine(model_of(family, 1, torch.float32), None, config("onednn", forward)), prompts)
+    assert greedy(engine, prompts) == want
+    engine.sleep(2)  # an update while asleep: every weight given
+    engine.update_weights(model_of(family, 0, torch.float32).state_dict(), version=3)
+    engine.wake_up()
+    assert greedy(engine, prompts) == greedy(Engine(model_of(family, 0, torch.float32), None, config("onednn", forward)), prompts)
