@@ -23,6 +23,10 @@ Invariants:
   old entries in Redis), and the KV events say so (the tiers' keys `BlockRemoved`, then
   `AllBlocksCleared`). `flush_cache=False` keeps all of it: only where the caller states the weights did
   not change. Every `RequestOutput` carries the `weight_version` in force when it was taken.
+- After new values are copied into the parameters, nothing the engine derived from the weights keeps old
+  values: oneDNN-packed projections are packed anew (`PackedLinear.repack`, a tied one from the parameter
+  it shares) and the fused forward takes its packed copies and concatenated biases again
+  (`FusedLlama.refresh`), on every linear backend.
 - A request that was in flight across an update keeps the tokens it had and recomputes its KV under the
   new weights before it samples again (its output reports the newer version).
 - paused or asleep, the door refuses new requests with `EngineStateError` (HTTP 503); `pause("abort")`
