@@ -11,6 +11,7 @@ from transformers import AttentionInterface
 from pagedkv.bench import step as bench_step
 from pagedkv.cli import main
 from pagedkv.hf.attention import ATTENTION_NAME, paged_attention_forward
+from pagedkv.hf.cpu_linear import choose_linear_backend
 from pagedkv.hf.tiny import tiny_model
 
 
@@ -21,7 +22,8 @@ def test_measure_splits_a_step_into_phases_and_undoes_its_timers(forward: str) -
     assert row["model_forward"] == forward
     phases = row["phases_ms"]
     assert list(phases) == list(bench_step.PHASES)
-    assert row["batch"] == 3 and row["step_ms"] > 0 and row["linear_backend"] == "torch"
+    auto = choose_linear_backend("auto", torch.float32, torch.device("cpu"))  # oneDNN-packed where torch has oneDNN
+    assert row["batch"] == 3 and row["step_ms"] > 0 and row["linear_backend"] == auto
     for name in ("schedule", "metadata", "linear", "attention", "sampling", "update"):
         assert phases[name] > 0, name
     assert sum(phases.values()) == pytest.approx(row["instrumented_step_ms"])

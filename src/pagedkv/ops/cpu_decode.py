@@ -131,8 +131,7 @@ def decode_attention(
     else:  # numpy has no bfloat16: the kernel takes its bit patterns as int16
         pages = kv.contiguous().view(torch.int16).numpy() if bf16 else kv.contiguous().numpy()
     sidecar = scales.float().contiguous().numpy() if scales is not None else None
-    table = block_table.to(torch.int32).contiguous().numpy()
-    lens = seq_lens.to(torch.int32).contiguous().numpy()
+    table, lens = (t.to(torch.int32).contiguous().numpy() for t in (block_table, seq_lens))
     qn, on = q.numpy(), out.numpy()
     scale, window = options.scale_for(query.shape[-1]), int(options.sliding_window or 0)
 

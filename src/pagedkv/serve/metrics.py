@@ -113,10 +113,8 @@ class ServerMetrics:
             ["position"],
         )
         self._spec_seen: tuple[int, int, int, tuple[int, ...]] | None = None
-        self.group_shared = counter(
-            "group_prefill_shared_tokens",
-            "Prompt tokens not computed because a request of the same sample group (group_id) computed them.",
-        )
+        self.group_shared = counter("group_prefill_shared_tokens", "Prompt tokens not computed because a request "
+                                    "of the same sample group (group_id) computed them.")  # fmt: skip
         self._group_shared_seen = 0
         for series in (self.preemptions, self.queries, self.hits, self.prompt_tokens, self.generation_tokens,
                        self.ttft, self.tpot, self.e2e, self.queue, self.group_shared):  # fmt: skip
