@@ -226,6 +226,29 @@ def test_every_openmp_team_size_gives_the_one_thread_answer(dtype: torch.dtype) 
         kernel(*args, np.zeros((len(lens), 6, 16), dtype=np.float32), 0.25, 20, 0)
 
 
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_every_openmp_team_size_gives_the_one_thread_answer_over_quantized_pages(code_dtype: torch.dtype) -> None:
+    if not cpu_decode._OPENMP:
+        pytest.skip("this build has no OpenMP")
+    lens = [5, 30, 17, 1, 64, 33, 9]
+    q, kv, table, seq_lens = make_case(lens, 6, 3, 16, 4, 4)
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(-100, 100, kv.shape, generator=gen, dtype=torch.int8)
+    if code_dtype != torch.int8:
+        codes = (codes.float() / 16).to(code_dtype)
+    scales = torch.rand(kv.shape[:-1], generator=gen) + 0.01
+    args = (q.contiguous().numpy(), codes.view(torch.uint8).numpy(), scales.numpy(),
+            cpu_decode._lut(code_dtype).numpy(), table.numpy(), seq_lens.numpy())  # fmt: skip
+    outs = []
+    for team in (1, 2, 3, 7, 50):
+        out = np.zeros((len(lens), 6, 16), dtype=np.float32)
+        cpu_decode._NATIVE.decode_codes(*args, out, 0.25, 20, cpu_decode._KINDS[code_dtype], team)
+        outs.append(out)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        cpu_decode._NATIVE.decode_codes(*args, np.zeros((len(lens), 6, 16), dtype=np.float32), 0.25, 20, 1, 0)
+
+
 def test_split_rows_covers_every_row_once() -> None:
     seen: list[tuple[int, int]] = []
     before = torch.get_num_threads()

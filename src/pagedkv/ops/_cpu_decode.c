@@ -622,17 +622,35 @@ static int get_codes(PyObject *obj, Py_buffer *view, int ndim) {
     return 0;
 }
 
+/* codes_impl over sequences [lo, hi) of a, with their own scratch (see decode_rows). */
+static void codes_rows(const CodesArgs *a, Py_ssize_t lo, Py_ssize_t hi, float *scores, Py_ssize_t *slots,
+                       float *row) {
+    CodesArgs part = *a;
+    part.query = a->query + lo * a->heads * a->dim;
+    part.out = a->out + lo * a->heads * a->dim;
+    part.table = a->table + lo * a->width;
+    part.lens = a->lens + lo;
+    part.batch = hi - lo;
+    codes_impl(&part, scores, slots, row);
+}
+
+/* decode_codes; an optional 11th argument runs the batch on that many OpenMP threads, as decode's 8th. */
 static PyObject *native_decode_codes(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)self;
-    if (kwnames != NULL || nargs != 10) {
+    if (kwnames != NULL || (nargs != 10 && nargs != 11)) {
         PyErr_SetString(PyExc_TypeError, "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, "
-                                         "window, kind): 10 positional arguments");
+                                         "window, kind[, threads]): 10 or 11 positional arguments");
         return NULL;
     }
     const double scale = PyFloat_AsDouble(args[7]);
     const long window = PyLong_AsLong(args[8]);
     const long kind = PyLong_AsLong(args[9]);
+    const long threads = nargs == 11 ? PyLong_AsLong(args[10]) : 1;
     if (PyErr_Occurred()) return NULL;
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "decode_codes: threads must be >= 1, got %ld", threads);
+        return NULL;
+    }
     if (kind < CODES_LUT || kind > CODES_E5M2) {
         PyErr_SetString(PyExc_ValueError, "decode_codes: kind must be 0 (lut), 1 (int8), 2 (e4m3) or 3 (e5m2)");
         return NULL;
@@ -656,14 +674,31 @@ static PyObject *native_decode_codes(PyObject *self, PyObject *const *args, Py_s
         CodesArgs a = {q.buf, c.buf, sc.buf, lut.buf, t.buf, s.buf, o.buf, d.batch, d.heads, d.kv_heads, d.dim,
                        d.num_blocks, d.block_size, d.width, (float)scale, window, (int)kind};
         const Py_ssize_t g = a.kv_heads > 0 ? a.heads / a.kv_heads : 0;
-        const size_t keys = (size_t)(a.width * a.block_size + 1);
-        float *scores = malloc(sizeof(float) * (size_t)(g > 0 ? g : 1) * (keys + 1));
-        Py_ssize_t *slots = malloc(sizeof(Py_ssize_t) * keys);
-        float *row = malloc(sizeof(float) * (size_t)(a.dim * V_TILE));
+        const size_t keys = (size_t)(a.width * a.block_size + 1), per = (size_t)(g > 0 ? g : 1) * (keys + 1);
+        const size_t tile = (size_t)(a.dim * V_TILE);
+#ifdef _OPENMP
+        const int team = (int)(threads < a.batch ? threads : (a.batch > 0 ? a.batch : 1));
+#else
+        const int team = 1;
+#endif
+        float *scores = malloc(sizeof(float) * per * (size_t)team);
+        Py_ssize_t *slots = malloc(sizeof(Py_ssize_t) * keys * (size_t)team);
+        float *row = malloc(sizeof(float) * tile * (size_t)team);
         if (scores == NULL || slots == NULL || row == NULL) {
             PyErr_NoMemory();
         } else {
-            Py_BEGIN_ALLOW_THREADS codes_impl(&a, scores, slots, row);
+            Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+            if (team > 1) {
+#pragma omp parallel num_threads(team)
+                {
+                    const Py_ssize_t t = omp_get_thread_num(), n = omp_get_num_threads();
+                    codes_rows(&a, a.batch * t / n, a.batch * (t + 1) / n, scores + per * (size_t)t,
+                               slots + keys * (size_t)t, row + tile * (size_t)t);
+                }
+            } else
+#endif
+                codes_impl(&a, scores, slots, row);
             Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
         }
         free(scores);
@@ -736,7 +771,7 @@ static PyMethodDef methods[] = {
      "decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, kind): paged decode "
      "attention over quantized pages into out."},
     {"isa", native_isa, METH_NOARGS, "Which compiled copy of the kernel runs: 'avx2+fma' or 'generic'."},
-    {"openmp", native_openmp, METH_NOARGS, "Whether decode and decode_bf16 can split a batch over OpenMP threads."},
+    {"openmp", native_openmp, METH_NOARGS, "Whether the kernels can split a batch over OpenMP threads."},
     {"set_isa", native_set_isa, METH_O, "set_isa(name): run the 'generic' or the 'avx2+fma' copy from now on."},
     {NULL, NULL, 0, NULL},
 };

@@ -5,11 +5,10 @@
 causal, GQA, optional sliding window) without gathering the blocks into a dense tensor first: for each
 sequence and KV head the C kernel reads each visible key row once for all query heads that share it, then
 the exact softmax (max, exp, sum) and the weighted sum of value rows, in float32. A group of many
-sequences is cut across torch's threads, one thread otherwise: float32 and bfloat16 pages inside the C call, as
-an OpenMP parallel region (the extension is built with `-fopenmp` on Linux and links `libgomp.so.1` by name,
+sequences is cut across torch's threads, one thread otherwise: inside the C call, as an OpenMP parallel region (the extension is built with `-fopenmp` on Linux and links `libgomp.so.1` by name,
 so in a process that imported torch it is torch's own libgomp and the region runs on the team whose threads
-torch's GEMMs just used, instead of a Python thread that would have to win a core from them); quantized pages,
-and builds without OpenMP, in one call per part from a pool of Python threads (the GIL released). An x86-64 CPU
+torch's GEMMs just used, instead of a Python thread that would have to win a core from them); builds without
+OpenMP make one call per part from a pool of Python threads (the GIL released). An x86-64 CPU
 with AVX2, FMA and F16C runs a vectorised copy (`isa()`; head sizes that are a multiple of 8, eight keys scored at
 once, e^x in eight lanes within 2 ulp of libm's), `set_isa` switches copies (tests compare them).
 
@@ -135,18 +134,17 @@ def decode_attention(
     qn, on = q.numpy(), out.numpy()
     scale, window = options.scale_for(query.shape[-1]), int(options.sliding_window or 0)
 
-    def rows(lo: int, hi: int) -> None:  # the kernel over sequences [lo, hi): each row is independent
+    def rows(lo: int, hi: int, *team: int) -> None:  # sequences [lo, hi), each computed alone; `team`: OpenMP
         if quantized:
             _NATIVE.decode_codes(qn[lo:hi], pages, sidecar, _lut(kv.dtype).numpy(), table[lo:hi], lens[lo:hi],
-                                 on[lo:hi], scale, window, _KINDS[kv.dtype])  # fmt: skip
+                                 on[lo:hi], scale, window, _KINDS[kv.dtype], *team)  # fmt: skip
         else:
             (_NATIVE.decode_bf16 if bf16 else _NATIVE.decode)(qn[lo:hi], pages, table[lo:hi], lens[lo:hi],
-                                                              on[lo:hi], scale, window)  # fmt: skip
+                                                              on[lo:hi], scale, window, *team)  # fmt: skip
 
     try:
-        if not quantized and _OPENMP:  # the split in C, on torch's OpenMP team (module docstring)
-            kernel = _NATIVE.decode_bf16 if bf16 else _NATIVE.decode
-            kernel(qn, pages, table, lens, on, scale, window, _parts(q.shape[0]))
+        if _OPENMP:  # the split in C, on torch's OpenMP team (module docstring)
+            rows(0, q.shape[0], _parts(q.shape[0]))
         else:
             _split_rows(q.shape[0], rows)
     except (TypeError, ValueError) as e:
