@@ -60,13 +60,14 @@ def _parse(add_arguments: Any, argv: list[str]) -> argparse.Namespace:
 def test_the_setting_reaches_every_engine_config() -> None:
     from pagedkv.bench import e2e
     from pagedkv.engine import commands
+    from pagedkv.engine.from_args import config_from_args
     from pagedkv.serve import serve_command
 
     want = SpeculativeConfig("ngram", 3, prompt_lookup_min=1)
-    assert commands._engine_config(_parse(commands.add_arguments, ["x"])).speculative is None  # default off
+    assert config_from_args(_parse(commands.add_arguments, ["x"])).speculative is None  # default off
     for add in (commands.add_arguments, serve_command.add_arguments):
         args = _parse(add, ["--speculative", "ngram:k=3,min=1", "--num-blocks", "8"])
-        assert commands._engine_config(args).speculative == want
+        assert config_from_args(args).speculative == want
     args = _parse(e2e.add_arguments, ["--speculative", "ngram:k=3,min=1"])
     assert e2e.pagedkv_config("pagedkv-paged", args)["speculative"] == want.describe()
     assert e2e.pagedkv_config("pagedkv-contiguous", args)["speculative"] == "off"
@@ -97,13 +98,14 @@ def test_generate_with_a_draft_model_prints_the_same_text(tiny_folder: Path, cap
 
 
 def test_the_replicas_engine_speculates(tiny_folder: Path) -> None:
-    """`--replicas N` builds each replica's engine from the same flags (`ray_cli.engine_from_args`)."""
+    """`--replicas N` builds each replica's engine from the config of the same flags (`ray_cli.replica_engine`)."""
+    from pagedkv.engine.from_args import config_from_args
     from pagedkv.serve import serve_command
-    from pagedkv.serve.ray_cli import engine_from_args
+    from pagedkv.serve.ray_cli import replica_engine
 
     args = _parse(serve_command.add_arguments, ["--model", str(tiny_folder), "--num-blocks", "32", "--replicas", "2",
                                                 "--threads", "1", "--speculative", "ngram:k=2"])  # fmt: skip
-    engine = engine_from_args(dict(vars(args)), None)
+    engine = replica_engine(config_from_args(args), None, model=args.model, dtype=args.dtype, threads=1, replicas=2)
     assert engine.config.speculative == SpeculativeConfig("ngram", 2) and engine.config.kv_events
 
 

@@ -128,15 +128,16 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
 def test_the_generate_and_serve_flags_reach_the_engine_config() -> None:
     import argparse
 
-    from pagedkv.engine.commands import _engine_config, add_arguments
+    from pagedkv.engine.commands import add_arguments
+    from pagedkv.engine.from_args import config_from_args
     from pagedkv.serve.serve_command import add_arguments as add_serve_arguments
 
     for add in (add_arguments, add_serve_arguments):
         parser = argparse.ArgumentParser()
         add(parser)
         argv = ["--num-blocks", "8", "--kv-cache-dtype", "fp8_e5m2"] + (["p"] if add is add_arguments else [])
-        assert _engine_config(parser.parse_args(argv)).kv_cache_dtype == "fp8_e5m2"
-        assert _engine_config(parser.parse_args(argv[:2] + argv[4:])).kv_cache_dtype == "auto"
+        assert config_from_args(parser.parse_args(argv)).kv_cache_dtype == "fp8_e5m2"
+        assert config_from_args(parser.parse_args(argv[:2] + argv[4:])).kv_cache_dtype == "auto"
 
 
 def test_hybrid_model_on_int8_pages() -> None:

@@ -81,14 +81,13 @@ def pagedkv_options(args: argparse.Namespace) -> list[str]:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    """The `EngineConfig` `pagedkv serve` builds from `pagedkv_options` (the engine's own flag parser and
-    config builder, which the server shares with `pagedkv generate`)."""
-    from pagedkv.engine.commands import _engine_config
-    from pagedkv.engine.commands import add_arguments as engine_arguments
+    """The `EngineConfig` `pagedkv serve` builds from `pagedkv_options` (`pagedkv.engine.from_args`: the
+    engine's own flags and config builder, which the server shares with `pagedkv generate`)."""
+    from pagedkv.engine.from_args import add_engine_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
-    engine_arguments(parser)
-    return _engine_config(parser.parse_args(pagedkv_options(args)))
+    add_engine_arguments(parser)
+    return config_from_args(parser.parse_args(pagedkv_options(args)))
 
 
 def base_configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

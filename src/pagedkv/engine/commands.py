@@ -29,33 +29,17 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.cli_args import (
-    add_block_size,
-    add_kv_cache_dtype,
-    add_linear_backend,
-    add_scheduler_arguments,
-    add_speculative,
-    add_threads,
-    byte_size,
     check_fits_memory,
     existing_file,
     fraction,
     int_at_least,
     nonnegative_float,
     nonnegative_int,
-    scheduler_from,
     seed_int,
     token_count,
     use_threads,
-    writable_folder,
 )
-from pagedkv.engine.managers import MANAGER_KINDS
-
-DEFAULT_KV_BUDGET = "64MiB"
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-DTYPE_HELP = (
-    "model dtype (default: auto, bfloat16 where the CPU has bf16 matrix instructions (AVX512-BF16, AMX), "
-    "else the checkpoint's)"
-)
+from pagedkv.engine.from_args import add_engine_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,39 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    capacity = parser.add_mutually_exclusive_group()
-    capacity.add_argument(
-        "--kv-budget", type=byte_size, help=f"KV cache bytes, e.g. 64MiB or 2GB (default {DEFAULT_KV_BUDGET})"
-    )
-    capacity.add_argument(
-        "--num-blocks", type=int_at_least(2, 1 << 28), help="KV cache size in blocks instead of bytes"
-    )
-    add_block_size(parser)
-    parser.add_argument("--allocator", choices=MANAGER_KINDS, default="paged")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    add_scheduler_arguments(parser, preemption=True)  # the engine's own defaults
+    add_engine_arguments(parser)
     tenancy = parser.add_argument_group("tenants (docs/engine.md)")
     tenancy.add_argument(
         "--cache-salt",
         default=None,
         help="isolate this run's prefix cache: requests share cached KV only with requests of the same salt",
     )
-    tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
-    tiers.add_argument(
-        "--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)"
-    )
-    tiers.add_argument("--disk-path", type=writable_folder, default=None, help="folder of the local disk tier")
-    tiers.add_argument(
-        "--disk-bytes", type=byte_size, default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)"
-    )
-    tiers.add_argument(
-        "--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH"
-    )
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
-    add_kv_cache_dtype(parser)
-    add_threads(parser)
-    add_linear_backend(parser)
-    add_speculative(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object a line per completion")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -166,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     # 1. the arguments: prompts, sampling parameters, engine configuration
     items = read_prompts(args)
     params = _sampling_params(args, items)
-    config = _engine_config(args)
+    config = config_from_args(args)
     # 2. the model source, its context length and tokenizer (no weights yet)
     source = check_source(args.model)
     set_progress_bars(not args.no_progress)
@@ -276,30 +234,6 @@ def _sampling_params(args: argparse.Namespace, items: list[tuple[str | None, str
         ignore_eos=args.ignore_eos,
     )
     return [base if limit is None else _with_limit(base, limit) for _, _, limit in items]
-
-
-def _engine_config(args: argparse.Namespace) -> Any:
-    """The `EngineConfig` the flags describe (validated by its constructor)."""
-    from pagedkv.engine.config import EngineConfig, parse_bytes
-
-    budget = None if args.num_blocks is not None else args.kv_budget or parse_bytes(DEFAULT_KV_BUDGET)
-    if budget is not None:
-        check_fits_memory(budget, "the KV cache (--kv-budget)", "lower --kv-budget")
-    return EngineConfig(
-        num_blocks=args.num_blocks,
-        kv_budget_bytes=budget,
-        block_size=args.block_size,
-        allocator=args.allocator,
-        enable_prefix_caching=not args.no_prefix_caching,
-        scheduler=scheduler_from(args),
-        host_blocks=args.host_blocks,
-        disk_path=args.disk_path,
-        disk_bytes=0 if args.disk_bytes is None else args.disk_bytes,
-        remote_url=args.remote_url,
-        kv_cache_dtype=args.kv_cache_dtype,
-        linear_backend=getattr(args, "linear_backend", "auto"),
-        speculative=getattr(args, "speculative", None),
-    )
 
 
 def _load_and_serve(

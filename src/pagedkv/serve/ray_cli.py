@@ -3,58 +3,61 @@
     pagedkv serve --model smollm2 --replicas 2 --remote-url redis://10.0.0.5:6379/0
     pagedkv serve --model ./m --replicas 8 --ray-address auto      # an existing cluster
 
-Every `pagedkv serve` flag means what it means there (the engine flags are `pagedkv generate`'s); each replica
-loads the model itself and builds its engine from the same flags with KV events on. `--replicas 1` runs on
-Ray only with `--ray-address`; without it, it is one process with neither Ray nor Redis. Ctrl-C or SIGTERM
-drains as the single server does (the streams in flight finish, for up to `--drain-timeout` seconds), removes
-the application and, if this process started the local Ray cluster, stops it; the exit code is 0.
+Every `pagedkv serve` flag means what it means there (the engine flags are `pagedkv generate`'s); the
+driver builds the `EngineConfig` from them once, and each replica loads the model itself and builds its
+engine from that config with KV events on. `--replicas 1` runs on Ray only with `--ray-address`; without
+it, it is one process with neither Ray nor Redis. Ctrl-C or SIGTERM drains as the single server does (the
+streams in flight finish, for up to `--drain-timeout` seconds), removes the application and, if this
+process started the local Ray cluster, stops it; the exit code is 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import signal
 import sys
 import threading
-from collections.abc import Sequence
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pagedkv.engine.from_args import config_from_args
 from pagedkv.serve.ray_app import ReplicaSet, check_port, ray_cluster, serve_app
 
+if TYPE_CHECKING:
+    from pagedkv.engine.config import EngineConfig
 
-def engine_from_args(args: dict[str, Any], remote_url: str | None) -> Any:
-    """A replica's engine from `pagedkv serve`'s flags (run in the replica's process), with KV events on;
-    its torch threads: `--threads`, or this machine's cores shared evenly by the replicas."""
+
+def replica_engine(config: EngineConfig, remote_url: str | None, *, model: str, dtype: str, threads: int | None,
+                   replicas: int) -> Any:
+    """A replica's engine (run in the replica's process) from the config the driver built once from the
+    flags, with this replica's store URL and KV events on; its torch threads: `threads`, or this machine's
+    cores shared evenly by the `replicas`."""
     from pagedkv.engine.cli_args import use_threads
-    from pagedkv.engine.commands import _engine_config
     from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.cpu_linear import resolve_dtype
     from pagedkv.hf.loading import check_source, load_tokenizer, load_weights, set_progress_bars
 
-    ns = argparse.Namespace(**{**args, "remote_url": remote_url})
-    config = dataclasses.replace(_engine_config(ns), kv_events=True)
-    source = check_source(ns.model)
+    config = dataclasses.replace(config, remote_url=remote_url, kv_events=True)
+    source = check_source(model)
     set_progress_bars(False)
-    use_threads(ns.threads, share=ns.replicas)
+    use_threads(threads, share=replicas)
     tokenizer = load_tokenizer(source)
-    from pagedkv.hf.cpu_linear import resolve_dtype
-
-    return Engine(load_weights(source, dtype=resolve_dtype(ns.dtype), tokenizer=tokenizer), tokenizer, config)
+    return Engine(load_weights(source, dtype=resolve_dtype(dtype), tokenizer=tokenizer), tokenizer, config)
 
 
 def run_replicas(args: Any) -> int:
     """Deploy `args.replicas` replicas of the model `args` describe and serve until Ctrl-C or SIGTERM, then
     drain: the app is deleted (each replica finishes what is in flight, for up to `--drain-timeout`
     seconds), Serve and the Ray cluster this process started stop, and the exit code is 0."""
-    from pagedkv.engine.commands import _engine_config
     from pagedkv.hf.loading import check_source
 
-    _engine_config(args)  # bad engine flags: one line before Ray starts
+    config = config_from_args(args)  # bad engine flags: one line before Ray starts
     check_source(args.model)
+    engine = functools.partial(replica_engine, config, model=args.model, dtype=args.dtype, threads=args.threads,
+                               replicas=args.replicas)  # fmt: skip
     spec = ReplicaSet(
-        replicas=args.replicas, engine=functools.partial(engine_from_args, dict(vars(args))),
+        replicas=args.replicas, engine=engine,
         remote_url=args.remote_url, router=args.router, model_name=args.served_model_name or args.model,
         api_key=args.api_key, num_cpus=args.replica_cpus, drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
@@ -79,17 +82,3 @@ def run_replicas(args: Any) -> int:
             with suppress(KeyboardInterrupt):
                 stop.wait()
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`pagedkv serve` under another name: its flags, `--replicas` included (kept for older scripts)."""
-    from pagedkv.engine.cli_args import OneLineParser
-    from pagedkv.serve import serve_command
-
-    parser = OneLineParser(prog="python -m pagedkv.serve.ray_cli", description="pagedkv replicas on Ray Serve")
-    serve_command.add_arguments(parser)
-    return serve_command.run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,14 +3,14 @@
     pagedkv serve --model smollm2 --port 8000
     pagedkv serve --model ./my-model --kv-budget 256MiB --api-key secret --max-waiting 256
 
-The engine flags are `pagedkv generate`'s (the same names, defaults and `EngineConfig`); the server adds
-`--host`, `--port`, `--served-model-name`, `--api-key`, `--max-waiting`, `--max-body-bytes`,
-`--drain-timeout`. Arguments and the model source are checked before the weights load (one line on stderr,
-exit 2). The first line on stderr says where it listens, the KV pool and `max_model_len` (the longest
-request the pool and the model's positions can hold, as `/v1/models` advertises it). SIGTERM or SIGINT
-(Ctrl-C) alike: the server stops accepting connections, says how many requests are in flight (one line),
-lets them finish for up to `--drain-timeout` seconds (then aborts them), stops the engine loop, says so
-(one line) and exits 0, with no traceback.
+The engine flags are `pagedkv generate`'s (`pagedkv.engine.from_args`: the same names, defaults and
+`EngineConfig`); the server adds `--host`, `--port`, `--served-model-name`, `--api-key`, `--max-waiting`,
+`--max-body-bytes`, `--drain-timeout`. Arguments and the model source are checked before the weights load
+(one line on stderr, exit 2). The first line on stderr says where it listens, the KV pool and
+`max_model_len` (the longest request the pool and the model's positions can hold, as `/v1/models`
+advertises it). SIGTERM or SIGINT (Ctrl-C) alike: the server stops accepting connections, says how many
+requests are in flight (one line), lets them finish for up to `--drain-timeout` seconds (then aborts them),
+stops the engine loop, says so (one line) and exits 0, with no traceback.
 """
 
 from __future__ import annotations
@@ -24,22 +24,8 @@ import time
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
-from pagedkv.engine.cli_args import (
-    add_block_size,
-    add_kv_cache_dtype,
-    add_linear_backend,
-    add_scheduler_arguments,
-    add_speculative,
-    add_threads,
-    byte_size,
-    int_at_least,
-    nonnegative_float,
-    positive_float,
-    positive_int,
-    use_threads,
-    writable_folder,
-)
-from pagedkv.engine.managers import MANAGER_KINDS
+from pagedkv.engine.cli_args import int_at_least, nonnegative_float, positive_float, positive_int, use_threads
+from pagedkv.engine.from_args import add_engine_arguments, config_from_args
 
 DEFAULT_PORT = 8000
 
@@ -59,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "theirs, so a client never sends on a connection the server is closing)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
-    _add_engine_arguments(parser)
+    add_engine_arguments(parser)
     _add_replica_arguments(parser)
 
 
@@ -72,31 +58,6 @@ def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--router", choices=("pagedkv", "prefix-affinity", "pow2"), default="pagedkv",
                    help="the replicas' request router")  # fmt: skip
     g.add_argument("--replica-cpus", type=positive_float, default=1.0, help="CPUs Ray reserves per replica")
-
-
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags as `pagedkv generate` declares them (`pagedkv.engine.cli_args`); its
-    `_engine_config` reads them."""
-    from pagedkv.engine.commands import DEFAULT_KV_BUDGET, DTYPE_HELP, DTYPES
-
-    engine = parser.add_argument_group("engine (as pagedkv generate)")
-    capacity = engine.add_mutually_exclusive_group()
-    capacity.add_argument("--kv-budget", type=byte_size, help=f"KV cache bytes, e.g. 64MiB (default {DEFAULT_KV_BUDGET})")
-    capacity.add_argument("--num-blocks", type=int_at_least(2, 1 << 28), help="KV cache size in blocks instead of bytes")
-    add_block_size(engine)
-    engine.add_argument("--allocator", choices=MANAGER_KINDS, default="paged")
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    add_scheduler_arguments(engine, preemption=True)
-    engine.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
-    add_kv_cache_dtype(engine)
-    add_threads(engine)
-    add_linear_backend(engine)
-    add_speculative(engine)
-    tiers = parser.add_argument_group("KV tiers below the device (docs/tiers.md)")
-    tiers.add_argument("--host-blocks", type=int_at_least(0, 1 << 28), default=0, help="host-RAM tier size in blocks (0 = off)")
-    tiers.add_argument("--disk-path", type=writable_folder, default=None, help="folder of the local disk tier")
-    tiers.add_argument("--disk-bytes", type=byte_size, default=None, help="disk tier size, e.g. 64GiB (needs --disk-path)")
-    tiers.add_argument("--remote-url", default=None, help="shared store: redis://HOST:PORT/DB or unix:///PATH")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,14 +90,13 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket, str]:
     and bind its socket (so `--port 0` can say which port it got); with the start-up line to print."""
     import uvicorn
 
-    from pagedkv.engine.commands import _engine_config
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.hf.cpu_linear import describe_weights, resolve_dtype
     from pagedkv.hf.loading import check_source, load_tokenizer, load_weights, set_progress_bars
     from pagedkv.serve.app import build_app
     from pagedkv.serve.async_engine import AsyncEngine
 
-    config = _engine_config(args)
+    config = config_from_args(args)
     source = check_source(args.model)
     set_progress_bars(False)
     threads = use_threads(args.threads)
