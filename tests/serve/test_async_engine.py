@@ -174,3 +174,39 @@ def test_a_request_still_queued_when_the_engine_fails_is_not_stranded(model: Any
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_the_snapshot_carries_the_managers_key_epoch(model: Any, tokenizer: Any) -> None:
+    """A weight update bumps the manager's key epoch; the snapshot (what a Ray replica reports to the router)
+    says the new one after the engine thread's next turn."""
+    import time
+
+    engine = AsyncEngine(make_engine(model, tokenizer))
+    engine.start()
+    try:
+        new = asyncio.run(engine.call(lambda e: e.manager.bump_epoch()))
+        deadline = time.monotonic() + 10
+        while engine.stats().kv_epoch != new:
+            assert time.monotonic() < deadline, f"the snapshot says epoch {engine.stats().kv_epoch}, not {new}"
+            time.sleep(0.01)
+        assert new == engine.engine.manager.epoch >= 1
+    finally:
+        engine.shutdown()
+
+
+def test_the_server_reaches_the_engine_only_through_async_engine() -> None:
+    """No module of pagedkv.serve reads `x.engine.engine` (the Engine behind an AsyncEngine): what the HTTP
+    layer and a Ray replica need is the AsyncEngine's interface (stats, model facts, kv_contents, call)."""
+    import ast
+    from pathlib import Path
+
+    import pagedkv.serve
+
+    found = []
+    for path in sorted(Path(pagedkv.serve.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "engine":
+                inner = node.value
+                if isinstance(inner, ast.Attribute) and inner.attr == "engine":
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

@@ -85,6 +85,9 @@ class EngineSnapshot:
     # prompt tokens that requests of a sample group took from their leader's prefill since start
     # (`Engine.group_prefill_shared_tokens`)
     group_prefill_shared_tokens: int = 0
+    # the KV manager's key epoch (`KVManager.epoch`; a weight update bumps it, and a router drops the keys
+    # of earlier epochs)
+    kv_epoch: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -234,6 +237,22 @@ class AsyncEngine:
     async def model_card(self) -> dict[str, Any]:
         """Nothing beyond what the app's `/v1/models` card says of one engine."""
         return {}
+
+    def kv_contents(self) -> dict[str, list[int]]:
+        """The external hashes (`pagedkv.events.wire.external_hash`) of the blocks this engine can serve, per
+        medium that holds any: "GPU" from the manager itself, the tiers' from the event log (what they
+        reported). Needs `kv_events` on; read while the engine is idle (tests and debugging)."""
+        from pagedkv.events.wire import external_hash
+
+        events = self.engine.kv_events
+        if events is None:
+            raise InvalidArgumentError("this engine records no KV events: build it with kv_events=True")
+        out = {
+            m: sorted({external_hash(k) for log in events.logs for k in log.holds(m)})
+            for m in ("CPU", "DISK", "REMOTE")
+        }  # a hybrid engine has one log per KV cache group: a hash held by any group
+        out["GPU"] = sorted(external_hash(k) for k in events.feed.device_keys())
+        return {m: v for m, v in out.items() if v}
 
     def num_waiting(self) -> int:
         """Requests accepted by the door that have not produced an output yet."""
@@ -485,6 +504,7 @@ class AsyncEngine:
                 sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens, tuple(sp.accepted_per_pos)
             ),
             group_prefill_shared_tokens=int(engine.group_prefill_shared_tokens),
+            kv_epoch=int(engine.manager.epoch),
         )
         if self.metrics is not None:
             self.metrics.observe_engine(snapshot)

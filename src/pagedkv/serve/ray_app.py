@@ -42,7 +42,6 @@ from typing import Any
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
-from pagedkv.events import external_hash
 from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.router.replica_stats import EngineGauges, ReplicaStats
 from pagedkv.serve.async_engine import AsyncEngine
@@ -179,7 +178,7 @@ class PagedKVReplica:
         return ReplicaStats(
             kv_events=self.publisher.endpoint, kv_replay=self.publisher.replay_endpoint,
             incarnation=self.publisher.first_seq, block_size=self.engine.model_facts.block_size,
-            hash_fn=self.hash_fn, epoch=int(self.engine.engine.manager.epoch),
+            hash_fn=self.hash_fn, epoch=s.kv_epoch,
             num_blocks=s.num_blocks, free_blocks=s.num_blocks - s.num_used_blocks, num_running=s.num_running,
             num_waiting=s.num_waiting + self.engine.num_waiting(), gauges=gauges,
         )  # fmt: skip
@@ -214,13 +213,7 @@ class PagedKVReplica:
         """The hashes this replica can serve, per medium (the GPU from the manager itself, the others from the
         event log: what the tiers reported). For tests; read while the replica is idle."""
         self._check(target)
-        events = self.engine.engine.kv_events
-        out = {
-            m: sorted({external_hash(k) for log in events.logs for k in log.holds(m)})
-            for m in ("CPU", "DISK", "REMOTE")
-        }  # a hybrid engine has one log per KV cache group: a hash held by any group
-        out["GPU"] = sorted(external_hash(k) for k in events.feed.device_keys())
-        return {m: v for m, v in out.items() if v}
+        return self.engine.kv_contents()
 
     def kill(self, target: ReplicaTarget) -> None:
         """Die at once, as a crash would (tests: Ray must restart the replica)."""
