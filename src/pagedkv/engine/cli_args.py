@@ -165,12 +165,19 @@ def add_threads(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
 
 
 def add_linear_backend(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """`--linear-backend`: the projections' implementation on a CPU (pagedkv.hf.cpu_linear)."""
+    """`--linear-backend`: the projections' implementation on a CPU (pagedkv.hf.cpu_linear), and
+    `--batch-invariant`, which picks batch-invariant mode's own ("invariant": `EngineConfig.batch_invariant`)."""
     parser.add_argument(
         "--linear-backend", choices=("auto", "onednn", "torch"), default="auto",
         help="the model's projections on a CPU: onednn (weights packed once; faster, not bit-identical to "
         "transformers in float32), torch (nn.Linear), auto (onednn for bf16 weights on a CPU with bf16 "
         "instructions, else torch)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-invariant", dest="linear_backend", action="store_const", const="invariant",
+        help="batch-invariant mode: a request's tokens and logprobs are bit-identical whatever else is in its "
+        "batch, however its prompt is chunked and whether its prefix came from the cache (Llama-structured "
+        "models; slower: docs/rl.md)",
     )  # fmt: skip
 
 

@@ -59,7 +59,8 @@ class EngineConfig:
     attention_backend: Literal["auto", "sdpa", "ops"] = "auto"  # see pagedkv.hf.cache.PagedKVCache
     # The model's projections on a CPU (pagedkv.hf.cpu_linear): "onednn" packs each weight once for oneDNN,
     # "torch" leaves nn.Linear alone, "auto" packs bf16 weights on a CPU with bf16 instructions.
-    linear_backend: Literal["auto", "onednn", "torch"] = "auto"
+    # "invariant" (pagedkv.hf.invariant) is batch-invariant mode's: the same as `batch_invariant=True`.
+    linear_backend: Literal["auto", "onednn", "torch", "invariant"] = "auto"
     # The forward (pagedkv.hf.fused_llama): "fused" runs Llama-structured models as one loop of fused
     # operations, "transformers" runs the model's own modules, "auto" fuses where the model allows it.
     model_forward: Literal["auto", "fused", "transformers"] = "auto"
@@ -91,6 +92,12 @@ class EngineConfig:
     # Speculative decoding (pagedkv.engine.speculative, docs/speculative.md): n-gram prompt lookup or a draft
     # model proposes k tokens a step, the model verifies them in one forward, rejected ones are rolled back.
     speculative: SpeculativeConfig | None = None
+    # Batch-invariant mode (pagedkv.hf.invariant, docs/rl.md): a request's tokens and logprobs are bit-identical
+    # whatever else is in its batch, however its prompt is chunked and whether its prefix came from the cache.
+    # It runs the fused Llama forward (model_forward "auto" becomes "fused") over the "invariant" linear
+    # backend ("auto" becomes "invariant"); either spelling, `batch_invariant=True` or
+    # `linear_backend="invariant"`, sets the other.
+    batch_invariant: bool = False
 
     @property
     def tiers_enabled(self) -> bool:
@@ -114,6 +121,7 @@ class EngineConfig:
         if self.scheduler.preemption_mode == "swap" and self.allocator not in ("paged", "hybrid"):
             raise InvalidArgumentError("preemption by swap needs the paged or hybrid allocator (they own a host pool)")
         self._check_backends()
+        self._resolve_batch_invariant()
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise InvalidArgumentError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         self._check_tiers()
@@ -141,10 +149,32 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"model_forward must be 'auto', 'fused' or 'transformers', got {self.model_forward!r}"
             )
-        if self.linear_backend not in ("auto", "onednn", "torch"):
+        if self.linear_backend not in ("auto", "onednn", "torch", "invariant"):
             raise InvalidArgumentError(
-                f"linear_backend must be 'auto', 'onednn' or 'torch', got {self.linear_backend!r}"
+                f"linear_backend must be 'auto', 'onednn', 'torch' or 'invariant', got {self.linear_backend!r}"
             )
+
+    def _resolve_batch_invariant(self) -> None:
+        """Batch-invariant mode's two spellings made one: the flag, the "invariant" linear backend and the fused
+        forward go together (see the field's comment); a conflicting explicit choice is an error."""
+        if not isinstance(self.batch_invariant, bool):
+            raise InvalidArgumentError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if not (self.batch_invariant or self.linear_backend == "invariant"):
+            return
+        if self.linear_backend not in ("auto", "invariant"):
+            raise InvalidArgumentError(
+                f"batch_invariant runs the 'invariant' linear backend; linear_backend {self.linear_backend!r} "
+                "contradicts it (leave linear_backend 'auto')"
+            )
+        if self.model_forward == "transformers":
+            raise InvalidArgumentError(
+                "batch_invariant runs the fused Llama forward; model_forward 'transformers' contradicts it "
+                "(leave model_forward 'auto')"
+            )
+        # a frozen dataclass resolves its "auto" values once, here (the object is not yet shared)
+        object.__setattr__(self, "batch_invariant", True)
+        object.__setattr__(self, "linear_backend", "invariant")
+        object.__setattr__(self, "model_forward", "fused")
 
     def _check_cache_policy(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -33,6 +33,7 @@ import torch
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.hf.cache import PagedKVCache, PagedStep
+from pagedkv.hf.invariant import BatchInvariantOptions, token_rows
 from pagedkv.hf.model_spec import ModelSpec, UnsupportedModelError, model_spec
 from pagedkv.hf.sdpa import paged_sdpa, sdpa_supports
 from pagedkv.hf.step_metadata import StepBatch
@@ -82,6 +83,8 @@ def attend_layer(
     kv_group, slot = step.cache.locate(layer_idx)  # hybrid models: the layer's KV cache group and page slot
     batch = step.batches[kv_group]
     step.write(layer_idx, k, v)
+    if isinstance(options, BatchInvariantOptions):
+        return _attend_rows(step, q, slot, options, kv_group)
     parts = [_attend_group(step, i, q, k, v, slot, options, kv_group) for i in range(len(batch.groups))]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -115,6 +118,36 @@ def _attend_group(
     key_cache, value_cache = cache.layer(layer_idx)
     plan = step.ops_plan(i, q_g, key_cache, value_cache, kv_group)  # holds the group's tables and lengths
     return ops_attention.run_planned(plan, q_g, key_cache, value_cache, options)
+
+
+def _attend_rows(
+    step: PagedStep, q: torch.Tensor, layer_idx: int, options: AttentionOptions, kv_group: int
+) -> torch.Tensor:
+    """Batch-invariant attention (`pagedkv.hf.invariant`): every packed query token is one decode row that
+    reads its request's block table up to its own position, computed alone. The C decode kernel where it
+    applies (one row per sequence, keys in order); else `pagedkv.ops` with one KV split: Triton in one call
+    (a query tile is one row, its key tiles start at position 0), the reference one call per row (its key
+    tile width follows the batch size, so the batch is always one row)."""
+    from pagedkv.ops import cpu_decode
+    from pagedkv.ops.attention import run_planned
+    from pagedkv.ops.plan import plan_attention
+
+    cache = step.cache
+    table, lens = token_rows(step.batches[kv_group])
+    kv, kv_scales = cache.layer_kv(layer_idx), cache.storage.layer_scales(layer_idx)
+    if options.soft_cap is None and options.sinks is None and cpu_decode.available(q, kv, kv_scales):
+        return cpu_decode.decode_attention(q, kv, table, lens, options, scales=kv_scales)
+    key_cache, value_cache = cache.layer(layer_idx)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+
+    def attend(i: int, j: int) -> torch.Tensor:
+        plan = plan_attention(q[i:j], key_cache, value_cache, table[i:j], lens[i:j], cu[: j - i + 1],
+                              max_seqlen_q=1, num_splits=1)  # fmt: skip
+        if plan.backend != "triton" and j - i > 1:
+            return torch.cat([attend(r, r + 1) for r in range(i, j)])
+        return run_planned(plan, q[i:j], key_cache, value_cache, options, kv_scales=kv_scales)
+
+    return attend(0, q.shape[0])
 
 
 def _attend_quantized(

@@ -14,6 +14,8 @@ Contract:
   `PackedLinear.tied_to` names that parameter).
 - `PackedLinear.repack(weight, bias)` packs new values of the same shape in place of the packed weight (and
   copies the bias): what a weight update calls, since the packed copy does not follow the original tensor.
+  `release()` lets the packed copy go (what `sleep(level=2)` calls; `released` says so) until the next
+  `repack`; a released layer refuses to run.
 - A `PackedLinear` computes `x @ W.T + b` for any number of leading dimensions and any token count. oneDNN
   builds and caches a kernel (a primitive, about 0.6 MiB of JIT code and buffers) for every row count it
   sees, and a server sees hundreds: each call therefore runs over a bounded set of row counts
@@ -24,12 +26,15 @@ Contract:
   `torch.nn.functional.linear` up to the GEMM's summation order, not bitwise: greedy tokens in float32 can
   differ from transformers' where two logits tie to the last bit (`linear_backend="torch"` gives
   transformers' float32 arithmetic bit for bit).
+- `PackedLinear(..., row_tile=n)` runs every call as GEMMs of exactly `n` rows (the last tile padded with zero
+  rows), so a row's result does not depend on how many rows came with it: batch-invariant mode's linear
+  (`pagedkv.hf.invariant`).
 - `resolve_dtype("auto")` is bfloat16 on such a CPU and the checkpoint's dtype elsewhere (the default of
   `pagedkv serve` and `generate`).
 - `choose_linear_backend("auto", dtype)` is "onednn" on a CPU for float32 weights, and for bfloat16 weights
-  where the CPU's oneDNN supports bf16 (the faster of the two in both dtypes: `pagedkv bench step`,
-  docs/benchmarks.md), "torch" otherwise; `cpu_bf16_support()` says what the CPU offers (for the start-up
-  line).
+  where the CPU's oneDNN supports bf16 (`onednn_packs`; the faster of the two in both dtypes: `pagedkv bench
+  step`, docs/benchmarks.md), "torch" otherwise; "invariant" (batch-invariant mode) is CPU-only;
+  `cpu_bf16_support()` says what the CPU offers (for the start-up line).
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.errors import EngineStateError, InvalidArgumentError
 
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "onednn", "torch", "invariant")
 BATCH_HINT = 64  # tokens per step the packed layout is tuned for (a decode batch); any count works
 EXACT_ROWS = 16  # row counts up to this run as they are
 TILE_ROWS = 256  # larger counts run in tiles of this many rows
@@ -65,8 +70,14 @@ def row_calls(rows: int) -> list[tuple[int, int]]:
 class PackedLinear(torch.nn.Module):
     """`x @ weight.T + bias` with the weight packed once for oneDNN (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tied_to: str | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tied_to: str | None = None,
+        row_tile: int | None = None,
+    ) -> None:
         super().__init__()
+        if row_tile is not None and (isinstance(row_tile, bool) or not isinstance(row_tile, int) or row_tile < 1):
+            raise InvalidArgumentError(f"row_tile must be an int >= 1 or None, got {row_tile!r}")
+        self.row_tile = row_tile  # every GEMM runs this many rows (see the module docstring)
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.register_buffer(
@@ -75,6 +86,7 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_dtype = weight.dtype
         self.tied_to = tied_to  # the model's parameter this weight was packed from, where it outlives the packing
+        self.released = False
 
     def repack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Pack `weight` (`[out_features, in_features]`, cast to the packed dtype) in place of the packed weight,
@@ -87,11 +99,27 @@ class PackedLinear(torch.nn.Module):
             raise InvalidArgumentError(f"repack: the bias is {tuple(bias.shape)}, the layer's is {want}")
         source = weight.detach().to(device=self.packed_weight.device, dtype=self.weight_dtype)
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(source.contiguous(), BATCH_HINT)
+        self.released = False
         if bias is not None and self.bias is not None:
             with torch.no_grad():
                 self.bias.copy_(bias.detach())
 
+    def release(self) -> int:
+        """Let the packed copy go until the next `repack`; returns its bytes (0 when released already)."""
+        if self.released:
+            return 0
+        nbytes = self.packed_weight.numel() * self.packed_weight.element_size()
+        self.packed_weight = torch.empty(0, dtype=self.packed_weight.dtype, device=self.packed_weight.device)
+        self.released = True
+        return nbytes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.released:
+            raise EngineStateError("this projection's packed weight was released (sleep level 2); wake_up() first")
+        if self.row_tile is not None:
+            from pagedkv.hf.invariant import tiled_rows
+
+            return tiled_rows(x, self.in_features, self.out_features, self._gemm, self.row_tile)
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         if rows <= EXACT_ROWS:
@@ -115,7 +143,16 @@ class PackedLinear(torch.nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
+        tiles = "" if self.row_tile is None else f", {self.row_tile}-row tiles"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed{tiles}"
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN packs and multiplies weights of `dtype` on this CPU (float32; bfloat16
+    where oneDNN supports it)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def cpu_bf16_support() -> str | None:
@@ -135,11 +172,15 @@ def cpu_bf16_support() -> str | None:
 
 
 def choose_linear_backend(backend: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "onednn" or "torch" for a model of `dtype` on `device` (see the module docstring)."""
+    """ "onednn", "torch" or "invariant" for a model of `dtype` on `device` (see the module docstring)."""
     if backend not in LINEAR_BACKENDS:
         raise InvalidArgumentError(
             f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}"
         )
+    if backend == "invariant":
+        if device.type != "cpu":
+            raise InvalidArgumentError(f"batch-invariant mode runs on a CPU; this model is on {device}")
+        return "invariant"
     if device.type != "cpu":
         if backend == "onednn":
             raise InvalidArgumentError(f"linear_backend 'onednn' is for CPU models; this one is on {device}")
@@ -177,7 +218,8 @@ def describe_weights(requested: str | None, dtype: torch.dtype, linear_backend: 
             if support
             else " (auto: no bf16 matrix instructions on this CPU)"
         )
-    return f"{name} weights{why}, {'oneDNN-packed' if linear_backend == 'onednn' else 'torch'} linear"
+    kind = {"onednn": "oneDNN-packed", "invariant": "batch-invariant"}.get(linear_backend, "torch")
+    return f"{name} weights{why}, {kind} linear"
 
 
 def pack_linears(model: Any) -> int:

@@ -105,6 +105,10 @@ class FusedLlama:
         self.num_kv_heads = int(model.config.num_key_value_heads)
         self.eps = float(body.norm.variance_epsilon)
         self.options: AttentionOptions = attention_options(float(attn0.scaling), None, None, None)
+        if backend == "invariant":  # batch-invariant mode: each query token attends as its own decode row
+            from pagedkv.hf.invariant import BatchInvariantOptions
+
+            self.options = BatchInvariantOptions.of(self.options)
         self.layers = [
             self._build(layer, _concat_into(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                         _concat_into(layer.mlp.gate_proj, layer.mlp.up_proj))
@@ -134,6 +138,10 @@ class FusedLlama:
         )
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        if self.backend == "invariant":
+            from pagedkv.hf.invariant import invariant_linear
+
+            return invariant_linear(weight, bias)
         if self.backend == "onednn":
             from pagedkv.hf.cpu_linear import PackedLinear
 

@@ -1,0 +1,218 @@
+"""Batch-invariant mode (`EngineConfig.batch_invariant`, `pagedkv.hf.invariant`): a request's tokens and
+logprobs are bit-identical whatever else is in its batch, however its prompt is chunked and whether its prefix
+came from the cache, in float32 and bfloat16; the default mode is not (its drift is measured here).
+
+The building blocks are checked on this CPU first: a GEMM row's result does not depend on its tile position or
+its neighbours at a fixed tile size, and the per-row operations (RMS norm, SiLU * up, log-softmax) do not
+depend on the row count."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.llm_engine import Engine
+from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.hf.cpu_linear import PackedLinear
+from pagedkv.hf.invariant import ROW_TILE, invariant_linear
+from pagedkv.hf.tiny import VOCAB, tiny_model
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [])
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2)
+Result = tuple[list[int], list[tuple[float, tuple[tuple[int, float], ...]]]]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def wide_llama(dtype: torch.dtype) -> Any:
+    """The tiny Llama made wide enough (hidden 256, MLP 1536) that oneDNN's GEMMs sum a row in another order
+    for another row count: at `tiny_model`'s 64 they happen not to."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    return tf.LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+def engine(dtype: torch.dtype, *, invariant: bool = True, budget: int = 512, **kw: Any) -> Engine:
+    cfg = EngineConfig(num_blocks=96, block_size=4, batch_invariant=invariant,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=budget), **kw)  # fmt: skip
+    return Engine(wide_llama(dtype), None, cfg)
+
+
+def results(
+    e: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = PARAMS, *, cached: int = 0
+) -> list[Result]:
+    """Each output's tokens and logprobs; `cached`: the prompt tokens the first must have found cached."""
+    outs = e.generate(prompts, params)
+    assert outs[0].num_cached_tokens == cached
+    return [(o.output_token_ids, [(lp.logprob, lp.top) for lp in o.logprobs or []]) for o in outs]
+
+
+def max_logprob_diff(a: Result, b: Result) -> float:
+    """The largest |difference| of the chosen tokens' logprobs while the two token streams agree."""
+    worst = 0.0
+    for ta, tb, (la, _), (lb, _) in zip(a[0], b[0], a[1], b[1], strict=True):
+        worst = max(worst, abs(la - lb))
+        if ta != tb:
+            break
+    return worst
+
+
+TARGET = prompt(0, 29)
+OTHERS = [prompt(1, 7), prompt(2, 41), prompt(3, 1), prompt(4, 18)]
+
+
+def scenarios(dtype: torch.dtype, invariant: bool) -> dict[str, Result]:
+    """The target request's result alone, in a batch, chunked, and over a warm prefix."""
+    got = {"alone": results(engine(dtype, invariant=invariant), [TARGET])[0]}
+    mixed = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=2) for n in (3, 9, 1, 5)]
+    got["batch"] = results(engine(dtype, invariant=invariant), [OTHERS[0], TARGET, *OTHERS[1:]],
+                           [mixed[0], PARAMS, *mixed[1:]])[1]  # fmt: skip
+    for budget in (5, 12):
+        got[f"chunks of {budget}"] = results(engine(dtype, invariant=invariant, budget=budget), [TARGET])[0]
+    warm = engine(dtype, invariant=invariant)
+    results(warm, [TARGET[:17] + prompt(5, 9)])  # its first 17 tokens are the target's
+    got["warm prefix"] = results(warm, [TARGET], cached=17)[0]  # 4 blocks + 1 token (partial block reuse)
+    got["warm, in a batch"] = results(warm, [TARGET, OTHERS[1]], cached=28)[0]
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_tokens_and_logprobs_are_bit_identical_in_every_batch_chunking_and_cache_state(dtype: torch.dtype) -> None:
+    got = scenarios(dtype, invariant=True)
+    alone = got.pop("alone")
+    for name, result in got.items():
+        assert result == alone, name  # tokens, logprobs and top-k, as Python floats: bit for bit
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_default_mode_drifts_with_the_batch(dtype: torch.dtype, capsys: Any) -> None:
+    got = scenarios(dtype, invariant=False)
+    alone = got.pop("alone")
+    drift = {name: max_logprob_diff(alone, r) for name, r in got.items()}
+    with capsys.disabled():
+        print(f"\ndefault-mode logprob drift ({dtype}): " + ", ".join(f"{k} {v:.3g}" for k, v in drift.items()))
+    assert max(drift.values()) > 0
+
+
+def test_the_reference_attention_path_is_invariant_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.ops import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "available", lambda *a, **k: False)  # as without the C extension
+    got = scenarios(torch.float32, invariant=True)
+    alone = got.pop("alone")
+    for name, result in got.items():
+        assert result == alone, name
+
+
+def test_quantized_pages_are_invariant_too() -> None:
+    alone = results(engine(torch.float32, kv_cache_dtype="int8"), [TARGET])[0]
+    assert results(engine(torch.float32, kv_cache_dtype="int8", budget=5), [OTHERS[1], TARGET])[1] == alone
+
+
+# --- the building blocks, on this CPU ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "torch"])
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3 * ROW_TILE + 1), at=st.data(), scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_a_row_s_gemm_result_depends_on_that_row_alone(
+    dtype: torch.dtype, packed: bool, rows: int, at: st.DataObject, scale: float
+) -> None:
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(576, 1536).to(dtype), torch.randn(576).to(dtype)  # K = 1536: orders differ by M
+    linear = invariant_linear(weight, bias) if packed else _torch_tiles(weight, bias)
+    row = torch.randn(1, 1536).to(dtype)
+    batch = (torch.randn(rows, 1536) * scale).to(dtype)
+    i = at.draw(st.integers(0, rows - 1))
+    batch[i] = row[0]
+    assert torch.equal(linear(batch)[i], linear(row)[0])
+
+
+def _torch_tiles(weight: torch.Tensor, bias: torch.Tensor) -> Any:
+    """`invariant_linear`'s fallback where oneDNN does not take the dtype."""
+    from pagedkv.hf.invariant import tiled_rows
+
+    return lambda x: tiled_rows(x, weight.shape[1], weight.shape[0], lambda t: torch.nn.functional.linear(t, weight, bias))
+
+
+def test_without_tiles_a_row_s_gemm_result_depends_on_the_row_count() -> None:
+    """Why the tiles are needed: the default packed GEMM sums a row in another order at another row count."""
+    torch.manual_seed(0)
+    weight, row = torch.randn(576, 1536), torch.randn(1, 1536)
+    default = PackedLinear(weight)
+    batch = torch.cat([row, torch.randn(7, 1536)])
+    assert not torch.equal(default(batch)[0], default(row)[0])
+    tiled = invariant_linear(weight, None)
+    assert torch.equal(tiled(batch)[0], tiled(row)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("width", [64, 576, 2048, 8192])
+def test_per_row_operations_do_not_depend_on_the_row_count(dtype: torch.dtype, width: int) -> None:
+    from pagedkv.hf.fused_llama import FusedLlama
+
+    norm = FusedLlama.__new__(FusedLlama)
+    norm.eps = 1e-5
+    weight = torch.randn(width).to(dtype)
+    ops = {
+        "rms_norm": lambda x: norm._rms_norm(x, weight),
+        "silu_mul": lambda x: torch.nn.functional.silu(x[:, : width // 2]) * x[:, width // 2 :],
+        "log_softmax": lambda x: torch.log_softmax(x.float(), dim=-1),
+    }
+    row = torch.randn(1, width).to(dtype)
+    for name, op in ops.items():
+        want = op(row)[0]
+        for rows in (2, 7, 16, 33, 300):
+            batch = torch.randn(rows, width).to(dtype)
+            i = rows // 3
+            batch[i] = row[0]
+            assert torch.equal(op(batch)[i], want), (name, rows)
+
+
+# --- configuration -----------------------------------------------------------------------------------------
+
+
+def test_the_flag_and_the_backend_are_one_setting() -> None:
+    on = EngineConfig(num_blocks=8, batch_invariant=True)
+    assert (on.linear_backend, on.model_forward) == ("invariant", "fused")
+    assert EngineConfig(num_blocks=8, linear_backend="invariant").batch_invariant
+    assert not EngineConfig(num_blocks=8).batch_invariant
+    with pytest.raises(InvalidArgumentError, match="linear_backend 'onednn' contradicts"):
+        EngineConfig(num_blocks=8, batch_invariant=True, linear_backend="onednn")
+    with pytest.raises(InvalidArgumentError, match="model_forward 'transformers' contradicts"):
+        EngineConfig(num_blocks=8, batch_invariant=True, model_forward="transformers")
+    with pytest.raises(InvalidArgumentError, match="batch_invariant must be a bool"):
+        EngineConfig(num_blocks=8, batch_invariant=1)  # type: ignore[arg-type]
+
+
+def test_a_model_the_fused_forward_cannot_run_is_refused_at_construction() -> None:
+    with pytest.raises(InvalidArgumentError, match="Llama-structured"):
+        Engine(tiny_model("gpt2"), None, EngineConfig(num_blocks=16, batch_invariant=True))
+
+
+def test_the_command_line_flag_selects_the_mode() -> None:
+    import argparse
+
+    from pagedkv.engine.cli_args import add_linear_backend
+
+    parser = argparse.ArgumentParser()
+    add_linear_backend(parser)
+    assert parser.parse_args(["--batch-invariant"]).linear_backend == "invariant"
+    assert parser.parse_args([]).linear_backend == "auto"
+    assert EngineConfig(num_blocks=8, linear_backend=parser.parse_args(["--batch-invariant"]).linear_backend).batch_invariant
