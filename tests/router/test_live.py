@@ -231,3 +231,22 @@ def test_a_routing_message_goes_through_its_dict_form_and_refuses_what_it_does_n
         ReplicaStats.from_dict({"hash_fn": "md5"})
     with pytest.raises(InvalidArgumentError, match="block_size"):
         ReplicaStats.from_dict({"block_size": "4"})
+
+
+def test_the_router_reads_a_cache_salt_as_the_engine_does() -> None:
+    """One salt-to-bytes (`pagedkv.engine.intake.salt_bytes`): text is its UTF-8, None and "" the shared cache,
+    and another type is the engine's one-line refusal, not a hash of whatever it was."""
+    from pagedkv.engine.intake import salt_bytes
+
+    router = LiveRouter(sync_interval_s=3600)
+    try:
+        router.observe("a", ReplicaStats(kv_events="ipc:///nonexistent/a", kv_replay="", incarnation=0, block_size=BS,
+                                         hash_fn="sha256", epoch=0, num_blocks=8, free_blocks=8, num_running=0,
+                                         num_waiting=0))  # fmt: skip
+        prompt = list(range(40, 52))
+        for salt in (None, "", "tenant é", b"tenant \xc3\xa9"):
+            assert router.rank(["a"], prompt, cache_salt=salt) == router.rank(["a"], prompt, cache_salt=salt_bytes(salt))
+        with pytest.raises(InvalidArgumentError, match="cache_salt must be a str, bytes or None, got int"):
+            router.rank(["a"], prompt, cache_salt=7)  # type: ignore[arg-type]
+    finally:
+        router.streams.close()

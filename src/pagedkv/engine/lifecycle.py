@@ -35,8 +35,9 @@ Invariants:
 - `sleep` needs nothing scheduled (pause first). Level 1 empties the prefix cache and releases the device
   KV pages (a draft model's too), the swap pool and the host / disk tiers; level 2 also releases the
   weights: to host memory on an accelerator, or dropped where they can be read again from a folder of
-  safetensors that holds the version in force. `wake_up` allocates them again (the KV pages zeroed, the
-  caches empty).
+  safetensors that holds the version in force, and with them every oneDNN-packed copy (the model's
+  projections and the fused forward's, `PackedLinear.release`). `wake_up` allocates them again (the KV
+  pages zeroed, the caches empty, the copies packed from the weights read back).
 - `pagedkv.core` stays torch-free: this module owns the torch side of the lifecycle.
 """
 
@@ -46,7 +47,7 @@ import gc
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -371,7 +372,20 @@ class Lifecycle:
 
     def _release_weights(self, drop_to: str) -> int:
         self._weights = _release(list(self.engine.model.parameters()), to_host=drop_to == "host")
-        return sum(nbytes for _, nbytes, _ in self._weights)
+        packed = sum(p.release() for p in self._packed_copies())  # repacked when the weights are read back
+        return sum(nbytes for _, nbytes, _ in self._weights) + packed
+
+    def _packed_copies(self) -> list[PackedLinear]:
+        """Every oneDNN-packed copy of the weights: the model's projections (`pack_linears`) and the fused
+        forward's GEMMs (`FusedLlama.refresh` packs them again)."""
+        found = list(packed_linears(self.engine.model).values())
+        fused = self.engine.runner.fused
+        if fused is not None:
+            for layer in fused.layers:
+                found += [v for v in (getattr(layer, f.name) for f in fields(layer)) if isinstance(v, PackedLinear)]
+            if isinstance(fused.lm_head, PackedLinear):
+                found.append(fused.lm_head)
+        return found
 
     def _restore_weights(self, *, load: bool) -> None:
         """Give released weights their storage again (copied back from host memory, or uninitialized); with

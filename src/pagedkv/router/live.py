@@ -34,6 +34,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.engine.intake import salt_bytes
 from pagedkv.router.event_streams import EventStreams
 from pagedkv.router.index import ReplicaIndex
 from pagedkv.router.load import FleetLoad, Placement, placement
@@ -111,7 +112,7 @@ class LiveRouter:
         if not candidates:
             raise InvalidArgumentError("no candidate replicas")
         self.streams.poll(sync=False)  # the periodic check runs when a request completes, not in a decision
-        salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
+        salt = salt_bytes(cache_salt)  # as the engine reads it, or its one-line refusal
         by_keys: dict[tuple[Any, ...], list[int]] = {}  # replicas agree on these normally: one hashing
         per: dict[Hashable, list[int]] = {}
         for r in candidates:
