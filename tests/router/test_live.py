@@ -3,6 +3,7 @@ fallback, a restarted replica re-followed, a forgotten one gone from the index."
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import numpy as np
@@ -250,3 +251,20 @@ def test_the_router_reads_a_cache_salt_as_the_engine_does() -> None:
             router.rank(["a"], prompt, cache_salt=7)  # type: ignore[arg-type]
     finally:
         router.streams.close()
+
+
+def test_one_replay_timeout_default_from_the_subscriber_to_the_ray_router() -> None:
+    """`replay_timeout_ms` has one default, `pagedkv.events.publisher.REPLAY_TIMEOUT_MS`, at every layer that
+    takes it (a router check waits that long on a silent replica, so every layer must agree)."""
+    import inspect
+
+    from pagedkv.events.publisher import REPLAY_TIMEOUT_MS, EventSubscriber
+    from pagedkv.router.event_streams import EventStreams
+
+    takers = [EventSubscriber.__init__, EventStreams.__init__, LiveRouter.__init__]
+    if importlib.util.find_spec("ray") is not None:
+        from pagedkv.serve.ray_router import PagedKVRequestRouter
+
+        takers.append(PagedKVRequestRouter.initialize_state)
+    defaults = {f.__qualname__: inspect.signature(f).parameters["replay_timeout_ms"].default for f in takers}
+    assert set(defaults.values()) == {REPLAY_TIMEOUT_MS}, defaults

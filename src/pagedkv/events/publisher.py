@@ -45,6 +45,12 @@ from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.events.wire import AllBlocksCleared, EventBatch, decode_batch, encode_batch
 
 END_SEQ = -1
+# How long a subscriber waits for a replica's replay socket before it calls the replica unresponsive: the
+# default of every layer that takes `replay_timeout_ms` (this subscriber, the router's `EventStreams`,
+# `LiveRouter`, the Ray request router). A router's check waits this long on a silent replica while its
+# decisions wait, so it is short; a live replica on a loaded machine answers in tens of milliseconds
+# (docs/scale-out.md).
+REPLAY_TIMEOUT_MS = 500
 
 
 class ReplayGapError(PagedKVError):
@@ -175,7 +181,7 @@ class EventSubscriber:
         *,
         topic: str = "",
         next_seq: int | None = None,
-        replay_timeout_ms: int = 5000,
+        replay_timeout_ms: int = REPLAY_TIMEOUT_MS,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()

@@ -9,9 +9,9 @@
 Contract: the index holds a block for a replica only if the replica holds it, up to the batches still in
 flight. The subscriber replays gaps and turns restarts and lost ranges into an `AllBlocksCleared` for that
 replica (see `pagedkv.events.publisher`); a replica whose replay socket does not answer within
-`replay_timeout_ms` is dropped from the index and marked `down` (it takes no prefix credit) until it answers
-again, when its whole history is replayed from its publisher (or, if that is gone, what follows a synthetic
-clear). `remove` forgets a replica for good (Ray replaced it).
+`replay_timeout_ms` (default `REPLAY_TIMEOUT_MS`, 500 ms) is dropped from the index and marked `down` (it
+takes no prefix credit) until it answers again, when its whole history is replayed from its publisher (or,
+if that is gone, what follows a synthetic clear). `remove` forgets a replica for good (Ray replaced it).
 
 The periodic check that `poll` runs every `sync_interval_s` syncs only the streams that delivered nothing
 since the previous one: a stream that delivered is alive, and a batch it lost shows as a gap in its next
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import zmq
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.events.publisher import EventSubscriber, ReplicaUnresponsiveError
+from pagedkv.events.publisher import REPLAY_TIMEOUT_MS, EventSubscriber, ReplicaUnresponsiveError
 from pagedkv.events.wire import EventBatch
 from pagedkv.router.index import ReplicaIndex
 
@@ -52,7 +52,7 @@ class EventStreams:
         self,
         index: ReplicaIndex | None = None,
         *,
-        replay_timeout_ms: int = 2000,
+        replay_timeout_ms: int = REPLAY_TIMEOUT_MS,
         sync_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,

@@ -35,6 +35,7 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.intake import salt_bytes
+from pagedkv.events.publisher import REPLAY_TIMEOUT_MS
 from pagedkv.router.event_streams import EventStreams
 from pagedkv.router.index import ReplicaIndex
 from pagedkv.router.load import FleetLoad, Placement, placement
@@ -59,7 +60,7 @@ class LiveRouter:
         *,
         weights: CostWeights | None = None,
         imbalance_threshold: int = LIVE_IMBALANCE_THRESHOLD,
-        replay_timeout_ms: int = 2000,
+        replay_timeout_ms: int = REPLAY_TIMEOUT_MS,
         sync_interval_s: float = 1.0,
     ) -> None:
         self.policy = CostRouting(weights, imbalance_threshold)

@@ -41,6 +41,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from pagedkv.events.publisher import REPLAY_TIMEOUT_MS
 from pagedkv.router.live import LiveRouter
 from pagedkv.router.policy import LIVE_IMBALANCE_THRESHOLD, LIVE_WEIGHTS, CostWeights
 from pagedkv.router.replica_stats import ReplicaStats
@@ -78,7 +79,7 @@ class PagedKVRequestRouter(RequestRouter):
         remote_discount: float = LIVE_WEIGHTS.remote_discount,
         queue_weight: float = LIVE_WEIGHTS.queue_weight,
         duplicate_weight: float = LIVE_WEIGHTS.duplicate_weight,
-        replay_timeout_ms: int = 500,
+        replay_timeout_ms: int = REPLAY_TIMEOUT_MS,
         sync_interval_s: float = 1.0,
     ) -> None:
         self.live = LiveRouter(
