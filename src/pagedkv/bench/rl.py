@@ -24,6 +24,13 @@ It prints one row per iteration (rollout tokens/s, the times of update, sleep an
 back: the allocator's KV bytes, the weights' bytes, the process's RSS), the stale-KV check, and per sharing
 mode the rollout tokens/s and the prompt tokens the model computed (tokens run minus decode tokens);
 `--json` writes them. Figures from a loaded machine are relative, not a capacity statement.
+
+Batch-invariant mode (`EngineConfig.batch_invariant`; `--batch-invariant` runs the whole loop in it) is
+measured last, on the final weights, where the model is Llama-structured: the first sharing mode's rollout
+on a default engine and on a batch-invariant one, interleaved `--invariance-rounds` times (tokens/s of each,
+the median ratio is the mode's cost), and how far each mode's greedy logprobs move between a prompt run
+alone and in the rollout's batch (max |difference| over the tokens before the first that differs; the
+invariant mode's must be 0).
 """
 
 from __future__ import annotations
@@ -69,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how a prompt's samples share its prefill, comma-separated: n (one request of n samples), "
                              "group (n requests with one group_id), none (n requests, no sharing); the first one's "
                              "rollout fills the main columns")  # fmt: skip
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="run the loop in batch-invariant mode (docs/rl.md); its cost is measured either way")  # fmt: skip
+    parser.add_argument("--invariance-rounds", type=int_at_least(0, 100), default=3,
+                        help="interleaved default / batch-invariant rollouts that measure the mode's cost (0: skip)")  # fmt: skip
     add_threads(parser)
     parser.add_argument("--json", metavar="PATH", help="also write the rows and settings as JSON")
 
@@ -103,7 +114,9 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
     from pagedkv.engine.params import SamplingParams
 
     pristine = copy.deepcopy(model)
-    config = EngineConfig(num_blocks=args.num_blocks, block_size=16, host_blocks=args.host_blocks)
+    invariant = bool(getattr(args, "batch_invariant", False))
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=16, host_blocks=args.host_blocks,
+                          batch_invariant=invariant)  # fmt: skip
     engine = Engine(model, None, config)  # the default linear backend: oneDNN-packed on most CPUs
     vocab = int(engine.vocab_size)
     rng = np.random.default_rng(args.seed)
@@ -138,8 +151,59 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
         rows.append(row)
     engine.close()
     settings = {k: v for k, v in vars(args).items() if k != "json" and isinstance(v, str | int | float | list | None)}
+    final = copy.deepcopy(pristine)
+    final.load_state_dict(weights)
     return {"settings": settings, "rows": rows, "stale_kv_check": "pass" if all(checks) else "FAIL",
-            "threads": torch.get_num_threads()}  # fmt: skip
+            "threads": torch.get_num_threads(), "batch_invariance": _invariance(final, prompts, args)}  # fmt: skip
+
+
+def _invariance(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any] | None:
+    """Batch-invariant mode against the default on `model` (module docstring): rollout tokens/s of each
+    over interleaved rounds, and each mode's greedy logprob drift between a prompt alone and in the batch;
+    None with `--invariance-rounds 0` or where the model is not Llama-structured."""
+    from pagedkv.core.errors import InvalidArgumentError
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+
+    rounds = int(getattr(args, "invariance_rounds", 0))
+    if rounds == 0:
+        return None
+    engines = {}
+    for mode in ("default", "invariant"):
+        cfg = EngineConfig(num_blocks=args.num_blocks, block_size=16, batch_invariant=mode == "invariant")
+        try:
+            engines[mode] = Engine(copy.deepcopy(model), None, cfg)
+        except InvalidArgumentError:  # not a model the fused forward runs
+            return None
+    rates: dict[str, list[float]] = {mode: [] for mode in engines}
+    for r in range(rounds):  # interleaved, so that a loaded machine slows both alike
+        for mode, engine in engines.items():
+            rates[mode].append(_rollout(engine, prompts, args, args.sharing[0], seed=args.seed + 1000 + r)["rollout_tok_s"])
+    drift = {mode: _logprob_drift(engine, prompts, args.max_tokens) for mode, engine in engines.items()}
+    ratios = sorted(d / i for d, i in zip(rates["default"], rates["invariant"], strict=True))
+    for engine in engines.values():
+        engine.close()
+    return {"rollout_tok_s": rates, "cost": ratios[len(ratios) // 2], "logprob_drift": drift}
+
+
+def _logprob_drift(engine: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """The largest |logprob difference| of a greedy token between each prompt alone and all of them in one
+    batch, over each output's tokens up to the first that differs (the prefix cache emptied before each)."""
+    from pagedkv.engine.params import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    engine.reset_prefix_cache()
+    together = engine.generate(prompts, greedy)
+    worst = 0.0
+    for prompt, batched in zip(prompts, together, strict=True):
+        engine.reset_prefix_cache()
+        alone = engine.generate([prompt], greedy)[0]
+        for a, b, la, lb in zip(alone.output_token_ids, batched.output_token_ids, alone.logprobs or [],
+                                batched.logprobs or [], strict=True):  # fmt: skip
+            worst = max(worst, abs(la.logprob - lb.logprob))
+            if a != b:
+                break
+    return worst
 
 
 def _rollout(engine: Any, prompts: list[list[int]], args: argparse.Namespace, mode: str, *, seed: int) -> dict[str, Any]:
@@ -214,6 +278,18 @@ def render(result: dict[str, Any]) -> str:
         rates = " ".join(f"{r['sharing'][mode]['rollout_tok_s']:.0f}" for r in result["rows"])
         computed = result["rows"][0]["sharing"][mode]["prompt_tokens_computed"]
         lines.append(f"{mode:>7} {rates:>40} {computed:>22}")
+    inv = result.get("batch_invariance")
+    if inv is not None:
+        rates = inv["rollout_tok_s"]
+        lines.append(
+            f"batch-invariant mode ({s['sharing'][0]} rollout, {len(rates['default'])} interleaved rounds): "
+            f"{' '.join(f'{x:.0f}' for x in rates['invariant'])} tok/s vs default {' '.join(f'{x:.0f}' for x in rates['default'])}: "
+            f"cost {inv['cost']:.2f}x (median default/invariant)"
+        )
+        lines.append(
+            "greedy logprob drift, a prompt alone vs in the batch (max |difference|): "
+            f"default {inv['logprob_drift']['default']:.3g}, batch-invariant {inv['logprob_drift']['invariant']:.3g}"
+        )
     return "\n".join(lines)
 
 

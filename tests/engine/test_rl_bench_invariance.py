@@ -1,0 +1,40 @@
+"""`pagedkv bench rl`'s batch-invariant figures: the mode's cost (rollout tokens/s against the default, over
+interleaved rounds) and each mode's greedy logprob drift between a prompt alone and in the batch; the
+invariant mode's drift is 0 by contract. `--batch-invariant` runs the whole loop in the mode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedkv.cli import main
+
+SMALL = ["bench", "rl", "--prompts", "3", "--samples", "2", "--iterations", "1", "--max-tokens", "5",
+         "--prompt-len", "20", "--num-blocks", "64", "--host-blocks", "0", "--threads", "1", "--sharing", "n"]  # fmt: skip
+
+
+@pytest.mark.parametrize("loop", ["default", "batch-invariant"])
+def test_bench_rl_reports_the_cost_and_the_drift_of_batch_invariant_mode(
+    loop: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rl.json"
+    extra = ["--batch-invariant"] if loop == "batch-invariant" else []
+    assert main([*SMALL, "--invariance-rounds", "2", *extra, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "batch-invariant mode (n rollout, 2 interleaved rounds)" in printed and "logprob drift" in printed
+    result = json.loads(out.read_text())
+    assert result["stale_kv_check"] == "pass"
+    inv = result["batch_invariance"]
+    assert all(len(inv["rollout_tok_s"][m]) == 2 and min(inv["rollout_tok_s"][m]) > 0 for m in ("default", "invariant"))
+    assert inv["cost"] > 0
+    assert inv["logprob_drift"]["invariant"] == 0.0
+    assert inv["logprob_drift"]["default"] >= 0.0
+
+
+def test_zero_rounds_skip_the_measurement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rl.json"
+    assert main([*SMALL, "--invariance-rounds", "0", "--json", str(out)]) == 0
+    assert "batch-invariant mode" not in capsys.readouterr().out
+    assert json.loads(out.read_text())["batch_invariance"] is None
