@@ -18,7 +18,8 @@ from pagedkv.engine.config import EngineConfig  # noqa: E402
 from pagedkv.engine.llm_engine import Engine  # noqa: E402
 from pagedkv.engine.params import SamplingParams  # noqa: E402
 from pagedkv.hf.tiny import tiny_model  # noqa: E402
-from pagedkv.serve.ray_app import Deployed, ReplicaSet, ReplicaTarget, running  # noqa: E402
+from pagedkv.serve.ray_app import Deployed, ReplicaSet, running  # noqa: E402
+from pagedkv.serve.replica_calls import ReplicaTarget  # noqa: E402
 
 PROMPTS = [[1, 28, 29, 30, 31, 32, 33, 34, 35, 36, 40 + i, 50 + i] for i in range(3)]
 

@@ -22,7 +22,8 @@ from pagedkv.engine.params import SamplingParams  # noqa: E402
 from pagedkv.events import GPU  # noqa: E402
 from pagedkv.router.live import LiveRouter  # noqa: E402
 from pagedkv.router.replica_stats import ReplicaStats  # noqa: E402
-from pagedkv.serve.ray_app import Deployed, ReplicaRequest, ReplicaSet, ReplicaTarget, running  # noqa: E402
+from pagedkv.serve.ray_app import Deployed, ReplicaSet, running  # noqa: E402
+from pagedkv.serve.replica_calls import ReplicaRequest, ReplicaTarget  # noqa: E402
 
 DOC = 40  # tokens: 10 blocks of 4
 

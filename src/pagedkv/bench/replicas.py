@@ -189,7 +189,7 @@ async def _conversation(
     handle: Any, c: int, turns: list[list[int]], output_len: int, run: RouterRun, start: float
 ) -> None:
     from pagedkv.engine.params import SamplingParams
-    from pagedkv.serve.ray_app import ReplicaRequest
+    from pagedkv.serve.replica_calls import ReplicaRequest
 
     history: list[int] = []
     for k, user in enumerate(turns):
@@ -232,7 +232,7 @@ async def _drive(handle: Any, trace: list[list[list[int]]], spec: TraceSpec, rou
 async def _warm_up(handle: Any, replicas: int) -> None:
     """Every replica answers (Ray has them all) and has run a forward (first-call costs out of the figures)."""
     from pagedkv.engine.params import SamplingParams
-    from pagedkv.serve.ray_app import ReplicaRequest
+    from pagedkv.serve.replica_calls import ReplicaRequest
 
     seen: set[str] = set()
     for i in range(200):

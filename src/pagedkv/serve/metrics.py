@@ -52,7 +52,7 @@ from pagedkv.engine.request import FINISH_REASONS
 
 if TYPE_CHECKING:
     from pagedkv.engine.outputs import RequestOutput
-    from pagedkv.serve.async_engine import EngineSnapshot
+    from pagedkv.serve.engine_snapshot import EngineSnapshot
 
 PREFIX = "pagedkv:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -41,10 +41,10 @@ from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.params import SamplingParams
 from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.router.replica_stats import EngineGauges, ReplicaStats
 from pagedkv.serve.async_engine import AsyncEngine
+from pagedkv.serve.replica_calls import ReplicaRequest, ReplicaTarget, WrongReplicaError
 
 ROUTERS = ("pagedkv", "prefix-affinity", "pow2")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -78,35 +78,6 @@ def load_factory(spec: Any) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
         raise InvalidArgumentError(f"cannot load the engine factory {spec!r}: {err}") from None
-
-
-@dataclass
-class ReplicaRequest:
-    """One engine request as the ingress hands it to a replica (and as routers see it)."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str | None = None
-    cache_salt: str | None = None
-    priority: int = 0
-    group_id: str | None = None  # a sample group's requests prefill their prompt once on the replica they share
-
-    @property
-    def prompt(self) -> str:
-        """The prompt for text-prefix routers (Ray's PrefixCacheAffinityRouter): one character per token, so
-        a shared text prefix is exactly a shared token prefix."""
-        return "".join(chr(0x10000 + (t % 0xF0000)) for t in self.prompt_token_ids)
-
-
-@dataclass(frozen=True)
-class ReplicaTarget:
-    """Names one replica (Ray's replica unique id) for a directed call (`kv_contents`, `kill`, ...)."""
-
-    replica: str
-
-
-class WrongReplicaError(InvalidArgumentError):
-    """A directed call reached another replica (the named one is gone)."""
 
 
 class _PublishingEngine(AsyncEngine):

@@ -27,7 +27,7 @@ from pagedkv.router.replica_stats import ReplicaStats
 from pagedkv.serve.engine_client import ModelFacts
 from pagedkv.serve.error_bodies import APIError, unavailable
 from pagedkv.serve.metrics import ServerMetrics
-from pagedkv.serve.ray_app import ReplicaRequest, ReplicaTarget
+from pagedkv.serve.replica_calls import ReplicaRequest, ReplicaTarget
 
 DIRECTED_TRIES = 32
 

@@ -51,6 +51,7 @@ from pagedkv.core.manager import PagedKVManager
 from pagedkv.events import CPU, GPU, REMOTE, BlockRemoved, BlockStored, EventLog, ManagerFeed
 from pagedkv.router import ReplicaIndex, Router, request_hashes
 from pagedkv.sim.budget import KVBudget
+from pagedkv.sim.report import table
 from pagedkv.sim.run_metrics import request_metrics
 from pagedkv.sim.simulator import Arrivals, Replay, SimConfig, check_budget
 from pagedkv.sim.workload import Workload
@@ -63,6 +64,13 @@ PCIE_GEN5_X16 = 64e9
 PCIE_GEN4_X16 = 32e9
 DEFAULT_REMOTE_BANDWIDTH = 12.5e9  # 100 Gb/s
 DEFAULT_REMOTE_LATENCY_S = 0.0005
+# `simulate --replicas N`'s table: one row per router
+_REPLICA_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("prefix hit", "prefix_hit_rate", "pct"), ("GPU", "gpu_hit_rate", "pct"), ("host", "host_hit_rate", "pct"),
+    ("remote", "remote_hit_rate", "pct"), ("TTFT p50", "ttft_p50_s", "s"), ("TTFT p99", "ttft_p99_s", "s"),
+    ("TPOT p50", "tpot_p50_s", "ms"), ("TPOT p99", "tpot_p99_s", "ms"), ("tok/s", "tokens_per_s", ".0f"),
+    ("req/s", "requests_per_s", ".2f"),
+)  # fmt: skip
 
 
 def host_link_bandwidth(gpu_name: str) -> float:
@@ -404,9 +412,18 @@ class ReplicaReport:
         }
 
     def text(self) -> str:
-        from pagedkv.sim.report import replicas_text
-
-        return replicas_text(self)
+        """`simulate --replicas N`'s table: what ran where, then one row per router and its requests per
+        replica."""
+        c = self.config
+        out = [
+            f"{self.num_replicas} x {c.model.name} on {c.gpu.name}, {self.tiers.describe()}",
+            f"workload: {self.workload.name}; {self.workload.notes()}",
+            "",
+            *table(self.results, "router", _REPLICA_COLUMNS),
+            "",
+        ]
+        out += [f"{name}: requests per replica {res['requests_per_replica']}" for name, res in self.results.items()]
+        return "\n".join(out)
 
 
 def run_replicas(

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagedkv.sim.run import SimulationReport
-
-if TYPE_CHECKING:
-    from pagedkv.sim.replicas import ReplicaReport
 
 _COLUMNS: tuple[tuple[str, str, str], ...] = (
     # (header, key, format)
@@ -114,29 +111,6 @@ def simulate_text(report: SimulationReport) -> str:
             out += ["", f"block-size sweep, {name}:", *table(rows, "run")]
             cache = cache_table(rows)
             out += ["", *cache] if cache else []
-    return "\n".join(out)
-
-
-# `simulate --replicas N`: one row per router
-_REPLICA_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("prefix hit", "prefix_hit_rate", "pct"), ("GPU", "gpu_hit_rate", "pct"), ("host", "host_hit_rate", "pct"),
-    ("remote", "remote_hit_rate", "pct"), ("TTFT p50", "ttft_p50_s", "s"), ("TTFT p99", "ttft_p99_s", "s"),
-    ("TPOT p50", "tpot_p50_s", "ms"), ("TPOT p99", "tpot_p99_s", "ms"), ("tok/s", "tokens_per_s", ".0f"),
-    ("req/s", "requests_per_s", ".2f"),
-)  # fmt: skip
-
-
-def replicas_text(report: ReplicaReport) -> str:
-    """`simulate --replicas N`'s table: what ran where, then one row per router and its requests per replica."""
-    c = report.config
-    out = [
-        f"{report.num_replicas} x {c.model.name} on {c.gpu.name}, {report.tiers.describe()}",
-        f"workload: {report.workload.name}; {report.workload.notes()}",
-        "",
-        *table(report.results, "router", _REPLICA_COLUMNS),
-        "",
-    ]
-    out += [f"{name}: requests per replica {res['requests_per_replica']}" for name, res in report.results.items()]
     return "\n".join(out)
 
 
