@@ -25,3 +25,29 @@ def test_every_file_the_doc_tables_name_exists() -> None:
     named = [r for r in rows if r.endswith((".py", ".c")) and "/" in r or r in ("cli.py", "demo.py")]
     stale = [r for r in named if not (PKG / r).exists()]
     assert named and not stale, f"docs/architecture.md names files that are gone: {stale}"
+
+
+# Docstrings with a dated passage, each with its reason (the list only shrinks).
+DATED_DOCSTRINGS = {
+    "core/hotpath.py": "a measurement of the C hot path; moves to docs/ with the one group-based manager (issue 34)",
+}
+
+
+def test_docstrings_carry_no_dated_passage() -> None:
+    """A docstring says what the code is; how it got there is in git, and a measurement goes in docs/ with its
+    date, machine and command. A date (YYYY-MM-DD) in a docstring is either."""
+    import ast
+    import re
+
+    dated = set()
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node) or ""
+                if re.search(r"\b20\d\d-\d\d-\d\d\b", doc):
+                    dated.add(str(path.relative_to(PKG)))
+    assert dated == set(DATED_DOCSTRINGS), (
+        f"docstrings with a date (move history to the commit message, measurements to docs/): "
+        f"{sorted(dated - set(DATED_DOCSTRINGS))}; no longer dated (remove from DATED_DOCSTRINGS): "
+        f"{sorted(set(DATED_DOCSTRINGS) - dated)}"
+    )

@@ -15,9 +15,8 @@ if that is gone, what follows a synthetic clear). `remove` forgets a replica for
 
 The periodic check that `poll` runs every `sync_interval_s` syncs only the streams that delivered nothing
 since the previous one: a stream that delivered is alive, and a batch it lost shows as a gap in its next
-one, which `poll` replays at once. A sync is a round trip to the replica, made while the caller waits (the
-router's decisions wait with it): measured in `pagedkv bench replicas` at 4 replicas on a loaded 2-core
-machine, 50 ms a check on average, up to 126 ms, once a second. `check()` called directly syncs every stream.
+one, which `poll` replays at once. A sync is a round trip to the replica, made while the caller waits
+(measured in docs/scale-out.md, "Events that never lie"). `check()` called directly syncs every stream.
 
 Not thread-safe: one owner calls every method (the router's event loop).
 """

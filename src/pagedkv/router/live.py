@@ -21,8 +21,7 @@ defaults and load model the simulator (`pagedkv simulate --replicas`) runs. What
 
 Decisions never wait for the streams' periodic check (a round trip to each replica silent for
 `sync_interval_s`, `pagedkv.router.event_streams`): `rank` only applies the batches that have arrived, and
-the check runs when a request completes (in `pagedkv bench replicas` at 4 replicas a decision after a quiet
-second waited 16 ms for it).
+the check runs when a request completes (its cost: docs/scale-out.md, "Events that never lie").
 
 A replica whose `kv_events` endpoint changes (Ray restarted it elsewhere) is re-followed from scratch; one
 that leaves the candidate set for good is forgotten (`forget`). Not thread-safe: one event loop owns it.

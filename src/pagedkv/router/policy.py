@@ -27,8 +27,8 @@ many more the shared REMOTE store holds (`PrefixMatch`). Policies:
 
       queued work charged = max(queued work - pending blocks, 0)
 
-  Charged in full, that work cancelled the blocks saved: a second request sharing only a system prompt
-  with one still prefilling went to the idle replica and computed the prompt again. Where nothing is on its
+  (charged in full, that work would cancel the blocks saved, and a request sharing a system prompt with
+  one still prefilling would go to an idle replica and compute the prompt again). Where nothing is on its
   way (an idle fleet) the cost is the formula above unchanged.
 - `CostRouting.rank` adds two rules over requests in flight. A request whose own history one replica holds
   (`sticky`: `FleetLoad.private`) stays there unless that replica's requests exceed the least loaded's by

@@ -13,18 +13,17 @@ dead replicas: `pagedkv.router.event_streams`), with a load-imbalance fallback. 
 where their events are, which hashing they use and their load through `record_routing_stats` (see
 `pagedkv.serve.ray_app.PagedKVReplica`); Ray refreshes those every `request_routing_stats_period_s`.
 
-A request is recognised by an argument having `prompt_token_ids` (a `ReplicaRequest`); a call with an argument
-naming a replica (`ReplicaTarget`) goes to that replica; any other call goes to a random replica. Ray's hooks keep the router's own count of work in
-flight per replica (`on_request_routed` / `on_request_completed`), and forget a replica Ray removed
-(`update_replicas`, `on_replica_actor_died`).
+A request is recognised by an argument having `prompt_token_ids` (a `ReplicaRequest`); a call with an
+argument naming a replica (`ReplicaTarget`) goes to that replica; any other call goes to a random replica.
+Ray's hooks keep the router's own count of work in flight per replica (`on_request_routed` /
+`on_request_completed`), and forget a replica Ray removed (`update_replicas`, `on_replica_actor_died`).
 
 The router runs in every process that holds a handle to the deployment (the ingress replicas); each keeps its
 own index from the same event streams.
 
 A ranking is for its own request: a replica found for it goes to that request (Ray's default matching by
-internal request id), never to whichever request has waited longest (Ray's `FIFOMixin`, which this router
-used until 2026-12-01: a replica ranked for one conversation's history could then serve another
-conversation's turn).
+internal request id), never to whichever request has waited longest (Ray's `FIFOMixin`, with which a
+replica ranked for one conversation's history would serve another conversation's turn).
 """
 
 from __future__ import annotations
