@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import CapacityError, InvariantError, NotSupportedError
 from pagedkv.core.prefix import BlockKeys
+from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource, ManagerStats
 from pagedkv.core.table import BlockTables, TableViews
 from pagedkv.core.validate import (
@@ -93,6 +94,7 @@ class ContiguousKVManager(TableViews):
         self.tables = BlockTables(block_size, 0)
         self._admissions = self._preemptions = self._prompt_tokens = 0
         self._pending: dict[int, int] = {}  # destination block of a copy not handed out yet -> its source
+        self._epoch = 0
 
     @property
     def num_blocks(self) -> int:
@@ -117,6 +119,40 @@ class ContiguousKVManager(TableViews):
     @property
     def supports_swap(self) -> bool:
         return False
+
+    # --- no prefix cache: nothing to report, forget or count -------------------------------------
+
+    @property
+    def records_events(self) -> bool:
+        return False
+
+    @property
+    def grouped_events(self) -> bool:
+        return False
+
+    def take_events(self) -> list[CacheEvent]:
+        return []
+
+    @property
+    def misses(self) -> None:
+        return None
+
+    def count_tier_miss(self, seq_id: int, num_tokens: int) -> None:
+        """Nothing to count: no admission here misses a cache."""
+        self.tables.row(seq_id)
+        as_count(num_tokens, "num_tokens")
+
+    def reset_prefix_cache(self) -> int:
+        return 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def bump_epoch(self) -> int:
+        """Nothing is cached to make unmatchable: only the epoch number moves, as the paged manager's does."""
+        self._epoch += 1
+        return self._epoch
 
     def swap_out(self, seq_id: int) -> BlockMoves | None:
         """Not supported: raises `NotSupportedError` (nothing changes); preempt by recompute instead."""

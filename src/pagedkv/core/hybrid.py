@@ -468,6 +468,15 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         self._epoch += 1
         return self._epoch
 
+    @property
+    def records_events(self) -> bool:
+        return self.index.record_events
+
+    @property
+    def grouped_events(self) -> bool:
+        """True: `GroupCacheEvent`s, and group-qualified keys in the tiers (one group included)."""
+        return True
+
     def take_events(self) -> list[GroupCacheEvent]:
         """Stored/removed/cleared events since the last call, each with its group (`group_keys.py`)."""
         return group_events(self.index.take_events())

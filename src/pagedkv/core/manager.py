@@ -522,6 +522,15 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         self.prefix.epoch += 1
         return self.prefix.epoch
 
+    @property
+    def records_events(self) -> bool:
+        return self.index.record_events
+
+    @property
+    def grouped_events(self) -> bool:
+        """False: `CacheEvent`s of plain content keys."""
+        return False
+
     def take_events(self) -> list[CacheEvent]:
         return self.index.take_events()
 

@@ -1,8 +1,11 @@
 """The manager protocol: the one interface schedulers and the simulator speak to a KV allocator.
 
-Two implementations exist: `PagedKVManager` (fixed-size blocks on demand, prefix sharing, copy-on-write) and
+Three implementations exist: `PagedKVManager` (fixed-size blocks on demand, prefix sharing, copy-on-write),
+`HybridKVManager` (the same over KV cache groups: full, sliding window, chunked local) and
 `ContiguousKVManager` (the baseline: one contiguous run reserved for a request's maximum length at
-admission). Every comparison in pagedkv runs the same scheduler with only the allocator swapped.
+admission). Every comparison in pagedkv runs the same scheduler with only the allocator swapped, and the
+engine, its tiers and its event log ask this protocol what a manager does (`num_groups`, `reserves_chunks`,
+`records_events`, `grouped_events`), never its class: only `pagedkv.engine.managers` names the classes.
 
 Contract:
 - Sequence ids are handles handed out by `admit`/`fork` (small non-negative ints, reused after `free`, like
@@ -45,12 +48,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.prefix import BlockKeys, Key
+
+if TYPE_CHECKING:
+    from pagedkv.core.group_keys import GroupCacheEvent
+    from pagedkv.core.misses import MissCounter
+    from pagedkv.core.prefix_index import CacheEvent
 
 IntArray = npt.NDArray[np.int64]
 TokenIds = npt.ArrayLike  # a 1-D sequence of non-negative ints (list, tuple, numpy array)
@@ -140,6 +148,11 @@ class KVManager(Protocol):
     @property
     def num_used_blocks(self) -> int: ...
 
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can ever hold."""
+        ...
+
     def can_admit(self, token_ids: TokenIds, *, max_new_tokens: int = 0) -> bool: ...
 
     def admit(
@@ -192,6 +205,62 @@ class KVManager(Protocol):
         boundary at or past the computed tokens; never the block of token `end - 1`, which the caller
         computes). The blocks it fills are marked computed by the caller's `mark_computed` after the
         forward, like computed ones. None when nothing is fetched (or the manager keys no blocks)."""
+        ...
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups: each block position of a sequence has one device block and one tier key per group
+        (1 for a uniform model; the hybrid manager's groups, `pagedkv.core.group`)."""
+        ...
+
+    @property
+    def reserves_chunks(self) -> bool:
+        """Whether `admit` takes `chunk_tokens` (the tokens its first chunk computes) and later chunks need
+        `reserve` first (windowed groups hold only the window and one chunk); False: `admit` and `append`
+        take every slot and `reserve` has nothing to do."""
+        ...
+
+    def reserve(self, seq_ids: npt.ArrayLike, ends: npt.ArrayLike) -> bool:
+        """Slots for tokens up to `ends[i]` of each sequence, all or nothing; False (nothing changed) if the
+        pool is short. Always True where `reserves_chunks` is False."""
+        ...
+
+    @property
+    def records_events(self) -> bool:
+        """Whether `take_events` reports the prefix cache's stored/removed/cleared events (built with
+        `record_events=True`): what the tiers and the event logs read. False for the contiguous baseline."""
+        ...
+
+    @property
+    def grouped_events(self) -> bool:
+        """Whether events are `GroupCacheEvent`s (a content key and its group) and the tiers key each group's
+        copy of a block under its group-qualified key (`pagedkv.core.group_keys`): the hybrid manager, one
+        group included. False: `CacheEvent`s and the plain content keys."""
+        ...
+
+    def take_events(self) -> Sequence[CacheEvent | GroupCacheEvent]:
+        """The cache events since the last call, in order (empty unless `records_events`)."""
+        ...
+
+    @property
+    def misses(self) -> MissCounter | None:
+        """Why admitted prompt tokens missed the cache, live (`pagedkv.core.misses`); None without a cache."""
+        ...
+
+    def count_tier_miss(self, seq_id: int, num_tokens: int) -> None:
+        """`num_tokens` that `seq_id`'s admission missed were lost by a tier below the device too: they move
+        to the miss reason `tier` (nothing to do without a prefix cache)."""
+        ...
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many keys were dropped (0 without a cache)."""
+        ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    def bump_epoch(self) -> int:
+        """Make every key published so far unmatchable (after a weight update); returns the new epoch."""
         ...
 
     @property

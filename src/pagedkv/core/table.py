@@ -305,6 +305,23 @@ class TableViews:
     def num_tokens(self, seq_id: int) -> int:
         return int(self.tables.num_tokens[self.tables.row(seq_id)])
 
+    @property
+    def num_groups(self) -> int:
+        """One table per sequence: one group."""
+        return 1
+
+    @property
+    def reserves_chunks(self) -> bool:
+        """False: admission and `append` give every token its slot, so `reserve` has nothing to do."""
+        return False
+
+    def reserve(self, seq_ids: npt.ArrayLike, ends: npt.ArrayLike) -> bool:
+        """Every token up to `ends[i]` already has its slot: checks the arguments and returns True."""
+        rows = self.tables.rows(seq_ids)
+        if (as_index_array(ends, "ends", rows.shape) > self.tables.num_tokens[rows]).any():
+            raise InvalidArgumentError("reserve: an end lies past the sequence's tokens; append tokens first")
+        return True
+
     def block_ids(self, seq_id: int) -> list[int]:
         return self.tables.blocks_of(self.tables.row(seq_id)).tolist()  # type: ignore[no-any-return]
 

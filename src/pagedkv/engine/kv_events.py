@@ -19,7 +19,7 @@ events since the last call as one vLLM-compatible `EventBatch` (publish it with
   With `hash_fn="fast"` the device's keys are ints and the tiers hold them as 8 bytes: a tier event's key
   is turned back into the int (`int_keys`).
 
-A hybrid model's cache (`HybridKVManager`) keeps one log per KV cache group, fed by a `GroupFeed`
+A hybrid model's cache (`KVManager.grouped_events`) keeps one log per KV cache group, fed by a `GroupFeed`
 (`pagedkv.events.group_feed`), so copies are counted per (key, group), and every event names its group
 in `group_idx`, as vLLM's hybrid cache does; the block hashes are the plain content keys a uniform engine
 publishes, with their parent and token ids as a uniform engine's. With tiers, the tiers hold each group's
@@ -40,14 +40,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.group_keys import GroupCacheEvent, split_key
-from pagedkv.core.hybrid import HybridKVManager
-from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.prefix import Key
 from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventLog, ManagerFeed
 from pagedkv.events.group_feed import GroupFeed
+from pagedkv.events.manager_feed import feed_for
 from pagedkv.events.wire import Event
 
 if TYPE_CHECKING:
@@ -72,16 +70,10 @@ class EngineEvents:
         self, manager: KVManager, block_size: int, tiering: EngineTiering | None = None, *,
         data_parallel_rank: int = 0, int_keys: bool = False,
     ) -> None:  # fmt: skip
-        self.feed: ManagerFeed | GroupFeed
-        if isinstance(manager, HybridKVManager):
-            self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank) for _ in manager.groups]
-            self.feed = GroupFeed(manager, self.logs)
-        elif isinstance(manager, PagedKVManager):
-            self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank)]
-            self.feed = ManagerFeed(manager, self.logs[0])
-        else:
-            raise InvalidArgumentError("kv_events need the paged or hybrid allocator with prefix caching on")
-        self.grouped = isinstance(manager, HybridKVManager)
+        # one log per KV cache group; a grouped manager's events name their group (`group_idx`)
+        self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank) for _ in range(manager.num_groups)]
+        self.feed: ManagerFeed | GroupFeed = feed_for(manager, self.logs)
+        self.grouped = manager.grouped_events
         self.log = self.logs[0]
         self.tiering = tiering  # when set, built with keep_device_events=True: it drains the manager
         # the manager's keys are ints (hash_fn "fast"): the tiers hold them as 8 big-endian bytes

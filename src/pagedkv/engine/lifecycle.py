@@ -54,8 +54,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedkv.core.errors import EngineStateError, InvalidArgumentError, NotSupportedError
-from pagedkv.core.hybrid import HybridKVManager
-from pagedkv.core.manager import PagedKVManager
 from pagedkv.events.wire import CPU, DISK, REMOTE
 from pagedkv.hf.cpu_linear import PackedLinear, packed_linears
 
@@ -430,12 +428,10 @@ class Lifecycle:
             dropped = int(feed.reset())
             if bump_epoch:
                 feed.bump_epoch()
-        elif isinstance(manager := engine.manager, PagedKVManager | HybridKVManager):
-            dropped = int(manager.reset_prefix_cache())
+        else:  # no feed to report it (the contiguous baseline caches nothing and drops 0)
+            dropped = int(engine.manager.reset_prefix_cache())
             if bump_epoch:
-                manager.bump_epoch()
-        else:  # the contiguous baseline caches no prefix
-            dropped = 0
+                engine.manager.bump_epoch()
         return dropped
 
     def _fingerprint(self) -> tuple[str, str]:

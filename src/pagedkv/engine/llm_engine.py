@@ -52,10 +52,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedkv.core import ContiguousKVManager, PagedKVManager
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.group import group_layers
-from pagedkv.core.hybrid import HybridKVManager
+from pagedkv.core.protocol import KVManager
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.groups import PrefillGroups
 from pagedkv.engine.intake import RequestIntake, family_ids, salt_bytes
@@ -145,7 +144,7 @@ class Engine:
         if self.draft is not None:  # as many blocks of its own as the target's
             self.draft.allocate(num_blocks, device)
             self.kv_budget_bytes += num_blocks * self.draft.bytes_per_block
-        self.stats = EngineStats(cache_misses=getattr(self.manager, "misses", None))
+        self.stats = EngineStats(cache_misses=self.manager.misses)
         self.tiering: EngineTiering | None = self._make_tiering(model) if cfg.tiers_enabled else None
         self.scheduler = Scheduler(  # tier hits: fetch_blocks; draft slots: k a decoding request
             self.manager, cfg.scheduler, source=self.tiering, num_lookahead_tokens=spec.k if spec else 0
@@ -176,7 +175,7 @@ class Engine:
         self.stats.tiers = tiering.stats
         return tiering
 
-    def _make_manager(self, num_blocks: int, num_host: int) -> PagedKVManager | ContiguousKVManager | HybridKVManager:
+    def _make_manager(self, num_blocks: int, num_host: int) -> KVManager:
         """The allocator `EngineConfig.allocator` names, over the cache's blocks."""
         from pagedkv.engine.managers import make_manager
 

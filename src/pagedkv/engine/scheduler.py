@@ -110,13 +110,13 @@ class SchedulerConfig:
 
     Defaults: up to `max_num_seqs=256` running requests and `max_num_batched_tokens=512` tokens computed per
     step (vLLM's budget when chunked prefill is on), with chunked prefill, preempting by recompute, no
-    admission headroom and a growth reserve of 16 tokens (since 2026-12; 0 before).
+    admission headroom and a growth reserve of 16 tokens.
 
     `admission_headroom` is the fraction of blocks that must be free (free or evictable) at the start of a
     step for it to admit a new request beyond the first one scheduled, transformers' `safety_margin` (whose
     default is 0.15).
 
-    `hold_shared_prefix` (default on since 2026-12-01) holds a waiting request back one step when its first
+    `hold_shared_prefix` (default on) holds a waiting request back one step when its first
     uncached block is one that a request admitted earlier in the same step computes, so that it hits that
     block instead of computing it again (SGLang's in-batch prefix caching; the module docstring has the
     rule and its bounds). It changes when a request starts, never what it generates.
@@ -421,13 +421,14 @@ class Scheduler:
         return budget
 
     def _reserved(self, request: Request, chunk: int) -> bool:
-        """Slots for the request's next chunk, where the manager gives them per chunk (a hybrid manager's
-        windowed groups hold only the window and the chunk, `HybridKVManager.reserve`); True otherwise."""
-        if not getattr(self.manager, "reserves_chunks", False):
+        """Slots for the request's next chunk, where the manager gives them per chunk (`reserves_chunks`: a
+        hybrid manager's windowed groups hold only the window and the chunk, `KVManager.reserve`); True
+        otherwise."""
+        if not self.manager.reserves_chunks:
             return True
         assert request.seq_id is not None, "scheduler: a running request without KV"
         end = np.array([request.num_computed_tokens + chunk], dtype=np.int64)
-        return bool(self.manager.reserve(np.array([request.seq_id], dtype=np.int64), end))  # type: ignore[attr-defined]
+        return bool(self.manager.reserve(np.array([request.seq_id], dtype=np.int64), end))
 
     def _admit_phase(self, out: SchedulerOutput, budget: int, now: float | None, roomy: bool) -> None:
         """Admit waiting requests in priority order while the budget, a seat and blocks allow (below the
@@ -455,7 +456,7 @@ class Scheduler:
                 held.append(request)
                 continue
             try:
-                per_chunk = {"chunk_tokens": budget} if getattr(self.manager, "reserves_chunks", False) else {}
+                per_chunk = {"chunk_tokens": budget} if self.manager.reserves_chunks else {}
                 admission = self.manager.admit(
                     request.all_token_ids, max_new_tokens=request.max_new_tokens - len(request.output_token_ids),
                     priority=request.priority, salt=request.salt, keys=request.keys,
@@ -541,14 +542,14 @@ class Scheduler:
             if fill is not None:
                 out.fills.append(fill)
                 # a hybrid manager fills every group's copy of a block (`core/hybrid_fetch.py`)
-                start += len(fill.dst) // getattr(self.manager, "num_groups", 1) * self.manager.block_size
+                start += len(fill.dst) // self.manager.num_groups * self.manager.block_size
                 request.num_computed_tokens = start
         return ScheduledChunk(request, start, end - start, produces)
 
     def _computed_only(self, plan: BlockMoves, request: Request) -> BlockMoves:
         """A swap plan cut to the blocks holding computed KV: the rest hold nothing yet, and the step may
         fill them from a tier (a second writer of the block, see `SchedulerOutput.check_writes`)."""
-        if getattr(self.manager, "reserves_chunks", False):
+        if self.manager.reserves_chunks:
             return plan  # a hybrid manager's plans move only computed blocks, group after group
         keep = -(-request.num_computed_tokens // self.manager.block_size)
         return plan if keep >= len(plan.src) else BlockMoves(plan.src[:keep], plan.dst[:keep])

@@ -32,8 +32,8 @@ chunk to be computed. A request's tier hits are counted at its first admission, 
 remembers it dropped or failed to write: `LoadPlan.num_lost`) count under the miss reason `tier` in the
 manager's `misses` (the engine's `stats.cache_misses`; both allocators keep one).
 
-With the hybrid allocator (`HybridKVManager`) a block has one copy per KV cache group: the tiers store
-each under its group-qualified key (`pagedkv.core.group_keys`), a fetch asks for every group's key of a
+With KV cache groups (the hybrid allocator: `KVManager.num_groups`, `grouped_events`) a block has one
+copy per group: the tiers store each under its group-qualified key (`pagedkv.core.group_keys`), a fetch asks for every group's key of a
 block before the next block's (`core/hybrid_fetch.py`), and a block counts once per request, in the
 request's counts and in `TierStats.cached_tokens` alike.
 """
@@ -49,8 +49,6 @@ import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError, InvariantError
 from pagedkv.core.group_keys import GroupCacheEvent, group_key
-from pagedkv.core.hybrid import HybridKVManager
-from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.prefix import Key
 from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.engine.request import Request
@@ -71,13 +69,13 @@ class EngineTiering:
     """The tiers around one engine's device: a `BlockSource` for its scheduler, and the two hooks."""
 
     def __init__(
-        self, store: TieredStore, storage: KVStorage, manager: PagedKVManager | HybridKVManager, *,
+        self, store: TieredStore, storage: KVStorage, manager: KVManager, *,
         keep_device_events: bool = False,
     ) -> None:  # fmt: skip
         self.store = store
         self.storage = storage
         self.manager = manager
-        self._keys_per_block = manager.num_groups if isinstance(manager, HybridKVManager) else 1
+        self._keys_per_block = manager.num_groups  # a block has one copy (and tier key) per KV cache group
         self.block_size = storage.block_size
         self._admitted: dict[str, int | None] = {}  # request id -> the seq id whose admission was counted
         self._miss_at: dict[str, tuple[int, int]] = {}  # request id -> (its preemptions, first block missed)
@@ -91,8 +89,11 @@ class EngineTiering:
     ) -> EngineTiering:  # fmt: skip
         """The tiers `config` asks for; their keys carry the model's fingerprint: `model_id`, the weights'
         digest `weights` and the KV layout."""
-        if not isinstance(manager, PagedKVManager | HybridKVManager):
-            raise InvalidArgumentError("tiers need the paged or hybrid allocator with prefix caching on")
+        if not manager.records_events:
+            raise InvalidArgumentError(
+                "tiers need a manager that records its cache events: the paged or hybrid allocator with prefix "
+                "caching on, built with record_events=True"
+            )
         store = _build_store(config, storage, model_id, weights)
         return cls(store, storage, manager, keep_device_events=keep_device_events)
 

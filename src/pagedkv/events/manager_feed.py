@@ -22,18 +22,40 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.manager import PagedKVManager
 from pagedkv.core.pool import CacheEvent
 from pagedkv.core.prefix import Key, root_key
+from pagedkv.events.group_feed import GroupFeed
 from pagedkv.events.log import EventLog
 from pagedkv.events.wire import GPU
 
+if TYPE_CHECKING:
+    from pagedkv.core.protocol import KVManager
+
 _RECENT = 256  # candidate parents kept for blocks whose sequence is gone
+
+
+def feed_for(manager: KVManager, logs: list[EventLog], *, medium: str = GPU) -> ManagerFeed | GroupFeed:
+    """The feed of `manager`'s cache events into `logs`, one log per KV cache group (`manager.num_groups`):
+    the one place that knows which feed reads which manager (the engine asks the protocol only)."""
+    if not manager.records_events:
+        raise InvalidArgumentError(
+            "kv_events need the paged or hybrid allocator with prefix caching on, built with record_events=True"
+        )
+    if len(logs) != manager.num_groups:
+        raise InvalidArgumentError(f"a feed takes one log per KV cache group: {manager.num_groups}, got {len(logs)}")
+    if isinstance(manager, HybridKVManager):
+        return GroupFeed(manager, logs, medium=medium)
+    if isinstance(manager, PagedKVManager):
+        return ManagerFeed(manager, logs[0], medium=medium)
+    raise InvalidArgumentError(f"no event feed reads a {type(manager).__name__}")
 
 
 class ManagerFeed:
