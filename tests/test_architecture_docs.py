@@ -51,3 +51,16 @@ def test_docstrings_carry_no_dated_passage() -> None:
         f"{sorted(dated - set(DATED_DOCSTRINGS))}; no longer dated (remove from DATED_DOCSTRINGS): "
         f"{sorted(set(DATED_DOCSTRINGS) - dated)}"
     )
+
+
+def test_every_command_module_is_named_after_its_command() -> None:
+    """`pagedkv generate` runs `engine/generate_command.py`, `pagedkv bench serve` `bench/serve.py`: a reader
+    finds a command's code by its name."""
+    from pagedkv.cli import COMMANDS
+
+    unnamed = {
+        " ".join(path): module
+        for path, (module, _) in COMMANDS.items()
+        if path[-1].replace("-", "_") not in module.rpartition(".")[2]
+    }
+    assert not unnamed, f"command modules not named after their command: {unnamed}"

@@ -13,7 +13,7 @@ import pytest
 from pagedkv import __version__
 from pagedkv.cli import main
 from pagedkv.engine.cli_args import OneLineParser, add_scheduler_arguments, scheduler_from
-from pagedkv.engine.commands import cached_summary, is_instruct
+from pagedkv.engine.generate_command import cached_summary, is_instruct
 from pagedkv.engine.scheduler import SchedulerConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
@@ -48,7 +48,7 @@ def test_old_token_budget_spelling_is_a_hidden_alias(capsys: pytest.CaptureFixtu
 
 def test_block_size_and_scheduler_are_declared_once() -> None:
     """One declaration of `--block-size` and one `SchedulerConfig` builder for the commands this issue owns."""
-    files = ["sim/options.py", "engine/commands.py", "bench/allocator.py", "bench/attention.py", "bench/e2e.py",
+    files = ["sim/options.py", "engine/generate_command.py", "bench/allocator.py", "bench/attention.py", "bench/e2e.py",
              "bench/tiers.py", "bench/serve.py", "bench/serve_soak.py", "sim/commands_simulate.py",
              "sim/commands_plan.py"]  # fmt: skip
     for name in files:

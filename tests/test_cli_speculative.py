@@ -59,13 +59,13 @@ def _parse(add_arguments: Any, argv: list[str]) -> argparse.Namespace:
 
 def test_the_setting_reaches_every_engine_config() -> None:
     from pagedkv.bench import e2e
-    from pagedkv.engine import commands
+    from pagedkv.engine import generate_command
     from pagedkv.engine.from_args import config_from_args
     from pagedkv.serve import serve_command
 
     want = SpeculativeConfig("ngram", 3, prompt_lookup_min=1)
-    assert config_from_args(_parse(commands.add_arguments, ["x"])).speculative is None  # default off
-    for add in (commands.add_arguments, serve_command.add_arguments):
+    assert config_from_args(_parse(generate_command.add_arguments, ["x"])).speculative is None  # default off
+    for add in (generate_command.add_arguments, serve_command.add_arguments):
         args = _parse(add, ["--speculative", "ngram:k=3,min=1", "--num-blocks", "8"])
         assert config_from_args(args).speculative == want
     args = _parse(e2e.add_arguments, ["--speculative", "ngram:k=3,min=1"])

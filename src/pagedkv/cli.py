@@ -23,7 +23,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "replay a workload through the scheduler on a modelled GPU",
     ),
     ("plan",): ("pagedkv.sim.commands_plan", "capacity planner: how many requests fit with each allocator"),
-    ("generate",): ("pagedkv.engine.commands", "generate text with a real model served on pagedkv"),
+    ("generate",): ("pagedkv.engine.generate_command", "generate text with a real model served on pagedkv"),
     ("serve",): ("pagedkv.serve.serve_command", "an OpenAI-compatible HTTP server of a model on pagedkv"),
     ("bench", "allocator"): ("pagedkv.bench.allocator", "allocator cost per scheduled token on a trace"),
     ("bench", "attention"): ("pagedkv.bench.attention", "paged attention vs contiguous SDPA"),

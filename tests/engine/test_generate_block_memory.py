@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedkv.engine import commands
+from pagedkv.engine import generate_command
 
 CONFIG = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, dtype=None)
 
@@ -21,7 +21,7 @@ def test_block_bytes_follow_the_kv_cache_dtype(
     monkeypatch: pytest.MonkeyPatch, dtype: str, kv_cache_dtype: str, bytes_per_token_per_layer_head: int
 ) -> None:
     seen: list[int] = []
-    monkeypatch.setattr(commands, "check_fits_memory", lambda n, *_: seen.append(n))
+    monkeypatch.setattr(generate_command, "check_fits_memory", lambda n, *_: seen.append(n))
     args = argparse.Namespace(num_blocks=10, host_blocks=5, block_size=8, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    commands._check_block_memory(args, CONFIG)
+    generate_command._check_block_memory(args, CONFIG)
     assert seen == [15 * 8 * 2 * 3 * 2 * bytes_per_token_per_layer_head]

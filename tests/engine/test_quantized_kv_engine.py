@@ -128,8 +128,8 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
 def test_the_generate_and_serve_flags_reach_the_engine_config() -> None:
     import argparse
 
-    from pagedkv.engine.commands import add_arguments
     from pagedkv.engine.from_args import config_from_args
+    from pagedkv.engine.generate_command import add_arguments
     from pagedkv.serve.serve_command import add_arguments as add_serve_arguments
 
     for add in (add_arguments, add_serve_arguments):

@@ -11,8 +11,8 @@ import pytest
 
 from pagedkv.cli import main
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.engine.commands import add_arguments, read_prompts
 from pagedkv.engine.config import parse_bytes
+from pagedkv.engine.generate_command import add_arguments, read_prompts
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
