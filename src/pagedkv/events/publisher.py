@@ -155,7 +155,7 @@ class ZmqEventPublisher:
             router.close(linger=0)
 
 
-class Replay(NamedTuple):
+class ReplayAnswer(NamedTuple):
     """A replay answer: the kept batches from the asked number on, and the publisher's first and next numbers."""
 
     batches: list[tuple[int, EventBatch]]
@@ -269,7 +269,7 @@ class EventSubscriber:
             self.next_seq = max(answer.next_seq, self.next_seq or 0)
         return out
 
-    def _ask(self, first: int) -> Replay:
+    def _ask(self, first: int) -> ReplayAnswer:
         if self._replay_endpoint is None:
             raise ReplayGapError(f"batches from {first} on were missed and no replay endpoint is known")
         dealer = self._ctx.socket(zmq.DEALER)
@@ -289,7 +289,7 @@ class EventSubscriber:
                     )
                 seq = _seq(seq_bytes)
                 if seq == END_SEQ:
-                    return Replay(got, _seq(payload[:8]), _seq(payload[8:16]))
+                    return ReplayAnswer(got, _seq(payload[:8]), _seq(payload[8:16]))
                 if seq >= first:
                     got.append((seq, decode_batch(payload)))
         finally:
