@@ -132,7 +132,7 @@ def test_seeded_sampling_with_speculation_repeats_and_matches_the_model() -> Non
         rows = model(torch.tensor([prompt + [t] for t in range(p1.shape[0])])).logits[:, -1]
         p2 = (p1[:, None] * (rows / temp).softmax(-1)).sum(0).numpy().astype(np.float64)
     p2 /= p2.sum()
-    cfg = EngineConfig(num_blocks=512, block_size=4, speculative=SpeculativeConfig(num_speculative_tokens=1))
+    cfg = EngineConfig(num_blocks=512, block_size=4, speculative=SpeculativeConfig(num_speculative_tokens=1, budget=False))
 
     def run(seeds: range) -> tuple[Engine, list[Any]]:
         engine = Engine(model, None, cfg)

@@ -121,6 +121,8 @@ def test_adaptive_k_switches_off_after_misses_and_comes_back() -> None:
 
 def test_parse_speculative_reads_the_cli_forms() -> None:
     assert parse_speculative("ngram:k=4") == SpeculativeConfig("ngram", 4)
+    assert parse_speculative("ngram:k=4,budget=0") == SpeculativeConfig("ngram", 4, budget=False)
+    assert parse_speculative("ngram:k=4,budget=1") == SpeculativeConfig("ngram", 4)
     s = parse_speculative("ngram:k=3,min=1,max=5,off_above=8")
     assert (s.k, s.prompt_lookup_min, s.prompt_lookup_max, s.disable_by_batch_size) == (3, 1, 5, 8)
     d = parse_speculative("draft:some/model,k=3")
@@ -151,7 +153,7 @@ def reference(prompts: list[list[int]], max_new: int) -> list[list[int]]:
 
 def test_ngram_greedy_is_identical_and_accepts_drafts() -> None:
     prompts = copying_prompts((5, 17, 9, 30, 3), seed=0)
-    engine, outs = run(prompts, 24, SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    engine, outs = run(prompts, 24, SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, budget=False))
     assert [o.output_token_ids for o in outs] == reference(prompts, 24)
     spec = engine.stats.spec
     assert spec is not None and spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens
@@ -167,10 +169,12 @@ def test_ngram_greedy_is_identical_and_accepts_drafts() -> None:
     blocks=st.sampled_from([64, 16, 13]),
     mode=st.sampled_from(["recompute", "swap"]),
     tiers=st.booleans(),
+    step_budget=st.booleans(),
 )
 def test_greedy_identical_with_oracle_drafts(seed: int, k: int, budget: int, blocks: int, mode: str,
-                                             tiers: bool) -> None:  # fmt: skip
-    """Half-corrupted oracle drafts: accepted runs, rejections at every offset, preemption and tiers."""
+                                             tiers: bool, step_budget: bool) -> None:  # fmt: skip
+    """Half-corrupted oracle drafts: accepted runs, rejections at every offset, preemption and tiers; with
+    the step's draft budget cutting drafts by measured step times, or without it."""
     rng = np.random.default_rng(seed)
     lengths = tuple(int(n) for n in rng.integers(2, 14, size=int(rng.integers(2, 5))))
     prompts = copying_prompts(lengths, seed)
@@ -178,7 +182,8 @@ def test_greedy_identical_with_oracle_drafts(seed: int, k: int, budget: int, blo
     expected = reference(prompts, max_new)
     oracle = OracleProposer({tuple(p): e for p, e in zip(prompts, expected)}, seed)
     engine, outs = run(
-        prompts, max_new, SpeculativeConfig(num_speculative_tokens=k), proposer=oracle, num_blocks=blocks,
+        prompts, max_new, SpeculativeConfig(num_speculative_tokens=k, budget=step_budget), proposer=oracle,
+        num_blocks=blocks,
         max_num_batched_tokens=budget, preemption_mode=mode, host_blocks=8 if tiers else 0,
     )  # fmt: skip
     assert [o.output_token_ids for o in outs] == expected
@@ -213,7 +218,7 @@ def test_rejected_drafts_never_reach_the_prefix_cache() -> None:
     prompts = copying_prompts((13,), seed=3)
     expected = reference(prompts, 20)
     wrong = WrongProposer({tuple(prompts[0]): expected[0]})
-    engine, outs = run(prompts, 20, SpeculativeConfig(num_speculative_tokens=4), proposer=wrong,
+    engine, outs = run(prompts, 20, SpeculativeConfig(num_speculative_tokens=4, budget=False), proposer=wrong,
                        params=SamplingParams(max_new_tokens=20, ignore_eos=True))  # fmt: skip
     assert outs[0].output_token_ids[: len(expected[0])] == expected[0]
     verified = prompts[0] + outs[0].output_token_ids
@@ -233,7 +238,7 @@ def test_a_cached_prompt_keeps_its_cache_hit_with_speculation() -> None:
     cached block included (no re-prefill of it), and generates the same tokens."""
     prompts = copying_prompts((23,), seed=5) * 2
     hits = []
-    for spec in (None, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)):
+    for spec in (None, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, budget=False)):
         cfg = EngineConfig(num_blocks=64, block_size=4, speculative=spec)
         engine = Engine(model(), None, cfg)
         first = engine.generate(prompts[:1], SamplingParams(max_new_tokens=12))
@@ -250,7 +255,8 @@ def test_logprobs_of_accepted_tokens_equal_the_non_speculative_ones() -> None:
     prompts = copying_prompts((9, 21), seed=1)
     params = SamplingParams(max_new_tokens=16, logprobs=3)
     _, plain = run(prompts, 16, None, params=params)
-    engine, spec = run(prompts, 16, SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1), params=params)
+    spec_config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, budget=False)
+    engine, spec = run(prompts, 16, spec_config, params=params)
     assert engine.stats.spec is not None and engine.stats.spec.num_accepted_tokens > 0
     for a, b in zip(plain, spec):
         assert a.output_token_ids == b.output_token_ids

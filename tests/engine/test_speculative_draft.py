@@ -104,7 +104,7 @@ def reference(ps: list[list[int]], max_new: int) -> list[list[int]]:
 
 def test_the_targets_own_weights_as_draft_accept_everything(same: str) -> None:
     ps = prompts(0)
-    engine, outs = run(ps, 20, SpeculativeConfig("draft", 3, draft_model=same))
+    engine, outs = run(ps, 20, SpeculativeConfig("draft", 3, draft_model=same, budget=False))
     assert [o.output_token_ids for o in outs] == reference(ps, 20)
     spec = engine.stats.spec
     assert spec is not None and spec.num_drafts > 0
@@ -114,7 +114,7 @@ def test_the_targets_own_weights_as_draft_accept_everything(same: str) -> None:
 
 def test_another_model_as_draft_accepts_little_and_changes_nothing(other: str) -> None:
     ps = prompts(1)
-    engine, outs = run(ps, 16, SpeculativeConfig("draft", 4, draft_model=other))
+    engine, outs = run(ps, 16, SpeculativeConfig("draft", 4, draft_model=other, budget=False))
     assert [o.output_token_ids for o in outs] == reference(ps, 16)
     spec = engine.stats.spec
     assert spec is not None and spec.num_drafts > 0 and spec.acceptance_rate < 0.5, spec.as_dict()
@@ -127,7 +127,7 @@ def test_the_drafts_are_the_draft_models_own_greedy_continuation(close: str) -> 
     from transformers import AutoModelForCausalLM
 
     engine = Engine(target(), None, EngineConfig(num_blocks=64, block_size=4,
-                                                 speculative=SpeculativeConfig("draft", 3, draft_model=close)))  # fmt: skip
+                                                 speculative=SpeculativeConfig("draft", 3, draft_model=close, budget=False)))  # fmt: skip
     assert engine.draft is not None
     seen: list[tuple[list[int], list[int]]] = []
     propose = engine.draft.propose
@@ -155,7 +155,7 @@ def test_identical_through_chunking_and_preemption(same: str, close: str, mode: 
     """13 blocks of 4 tokens for five requests: preemption; a 7-token step budget: chunked prefill."""
     ps = prompts(2)
     for draft in (same, close):
-        engine, outs = run(ps, 14, SpeculativeConfig("draft", 3, draft_model=draft), num_blocks=13,
+        engine, outs = run(ps, 14, SpeculativeConfig("draft", 3, draft_model=draft, budget=False), num_blocks=13,
                            max_num_batched_tokens=7, preemption_mode=mode)  # fmt: skip
         assert [o.output_token_ids for o in outs] == reference(ps, 14), draft
         assert engine.stats.num_preemptions > 0
@@ -163,7 +163,7 @@ def test_identical_through_chunking_and_preemption(same: str, close: str, mode: 
 
 def test_an_aborted_request_frees_its_draft_blocks(same: str) -> None:
     engine = Engine(target(), None, EngineConfig(num_blocks=64, block_size=4,
-                                                 speculative=SpeculativeConfig("draft", 3, draft_model=same)))  # fmt: skip
+                                                 speculative=SpeculativeConfig("draft", 3, draft_model=same, budget=False)))  # fmt: skip
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in prompts(3, (11, 6))]
     for _ in range(3):
         engine.step()
@@ -180,7 +180,7 @@ def test_the_kv_budget_is_split_between_target_and_draft(other: str) -> None:
 
     budget = 1 << 20
     engine = Engine(target(), None, EngineConfig(kv_budget_bytes=budget, block_size=4,
-                                                 speculative=SpeculativeConfig("draft", 3, draft_model=other)))  # fmt: skip
+                                                 speculative=SpeculativeConfig("draft", 3, draft_model=other, budget=False)))  # fmt: skip
     assert engine.draft is not None
     per_target = cache_spec(engine.spec, None).bytes_per_block(4)
     per_draft = engine.draft.bytes_per_block
@@ -199,11 +199,11 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
     model.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
     folder = _save(model, tmp_path)
     with pytest.raises(InvalidArgumentError, match="vocabulary"):
-        Engine(target(), None, EngineConfig(num_blocks=16, speculative=SpeculativeConfig("draft", 2, draft_model=str(folder))))
+        Engine(target(), None, EngineConfig(num_blocks=16, speculative=SpeculativeConfig("draft", 2, draft_model=str(folder), budget=False)))
 
 
 def test_seeded_sampling_with_a_draft_repeats_itself(same: str) -> None:
-    spec = SpeculativeConfig("draft", 3, draft_model=same)
+    spec = SpeculativeConfig("draft", 3, draft_model=same, budget=False)
     params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
     got = []
     for _ in range(2):
@@ -227,7 +227,7 @@ def test_sleep_releases_the_drafts_kv_and_wake_up_serves_the_same(same: str, lev
     the draft still agrees with the target on every token: no proposal reads the released KV), and greedy
     outputs equal the ones before the sleep, token for token."""
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    spec = SpeculativeConfig("draft", 3, draft_model=same)
+    spec = SpeculativeConfig("draft", 3, draft_model=same, budget=False)
     engine = Engine(tiny_model("llama", 0), None, EngineConfig(num_blocks=64, block_size=4, linear_backend="torch",
                                                                speculative=spec))  # fmt: skip
     if level == 2:  # on the CPU, level 2 reloads the weights from the folder that holds the version in force
@@ -269,7 +269,7 @@ def test_a_released_draft_refuses_to_propose(same: str) -> None:
     from pagedkv.core.errors import EngineStateError
 
     engine = Engine(target(), None, EngineConfig(num_blocks=16, block_size=4,
-                                                 speculative=SpeculativeConfig("draft", 2, draft_model=same)))  # fmt: skip
+                                                 speculative=SpeculativeConfig("draft", 2, draft_model=same, budget=False)))  # fmt: skip
     assert engine.draft is not None
     assert engine.draft.release() > 0 and engine.draft.release() == 0  # twice: nothing more to give back
     with pytest.raises(EngineStateError, match="released"):
@@ -286,7 +286,7 @@ def test_the_draft_loads_on_the_targets_device_and_dtype(same: str) -> None:
     from pagedkv.engine.speculative.draft import DraftModelProposer
 
     model = tiny_model("llama", 0).to(device="meta", dtype=torch.bfloat16)
-    proposer = DraftModelProposer.load(SpeculativeConfig("draft", 3, draft_model=same), model,
+    proposer = DraftModelProposer.load(SpeculativeConfig("draft", 3, draft_model=same, budget=False), model,
                                        EngineConfig(num_blocks=16, block_size=4))  # fmt: skip
     param = next(proposer.model.parameters())
     assert (param.device.type, param.dtype) == ("meta", torch.bfloat16)

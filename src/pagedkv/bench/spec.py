@@ -180,7 +180,7 @@ def _median(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2, a local transformers folder or a .gguf file")
     add_threads(parser)
-    parser.add_argument("--speculative", default="ngram:k=4", help="ngram:k=4 (min=, max=, off_above=) or draft:MODEL,k=3")
+    parser.add_argument("--speculative", default="ngram:k=4", help="ngram:k=4 (min=, max=, off_above=, budget=0|1) or draft:MODEL,k=3")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of grounded, conversation")
     parser.add_argument("--batches", default="1,4,saturated", help="comma-separated batch sizes (ints or saturated)")
     parser.add_argument("--num-grounded", type=int_at_least(1, len(GROUNDED_MODULES)), default=8,

@@ -62,7 +62,7 @@ from pagedkv.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import bad_rows, make_generator, sample, token_logprobs
-from pagedkv.engine.speculative.adaptive import AdaptiveK
+from pagedkv.engine.speculative.budget import DraftBudget
 from pagedkv.engine.speculative.draft import DraftModelProposer
 from pagedkv.engine.speculative.proposer import make_proposer
 from pagedkv.engine.speculative.rejection import verify
@@ -97,7 +97,6 @@ class _Tracked:
     stop_text: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when params.logprobs is set
     prompt_logprobs: dict[int, TokenLogprobs] | None = None  # prompt position -> entry, when asked
-    adaptive: AdaptiveK | None = None  # its draft length, when the engine speculates
 
 
 class Engine:
@@ -150,6 +149,8 @@ class Engine:
             self.manager, cfg.scheduler, source=self.tiering, num_lookahead_tokens=spec.k if spec else 0
         )
         self.stats.spec = SpecStats(spec.k) if spec else None
+        self.draft_budget = DraftBudget(spec.k, spec.budget) if spec else None  # each request's k, for the step
+        self._base_tokens = 0  # the last step's scored tokens besides drafts
         self.runner = ModelRunner(model, self.cache, fused)
         self.kv_events: Any = None
         if cfg.kv_events:  # one event log for every medium (pagedkv.engine.kv_events)
@@ -330,8 +331,7 @@ class Engine:
             cache_salt=cache_salt if params.prompt_logprobs is None else _scoring_salt(cache_salt, rid),
             ids_in_use=self._ids_in_use,
         )
-        adaptive = AdaptiveK(self.config.speculative.k) if self.config.speculative else None
-        return _Tracked(request, params, make_generator(params.child_seed(0)), on_token, adaptive=adaptive)
+        return _Tracked(request, params, make_generator(params.child_seed(0)), on_token)
 
     def _accept(self, tracked: _Tracked) -> None:
         request = tracked.request
@@ -437,6 +437,7 @@ class Engine:
         if self._in_callbacks:
             raise InvalidArgumentError("step() cannot be called from an on_token callback")
         self._groups.release(self._accept, self._tracked.__contains__)  # sample groups whose prompt is in
+        started = time.perf_counter()  # the step's cost, for the draft budget's fit (speculation only)
         out = self.scheduler.schedule(now=self.clock())
         if self.tiering is not None:
             self.tiering.before_forward(out)
@@ -470,7 +471,7 @@ class Engine:
         self.scheduler.update(out, sampled, now)
         rows_of = {c.request.request_id: r for c, r in zip(producing, rows)}
         self._record_logprobs(rows_of, logits, sampled)
-        self._record_speculation(producing, tokens, errors)
+        self._record_speculation(producing, tokens, errors, out.num_batched_tokens, started)
         if self.tiering is not None:
             self.tiering.after_update()
         if self.kv_events is not None:
@@ -580,20 +581,29 @@ class Engine:
             tokens[i] = verify(scored, chunk.draft_token_ids, tracked.params, tracked.generator)
 
     def _record_speculation(
-        self, producing: list[Any], tokens: dict[int, int | list[int]], errors: dict[int, str]
+        self,
+        producing: list[Any],
+        tokens: dict[int, int | list[int]],
+        errors: dict[int, str],
+        num_tokens: int,
+        started: float,
     ) -> None:
-        """Each speculating chunk's proposed and accepted drafts: the request's adaptive k and the counters."""
-        if self.stats.spec is None:
+        """Each speculating chunk's proposed and accepted drafts (the counters, the request's k and
+        acceptance), and the step's size and seconds since `started` (the draft budget's cost fit)."""
+        budget = self.draft_budget
+        if self.stats.spec is None or budget is None:
             return
+        num_drafts = num_verifying = 0
         for i, chunk in enumerate(producing):
             if not chunk.draft_token_ids or i in errors:
                 continue
             got = tokens[i]
             accepted = len(got) - 1 if isinstance(got, list) else 0
             self.stats.spec.record(len(chunk.draft_token_ids), accepted)
-            tracked = self._tracked.get(chunk.request.request_id)
-            if tracked is not None and tracked.adaptive is not None:
-                tracked.adaptive.record(len(chunk.draft_token_ids), accepted)
+            budget.record(chunk.request.request_id, len(chunk.draft_token_ids), accepted)
+            num_drafts, num_verifying = num_drafts + len(chunk.draft_token_ids), num_verifying + 1
+        budget.observe_step(num_tokens, time.perf_counter() - started, num_verifying)
+        self._base_tokens = num_tokens - num_drafts
 
     def _forget_drafts(self, requests: Sequence[Request]) -> None:
         if self.proposer is not None:
@@ -601,10 +611,12 @@ class Engine:
                 self.proposer.forget(request.request_id)
 
     def _propose(self) -> None:
-        """Draft tokens for the next step of every decoding request (`Request.draft_token_ids`), each asking
-        for its adaptive k; none when more requests run than `disable_by_batch_size`."""
-        spec, proposer = self.config.speculative, self.proposer
-        if spec is None or proposer is None:
+        """Draft tokens for the next step of every decoding request (`Request.draft_token_ids`): each asks
+        for its adaptive k, and `DraftBudget.plan` cuts the batch's drafts to those that raise the step's
+        expected tokens per second (before a draft model proposes them, and again on what was proposed);
+        none when more requests run than `disable_by_batch_size`."""
+        spec, proposer, budget = self.config.speculative, self.proposer, self.draft_budget
+        if spec is None or proposer is None or budget is None:
             return
         decoding = [
             t
@@ -614,13 +626,21 @@ class Engine:
         ]  # fmt: skip
         if spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size:
             return
-        asks = [(t, t.adaptive.next_k() if t.adaptive is not None else spec.k) for t in decoding]
-        asks = [(t, min(k, t.request.max_new_tokens - len(t.request.output_token_ids) - 1)) for t, k in asks]
-        asks = [(t, k) for t, k in asks if k > 0]
-        if asks:
-            drafts = proposer.propose([t.request for t, _ in asks], [k for _, k in asks])
-            for (t, _), d in zip(asks, drafts):
-                t.request.draft_token_ids = d
+        ids = [t.request.request_id for t in decoding]
+        caps = [min(budget.next_k(r), t.request.max_new_tokens - len(t.request.output_token_ids) - 1)
+                for r, t in zip(ids, decoding)]  # fmt: skip
+        base = max(self._base_tokens, len(decoding))
+        if self.draft is not None:  # a draft model's tokens cost its forwards: plan before proposing them
+            caps = budget.plan(ids, caps, base, to_propose=True)
+        asks = [(t, k) for t, k in zip(decoding, caps) if k > 0]
+        if not asks:
+            return
+        started = time.perf_counter()
+        drafts = proposer.propose([t.request for t, _ in asks], [k for _, k in asks])
+        budget.observe_drafting(sum(len(d) for d in drafts), time.perf_counter() - started)
+        keep = budget.plan([t.request.request_id for t, _ in asks], [len(d) for d in drafts], base)
+        for (t, _), d, n in zip(asks, drafts, keep):
+            t.request.draft_token_ids = d[:n]
 
     def _record_prompt_logprobs(self, chunk: Any, logits: torch.Tensor, rows: list[int]) -> None:
         """The logits at prompt position p score prompt token p + 1; record those not recorded yet."""
@@ -765,6 +785,8 @@ class Engine:
         self._scoring.discard(rid)
         if self.proposer is not None:
             self.proposer.forget(rid)  # a draft model's blocks for it
+        if self.draft_budget is not None:
+            self.draft_budget.forget(rid)
         self._outputs[rid] = self._snapshot(tracked)
         if self.tiering is not None:
             self.tiering.forget(rid)

@@ -286,6 +286,8 @@ class Replay:
         self.drafter = (drafter or Drafter(spec)) if spec is not None else None
         self._draft_starts: list[int] = []  # context of each request that proposed since the last step
         self._draft_forwards = 0  # draft forwards of those proposals (the longest one's length)
+        self._drafted = 0  # draft tokens of those proposals
+        self._base_tokens = 0  # the last step's scored tokens besides drafts (the draft budget's base)
         self.scheduler = Scheduler(self.manager, config.scheduler, num_lookahead_tokens=spec.k if spec else 0)
         self.step_model = config.step_model()
         self.arrivals = arrivals or Arrivals(workload)
@@ -391,6 +393,7 @@ class Replay:
         config, out = self.config, self.out
         cost = self.step_model.cost(starts, news)
         dt = cost.seconds
+        draft_s = 0.0
         if self._draft_forwards:  # the draft model's k forwards over the proposing requests, before this step
             assert self.config.speculation is not None, "simulator: drafts without speculation"
             ones = np.ones(len(self._draft_starts), dtype=np.int64)
@@ -399,7 +402,11 @@ class Replay:
             )
             out.draft_s += draft_s
             dt += draft_s
-            self._draft_starts, self._draft_forwards = [], 0
+        if self.drafter is not None:  # the engine's draft budget fits its step cost to what steps took
+            verifying = [len(c.draft_token_ids) for c in chunks if c.draft_token_ids]
+            self.drafter.observe(int(news.sum()), len(verifying), cost.seconds, self._drafted, draft_s)
+            self._base_tokens = int(news.sum()) - sum(verifying)
+        self._draft_starts, self._draft_forwards, self._drafted = [], 0, 0
         copy_s = 0.0
         if config.realloc != "none":
             copied = 0
@@ -460,19 +467,21 @@ class Replay:
         return sampled
 
     def _propose(self, drafter: Drafter) -> None:
-        """Drafts for every decoding request (up to its k, adaptive as in the engine; never past its true
-        output), as the engine proposes after each step; their draft forwards are charged to the next step."""
-        for r in self.scheduler.running:
-            if not r.output_token_ids or r.num_computed_tokens != r.num_tokens - 1:
-                continue
-            g = self.live[r.request_id][0]
-            pos = len(r.output_token_ids)
-            n = min(drafter.next_k(r.request_id), g.output_len - pos - 1)
+        """Drafts for every decoding request (up to its k, adaptive and cut to the step's draft budget as
+        in the engine; never past its true output), as the engine proposes after each step; their draft
+        forwards are charged to the next step."""
+        decoding = [r for r in self.scheduler.running if r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1]
+        caps = [min(drafter.next_k(r.request_id), self.live[r.request_id][0].output_len - len(r.output_token_ids) - 1)
+                for r in decoding]  # fmt: skip
+        ks = drafter.plan([r.request_id for r in decoding], caps, max(self._base_tokens, len(decoding)))
+        for r, n in zip(decoding, ks):
             if n <= 0:
                 continue
+            g, pos = self.live[r.request_id][0], len(r.output_token_ids)
             r.draft_token_ids = drafter.drafts(_truth(g, pos, n), n)
             self._draft_starts.append(int(r.num_computed_tokens))
             self._draft_forwards = max(self._draft_forwards, n)
+            self._drafted += n
 
     def _record_step(self, dt: float, num_running: int, batched: int) -> None:
         """KV use after the step: every scheduled chunk's KV is written, finished requests are freed."""

@@ -9,7 +9,11 @@ parameters (`SpecSim`):
   engine's rule (`pagedkv.engine.speculative.adaptive.AdaptiveK`, the same class and constants): k shrinks
   to one more than the last verification accepted and grows back by one when all are accepted, and two
   verifications in a row that accept nothing switch speculation off for that request for a cool-down of
-  4 steps doubling to 64. `adaptive=False` models a fixed k instead (every step proposes k);
+  4 steps doubling to 64. On top of that, as in the engine, the step's draft budget
+  (`pagedkv.engine.speculative.budget.DraftBudget`, the same object the engine holds) cuts the batch's
+  drafts to those that raise the step's expected tokens per second, from each request's measured
+  acceptance and a step cost fitted to the simulated steps (`budget=False`: AdaptiveK alone).
+  `adaptive=False` models a fixed k instead (every step proposes k);
 - `acceptance_rate` a: each draft token is accepted with probability a given that the ones before it were,
   so a verification accepts i or more drafts with probability a^i (vLLM's and the papers' i.i.d. model;
   the expected tokens per verification are (1 - a^(k+1)) / (1 - a));
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.engine.speculative.adaptive import AdaptiveK
+from pagedkv.engine.speculative.budget import DraftBudget
 
 REJECTED_TOKEN_ID = 50_001  # outside the synthetic vocabulary and not EOS: a draft the target never picks
 
@@ -50,6 +54,7 @@ class SpecSim:
     draft_cost: float = 0.0
     seed: int = 0
     adaptive: bool = True  # each request's k follows the engine's AdaptiveK; False: always k
+    budget: bool = True  # with adaptive: the engine's whole-step DraftBudget too
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -62,6 +67,8 @@ class SpecSim:
             raise InvalidArgumentError(f"speculation draft_cost must be a finite number >= 0, got {c!r}")
         if not isinstance(self.adaptive, bool):
             raise InvalidArgumentError(f"speculation adaptive must be a bool, got {self.adaptive!r}")
+        if not isinstance(self.budget, bool):
+            raise InvalidArgumentError(f"speculation budget must be a bool, got {self.budget!r}")
 
     @property
     def expected_tokens_per_verification(self) -> float:
@@ -72,33 +79,38 @@ class SpecSim:
 
 class Drafter:
     """Draws each decoding request's drafts: the true continuation for the accepted ones, then a token the
-    target rejects; and keeps each request's draft length (`AdaptiveK`, or the fixed k)."""
+    target rejects; and keeps each request's draft length (the engine's `DraftBudget`, or the fixed k)."""
 
     def __init__(self, spec: SpecSim) -> None:
         self.spec = spec
         self.rng = np.random.default_rng(spec.seed)
-        self._k: dict[str, AdaptiveK] = {}
+        self.budget = DraftBudget(spec.k, spec.budget)
 
     def next_k(self, request_id: str) -> int:
         """How many drafts the request asks for this step (0: its speculation is off for now), as the
         engine asks each decoding request once per step."""
+        return self.budget.next_k(request_id) if self.spec.adaptive else self.spec.k
+
+    def plan(self, request_ids: list[str], caps: list[int], base_tokens: int) -> list[int]:
+        """The step's draft lengths (`DraftBudget.plan`, drafts still to propose), or the caps without it."""
         if not self.spec.adaptive:
-            return self.spec.k
-        adaptive = self._k.get(request_id)
-        if adaptive is None:
-            adaptive = self._k[request_id] = AdaptiveK(self.spec.k)
-        return adaptive.next_k()
+            return caps
+        return self.budget.plan(request_ids, caps, base_tokens, to_propose=True)
+
+    def observe(self, num_tokens: int, num_verifying: int, step_s: float, num_drafts: int, draft_s: float) -> None:
+        """A simulated step scored `num_tokens` tokens, `num_verifying` requests' drafts among them, in
+        `step_s`; proposing its `num_drafts` drafts took `draft_s`."""
+        self.budget.observe_step(num_tokens, step_s, num_verifying)
+        self.budget.observe_drafting(num_drafts, draft_s)
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """A verification of the request's `proposed` drafts accepted `accepted` of them."""
         if self.spec.adaptive:
-            adaptive = self._k.get(request_id)
-            assert adaptive is not None, f"Drafter: request {request_id} verified drafts it never asked for"
-            adaptive.record(proposed, accepted)
+            self.budget.record(request_id, proposed, accepted)
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop its draft length."""
-        self._k.pop(request_id, None)
+        self.budget.forget(request_id)
 
     def accepted(self, limit: int) -> int:
         """How many of the next `limit` drafts the target accepts: each with probability `acceptance_rate`

@@ -2,35 +2,39 @@
 tokens per second. Torch-free; the engine and the simulator hold one each and drive it the same way.
 
 Per request it keeps the request's `AdaptiveK` (the cap: grow, shrink, misses and cool-downs) and its
-acceptance per draft position, an EWMA of "accepted, given the drafts before it were" (`ALPHA`). A position
-a request has not been verified at yet takes the EWMA of all requests at it (`GLOBAL_ALPHA`, starting at
-`PRIOR`). Over the step it keeps a cost model, fitted online from the measured steps (`StepCostFit`):
+acceptance per draft position, an EWMA of "accepted, given the drafts before it were" (`ALPHA`), which
+starts at, and between verifications drifts back towards (`RELAX` a step), the EWMA of all requests at
+that position (`GLOBAL_ALPHA`, starting at `PRIOR`): a request the budget stopped drafting for is tried
+again once everyone's acceptance says it may pay. Over the step it keeps a cost model, fitted online from the measured steps (`StepCostFit`):
 
 ```
-step seconds  T = F + c x (scored tokens) + d x (draft tokens proposed by a draft model)
+step seconds  T = F + c x (scored tokens) + s x (requests verifying drafts)
+                    + d x (draft tokens still to propose, by a draft model)
 tokens out    G = one per decoding request + sum over its drafts j of P_j,   P_j = a_1 x ... x a_j
 ```
 
-with a_j the request's acceptance at position j. One more draft costs w = c (+ d where it is still to be
-proposed) and adds P_j: it raises G / T exactly when P_j > w x G / T. Every draft costs the same w, and
-a request's P_j shrink with j, so the best set of drafts for the step is the P_j largest ones: `plan`
-adds them from the largest down while each still raises G / T. At batch 1, where F dwarfs c, a draft
-with any reasonable acceptance pays and the request keeps its full cap; at saturation, where the step
-is compute-bound and F is a small share of T, only drafts the target is nearly sure to accept pay, and a
-batch of low-acceptance requests gets 0 drafts each. Until the fit has seen steps of different sizes it
-knows no c, and `plan` hands the caps back unchanged (`AdaptiveK` alone).
+with a_j the request's acceptance at position j. s is what a verifying request costs beyond its tokens
+(on the CPU engine its own attention call instead of a row of the batched decode kernel). `plan_drafts`
+finds the lengths with the most G / T (Dinkelbach's iteration; exact). One more draft pays exactly when
+its P_j exceeds its cost times G / T, so at batch 1, where F dwarfs c and s, a draft with any reasonable
+acceptance pays and the request keeps its full cap; at saturation, where the step is compute-bound and
+F is a small share of T, only drafts the target is nearly sure to accept pay, and a batch of
+low-acceptance requests gets 0 drafts each. Until the fit has seen steps of different sizes it knows no
+c, and `plan` hands the caps back unchanged (`AdaptiveK` alone).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.speculative.adaptive import AdaptiveK
 
 ALPHA = 0.3  # weight of a request's latest verification in its acceptance per position
+RELAX = 0.05  # per step, a request's acceptance moves this share of the way back to everyone's
 GLOBAL_ALPHA = 0.05  # weight of one verification in the all-requests acceptance per position
 PRIOR = 0.8  # the all-requests acceptance before any verification: optimistic, so speculation is tried
 DECAY = 0.97  # weight of the step before in the cost fit (about the last 30 steps)
@@ -39,33 +43,53 @@ MIN_SPREAD = 2.0  # the fit knows c once its steps' sizes spread by this many to
 
 @dataclass(slots=True)
 class StepCostFit:
-    """T = F + c x N, least squares over the measured steps, each step before weighted `decay` times the
-    one after it. `known` is False until the steps' sizes spread enough to tell c from noise."""
+    """T = F + c x N + s x R (N scored tokens, R requests verifying drafts), least squares over the
+    measured steps, each step before weighted `decay` times the one after it, c and s held >= 0. `known`
+    is False until the steps' sizes spread enough to tell c from F."""
 
     decay: float = DECAY
-    s0: float = 0.0
-    sn: float = 0.0
-    st: float = 0.0
-    snn: float = 0.0
-    snt: float = 0.0
+    gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # sum of w x x^T, x = (1, N, R)
+    moment: np.ndarray = field(default_factory=lambda: np.zeros(3))  # sum of w x T x
     fixed_s: float = 0.0  # F
     per_token_s: float = 0.0  # c
+    per_request_s: float = (
+        0.0  # s: a verifying request's own cost (its attention call, its rows' bookkeeping)
+    )
     known: bool = False
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or not seconds > 0.0 or seconds == float("inf"):
+    def observe(self, num_tokens: int, seconds: float, num_verifying: int = 0) -> None:
+        if num_tokens <= 0 or not 0.0 < seconds < float("inf") or num_verifying < 0:
             return
-        n, t, g = float(num_tokens), float(seconds), self.decay
-        self.s0, self.sn, self.st = g * self.s0 + 1.0, g * self.sn + n, g * self.st + t
-        self.snn, self.snt = g * self.snn + n * n, g * self.snt + n * t
-        var = self.snn / self.s0 - (self.sn / self.s0) ** 2
-        if var < MIN_SPREAD**2:
+        x = np.array([1.0, float(num_tokens), float(num_verifying)])
+        self.gram = self.decay * self.gram + np.outer(x, x)
+        self.moment = self.decay * self.moment + seconds * x
+        w = self.gram[0, 0]
+        if self.gram[1, 1] / w - (self.gram[0, 1] / w) ** 2 < MIN_SPREAD**2:
             return  # keep the last fit: steps of one size cannot tell F from c
-        c = (self.snt / self.s0 - self.sn * self.st / self.s0**2) / var
-        c = max(0.0, c)
-        self.per_token_s = c
-        self.fixed_s = max(0.0, (self.st - c * self.sn) / self.s0)
+        self.fixed_s, self.per_token_s, self.per_request_s = _nonnegative_fit(self.gram, self.moment)
         self.known = True
+
+
+def _nonnegative_fit(gram: np.ndarray, moment: np.ndarray) -> tuple[float, float, float]:
+    """(F, c, s) minimising the weighted squares with c, s >= 0: the full fit, else the best fit with the
+    negative ones held at 0 (a feature that never varied, R before any drafts, is held at 0 too)."""
+    ridge = np.diag([0.0, 1e-9, 1e-9]) * gram[0, 0]
+    best: tuple[float, float, float] | None = None
+    best_err = float("inf")
+    for keep in ((0, 1, 2), (0, 1), (0, 2), (0,)):
+        idx = list(keep)
+        try:
+            beta = np.linalg.solve(gram[np.ix_(idx, idx)] + ridge[np.ix_(idx, idx)], moment[idx])
+        except np.linalg.LinAlgError:
+            continue
+        full = np.zeros(3)
+        full[idx] = beta
+        if full[1] < 0.0 or full[2] < 0.0:
+            continue
+        err = float(full @ gram @ full - 2.0 * full @ moment)  # the weighted squares, less a constant
+        if err < best_err - 1e-15:
+            best, best_err = (max(0.0, float(full[0])), float(full[1]), float(full[2])), err
+    return best if best is not None else (float(moment[0] / gram[0, 0]), 0.0, 0.0)
 
 
 def _ewma(old: float, new: float, alpha: float) -> float:
@@ -75,7 +99,7 @@ def _ewma(old: float, new: float, alpha: float) -> float:
 @dataclass(slots=True)
 class _RequestState:
     k: AdaptiveK
-    acceptance: list[float | None]  # per draft position; None: never verified there
+    acceptance: list[float | None]  # per draft position; None: everyone's (never verified there)
 
 
 @dataclass
@@ -83,6 +107,7 @@ class DraftBudget:
     """The draft lengths of a batch (module docstring). `k` is the configured maximum per request."""
 
     k: int
+    enabled: bool = True  # False: `plan` hands the caps back (AdaptiveK alone)
     cost: StepCostFit = field(default_factory=StepCostFit)
     draft_token_s: float = 0.0  # d: seconds of proposing one draft token (a draft model's forwards)
     overall: list[float] = field(default_factory=list)  # acceptance per position over all requests
@@ -102,7 +127,12 @@ class DraftBudget:
 
     def next_k(self, request_id: str) -> int:
         """The request's cap for this step (`AdaptiveK.next_k`: 0 during a cool-down); once a step."""
-        return self._state(request_id).k.next_k()
+        state = self._state(request_id)
+        own = state.acceptance
+        for j, (o, g) in enumerate(zip(own, self.overall)):
+            if o is not None:
+                own[j] = _ewma(o, g, RELAX)
+        return state.k.next_k()
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """A verification of the request's `proposed` drafts accepted the first `accepted` of them."""
@@ -113,16 +143,17 @@ class DraftBudget:
         for j in range(min(proposed, accepted + 1, self.k)):
             hit = 1.0 if j < accepted else 0.0
             old = state.acceptance[j]
-            state.acceptance[j] = hit if old is None else _ewma(old, hit, ALPHA)
+            state.acceptance[j] = _ewma(self.overall[j] if old is None else old, hit, ALPHA)
             self.overall[j] = _ewma(self.overall[j], hit, GLOBAL_ALPHA)
 
     def forget(self, request_id: str) -> None:
         """The request ended or was preempted out of its drafts' KV: drop its state."""
         self._requests.pop(request_id, None)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step scored `num_tokens` tokens (drafts included) in `seconds`."""
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, num_verifying: int = 0) -> None:
+        """A step scored `num_tokens` tokens (drafts included), `num_verifying` requests' drafts among them,
+        in `seconds`."""
+        self.cost.observe(num_tokens, seconds, num_verifying)
 
     def observe_drafting(self, num_tokens: int, seconds: float) -> None:
         """Proposing `num_tokens` draft tokens took `seconds` (n-gram lookup: about nothing)."""
@@ -143,14 +174,16 @@ class DraftBudget:
         `to_propose`: the drafts are still to be proposed, so each also costs `draft_token_s`."""
         if len(request_ids) != len(caps):
             raise InvalidArgumentError(f"plan: {len(request_ids)} requests but {len(caps)} caps")
-        if not self.cost.known or self.cost.fixed_s + self.cost.per_token_s <= 0.0:
+        cost = self.cost
+        if not self.enabled or not cost.known or cost.fixed_s + cost.per_token_s <= 0.0:
             return [max(0, min(int(c), self.k)) for c in caps]
         return plan_drafts(
             [self.acceptance(r) for r in request_ids],
             caps,
-            fixed_s=self.cost.fixed_s,
-            per_token_s=self.cost.per_token_s + (self.draft_token_s if to_propose else 0.0),
+            fixed_s=cost.fixed_s,
+            per_token_s=cost.per_token_s + (self.draft_token_s if to_propose else 0.0),
             base_tokens=max(int(base_tokens), len(request_ids)),
+            per_request_s=cost.per_request_s,
         )
 
 
@@ -161,29 +194,50 @@ def plan_drafts(
     fixed_s: float,
     per_token_s: float,
     base_tokens: int,
+    per_request_s: float = 0.0,
 ) -> list[int]:
     """The draft length per request that maximises expected tokens / step seconds (module docstring):
     request i's j-th draft adds P = acceptance[i][0] x ... x acceptance[i][j-1] tokens and `per_token_s`
-    seconds to a step of `fixed_s + per_token_s x base_tokens` seconds yielding one token a request."""
-    if fixed_s < 0.0 or per_token_s < 0.0 or (fixed_s == 0.0 and per_token_s == 0.0):
-        raise InvalidArgumentError(
-            f"plan_drafts: need costs >= 0, not both 0; got {fixed_s!r}, {per_token_s!r}"
-        )
+    seconds, and a request verifying any drafts adds `per_request_s`, to a step of
+    `fixed_s + per_token_s x base_tokens` seconds yielding one token a request.
+
+    Dinkelbach's iteration: for the best rate r so far, each request alone takes the length that
+    maximises its tokens - r x seconds (a prefix of its drafts, each worth P - r x per_token_s, then
+    whether the prefix beats r x per_request_s); the rate of that choice is the next r, until it stops
+    rising. The rate rises every round and there are finitely many choices, so it ends, at the best one."""
+    costs = (fixed_s, per_token_s, per_request_s)
+    if any(not 0.0 <= c < float("inf") for c in costs) or fixed_s + per_token_s <= 0.0:
+        raise InvalidArgumentError(f"plan_drafts: need finite costs >= 0, F + c > 0; got {costs!r}")
+    if len(acceptance) != len(caps):
+        raise InvalidArgumentError(f"plan_drafts: {len(acceptance)} acceptance rows but {len(caps)} caps")
+    reach = [_reach(a, cap) for a, cap in zip(acceptance, caps)]  # P_1, P_2, ... up to the cap
     ks = [0] * len(caps)
-    gain, seconds = float(len(caps)), fixed_s + per_token_s * base_tokens
-    heap: list[tuple[float, int, float]] = []  # (-P of the next draft, request, P)
-    for i, (a, cap) in enumerate(zip(acceptance, caps)):
-        if cap > 0 and len(a) > 0:
-            p = max(0.0, min(1.0, float(a[0])))
-            heapq.heappush(heap, (-p, i, p))
-    while heap:
-        _, i, p = heapq.heappop(heap)
-        if p * seconds <= per_token_s * gain:  # the best draft left lowers tokens per second: so do the rest
+    base_s = fixed_s + per_token_s * base_tokens
+    rate = len(caps) / base_s
+    for _ in range(64):
+        choice = [_best_length(p, rate, per_token_s, per_request_s) for p in reach]
+        gain = len(caps) + sum(sum(p[:k]) for p, k in zip(reach, choice))
+        seconds = base_s + sum(per_token_s * k + (per_request_s if k else 0.0) for k in choice)
+        if gain / seconds <= rate * (1.0 + 1e-12):
             break
-        ks[i] += 1
-        gain, seconds = gain + p, seconds + per_token_s
-        j = ks[i]
-        if j < min(caps[i], len(acceptance[i])):
-            q = p * max(0.0, min(1.0, float(acceptance[i][j])))
-            heapq.heappush(heap, (-q, i, q))
+        ks, rate = choice, gain / seconds
     return ks
+
+
+def _reach(acceptance: Sequence[float], cap: int) -> list[float]:
+    """P_j, the chance that the first j drafts are all accepted, for j = 1 .. cap."""
+    out, p = [], 1.0
+    for a in list(acceptance)[: max(0, int(cap))]:
+        p *= max(0.0, min(1.0, float(a)))
+        out.append(p)
+    return out
+
+
+def _best_length(reach: list[float], rate: float, per_token_s: float, per_request_s: float) -> int:
+    """The draft length maximising tokens - rate x seconds for one request (0 on ties)."""
+    best_k, best, value = 0, 0.0, -rate * per_request_s
+    for j, p in enumerate(reach, start=1):
+        value += p - rate * per_token_s
+        if value > best + 1e-15:
+            best_k, best = j, value
+    return best_k

@@ -10,12 +10,14 @@ Two proposers (`method`):
 
 `num_speculative_tokens` is k, the most draft tokens one request verifies per step. Each request adapts
 its own k between 0 and k (`AdaptiveK`), so a proposer that keeps missing switches itself off for that
-request and is tried again later. `disable_by_batch_size` (vLLM's `disable_by_batch_size`) turns
-speculation off for a step when more requests than that are running: at saturation the forward is
-compute-bound and verifying rejected drafts only costs.
+request and is tried again later. With `budget` (on by default) the step's draft budget
+(`DraftBudget`) then cuts the batch's drafts to those that raise the whole step's expected tokens per
+second, from each request's measured acceptance and a step cost fitted to the measured steps: none where
+the step is compute-bound and acceptance low. `disable_by_batch_size` (vLLM's `disable_by_batch_size`)
+turns speculation off for a step when more requests than that are running.
 
-Text form (`parse_speculative`): `ngram:k=4` (options `min=`, `max=`, `off_above=`) or
-`draft:MODEL,k=3` (options `off_above=`).
+Text form (`parse_speculative`): `ngram:k=4` (options `min=`, `max=`, `off_above=`, `budget=0|1`) or
+`draft:MODEL,k=3` (options `off_above=`, `budget=0|1`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     draft_model: str | None = None
     disable_by_batch_size: int | None = None
+    budget: bool = True  # the step's DraftBudget on top of each request's AdaptiveK
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -62,6 +65,8 @@ class SpeculativeConfig:
             raise InvalidArgumentError(f"speculative draft_model must be a non-empty string, got {self.draft_model!r}")
         if self.disable_by_batch_size is not None:
             _positive_int(self.disable_by_batch_size, "disable_by_batch_size")
+        if not isinstance(self.budget, bool):
+            raise InvalidArgumentError(f"speculative budget must be a bool, got {self.budget!r}")
 
     @property
     def k(self) -> int:
@@ -75,16 +80,18 @@ class SpeculativeConfig:
             parts += [f"min={self.prompt_lookup_min}", f"max={self.prompt_lookup_max}"]
         if self.disable_by_batch_size is not None:
             parts.append(f"off_above={self.disable_by_batch_size}")
+        if not self.budget:
+            parts.append("budget=0")
         return f"{head}{':' if self.method == 'ngram' else ','}{','.join(parts)}"
 
 
 _OPTIONS = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max",
-            "off_above": "disable_by_batch_size"}  # fmt: skip
+            "off_above": "disable_by_batch_size", "budget": "budget"}  # fmt: skip
 
 
 def parse_speculative(text: str) -> SpeculativeConfig:
     """`ngram:k=4`, `ngram:k=4,min=1,max=3`, `draft:MODEL,k=3` -> a `SpeculativeConfig`."""
-    usage = "write ngram:k=4 (options min=, max=, off_above=) or draft:MODEL,k=3"
+    usage = "write ngram:k=4 (options min=, max=, off_above=, budget=0|1) or draft:MODEL,k=3"
     method, sep, rest = text.strip().partition(":")
     if method not in METHODS or not sep:
         raise InvalidArgumentError(f"cannot read speculative setting {text!r}; {usage}")
@@ -99,6 +106,11 @@ def parse_speculative(text: str) -> SpeculativeConfig:
         field = _OPTIONS.get(name.strip())
         if not eq or field is None or (method == "draft" and name in ("min", "max")):
             raise InvalidArgumentError(f"unknown speculative option {part!r} in {text!r}; {usage}")
+        if field == "budget":
+            if value not in ("0", "1"):
+                raise InvalidArgumentError(f"speculative option {part!r}: budget is 0 or 1; {usage}")
+            kw[field] = value == "1"
+            continue
         try:
             kw[field] = int(value)
         except ValueError:
