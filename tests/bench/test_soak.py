@@ -80,8 +80,8 @@ def copies_not_held(m: Any) -> Any:
 
     def unheld(rows: Any, src: Any, dst: Any) -> None:
         cow(rows, src, dst)
-        held = np.flatnonzero(m._held)
-        m._held[held] = False
+        held = np.flatnonzero(m.copies.held)
+        m.copies.held[held] = False
         m.pool.release(held)
 
     m._copy_on_write = unheld

@@ -112,7 +112,7 @@ class PartialReuseMachine(ManagerMachine):
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=14))
     def admit_checking_the_copy(self, prompt: list[int]) -> None:
         """An admission that reuses part of a block copies from a block whose mirror holds those tokens."""
-        pending = dict(self.m._pending)
+        pending = dict(self.m.copies.pending)
         adm = self.m.admit(prompt)
         if adm is None:
             return
@@ -121,7 +121,7 @@ class PartialReuseMachine(ManagerMachine):
         if r:
             h = adm.num_cached_tokens // BS
             dst = self.m.block_ids(adm.seq_id)[h]
-            src = self.m._pending[dst]
+            src = self.m.copies.pending[dst]
             assert dst not in pending and self.m.block_tokens[src][:r].tolist() == prompt[h * BS : h * BS + r]
 
 

@@ -11,20 +11,25 @@ from a cached block's leading tokens (partial reuse); the storage layer performs
 - `take` hands out every copy recorded, in order, and releases the holds (tail first).
 
 Invariant (`check`): `pending`'s keys are exactly the destinations recorded; `held` blocks hold one
-reference each in the pool on top of the tables' (the managers' `check_invariants` count it). The ledger
-changes reference counts only through the pool's verbs (`share`, `touch_hits`, `release`).
+reference each in the pool on top of the tables' (`check_references` counts it, for every manager over a
+pool: the paged one's one table, the hybrid one's table per group). The ledger changes reference counts
+only through the pool's verbs (`share`, `touch_hits`, `release`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError, InvariantError, PinError
-from pagedkv.core.pool import BlockPool
+from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.protocol import BlockMoves
+
+if TYPE_CHECKING:
+    from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -98,6 +103,39 @@ class CopyLedger:
             raise InvariantError(f"{owner}: pending copies disagree with the copies not handed out")
 
 
+def check_references(pool: BlockPool, tables: Sequence[BlockTables], copies: CopyLedger, owner: str) -> None:
+    """The holds of a manager over `pool` with one table per KV cache group (`tables`, rows in lockstep):
+
+    - each block's reference count is the entries naming it in every table's live, on-device rows, plus its
+      pins, plus a pending copy's hold (the null block: exactly 1);
+    - a keyed block is full: a row may see it partial only after rolling back into it, and then it must
+      copy first (`cow_risk`);
+    - a row not marked copy-before-write writes its partial blocks in place: they are its own (one
+      reference, a pending copy's hold aside);
+    - the pending copies agree with the ledger (`CopyLedger.check`).
+    """
+    refs = np.zeros(pool.num_blocks, dtype=np.int64)
+    partials: list[tuple[npt.NDArray[np.bool_], BlockTables]] = []
+    for t in tables:
+        cols = np.arange(t.table.shape[1])
+        held = (cols < t.num_blocks[:, None]) & (t.alive & ~t.swapped)[:, None]
+        refs += np.bincount(t.table[held], minlength=pool.num_blocks)
+        partials.append((held & ((cols + 1) * t.block_size > t.num_tokens[:, None]), t))
+    if pool.has_null_block:
+        refs[NULL_BLOCK_ID] = 1
+    expected = refs + pool.pins + copies.held
+    if not np.array_equal(expected, pool.ref):
+        bad = np.nonzero(expected != pool.ref)[0][:8].tolist()
+        raise InvariantError(f"{owner}: ref counts differ from table references + pins + pending copies at blocks {bad}")
+    for partial, t in partials:
+        blocks = t.table[partial & ~t.cow_risk[:, None]]  # on the device: swapped rows are not held
+        if pool.keyed[blocks].any():
+            raise InvariantError(f"{owner}: a keyed block is partial in a sequence that may write into it")
+        if (pool.ref[blocks] - copies.held[blocks] != 1).any():
+            raise InvariantError(f"{owner}: a sequence writes in place into a block it shares")
+    copies.check(owner)
+
+
 class PoolQueries:
     """The pool-backed queries, `unpin` and the copy hand-out of both paged managers (`manager.py`, `hybrid.py`)."""
 
@@ -135,20 +173,3 @@ class PoolQueries:
         is a source). Run them after this step's swaps and before the next forward (`protocol.py`). Their
         blocks, held until now, become reusable."""
         return self.copies.take()
-
-    # the ledger's structures by their older names (read them; the ledger writes them)
-    @property
-    def _held(self) -> npt.NDArray[np.bool_]:
-        return self.copies.held
-
-    @property
-    def _pending(self) -> dict[int, int]:
-        return self.copies.pending
-
-    @property
-    def _copies_dst(self) -> list[IntArray]:
-        return self.copies.dst
-
-    @property
-    def _copies_src(self) -> list[IntArray]:
-        return self.copies.src

@@ -68,12 +68,11 @@ from pagedkv.core.validate import (
     as_count,
     as_flag,
     as_index_array,
-    as_keys,
     as_pad_id,
     as_pool_size,
     as_priority,
-    as_salt,
     as_tokens,
+    request_keys,
 )  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -218,13 +217,6 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
 
     # --- prefix match -----------------------------------------------------------------------------
 
-    def _keys(self, tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
-        salt = as_salt(salt)
-        given = as_keys(keys, salt, tokens)
-        if given is None:
-            return BlockKeys(salt)
-        given.remember(tokens)
-        return given
 
     def _content_keys(
         self, tokens: npt.NDArray[np.int32] | list[int], keys: BlockKeys, start: int, stop: int
@@ -263,7 +255,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
     def match_prefix(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> int:
         """How many leading tokens of `token_ids` an admission would take from the cache now."""
         tokens = as_tokens(token_ids)
-        k, _ = self._match(tokens, self._keys(tokens, salt, keys), (len(tokens) - 1) // self._block_size)
+        k, _ = self._match(tokens, request_keys(tokens, salt, keys), (len(tokens) - 1) // self._block_size)
         return k * self._block_size
 
     # --- admission --------------------------------------------------------------------------------
@@ -288,7 +280,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
     def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0, salt: bytes = b"") -> bool:
         tokens = as_tokens(token_ids)
         as_count(max_new_tokens, "max_new_tokens")
-        k, hits = self._match(tokens, self._keys(tokens, salt, None), (len(tokens) - 1) // self._block_size)
+        k, hits = self._match(tokens, request_keys(tokens, salt, None), (len(tokens) - 1) // self._block_size)
         return self._admission_need(len(tokens), 0, k, hits, None)[0] <= self.pool.num_available
 
     def _admission_need(
@@ -325,7 +317,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         chunk = None if chunk_tokens is None else as_count(chunk_tokens, "chunk_tokens", minimum=1)
         n, bs = len(tokens), self._block_size
         self._check_fits(n + lookahead, chunk)
-        keys = self._keys(tokens, salt, keys)
+        keys = request_keys(tokens, salt, keys)
         k, hits = self._match(tokens, keys, (n - 1) // bs)
         total, new = self._admission_need(n, lookahead, k, hits, chunk)
         if total + keep_free > self.pool.num_available:
@@ -451,7 +443,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         tokens = as_tokens(token_ids)
         if not self.enable_prefix_caching:
             raise PinError("pinning needs prefix caching (enable_prefix_caching=True)")
-        k, hits = self._match(tokens, self._keys(tokens, salt, keys), len(tokens) // self._block_size)
+        k, hits = self._match(tokens, request_keys(tokens, salt, keys), len(tokens) // self._block_size)
         if not k:
             raise PinError("pin: no full block of this prefix is cached; admit and compute it first")
         ids = tuple(int(b) for b in np.concatenate(hits))

@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries
+from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries, check_references
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.misses import MissCounter
@@ -55,12 +55,11 @@ from pagedkv.core.validate import (
     as_computed,
     as_count,
     as_flag,
-    as_keys,
     as_native,
     as_pool_size,
-    as_salt,
     as_token_matrix,
     as_tokens,
+    request_keys,
 )
 
 IntArray = npt.NDArray[np.int64]
@@ -180,7 +179,7 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
     def match_prefix(self, token_ids: npt.ArrayLike, *, salt: bytes = b"", keys: BlockKeys | None = None) -> int:
         """How many leading tokens of `token_ids` an admission would take from the cache now."""
         tokens = as_tokens(token_ids)
-        keys = self._keys(tokens, salt, keys)
+        keys = request_keys(tokens, salt, keys)
         hits, _, reuse = self._lookup(tokens, keys)
         return len(hits) * self._block_size + reuse
 
@@ -196,19 +195,11 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
             return hits, -1, 0
         return hits, src, reuse
 
-    def _keys(self, tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
-        """The request's keys (checked, and bound to these tokens), or fresh ones for `salt`."""
-        salt = as_salt(salt)
-        given = as_keys(keys, salt, tokens)
-        if given is None:
-            return BlockKeys(salt)
-        given.remember(tokens)
-        return given
 
     def can_admit(self, token_ids: npt.ArrayLike, *, max_new_tokens: int = 0, salt: bytes = b"") -> bool:
         tokens = as_tokens(token_ids)
         as_count(max_new_tokens, "max_new_tokens")
-        keys = self._keys(tokens, salt, None)
+        keys = request_keys(tokens, salt, None)
         return self._blocks_short(len(tokens), 0, self._lookup(tokens, keys)) <= 0
 
     def _blocks_short(self, n: int, lookahead: int, found: _Lookup) -> int:
@@ -245,7 +236,7 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         n, bs = len(tokens), self._block_size
         if -(-(n + num_lookahead) // bs) > self.num_blocks:
             raise CapacityError(f"a sequence of {n + num_lookahead} tokens needs more than the {self.num_blocks} blocks of the pool")
-        keys = self._keys(tokens, salt, keys)  # validated last: it remembers the tokens
+        keys = request_keys(tokens, salt, keys)  # validated last: it remembers the tokens
         found = self._lookup(tokens, keys)
         if self._blocks_short(n, num_lookahead, found) + keep_free > 0:
             return None
@@ -499,7 +490,7 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         Raises `PinError` if not even its first full block is cached (nothing would be pinned).
         """
         tokens = as_tokens(token_ids)
-        keys = self._keys(tokens, salt, keys)
+        keys = request_keys(tokens, salt, keys)
         if not self.enable_prefix_caching:
             raise PinError("pinning needs prefix caching (enable_prefix_caching=True)")
         hits = self.prefix.match(tokens, keys, len(tokens) // self._block_size)
@@ -550,28 +541,8 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         self.tables.check_invariants()
         if self.host_pool is not None:
             self.host_pool.check_invariants()
-        t, pool, bs = self.tables, self.pool, self._block_size
-        cols = np.arange(t.table.shape[1])
-        held = (cols < t.num_blocks[:, None]) & (t.alive & ~t.swapped)[:, None]
-        refs = np.bincount(t.table[held], minlength=pool.num_blocks)
-        if pool.has_null_block:
-            refs[NULL_BLOCK_ID] = 1
-        held_by_copies = self.copies.held
-        expected = refs + pool.pins + held_by_copies
-        if not np.array_equal(expected, pool.ref):
-            bad = np.nonzero(expected != pool.ref)[0][:8].tolist()
-            raise InvariantError(f"manager: ref counts differ from table references + pins + pending copies at blocks {bad}")
-        # A keyed block is full; a holder may see it partial only after rolling back into it, and then
-        # it must copy (or unpublish) before writing.
-        partial = held & ((cols + 1) * bs > t.num_tokens[:, None])
-        on_device = np.where(held, t.table, 0)  # a swapped row holds host block ids: not this pool's
-        if (partial & pool.keyed[on_device] & ~t.cow_risk[:, None]).any():
-            raise InvariantError("manager: a keyed block is partial in a sequence that may write into it")
-        # ... and a sequence not marked copy-before-write writes its partial blocks in place: they are its own.
-        in_place = partial & ~t.cow_risk[:, None]
-        if (pool.ref[t.table[in_place]] - held_by_copies[t.table[in_place]] != 1).any():
-            raise InvariantError("manager: a sequence writes in place into a block it shares")
-        self.copies.check("manager")
+        check_references(self.pool, (self.tables,), self.copies, "manager")
+        t, bs = self.tables, self._block_size
         if (t.num_published > t.num_computed // bs).any():
             raise InvariantError("manager: more blocks published than computed")
         if any(k is not None and not t.alive[r] for r, k in enumerate(self.prefix.by_row)):

@@ -137,6 +137,17 @@ def as_keys(keys: object, salt: bytes, tokens: npt.NDArray[np.int32]) -> BlockKe
     return keys
 
 
+def request_keys(tokens: npt.NDArray[np.int32], salt: object, keys: object) -> BlockKeys:
+    """The keys an admission, a match or a pin uses: the request's own (checked by `as_keys`, and bound to
+    these tokens), or fresh ones for `salt`."""
+    salt = as_salt(salt)
+    given = as_keys(keys, salt, tokens)
+    if given is None:
+        return BlockKeys(salt)
+    given.remember(tokens)
+    return given
+
+
 def as_index_array(value: npt.ArrayLike, what: str, shape: tuple[int, ...]) -> npt.NDArray[np.int64]:
     """Integer positions (range starts and ends, computed counts), broadcast to `shape`, in [0, MAX_COUNT)."""
     arr = _array(value, what)
