@@ -98,6 +98,102 @@ def test_shared_prefix_requests_land_on_the_replica_holding_it(app: Deployed) ->
         assert out.num_cached_tokens_by_tier.get(GPU) == DOC
 
 
+def test_a_group_id_over_http_reaches_the_replicas_and_the_group_computes_its_prompt_once(app: Deployed) -> None:
+    """The `group_id` body field at the Ray ingress: a bad one is the single server's 400 naming it; four
+    requests of one group sent together all land where the first went (the router sees its blocks on their
+    way), one computes the prompt and the three others take its full blocks, with the ungrouped answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    replicas(app)
+    wait_for_stats(app)
+    client = httpx.Client(base_url=app.url, timeout=120)
+    body = {"model": "pagedkv", "prompt": document(40) + [9], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    bad = client.post("/v1/completions", json={**body, "group_id": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "group_id", bad.text
+    alone = client.post("/v1/completions", json={**body, "cache_salt": "alone-40"}).json()
+
+    def member(_: int) -> dict[str, Any]:
+        answer = client.post("/v1/completions", json={**body, "group_id": "rollout-40", "cache_salt": "group-40"})
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    with ThreadPoolExecutor(4) as pool:
+        grouped = list(pool.map(member, range(4)))
+    cached = sorted(g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in grouped)
+    assert cached == [0, DOC, DOC, DOC]  # 41 tokens: 10 full blocks of 4, the last token always computed
+    assert {g["choices"][0]["text"] for g in grouped} == {alone["choices"][0]["text"]}
+
+
+def test_the_ingress_hands_a_group_id_to_the_replicas_engine() -> None:
+    """The ingress app and the replica body outside Ray (a handle that calls the replica directly): four
+    requests of one group over HTTP reach the replica's engine as one group, whose step waits until all four
+    are in, so the leader alone computes the prompt and the engine counts the 3 x 40 tokens the others took."""
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.hf.tiny import tiny_model
+    from pagedkv.serve.app import build_app
+    from pagedkv.serve.ray_app import PagedKVReplica
+    from pagedkv.serve.ray_ingress import RemoteEngine
+
+    gate = {"want": 4, "seen": 0, "deadline": time.monotonic() + 30}
+
+    def gated_engine(remote_url: str | None) -> Engine:
+        engine = Engine(tiny_model("llama", 0), None, EngineConfig(num_blocks=96, block_size=4, kv_events=True))
+        add, step = engine.add_request, engine.step
+
+        def counting_add(*args: Any, **kwargs: Any) -> str:
+            gate["seen"] += 1
+            return add(*args, **kwargs)
+
+        def gated_step() -> Any:
+            if gate["seen"] < gate["want"] and time.monotonic() < gate["deadline"]:
+                time.sleep(0.005)
+                return []
+            return step()
+
+        engine.add_request = counting_add  # type: ignore[method-assign]
+        engine.step = gated_step  # type: ignore[method-assign]
+        return engine
+
+    class Call:  # a streaming handle call, answered by the replica body in this process
+        def __init__(self, request: ReplicaRequest) -> None:
+            self.gen = replica.generate(request)
+
+        def __anext__(self) -> Any:
+            return self.gen.__anext__()
+
+        def cancel(self) -> None:
+            asyncio.ensure_future(self.gen.aclose())
+
+    class Handle:
+        def __init__(self) -> None:
+            self.generate = SimpleNamespace(remote=Call)
+
+        def options(self, **_: Any) -> Handle:
+            return self
+
+    replica = PagedKVReplica(engine=gated_engine)
+    replica.engine.publisher = SimpleNamespace(publish=lambda batch: None)  # type: ignore[assignment]
+    app = build_app(RemoteEngine(Handle(), replica.describe()), model_name="pagedkv", manage_engine=False)
+    body = {"model": "pagedkv", "prompt": document(50) + [9], "max_tokens": 3, "ignore_eos": True,
+            "group_id": "rollout-50"}  # fmt: skip
+
+    async def send() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as c:
+            return list(await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4))))
+
+    try:
+        answers = asyncio.run(send())
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert gate["seen"] == 4
+        cached = sorted(a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+        assert cached == [0, DOC, DOC, DOC]
+        assert replica.engine.stats().group_prefill_shared_tokens == 3 * DOC
+    finally:
+        replica.engine.shutdown(timeout_s=10)
+        replica.publisher.close()
+
+
 def test_a_killed_replica_is_restarted_while_requests_elsewhere_finish_and_redis_serves_its_prefix(
     app: Deployed,
 ) -> None:
