@@ -246,3 +246,17 @@ def test_the_walk_finds_lazy_relative_and_long_circles(tmp_path: Path) -> None:
     (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pagedkv.a\n")
     (pkg / "d.py").write_text("import pagedkv.a\n")  # into the circle, not on it
     assert cycles(import_graph(pkg)) == [("pagedkv.a", "pagedkv.sub.b", "pagedkv.sub.c")]
+
+
+def test_every_file_name_that_recurs_is_in_the_one_name_table() -> None:
+    """A file name used in two packages is listed, with why, under "One name, two packages"."""
+    from collections import defaultdict
+
+    where: dict[str, set[str]] = defaultdict(set)
+    for path in PKG.rglob("*.py"):
+        if path.name != "__init__.py":
+            where[path.name].add(str(path.parent.relative_to(PKG)))
+    section = DOC.split("## One name, two packages", 1)[1].split("\n## ", 1)[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    recurring = {name for name, dirs in where.items() if len(dirs) > 1}
+    assert recurring == listed, f"recurring but not listed: {recurring - listed}; listed but not recurring: {listed - recurring}"
