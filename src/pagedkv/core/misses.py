@@ -25,16 +25,47 @@ tiers too: a sum over the reasons (Prometheus' `reason` label) is the total.
 Salt and epoch are checked only when the first block misses (blocks after a hit share its salt and
 epoch), against the last `RECENT_CONTEXTS` salts seen and the two previous epochs: a few extra hashes on a
 cold miss, none on a hit.
+
+`MissCounter.count_admission` and `miss_reason` are the one implementation, for every manager: a uniform
+one asks about its index's copy of the missing block; a hybrid one (`hybrid_misses.py`) about the copy of
+the group that limited the hit (`group`: the content key of the missing block -> that group).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from pagedkv.core.group_keys import group_key
+from pagedkv.core.prefix import BlockKeys, Key, KeyFunction
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from pagedkv.core.prefix_index import PrefixIndex
 
 MISS_REASONS = ("short_prompt", "partial_block", "no_key", "evicted", "salt", "epoch", "verify", "tier")
 RECENT_CONTEXTS = 8  # distinct (salt, extra) pairs remembered for the salt check
 EPOCHS_BACK = 2  # earlier epochs checked for the epoch reason
+
+
+class KeyedCache(Protocol):
+    """What the miss reasons read of a manager's prefix cache."""
+
+    @property
+    def index(self) -> PrefixIndex: ...
+
+    @property
+    def key_fn(self) -> KeyFunction: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -65,6 +96,22 @@ class MissCounter:
             self.lookups["tier"] += 1
         return reason, missed, left - n
 
+    def count_admission(
+        self, cache: KeyedCache, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int,
+        group: Callable[[Key], int] | None = None,
+    ) -> tuple[str, int, int] | None:  # fmt: skip
+        """Count an admission's missed tokens (all but the last, less the `num_cached` served) under the
+        reason of its first missing block (`miss_reason`; `num_hits` full blocks hit, and the match computed
+        the next key). Returns its miss record (reason, missed, not moved yet: `move_to_tier`), or None."""
+        self.seen(keys.salt, keys.extra)
+        missed = len(tokens) - 1 - num_cached
+        if missed <= 0:
+            return None
+        reason = miss_reason(cache, self, tokens, keys, num_hits, group)
+        self.lookups[reason] += 1  # `count`, inline: on every admission that misses
+        self.tokens[reason] += missed
+        return reason, missed, missed
+
     def seen(self, salt: bytes, extra: bytes) -> None:
         """Remember a request's context for the salt check."""
         ctx = (salt, extra)
@@ -78,3 +125,51 @@ class MissCounter:
         out = {f"miss_lookups_{r}": n for r, n in self.lookups.items()}
         out.update({f"miss_tokens_{r}": n for r, n in self.tokens.items()})
         return out
+
+
+def miss_reason(
+    cache: KeyedCache, misses: MissCounter, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int,
+    group: Callable[[Key], int] | None = None,
+) -> str:  # fmt: skip
+    """Why block `num_hits` of `tokens` did not hit (a query; the reasons of the module docstring), asked of
+    the index's copy of that block: the plain key, or with `group` the copy of group `group(content key)`."""
+    bs = cache.block_size
+    max_blocks = (len(tokens) - 1) // bs
+    if max_blocks == 0:
+        return "short_prompt"
+    if num_hits >= max_blocks:
+        return "partial_block"
+    if len(keys.keys) <= num_hits + 1:  # defensive: the match computes the missing block's key
+        return "no_key"
+    content = keys.keys[num_hits + 1]
+    g = group(content) if group is not None else None
+    key = content if g is None else group_key(content, g)
+    index = cache.index
+    if index.lookup(key) is not None:
+        return "verify"  # in the index, refused by verify_hits
+    if index.was_evicted(key):
+        return "evicted"
+    epoch, contexts = cache.epoch, misses.contexts
+    if num_hits == 0 and (epoch or len(contexts) > 1):  # else no other salt nor epoch to try
+        first = tokens[:bs]
+        for salt, extra in contexts:
+            if (salt, extra) != (keys.salt, keys.extra) and _known(cache, first, keys, salt, extra, epoch, g):
+                return "salt"
+        for old in range(epoch - 1, max(epoch - 1 - EPOCHS_BACK, -1), -1):
+            if _known(cache, first, keys, keys.salt, keys.extra, old, g):
+                return "epoch"
+    return "no_key"
+
+
+def _known(
+    cache: KeyedCache, first: npt.NDArray[np.int32], keys: BlockKeys, salt: bytes, extra: bytes, epoch: int,
+    g: int | None,
+) -> bool:  # fmt: skip
+    """Whether the first block `first` (group g's copy) is cached, or was evicted lately, under this salt,
+    extra and epoch."""
+    other = BlockKeys(salt, extra=extra, block_extra={0: keys.block_extra[0]} if 0 in keys.block_extra else None)
+    other.bind(cache.key_fn, epoch)
+    key = other.key(0, first)
+    if g is not None:
+        key = group_key(key, g)
+    return cache.index.lookup(key) is not None or cache.index.was_evicted(key)

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core import hotpath
-from pagedkv.core.misses import EPOCHS_BACK, MissCounter
+from pagedkv.core.misses import MissCounter, miss_reason
 from pagedkv.core.pool import BlockPool
 from pagedkv.core.prefix import BlockKeys, Key, KeyFunction, fast_key, sha256_key
 from pagedkv.core.table import BlockTables
@@ -168,50 +168,13 @@ class PrefixCache:
     def count_miss(
         self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int
     ) -> tuple[str, int, int] | None:
-        """Count an admission's missed tokens (all but the last, less the `num_cached` reused) under the
-        reason of its first missing block; `num_hits` full blocks hit, and `match` computed the next key.
-        Returns the admission's miss record (reason, missed, missed: `MissCounter.move_to_tier`), or None."""
-        misses = self.misses
-        misses.seen(keys.salt, keys.extra)
-        missed = len(tokens) - 1 - num_cached
-        if missed <= 0:
-            return None
-        reason = self.miss_reason(tokens, keys, num_hits)  # `MissCounter.count`, inline: on every admission
-        misses.lookups[reason] += 1
-        misses.tokens[reason] += missed
-        return reason, missed, missed
+        """Count an admission's missed tokens under the reason of its first missing block
+        (`MissCounter.count_admission`); returns its miss record, or None."""
+        return self.misses.count_admission(self, tokens, keys, num_hits, num_cached)
 
     def miss_reason(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int) -> str:
-        """Why block `num_hits` of `tokens` did not hit (a query; see `misses.py`)."""
-        max_blocks = (len(tokens) - 1) // self.block_size
-        if max_blocks == 0:
-            return "short_prompt"
-        if num_hits >= max_blocks:
-            return "partial_block"
-        if len(keys.keys) <= num_hits + 1:  # defensive: match stops after computing the missing key
-            return "no_key"
-        key = keys.keys[num_hits + 1]
-        if key in self.index.index:
-            return "verify"  # in the index, refused by verify_hits
-        if self.index.was_evicted(key):
-            return "evicted"
-        contexts = self.misses.contexts
-        if num_hits == 0 and (self.epoch or len(contexts) > 1):  # else no other salt nor epoch to try
-            first = tokens[: self.block_size]
-            for salt, extra in contexts:
-                if (salt, extra) != (keys.salt, keys.extra) and self._known(first, keys, salt, extra, self.epoch):
-                    return "salt"
-            for epoch in range(self.epoch - 1, max(self.epoch - 1 - EPOCHS_BACK, -1), -1):
-                if self._known(first, keys, keys.salt, keys.extra, epoch):
-                    return "epoch"
-        return "no_key"
-
-    def _known(self, first: npt.NDArray[np.int32], keys: BlockKeys, salt: bytes, extra: bytes, epoch: int) -> bool:
-        """Whether the first block `first` is cached, or was evicted lately, under this salt, extra and epoch."""
-        other = BlockKeys(salt, extra=extra, block_extra={0: keys.block_extra[0]} if 0 in keys.block_extra else None)
-        other.bind(self.key_fn, epoch)
-        key = other.key(0, first)
-        return self.index.lookup(key) is not None or self.index.was_evicted(key)
+        """Why block `num_hits` of `tokens` did not hit (a query; `misses.miss_reason`)."""
+        return miss_reason(self, self.misses, tokens, keys, num_hits)
 
     def _match_generic(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         bs, lookup = self.block_size, self.index.lookup
