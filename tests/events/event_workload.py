@@ -17,7 +17,7 @@ def make_replica(num_blocks: int = 24, *, native: bool | None = None) -> tuple[P
 
 def gpu_hashes(m: PagedKVManager, feed: ManagerFeed) -> set[int]:
     """What the manager can serve now: its index, less keys of an earlier epoch."""
-    return {external_hash(k) for k in m.index.all_keys() if k not in feed._stale}
+    return {external_hash(k) for k in feed.device_keys()}
 
 
 def random_steps(

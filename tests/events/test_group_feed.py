@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pagedkv.core import PagedKVManager
+from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import split_key
 from pagedkv.core.hybrid import HybridKVManager
@@ -136,3 +137,37 @@ def test_two_groups_carry_parent_and_tokens_per_group(seed: int) -> None:
         for log in logs:
             chains_ok(log)
     assert parents[0] > 5 and parents[1] > 0, parents
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_group_resets_and_epochs_equal_the_uniform_managers(seed: int) -> None:
+    """`reset()` and `bump_epoch()` are the one feed's: through a one-group hybrid manager they give the
+    paged manager's events (one `AllBlocksCleared`, the older epoch's later removals swallowed), and
+    `device_keys()` leaves out the keys that can no longer hit; bumping the manager's epoch behind the feed
+    is refused by both. (Epochs are bumped with no sequence live: a live sequence's later blocks are keyed
+    differently by the two managers after a bump, which is no feed's business.)"""
+    paged = PagedKVManager(24, BS, record_events=True)
+    hybrid = HybridKVManager(24, BS, (KVGroupSpec(),), record_events=True)
+    paged_log, hybrid_log = EventLog(BS), EventLog(BS)
+    feeds = [ManagerFeed(paged, paged_log), GroupFeed(hybrid, [hybrid_log])]
+    rng = np.random.default_rng(seed)
+    swallowed = 0
+    for round_ in range(3):
+        for i, _ in enumerate(steps(rng, [paged, hybrid], 50)):
+            if round_ == 0 and i == 25:
+                assert feeds[0].reset() == feeds[1].reset() > 0
+            stale = len(feeds[0]._stale)
+            for feed in feeds:
+                feed.poll()
+            swallowed += stale - len(feeds[0]._stale)
+            assert flat(hybrid_log.take_batch()) == flat(paged_log.take_batch())
+            assert feeds[1].device_keys() == feeds[0].device_keys()
+        assert feeds[0].bump_epoch() == feeds[1].bump_epoch() == round_ + 1
+        assert feeds[0].device_keys() == feeds[1].device_keys() == set()
+        assert flat(hybrid_log.take_batch()) == flat(paged_log.take_batch()) != []
+        assert len(feeds[1]._stale) == len(feeds[0]._stale) > 0
+    assert swallowed > 0
+    for m, feed in zip((paged, hybrid), feeds):
+        m.bump_epoch()
+        with pytest.raises(InvalidArgumentError, match="epoch"):
+            feed.poll()

@@ -4,7 +4,7 @@
 events since the last call as one vLLM-compatible `EventBatch` (publish it with
 `pagedkv.events.publisher.ZmqEventPublisher`). Media:
 
-- GPU: the manager's `CacheEvent`s, through a `ManagerFeed`. There is one reader of
+- GPU: the manager's cache events, through its feed (`events.manager_feed.feed_for`). One reader of
   `manager.take_events()`: the tiering when tiers are on (it needs the evictions and publications
   itself; the engine builds it with `keep_device_events=True` and this class takes what it drained with
   `tiering.take_device_events()`), else this class.
@@ -42,9 +42,8 @@ import msgspec
 
 from pagedkv.core.group_keys import GroupCacheEvent, split_key
 from pagedkv.core.prefix import Key
-from pagedkv.core.prefix_index import CacheEvent
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventLog, ManagerFeed
-from pagedkv.events.group_feed import GroupFeed
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventLog
+from pagedkv.events.group_feed import EventFeed
 from pagedkv.events.manager_feed import feed_for
 from pagedkv.events.wire import Event
 
@@ -72,7 +71,7 @@ class EngineEvents:
     ) -> None:  # fmt: skip
         # one log per KV cache group; a grouped manager's events name their group (`group_idx`)
         self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank) for _ in range(manager.num_groups)]
-        self.feed: ManagerFeed | GroupFeed = feed_for(manager, self.logs)
+        self.feed: EventFeed = feed_for(manager, self.logs)
         self.grouped = manager.grouped_events
         self.log = self.logs[0]
         self.tiering = tiering  # when set, built with keep_device_events=True: it drains the manager
@@ -113,10 +112,7 @@ class EngineEvents:
             info = self.logs[g].known(key)
             if info is not None:
                 known[g, key] = info
-        if isinstance(self.feed, GroupFeed):
-            self.feed.poll([e for e in drained if isinstance(e, GroupCacheEvent)])
-        else:
-            self.feed.poll([e for e in drained if isinstance(e, CacheEvent)])
+        self.feed.poll(drained)
         for e, g, key in _parents_first(tier_events, self.logs, known):  # as they happened, parents first
             log = self.logs[g]
             if e.kind == "removed":
