@@ -28,7 +28,7 @@ def test_bench_rl_reports_the_cost_and_the_drift_of_batch_invariant_mode(
     assert result["stale_kv_check"] == "pass"
     inv = result["batch_invariance"]
     assert all(len(inv["rollout_tok_s"][m]) == 2 and min(inv["rollout_tok_s"][m]) > 0 for m in ("default", "invariant"))
-    assert inv["cost"] > 0
+    assert inv["cost"] > 0 and inv["cpu_cost"] > 0
     assert inv["logprob_drift"]["invariant"] == 0.0
     assert inv["logprob_drift"]["default"] >= 0.0
 

@@ -27,8 +27,9 @@ mode the rollout tokens/s and the prompt tokens the model computed (tokens run m
 
 Batch-invariant mode (`EngineConfig.batch_invariant`; `--batch-invariant` runs the whole loop in it) is
 measured last, on the final weights, where the model is Llama-structured: the first sharing mode's rollout
-on a default engine and on a batch-invariant one, interleaved `--invariance-rounds` times (tokens/s of each,
-the median ratio is the mode's cost), and how far each mode's greedy logprobs move between a prompt run
+on a default engine and on a batch-invariant one, interleaved `--invariance-rounds` times (tokens/s and the
+process's CPU seconds of each; the median ratios are the mode's cost, the CPU one steadier on a shared
+machine), and how far each mode's greedy logprobs move between a prompt run
 alone and in the rollout's batch (max |difference| over the tokens before the first that differs; the
 invariant mode's must be 0).
 """
@@ -176,14 +177,23 @@ def _invariance(model: Any, prompts: list[list[int]], args: argparse.Namespace) 
         except InvalidArgumentError:  # not a model the fused forward runs
             return None
     rates: dict[str, list[float]] = {mode: [] for mode in engines}
+    cpu: dict[str, list[float]] = {mode: [] for mode in engines}
     for r in range(rounds):  # interleaved, so that a loaded machine slows both alike
         for mode, engine in engines.items():
-            rates[mode].append(_rollout(engine, prompts, args, args.sharing[0], seed=args.seed + 1000 + r)["rollout_tok_s"])
+            got = _rollout(engine, prompts, args, args.sharing[0], seed=args.seed + 1000 + r)
+            rates[mode].append(got["rollout_tok_s"])
+            cpu[mode].append(got["rollout_cpu_s"])
     drift = {mode: _logprob_drift(engine, prompts, args.max_tokens) for mode, engine in engines.items()}
-    ratios = sorted(d / i for d, i in zip(rates["default"], rates["invariant"], strict=True))
     for engine in engines.values():
         engine.close()
-    return {"rollout_tok_s": rates, "cost": ratios[len(ratios) // 2], "logprob_drift": drift}
+    return {"rollout_tok_s": rates, "rollout_cpu_s": cpu, "logprob_drift": drift,
+            "cost": _median([d / i for d, i in zip(rates["default"], rates["invariant"], strict=True)]),
+            "cpu_cost": _median([i / d for d, i in zip(cpu["default"], cpu["invariant"], strict=True)])}  # fmt: skip
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def _logprob_drift(engine: Any, prompts: list[list[int]], max_tokens: int) -> float:
@@ -218,7 +228,7 @@ def _rollout(engine: Any, prompts: list[list[int]], args: argparse.Namespace, mo
 
     engine.reset_prefix_cache()  # every mode starts cold (the same weights: the previous mode's prompts)
     scheduled, shared = int(engine.stats.num_scheduled_tokens), int(engine.group_prefill_shared_tokens)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if mode == "n":
         outs = engine.generate(prompts, params(args.samples, 0))
     else:
@@ -229,10 +239,10 @@ def _rollout(engine: Any, prompts: list[list[int]], args: argparse.Namespace, mo
         ]  # fmt: skip
         engine.run()
         outs = [engine.output(rid) for rid in ids]
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     tokens = sum(len(o.output_token_ids) for o in outs)
     decode = sum(max(len(o.output_token_ids) - 1, 0) for o in outs)  # each token after a sample's first
-    return {"rollout_s": seconds, "rollout_tokens": tokens, "rollout_tok_s": tokens / seconds,
+    return {"rollout_s": seconds, "rollout_cpu_s": cpu_seconds, "rollout_tokens": tokens, "rollout_tok_s": tokens / seconds,
             "prefix_cached_tokens": sum(o.num_cached_tokens for o in outs),
             "prompt_tokens_computed": int(engine.stats.num_scheduled_tokens) - scheduled - decode,
             "group_shared_tokens": int(engine.group_prefill_shared_tokens) - shared}  # fmt: skip
@@ -284,7 +294,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"batch-invariant mode ({s['sharing'][0]} rollout, {len(rates['default'])} interleaved rounds): "
             f"{' '.join(f'{x:.0f}' for x in rates['invariant'])} tok/s vs default {' '.join(f'{x:.0f}' for x in rates['default'])}: "
-            f"cost {inv['cost']:.2f}x (median default/invariant)"
+            f"cost {inv['cost']:.2f}x in wall time, {inv['cpu_cost']:.2f}x in CPU time (medians of invariant/default)"
         )
         lines.append(
             "greedy logprob drift, a prompt alone vs in the batch (max |difference|): "
