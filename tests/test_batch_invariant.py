@@ -216,3 +216,31 @@ def test_the_command_line_flag_selects_the_mode() -> None:
     assert parser.parse_args(["--batch-invariant"]).linear_backend == "invariant"
     assert parser.parse_args([]).linear_backend == "auto"
     assert EngineConfig(num_blocks=8, linear_backend=parser.parse_args(["--batch-invariant"]).linear_backend).batch_invariant
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ops_attention_of_token_rows_gives_each_row_its_own_result(backend: str) -> None:
+    """The path without the C kernel: a row's result in a batch of rows equals the row alone (Triton in
+    one call with one KV split, under TRITON_INTERPRET; the reference one call per row), over contexts that
+    span several key tiles."""
+    from pagedkv.hf.attention import attend_token_rows
+    from pagedkv.ops.options import attention_options
+
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, heads, dim = 48, 8, 8, 8, 128  # wide: the reference tiles by batch size
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    ids = torch.randperm(num_blocks - 1)[:40] + 1
+    tables = torch.stack([ids[:20], ids[20:]]).to(torch.int32)  # two sequences of up to 160 tokens
+    positions = [(0, p) for p in range(0, 150, 7)] + [(1, p) for p in range(3, 120, 11)]
+    table = tables[[s for s, _ in positions]]
+    lens = torch.tensor([p + 1 for _, p in positions], dtype=torch.int32)
+    q = torch.randn(len(positions), heads, dim)
+    options = attention_options()
+    together = attend_token_rows(q, key_cache, value_cache, table, lens, options, backend=backend)
+    for r in (0, 5, len(positions) // 2, len(positions) - 1):
+        alone = attend_token_rows(q[r : r + 1], key_cache, value_cache, table[r : r + 1], lens[r : r + 1], options,
+                                  backend=backend)  # fmt: skip
+        assert torch.equal(together[r], alone[0]), r
+    reference = attend_token_rows(q, key_cache, value_cache, table, lens, options, backend="reference")
+    torch.testing.assert_close(together, reference, atol=2e-5, rtol=1e-4)

@@ -125,12 +125,8 @@ def _attend_rows(
 ) -> torch.Tensor:
     """Batch-invariant attention (`pagedkv.hf.invariant`): every packed query token is one decode row that
     reads its request's block table up to its own position, computed alone. The C decode kernel where it
-    applies (one row per sequence, keys in order); else `pagedkv.ops` with one KV split: Triton in one call
-    (a query tile is one row, its key tiles start at position 0), the reference one call per row (its key
-    tile width follows the batch size, so the batch is always one row)."""
+    applies (one row per sequence, keys in order), else `attend_token_rows`."""
     from pagedkv.ops import cpu_decode
-    from pagedkv.ops.attention import run_planned
-    from pagedkv.ops.plan import plan_attention
 
     cache = step.cache
     table, lens = token_rows(step.batches[kv_group])
@@ -138,11 +134,31 @@ def _attend_rows(
     if options.soft_cap is None and options.sinks is None and cpu_decode.available(q, kv, kv_scales):
         return cpu_decode.decode_attention(q, kv, table, lens, options, scales=kv_scales)
     key_cache, value_cache = cache.layer(layer_idx)
+    return attend_token_rows(q, key_cache, value_cache, table, lens, options, kv_scales=kv_scales)
+
+
+def attend_token_rows(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    options: AttentionOptions,
+    *,
+    kv_scales: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """`pagedkv.ops` attention of query rows `[R, H, D]`, row r a decode row over `table[r]` up to `lens[r]`,
+    each row's result its own: Triton in one call with one KV split (a query tile is one row; its key tiles
+    start at position 0), the reference one call per row (its key tile width follows the batch size)."""
+    from pagedkv.ops.attention import run_planned
+    from pagedkv.ops.plan import plan_attention
+
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
 
     def attend(i: int, j: int) -> torch.Tensor:
         plan = plan_attention(q[i:j], key_cache, value_cache, table[i:j], lens[i:j], cu[: j - i + 1],
-                              max_seqlen_q=1, num_splits=1)  # fmt: skip
+                              max_seqlen_q=1, num_splits=1, backend=backend)  # fmt: skip
         if plan.backend != "triton" and j - i > 1:
             return torch.cat([attend(r, r + 1) for r in range(i, j)])
         return run_planned(plan, q[i:j], key_cache, value_cache, options, kv_scales=kv_scales)
