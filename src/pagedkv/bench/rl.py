@@ -62,6 +62,7 @@ def sharing_modes(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny:llama", help="tiny:FAMILY (seeded random weights), smollm2 or a folder")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's weights")
     parser.add_argument("--prompts", type=int_at_least(1, 4096), default=8, help="prompts per rollout")
     parser.add_argument("--samples", type=int_at_least(1, 256), default=8, help="completions per prompt (GRPO's group)")
     parser.add_argument("--iterations", type=int_at_least(1, 1000), default=4, help="rollout + update rounds")
@@ -87,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     use_threads(args.threads)
-    model = _load(args.model)
+    model = _load(args.model, getattr(args, "dtype", "float32"))
     with tempfile.TemporaryDirectory(prefix="pagedkv-rl-") as folder:
         result = measure(model, args, Path(folder))
     print(render(result))
@@ -96,14 +97,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["stale_kv_check"] == "pass" else 1
 
 
-def _load(name: str) -> Any:
+def _load(name: str, dtype: str) -> Any:
     if name.startswith("tiny:"):
+        import torch
+
         from pagedkv.hf.tiny import tiny_model
 
-        return tiny_model(name.removeprefix("tiny:"))
+        return tiny_model(name.removeprefix("tiny:")).to(getattr(torch, dtype))
     from pagedkv.hf.loading import load_model
 
-    return load_model(name, dtype="float32", progress=False)[0]
+    return load_model(name, dtype=dtype, progress=False)[0]
 
 
 def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
