@@ -166,6 +166,16 @@ def test_at_saturation_adaptive_k_bounds_a_missing_drafts_cost(burst) -> None:
     assert adaptive["tokens_per_s"] > 0.97 * plain["tokens_per_s"], (adaptive["tokens_per_s"], plain["tokens_per_s"])
 
 
+def test_at_saturation_the_step_budget_drops_what_adaptive_k_still_pays(burst) -> None:
+    """The same missing draft model: the engine's DraftBudget, fitted to the simulated steps, sees that no
+    draft pays and cuts the misses AdaptiveK still verifies after each cool-down; within 0.5% of plain."""
+    plain, _ = run(burst, None)
+    alone, alone_trace = run(burst, SpecSim(k=4, acceptance_rate=0.0, draft_cost=0.1, budget=False))
+    budget, trace = run(burst, SpecSim(k=4, acceptance_rate=0.0, draft_cost=0.1))
+    assert trace.spec_draft_tokens < 0.5 * alone_trace.spec_draft_tokens
+    assert budget["tokens_per_s"] > max(0.995 * plain["tokens_per_s"], alone["tokens_per_s"])
+
+
 def test_under_iid_acceptance_adaptive_k_drafts_shorter_than_a_fixed_k(burst) -> None:
     """i.i.d. draws carry no memory, so the rule's shrinking k (one more than the last verification accepted)
     proposes fewer drafts than a fixed k and accepts fewer per verification: adaptive k buys nothing here
@@ -184,7 +194,8 @@ def test_the_contiguous_baseline_does_not_speculate(light) -> None:
 
 
 def test_bad_parameters_are_refused() -> None:
-    for kw in ({"k": 0}, {"acceptance_rate": 1.5}, {"draft_cost": -1.0}, {"acceptance_rate": float("nan")}):
+    for kw in ({"k": 0}, {"acceptance_rate": 1.5}, {"draft_cost": -1.0}, {"acceptance_rate": float("nan")},
+               {"budget": 1}):  # fmt: skip
         with pytest.raises(InvalidArgumentError):
             SpecSim(**kw)  # type: ignore[arg-type]
     assert SpecSim(k=3, acceptance_rate=1.0).expected_tokens_per_verification == 4.0
@@ -202,6 +213,8 @@ def test_simulate_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert simulate_main([*argv, "--spec-fixed-k"]) == 0  # every step proposes 3: longer drafts, more accepted
     fixed = json.loads(capsys.readouterr().out)["allocators"]["paged-prefix"]
     assert fixed["spec_mean_accepted_length"] > row["spec_mean_accepted_length"]
+    assert simulate_main([*argv, "--spec-no-budget"]) == 0  # AdaptiveK alone
+    assert json.loads(capsys.readouterr().out)["allocators"]["paged-prefix"]["spec_mean_accepted_length"] > 1.0
     with pytest.raises(SystemExit) as bad:
         simulate_main([*argv[:-1], "--spec-acceptance", "2"])
     assert bad.value.code == 2

@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every step proposes --spec-k drafts (default: each request adapts its k as the engine does, "
         "and a request whose drafts keep missing stops speculating for a while)",
     )  # fmt: skip
+    sp.add_argument(
+        "--spec-no-budget", action="store_true",
+        help="no step draft budget: each request's adaptive k alone (default: the engine's DraftBudget cuts "
+        "the batch's drafts to those that raise the step's expected tokens per second)",
+    )  # fmt: skip
     s.add_argument(  # pagedkv.sim.guidance
         "--sweep-guidance",
         metavar="PATH",
@@ -206,14 +211,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _speculation(args: argparse.Namespace) -> Any:
-    """The `SpecSim` of `--spec-k`, `--spec-acceptance`, `--spec-draft-cost` and `--spec-fixed-k` (None when
-    `--spec-k` is 0)."""
+    """The `SpecSim` of `--spec-k`, `--spec-acceptance`, `--spec-draft-cost`, `--spec-fixed-k` and
+    `--spec-no-budget` (None when `--spec-k` is 0)."""
     from pagedkv.sim.speculation import SpecSim
 
     if not getattr(args, "spec_k", 0):
         return None
     return SpecSim(args.spec_k, args.spec_acceptance, args.spec_draft_cost,
-                   adaptive=not getattr(args, "spec_fixed_k", False))  # fmt: skip
+                   adaptive=not getattr(args, "spec_fixed_k", False),
+                   budget=not getattr(args, "spec_no_budget", False))  # fmt: skip
 
 
 def _print_report(args: argparse.Namespace, report: Any) -> None:
