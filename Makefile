@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml Makefile setup.py src/pagedkv/core/_native.c src/pagedkv/ops/_cpu_decode.c
+$(STAMP): pyproject.toml Makefile setup.py src/pagedkv/core/_native.c src/pagedkv/ops/_cpu_decode.c src/pagedkv/hf/_cpu_layer.c
 	@echo "pagedkv: [1/4] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "pagedkv: [2/4] upgrading pip"
@@ -41,4 +41,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy src/pagedkv/core src/pagedkv/engine src/pagedkv/sim src/pagedkv/storage
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info src/pagedkv/core/_native*.so src/pagedkv/ops/_cpu_decode*.so
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/pagedkv/core/_native*.so src/pagedkv/ops/_cpu_decode*.so src/pagedkv/hf/_cpu_layer*.so

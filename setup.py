@@ -1,5 +1,5 @@
-"""Builds the optional C extensions `pagedkv.core._native` and `pagedkv.ops._cpu_decode`; all package metadata
-lives in pyproject.toml.
+"""Builds the optional C extensions `pagedkv.core._native`, `pagedkv.ops._cpu_decode` and
+`pagedkv.hf._cpu_layer`; all package metadata lives in pyproject.toml.
 
 `optional=True`: without a working C compiler the install still succeeds, `pagedkv.core.hotpath` falls back
 to its Python reference and `pagedkv.hf.sdpa` to torch SDPA.
@@ -22,6 +22,15 @@ setup(
         Extension(
             "pagedkv.ops._cpu_decode",
             ["src/pagedkv/ops/_cpu_decode.c"],
+            optional=True,
+            extra_compile_args=FLAGS + OPENMP,
+            extra_link_args=OPENMP,
+        ),
+        # the element-wise parts of a Llama layer (pagedkv.hf.layer_ops); the fused forward runs torch's
+        # operations without it
+        Extension(
+            "pagedkv.hf._cpu_layer",
+            ["src/pagedkv/hf/_cpu_layer.c"],
             optional=True,
             extra_compile_args=FLAGS + OPENMP,
             extra_link_args=OPENMP,

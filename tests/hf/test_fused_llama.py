@@ -86,3 +86,32 @@ def test_fused_bf16_on_onednn_tracks_transformers() -> None:
     got_logits, _ = _logits(model, "fused", linear_backend="onednn")
     for got, ref in zip(got_logits, ref_logits):
         torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_layer_ops_track_torchs_operations(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a packed backend the element-wise parts run in C (pagedkv.hf.layer_ops); every step's logits stay
+    within rounding of the same forward over torch's operations, and the greedy tokens are the same."""
+    from pagedkv.hf import layer_ops
+
+    if not layer_ops.available():
+        pytest.skip("pagedkv.hf._cpu_layer is not built")
+    backend = "onednn" if torch.backends.mkldnn.is_available() else "invariant"
+    model = tiny_model("llama", 0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # norms that differ from each other (the tiny model's start as ones)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=g))
+    model = model.to(dtype)
+    calls = []
+    real = FusedLlama._run_layer_ops
+    monkeypatch.setattr(FusedLlama, "_run_layer_ops", lambda self, *a: calls.append(1) or real(self, *a))
+    got_logits, got_tokens = _logits(model, "fused", linear_backend=backend)
+    assert calls, "the C layer ops did not run"
+    monkeypatch.setattr(FusedLlama, "_layer_ops", lambda self, x: None)  # torch's operations
+    ref_logits, ref_tokens = _logits(model, "fused", linear_backend=backend)
+    assert got_tokens == ref_tokens
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype is torch.float32 else dict(atol=0.1, rtol=0.05)
+    for got, ref in zip(got_logits, ref_logits, strict=True):
+        torch.testing.assert_close(got.float(), ref.float(), **tol)

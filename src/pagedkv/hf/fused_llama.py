@@ -25,12 +25,16 @@ Contract:
   other model (the engine then runs transformers' forward).
 - The concatenated weights are the model's storage: q/k/v and gate/up weights become views into them, so the
   model's own modules keep working (transformers' forward, `model.generate`) and no weight is held twice.
-  With the "onednn" backend the fused GEMMs use oneDNN-packed copies (`pagedkv.hf.cpu_linear`).
+  With the "onednn" backend the fused GEMMs use oneDNN-packed copies (`pagedkv.hf.cpu_linear`), and the
+  element-wise parts (norms with their residual adds, rotary, SiLU times up) run as three C calls a layer split
+  over the torch threads (`pagedkv.hf.layer_ops`) where that extension is built; the "torch" backend keeps
+  transformers' tensor operations.
 - What the fused GEMMs hold apart from the model's storage (the packed copies, the concatenated biases) is
   taken from the weights when built and again by `refresh()`, which a weight update calls after writing new
   values into the model's parameters.
-- Norms, rotary, activation and residuals are the same tensor operations transformers runs, in the same order;
-  only the GEMMs over concatenated weights differ from separate ones, in summation order at most. The tests
+- On the "torch" backend, norms, rotary, activation and residuals are the same tensor operations transformers
+  runs, in the same order; only the GEMMs over concatenated weights differ from separate ones, in summation
+  order at most. The tests
   check greedy tokens and logits against transformers' forward.
 """
 
@@ -44,6 +48,7 @@ import torch
 
 from pagedkv.hf.attention import attend_layer
 from pagedkv.hf.cache import PagedKVCache, PagedStep
+from pagedkv.hf.layer_ops import LayerOps
 from pagedkv.hf.step_metadata import StepBatch
 
 if TYPE_CHECKING:
@@ -163,6 +168,9 @@ class FusedLlama:
         body = self.model.model
         x = body.embed_tokens(batch.input_ids[0])  # [T, H]
         cos, sin = body.rotary_emb(x.unsqueeze(0), batch.position_ids)  # [1, T, D]
+        ops = self._layer_ops(x) if self.backend != "torch" else None
+        if ops is not None:
+            return self._run_layer_ops(ops, step, batch, x, cos[0].contiguous(), sin[0].contiguous())
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: broadcast over heads
         t, d = x.shape[0], self.head_dim
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
@@ -179,6 +187,30 @@ class FusedLlama:
             x = x + layer.down(torch.nn.functional.silu(gate) * up)
         x = self._rms_norm(x, body.norm.weight)
         return self.lm_head(x[batch.logits_indices])
+
+    def _layer_ops(self, x: torch.Tensor) -> LayerOps | None:
+        """The C element-wise calls for this step's rows (`pagedkv.hf.layer_ops`), or None (torch's operations)."""
+        if x.device.type != "cpu" or not x.is_contiguous():
+            return None
+        return LayerOps.for_rows(
+            x.shape[0], x.dtype, hidden=x.shape[1], heads=self.num_heads, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, intermediate=self.layers[0].gate_up_weight.shape[0] // 2, eps=self.eps,
+        )  # fmt: skip
+
+    def _run_layer_ops(
+        self, ops: LayerOps, step: PagedStep, batch: StepBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer loop with the element-wise parts in C: each residual add is fused into the next norm
+        (`x += delta; h = norm(x)`), the last one into the model's final norm."""
+        t, nq = x.shape[0], self.num_heads * self.head_dim
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.model.model.norm.weight]
+        h = ops.norm(x, None, self.layers[0].input_norm)
+        for layer, next_norm in zip(self.layers, norms, strict=True):
+            q, k, v = ops.rope(layer.qkv(h), cos, sin)
+            a = attend_layer(step, layer.index, q, k, v, self.options)
+            h = ops.norm(x, layer.o(a.reshape(t, nq)), layer.post_norm)
+            h = ops.norm(x, layer.down(ops.silu_mul(layer.gate_up(h))), next_norm)
+        return self.lm_head(h[batch.logits_indices])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
