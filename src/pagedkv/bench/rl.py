@@ -127,7 +127,7 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
     system = rng.integers(3, vocab, size=args.prompt_len // 2).tolist()
     prompts = [system + rng.integers(3, vocab, size=args.prompt_len - len(system)).tolist() for _ in range(args.prompts)]
     greedy = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-    weights = {k: v.detach().clone() for k, v in pristine.state_dict().items()}  # the engine may have packed model's
+    weights = _untied(pristine)  # the engine may have packed model's
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[dict[str, Any]] = []
     checks: list[bool] = []
@@ -141,7 +141,7 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
         engine.generate(prompts, greedy)  # fills the cache; the checked pass below hits it
         got = [o.output_token_ids for o in engine.generate(prompts, greedy)]
         fresh_model = copy.deepcopy(pristine)
-        fresh_model.load_state_dict(weights)
+        _load_state(fresh_model, weights)
         want = [o.output_token_ids for o in Engine(fresh_model, None, config).generate(prompts, greedy)]
         row["stale_kv_check"] = "pass" if got == want else "FAIL"
         checks.append(got == want)
@@ -156,7 +156,7 @@ def measure(model: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any
     engine.close()
     settings = {k: v for k, v in vars(args).items() if k != "json" and isinstance(v, str | int | float | list | None)}
     final = copy.deepcopy(pristine)
-    final.load_state_dict(weights)
+    _load_state(final, weights)
     return {"settings": settings, "rows": rows, "stale_kv_check": "pass" if all(checks) else "FAIL",
             "threads": torch.get_num_threads(), "batch_invariance": _invariance(final, prompts, args)}  # fmt: skip
 
@@ -249,6 +249,27 @@ def _rollout(engine: Any, prompts: list[list[int]], args: argparse.Namespace, mo
             "prefix_cached_tokens": sum(o.num_cached_tokens for o in outs),
             "prompt_tokens_computed": int(engine.stats.num_scheduled_tokens) - scheduled - decode,
             "group_shared_tokens": int(engine.group_prefill_shared_tokens) - shared}  # fmt: skip
+
+
+def _untied(model: Any) -> dict[str, Any]:
+    """A copy of `model`'s weights under one name per tensor: a tied one (an `lm_head` that is the input
+    embedding) only under its first name, so that a perturbation keeps it tied and a folder holds it once."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor.detach().clone()
+    return out
+
+
+def _load_state(model: Any, weights: dict[str, Any]) -> None:
+    """`weights` (`_untied`'s names) into `model`; a tied name it left out follows the tensor it shares."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    own = model.state_dict()
+    untied = [n for n in missing if not any(own[n].data_ptr() == own[k].data_ptr() for k in weights)]
+    assert not unexpected and not untied, f"bench rl: weights do not fit the model: {unexpected or untied}"
 
 
 def _save(weights: dict[str, Any], folder: Path) -> None:
