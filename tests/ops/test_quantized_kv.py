@@ -194,3 +194,38 @@ def test_quantizing_writes_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         assert choose_backend(cuda, cache_dtype=fp8, op="write", scaled=True) == "reference"
     assert choose_backend(cuda, cache_dtype=torch.int8, op="write") == "reference"  # no scales: cannot quantize
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_c_decode_kernel_takes_a_bfloat16_query_over_codes(dtype: torch.dtype) -> None:
+    """A bfloat16 model over quantized KV: the query is widened (exactly) and the float32 answer rounded."""
+    lens, _ = random_lengths(5, 4, 70, 1)
+    batch = make_batch(5, lens, [1] * 4, block_size=8, group=3, head_dim=64)
+    kc, vc, scales, _ = quantized(batch, dtype)
+    codes = torch.stack([kc, vc])
+    q16 = batch.query.to(torch.bfloat16)
+    assert cpu_decode.available(q16, codes, scales)
+    options = AttentionOptions(None, None)
+    got = cpu_decode.decode_attention(q16, codes, batch.block_table, batch.seq_lens, options, scales=scales)
+    wide = cpu_decode.decode_attention(q16.float(), codes, batch.block_table, batch.seq_lens, options, scales=scales)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, wide.to(torch.bfloat16))
+
+
+@needs_c
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_bfloat16_model_over_quantized_kv_decodes_in_the_c_kernel(kv_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import Engine
+    from pagedkv.engine.params import SamplingParams
+    from pagedkv.hf.tiny import tiny_model
+
+    seen: list[torch.dtype] = []
+    real = cpu_decode.decode_attention
+    monkeypatch.setattr(cpu_decode, "decode_attention", lambda q, kv, *a, **k: seen.append(kv.dtype) or real(q, kv, *a, **k))
+    model = tiny_model("llama", 0).to(torch.bfloat16)
+    engine = Engine(model, None, EngineConfig(num_blocks=32, block_size=4, kv_cache_dtype=kv_dtype))
+    outs = engine.generate([[5, 9, 2, 7, 11], [4, 4, 6]], SamplingParams(max_new_tokens=6))
+    assert all(len(o.output_token_ids) == 6 for o in outs)
+    assert seen and all(d in (torch.int8, torch.float8_e4m3fn) for d in seen)

@@ -25,7 +25,8 @@ quarter of the page bytes to read (`pagedkv bench kv-dtype` compares the page dt
 
 `available(query, kv, scales)` says whether it applies: the extension is built (an optional C extension, like the
 allocator's hot path, and off under `PAGEDKV_NATIVE=0`), the tensors are on the CPU, query and pages are both
-float32 or both bfloat16, or the query is float32 over quantized pages with their scales, and no gradient is
+float32 or both bfloat16, or the query is float32 or bfloat16 over quantized pages with their scales (what a
+bfloat16 model over int8 or fp8 KV runs), and no gradient is
 wanted (the kernel has no backward). Callers fall back to the SDPA or `pagedkv.ops` path otherwise.
 """
 
@@ -81,7 +82,7 @@ def available(query: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None
     if scales is None:
         dtypes_ok = query.dtype == kv.dtype and kv.dtype in (torch.float32, torch.bfloat16)
     else:
-        dtypes_ok = query.dtype == torch.float32 and kv.dtype in _CODE_DTYPES
+        dtypes_ok = query.dtype in (torch.float32, torch.bfloat16) and kv.dtype in _CODE_DTYPES
     return (
         _NATIVE is not None
         and dtypes_ok
@@ -104,7 +105,8 @@ def decode_attention(
     over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`, with
     `options`' scale and sliding window (the kernel has no soft cap and no sinks: asking for them is an
     error). Quantized `kv` (int8/fp8 codes) comes with its `scales` `[2, num_blocks, block_size, Hkv]`;
-    bfloat16 `kv` takes a bfloat16 query, and the output has the query's dtype. Bad shapes, lengths, block ids
+    bfloat16 `kv` takes a bfloat16 query, quantized `kv` a float32 or bfloat16 one, and the output has the
+    query's dtype (a bfloat16 query is widened, exactly, and the float32 answer rounded to bfloat16). Bad shapes, lengths, block ids
     or dtypes raise `InvalidArgumentError`; nothing is written then."""
     if _NATIVE is None:
         raise InvalidArgumentError("pagedkv.ops._cpu_decode is not built (or PAGEDKV_NATIVE=0)")
@@ -119,11 +121,12 @@ def decode_attention(
     if quantized and (scales is None or kv.dtype not in _CODE_DTYPES):
         raise InvalidArgumentError("quantized pages (int8/fp8 codes) and scales go together; pass both")
     bf16 = kv.dtype == torch.bfloat16
-    if bf16 != (query.dtype == torch.bfloat16):
+    wide = query.dtype == torch.bfloat16  # a bfloat16 query runs as float32 (widening is exact), rounded back
+    if not quantized and bf16 != wide:
         raise InvalidArgumentError(
             f"decode attention: a bfloat16 query goes with bfloat16 pages, got query {query.dtype}, pages {kv.dtype}"
         )
-    q = query.float().contiguous() if bf16 else query.contiguous()  # widening a bfloat16 is exact
+    q = query.float().contiguous() if wide else query.contiguous()
     out = torch.empty_like(q)
     if quantized:
         pages = kv.contiguous().view(torch.uint8).numpy()
@@ -149,7 +152,7 @@ def decode_attention(
             _split_rows(q.shape[0], rows)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(str(e)) from None
-    return out.to(query.dtype) if bf16 else out
+    return out.to(query.dtype) if wide else out
 
 
 def _parts(batch: int) -> int:
