@@ -220,14 +220,14 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
 
     def _content_keys(
         self, tokens: npt.NDArray[np.int32] | list[int], keys: BlockKeys, start: int, stop: int
-    ) -> list[object]:
+    ) -> list[Key]:
         """The content keys of blocks [start, stop): only blocks never keyed before are hashed (a decode
         step hashes one block, whatever the sequence's length)."""
         keys.bind(self.key_fn, self._epoch)
-        bs = self._block_size
-        for i in range(keys.num_keys(), stop):
-            keys.key(i, np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int32))
-        return list(keys.keys[start + 1 : stop + 1])
+        bs, n = self._block_size, keys.num_keys()
+        if stop > n:
+            keys.extend(stop, np.asarray(tokens[n * bs : stop * bs], dtype=np.int32).tobytes(), bs)
+        return keys.keys[start + 1 : stop + 1]
 
     def _match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> tuple[int, list[IntArray]]:
         """(k, hits): the longest prefix of k blocks every group serves, and each group's hit blocks (those
@@ -238,7 +238,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         lookup, bs, k = self.index.lookup, self._block_size, max_blocks
         found: list[list[int | None]] = []
         for g, spec in enumerate(self.groups):
-            ids = [lookup(group_key(c, g)) for c in content[:k]]  # type: ignore[arg-type]
+            ids = [lookup(group_key(c, g)) for c in content[:k]]
             if spec.is_full:
                 k = next((j for j, b in enumerate(ids) if b is None), len(ids))
             found.append(ids)
@@ -387,7 +387,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
             start = max(seq.published[g], seq.released[g])
             if full > start:
                 ids = t.table[row, start:full].tolist()
-                stored = self.index.insert([group_key(c, g) for c in content[start - first :]], ids)  # type: ignore[arg-type]
+                stored = self.index.insert([group_key(c, g) for c in content[start - first :]], ids)
                 if stored and self.index.record_events:
                     self._origins.remember(seq.keys.keys, seq.tokens, start, ids, stored)
             seq.published[g] = max(seq.published[g], full)

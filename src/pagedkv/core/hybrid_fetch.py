@@ -29,7 +29,7 @@ from pagedkv.core.validate import as_count
 if TYPE_CHECKING:
     from pagedkv.core.hybrid_state import SeqState
     from pagedkv.core.pool import BlockPool
-    from pagedkv.core.prefix import BlockKeys
+    from pagedkv.core.prefix import BlockKeys, Key
     from pagedkv.core.table import BlockTables
 
 IntArray = npt.NDArray[np.int64]
@@ -45,7 +45,7 @@ class HybridFetch:
     _block_size: int
     _epoch: int
 
-    def _content_keys(self, tokens: list[int], keys: BlockKeys, start: int, stop: int) -> list[object]:
+    def _content_keys(self, tokens: list[int], keys: BlockKeys, start: int, stop: int) -> list[Key]:
         raise NotImplementedError
 
     def fetch_blocks(
@@ -71,7 +71,7 @@ class HybridFetch:
             return None
         content = self._content_keys(seq.tokens, keys, first, last)  # binds the manager's epoch
         groups = len(self.tables)
-        n_keys, rows = source.fetch([group_key(c, g) for c in content for g in range(groups)], first, tag)  # type: ignore[arg-type]
+        n_keys, rows = source.fetch([group_key(c, g) for c in content for g in range(groups)], first, tag)
         n = n_keys // groups
         if not n:
             return None

@@ -228,6 +228,18 @@ class BlockKeys:
         """How many leading blocks have a key."""
         return len(self.keys) - 1
 
+    def extend(self, stop: int, data: bytes, block_size: int) -> None:
+        """Compute the keys of blocks `num_keys()` .. `stop - 1`, in order, from `data`: those blocks' token
+        ids (int32 bytes, starting at block `num_keys()`). One loop for a run of blocks (`key`, per block)."""
+        n = len(self.keys) - 1
+        assert self._fn is not None and len(data) >= 4 * block_size * (stop - n), "prefix: keys need their tokens"
+        fn, keys, extras, width = self._fn, self.keys, self.block_extra, 4 * block_size
+        parent = keys[n]
+        for i in range(n, stop):
+            off = (i - n) * width
+            parent = fn(parent, data[off : off + width], extras.get(i, b""))
+            keys.append(parent)
+
     def key(self, block_index: int, block_tokens: npt.NDArray[np.int32]) -> Key:
         """Key of block `block_index`, computing it (and remembering it) if it is the next one."""
         n = len(self.keys) - 1
