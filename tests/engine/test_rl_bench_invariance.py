@@ -38,3 +38,13 @@ def test_zero_rounds_skip_the_measurement(tmp_path: Path, capsys: pytest.Capture
     assert main([*SMALL, "--invariance-rounds", "0", "--json", str(out)]) == 0
     assert "batch-invariant mode" not in capsys.readouterr().out
     assert json.loads(out.read_text())["batch_invariance"] is None
+
+
+def test_a_tied_weight_is_perturbed_once_so_the_stale_kv_check_compares_equal_weights(tmp_path: Path) -> None:
+    """gpt2's lm_head is its input embedding: perturbed under both names, the engine (the folder's order)
+    and the fresh engine (load_state_dict's) would end on different weights and the check fail."""
+    argv = ["bench", "rl", "--model", "tiny:gpt2", "--iterations", "2", "--prompts", "3", "--samples", "2",
+            "--max-tokens", "8", "--sharing", "n", "--invariance-rounds", "0", "--threads", "1", "--perturb", "0.5",
+            "--json", str(tmp_path / "rl.json")]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "rl.json").read_text())["stale_kv_check"] == "pass"
