@@ -146,9 +146,10 @@ def test_a_row_s_gemm_result_depends_on_that_row_alone(
 
 def _torch_tiles(weight: torch.Tensor, bias: torch.Tensor) -> Any:
     """`invariant_linear`'s fallback where oneDNN does not take the dtype."""
-    from pagedkv.hf.invariant import tiled_rows
+    from pagedkv.hf.cpu_linear import tiled_rows
 
-    return lambda x: tiled_rows(x, weight.shape[1], weight.shape[0], lambda t: torch.nn.functional.linear(t, weight, bias))
+    gemm = lambda t: torch.nn.functional.linear(t, weight, bias)  # noqa: E731
+    return lambda x: tiled_rows(x, weight.shape[1], weight.shape[0], gemm, ROW_TILE)
 
 
 def test_without_tiles_a_row_s_gemm_result_depends_on_the_row_count() -> None:

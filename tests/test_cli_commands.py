@@ -48,7 +48,7 @@ def test_old_token_budget_spelling_is_a_hidden_alias(capsys: pytest.CaptureFixtu
 
 def test_block_size_and_scheduler_are_declared_once() -> None:
     """One declaration of `--block-size` and one `SchedulerConfig` builder for the commands this issue owns."""
-    files = ["sim/options.py", "engine/generate_command.py", "bench/allocator.py", "bench/attention.py", "bench/e2e.py",
+    files = ["sim/cli_options.py", "engine/generate_command.py", "bench/allocator.py", "bench/attention.py", "bench/e2e.py",
              "bench/tiers.py", "bench/serve.py", "bench/serve_soak.py", "sim/commands_simulate.py",
              "sim/commands_plan.py"]  # fmt: skip
     for name in files:

@@ -26,7 +26,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     # other modules' private names, in files other sessions are changing now (issue 34's "edges")
     ("bench/allocator.py", "from pagedkv.sim.run import _Progress"): "sim/run.py's progress line; to be made public with the sim edges",
     ("sim/commands_simulate.py", "from pagedkv.sim.run import _Progress"): "as bench/allocator.py",
-    ("sim/commands_simulate.py", "from pagedkv.sim.options import _int_list"): "the simulate options' parser; moves with the options.py rename",
+    ("sim/commands_simulate.py", "from pagedkv.sim.cli_options import _int_list"): "the simulate options' parser; moves with the options.py rename",
     ("engine/speculative/draft.py", "from pagedkv.engine.llm_engine import _prepare_forward"): "the draft model runs the target's forward preparation; speculation is being changed now",
     ("core/hybrid_growth.py", "from pagedkv.core.manager import _writers_to_move"): "goes away with the one group-based manager (issue 34)",
     ("core/manager.py", "t._ROW_ARRAYS"): "the manager checks the table's row arrays; goes with the one manager (issue 34)",

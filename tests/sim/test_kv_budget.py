@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
-from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
+from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
 
 GIB = 1024**3

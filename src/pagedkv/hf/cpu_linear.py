@@ -39,6 +39,7 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,8 +118,6 @@ class PackedLinear(torch.nn.Module):
         if self.released:
             raise EngineStateError("this projection's packed weight was released (sleep level 2); wake_up() first")
         if self.row_tile is not None:
-            from pagedkv.hf.invariant import tiled_rows
-
             return tiled_rows(x, self.in_features, self.out_features, self._gemm, self.row_tile)
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
@@ -145,6 +144,26 @@ class PackedLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         tiles = "" if self.row_tile is None else f", {self.row_tile}-row tiles"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed{tiles}"
+
+
+def tiled_rows(
+    x: torch.Tensor,
+    in_features: int,
+    out_features: int,
+    gemm: Callable[[torch.Tensor], torch.Tensor],
+    row_tile: int,
+) -> torch.Tensor:
+    """`gemm` over `x`'s rows, `row_tile` at a time, the last tile padded with zero rows."""
+    flat = x.reshape(-1, in_features)
+    rows = flat.shape[0]
+    if rows == 0:
+        return flat.new_empty(*x.shape[:-1], out_features)
+    pad = -rows % row_tile
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, pad))
+    parts = [gemm(flat[start : start + row_tile]) for start in range(0, rows + pad, row_tile)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[:rows].view(*x.shape[:-1], out_features)
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:

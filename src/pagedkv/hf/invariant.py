@@ -57,32 +57,12 @@ class BatchInvariantOptions(AttentionOptions):
 
 def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """`x @ weight.T + bias` computed on `ROW_TILE`-row tiles (see the module docstring)."""
-    from pagedkv.hf.cpu_linear import PackedLinear, onednn_packs
+    from pagedkv.hf.cpu_linear import PackedLinear, onednn_packs, tiled_rows
 
     if onednn_packs(weight.dtype):
         return PackedLinear(weight, bias, row_tile=ROW_TILE)
     w, b = weight.detach(), None if bias is None else bias.detach()
-    return lambda x: tiled_rows(x, w.shape[1], w.shape[0], lambda t: torch.nn.functional.linear(t, w, b))
-
-
-def tiled_rows(
-    x: torch.Tensor,
-    in_features: int,
-    out_features: int,
-    gemm: Callable[[torch.Tensor], torch.Tensor],
-    row_tile: int = ROW_TILE,
-) -> torch.Tensor:
-    """`gemm` over `x`'s rows, `row_tile` at a time, the last tile padded with zero rows."""
-    flat = x.reshape(-1, in_features)
-    rows = flat.shape[0]
-    if rows == 0:
-        return flat.new_empty(*x.shape[:-1], out_features)
-    pad = -rows % row_tile
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, 0, 0, pad))
-    parts = [gemm(flat[start : start + row_tile]) for start in range(0, rows + pad, row_tile)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out[:rows].view(*x.shape[:-1], out_features)
+    return lambda x: tiled_rows(x, w.shape[1], w.shape[0], lambda t: torch.nn.functional.linear(t, w, b), ROW_TILE)
 
 
 def token_rows(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.sim.allocators import ALLOCATORS
-from pagedkv.sim.options import (
+from pagedkv.sim.cli_options import (
     add_common_arguments,
     catalog_from,
     check_workload,

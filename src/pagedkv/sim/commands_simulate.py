@@ -21,7 +21,7 @@ from pagedkv.engine.cli_args import (
     positive_float,
     scheduler_from,
 )
-from pagedkv.sim.options import (
+from pagedkv.sim.cli_options import (
     _int_list,
     activation_bytes_from,
     add_common_arguments,

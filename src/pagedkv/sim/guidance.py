@@ -242,7 +242,7 @@ def _print_guidance_table(cells: list[GuidanceCell], title: str, x8: float) -> N
 def run_guidance(args: argparse.Namespace) -> int:
     """`pagedkv simulate --sweep-guidance PATH`: the sweep under the command's model/GPU/block size; table
     (or `--json`) on stdout, the chart at PATH."""
-    from pagedkv.sim.options import sim_config_from
+    from pagedkv.sim.cli_options import sim_config_from
 
     base = sim_config_from(args, activation_bytes=None)  # the flag is validated, then replaced per cell
     model = base.model

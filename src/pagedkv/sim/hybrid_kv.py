@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.group import KVGroupSpec, LayerGroup, group_layers, layers_per_block, padded_layers
-from pagedkv.sim.budget import KVBudget
+from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.catalog import ModelShape
 
 IntArray = npt.NDArray[np.int64]

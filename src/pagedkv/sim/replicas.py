@@ -50,7 +50,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.manager import PagedKVManager
 from pagedkv.events import CPU, GPU, REMOTE, BlockRemoved, BlockStored, EventLog, ManagerFeed
 from pagedkv.router import ReplicaIndex, Router, request_hashes
-from pagedkv.sim.budget import KVBudget
+from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.report import table
 from pagedkv.sim.run_metrics import request_metrics
 from pagedkv.sim.simulator import Arrivals, Replay, SimConfig, check_budget

@@ -47,7 +47,7 @@ from pagedkv.sim.allocators import (
     manager_for,
     max_new_tokens_for,
 )
-from pagedkv.sim.budget import KVBudget, activation_reserve_bytes
+from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.catalog import GPUSpec, ModelShape
 from pagedkv.sim.hybrid_kv import HybridKVBudget, manager_groups
 from pagedkv.sim.speculation import Drafter, SpecSim, verified
