@@ -109,6 +109,33 @@ def test_the_default_mode_drifts_with_the_batch(dtype: torch.dtype, capsys: Any)
     assert max(drift.values()) > 0
 
 
+_ALONE: dict[torch.dtype, Result] = {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@settings(max_examples=8, deadline=None)
+@given(
+    others=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), max_size=4),
+    at=st.integers(0, 4),
+    budget=st.integers(4, 64),
+    warm=st.integers(0, 28),
+)
+def test_any_batch_budget_and_warm_prefix_give_the_request_alone_s_result(
+    dtype: torch.dtype, others: list[tuple[int, int]], at: int, budget: int, warm: int
+) -> None:
+    if dtype not in _ALONE:
+        _ALONE[dtype] = results(engine(dtype), [TARGET])[0]
+    e = engine(dtype, budget=budget)
+    if warm:  # a request that shares the target's first `warm` tokens, then diverges
+        results(e, [TARGET[:warm] + prompt(99, 5)])
+    prompts = [prompt(10 + i, n) for i, (n, _) in enumerate(others)]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True, logprobs=2) for _, m in others]
+    i = min(at, len(prompts))
+    outs = e.generate([*prompts[:i], TARGET, *prompts[i:]], [*params[:i], PARAMS, *params[i:]])
+    got = (outs[i].output_token_ids, [(lp.logprob, lp.top) for lp in outs[i].logprobs or []])
+    assert got == _ALONE[dtype]
+
+
 def test_the_reference_attention_path_is_invariant_too(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedkv.ops import cpu_decode
 
