@@ -272,3 +272,13 @@ def test_ops_attention_of_token_rows_gives_each_row_its_own_result(backend: str)
         assert torch.equal(together[r], alone[0]), r
     reference = attend_token_rows(q, key_cache, value_cache, table, lens, options, backend="reference")
     torch.testing.assert_close(together, reference, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_seeded_samples_are_bit_identical_too(dtype: torch.dtype) -> None:
+    """An RL rollout samples: a seeded request draws from its own generator, so equal logits give equal
+    samples (and logprobs) in any batch."""
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7, ignore_eos=True, logprobs=2)
+    alone = results(engine(dtype), [TARGET], sampled)[0]
+    others = [SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True) for n in (4, 12)]
+    assert results(engine(dtype, budget=9), [OTHERS[0], TARGET, OTHERS[1]], [others[0], sampled, others[1]])[1] == alone
