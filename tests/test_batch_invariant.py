@@ -282,3 +282,17 @@ def test_seeded_samples_are_bit_identical_too(dtype: torch.dtype) -> None:
     alone = results(engine(dtype), [TARGET], sampled)[0]
     others = [SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True) for n in (4, 12)]
     assert results(engine(dtype, budget=9), [OTHERS[0], TARGET, OTHERS[1]], [others[0], sampled, others[1]])[1] == alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "default"])
+def test_generated_logprobs_equal_a_scoring_pass_over_prompt_and_response(dtype: torch.dtype, invariant: bool) -> None:
+    """What a trainer recomputes: the response's logprobs from one forward over prompt + response (here the
+    engine's own `prompt_logprobs`, one prefill) equal those reported token by token while generating, bit
+    for bit in batch-invariant mode; the default mode differs (decode rows vs one prefill)."""
+    e = engine(dtype, invariant=invariant)
+    out = e.generate([TARGET], PARAMS)[0]
+    generated = [lp.logprob for lp in out.logprobs or []]
+    scoring = e.generate([TARGET + out.output_token_ids], SamplingParams(max_new_tokens=1, prompt_logprobs=0))[0]
+    scored = [scoring.prompt_logprobs[len(TARGET) + j].logprob for j in range(len(generated))]  # type: ignore[index]
+    assert (scored == generated) == invariant
