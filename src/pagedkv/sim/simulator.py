@@ -470,9 +470,10 @@ class Replay:
         """Drafts for every decoding request (up to its k, adaptive and cut to the step's draft budget as
         in the engine; never past its true output), as the engine proposes after each step; their draft
         forwards are charged to the next step."""
-        decoding = [r for r in self.scheduler.running if r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1]
-        caps = [min(drafter.next_k(r.request_id), self.live[r.request_id][0].output_len - len(r.output_token_ids) - 1)
-                for r in decoding]  # fmt: skip
+        running = self.scheduler.running
+        decoding = [r for r in running if r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1]
+        left = [self.live[r.request_id][0].output_len - len(r.output_token_ids) - 1 for r in decoding]
+        caps = [min(drafter.next_k(r.request_id), n) for r, n in zip(decoding, left)]
         ks = drafter.plan([r.request_id for r in decoding], caps, max(self._base_tokens, len(decoding)))
         for r, n in zip(decoding, ks):
             if n <= 0:

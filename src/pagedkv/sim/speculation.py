@@ -97,7 +97,9 @@ class Drafter:
             return caps
         return self.budget.plan(request_ids, caps, base_tokens, to_propose=True)
 
-    def observe(self, num_tokens: int, num_verifying: int, step_s: float, num_drafts: int, draft_s: float) -> None:
+    def observe(
+        self, num_tokens: int, num_verifying: int, step_s: float, num_drafts: int, draft_s: float
+    ) -> None:
         """A simulated step scored `num_tokens` tokens, `num_verifying` requests' drafts among them, in
         `step_s`; proposing its `num_drafts` drafts took `draft_s`."""
         self.budget.observe_step(num_tokens, step_s, num_verifying)

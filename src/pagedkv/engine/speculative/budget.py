@@ -5,7 +5,8 @@ Per request it keeps the request's `AdaptiveK` (the cap: grow, shrink, misses an
 acceptance per draft position, an EWMA of "accepted, given the drafts before it were" (`ALPHA`), which
 starts at, and between verifications drifts back towards (`RELAX` a step), the EWMA of all requests at
 that position (`GLOBAL_ALPHA`, starting at `PRIOR`): a request the budget stopped drafting for is tried
-again once everyone's acceptance says it may pay. Over the step it keeps a cost model, fitted online from the measured steps (`StepCostFit`):
+again once everyone's acceptance says it may pay. Over the step it keeps a cost model, fitted online to
+the measured steps (`StepCostFit`):
 
 ```
 step seconds  T = F + c x (scored tokens) + s x (requests verifying drafts)
