@@ -230,7 +230,7 @@ def test_the_flag_and_the_backend_are_one_setting() -> None:
 
 
 def test_a_model_the_fused_forward_cannot_run_is_refused_at_construction() -> None:
-    with pytest.raises(InvalidArgumentError, match="Llama-structured"):
+    with pytest.raises(InvalidArgumentError, match="batch_invariant needs a Llama-structured model"):
         Engine(tiny_model("gpt2"), None, EngineConfig(num_blocks=16, batch_invariant=True))
 
 

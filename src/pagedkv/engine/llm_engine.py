@@ -942,6 +942,11 @@ def _prepare_forward(model: Any, backend: str, model_forward: str) -> tuple[str,
     param = next(model.parameters())
     chosen = choose_linear_backend(backend, param.dtype, param.device)
     fused = fuse_llama(model, chosen) if model_forward != "transformers" and param.device.type == "cpu" else None
+    if chosen == "invariant" and fused is None:
+        raise InvalidArgumentError(
+            f"batch_invariant needs a Llama-structured model on a CPU (the fused forward); "
+            f"{type(model).__name__} is not one"
+        )
     if model_forward == "fused" and fused is None:
         raise InvalidArgumentError(
             f"model_forward 'fused' needs a Llama-structured model on a CPU; {type(model).__name__} is not one "

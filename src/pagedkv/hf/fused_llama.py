@@ -28,7 +28,9 @@ Contract:
   With the "onednn" backend the fused GEMMs use oneDNN-packed copies (`pagedkv.hf.cpu_linear`), and the
   element-wise parts (norms with their residual adds, rotary, SiLU times up) run as three C calls a layer split
   over the torch threads (`pagedkv.hf.layer_ops`) where that extension is built; the "torch" backend keeps
-  transformers' tensor operations.
+  transformers' tensor operations. The "invariant" backend (batch-invariant mode, `pagedkv.hf.invariant`) runs
+  the GEMMs on fixed 16-row tiles and attends every query token as its own decode row, so a request's logits do
+  not depend on the rest of its batch; its element-wise C calls are per row, so they keep that.
 - What the fused GEMMs hold apart from the model's storage (the packed copies, the concatenated biases) is
   taken from the weights when built and again by `refresh()`, which a weight update calls after writing new
   values into the model's parameters.
