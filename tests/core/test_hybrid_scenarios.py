@@ -174,3 +174,20 @@ def test_grouping_layers_like_vllm() -> None:
     assert padded_layers(groups) == 8
     assert [g.spec.label() for g in group_layers([None] * 4)] == ["full"]
     assert OUT_OF_WINDOW_PRIORITY < 0
+
+
+@pytest.mark.parametrize("groups", [(FULL,), (FULL, SLIDE8)])
+def test_a_hit_stops_at_the_first_missing_block_though_later_ones_are_cached(groups: tuple[KVGroupSpec, ...]) -> None:
+    """Blocks 0 and 2 of a prefix are cached, block 1 is not (its key dropped while its sequence runs):
+    the hit is block 0 alone, in every group."""
+    m, bs = _manager(40, groups), 4
+    tokens = list(range(100, 100 + 3 * bs + 1))
+    a = m.admit(tokens)
+    assert a is not None
+    m.mark_computed([a.seq_id])
+    m.index.remove(m.block_ids(a.seq_id, 0)[1])  # full group 0's copy of block 1
+    assert m.match_prefix(tokens) == bs
+    b = m.admit(tokens)
+    assert b is not None and b.num_cached_tokens == bs
+    assert m.block_ids(b.seq_id, 0)[0] == m.block_ids(a.seq_id, 0)[0]
+    m.check_invariants()

@@ -22,12 +22,13 @@ from pagedkv.core.prefix import Key
 from pagedkv.core.prefix_index import CacheEvent
 
 MAX_GROUPS = 256  # the group rides in one byte of the key
+_GROUP_BYTE = [bytes((g,)) for g in range(MAX_GROUPS)]
 
 
 def group_key(key: Key, group: int) -> Key:
     """The key of content `key` in group `group` (see the module docstring)."""
     if isinstance(key, bytes):
-        return key + bytes((group,))
+        return key + _GROUP_BYTE[group]
     return key * MAX_GROUPS + group
 
 

@@ -238,9 +238,15 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         lookup, bs, k = self.index.lookup, self._block_size, max_blocks
         found: list[list[int | None]] = []
         for g, spec in enumerate(self.groups):
-            ids = [lookup(group_key(c, g)) for c in content[:k]]
-            if spec.is_full:
-                k = next((j for j, b in enumerate(ids) if b is None), len(ids))
+            ids: list[int | None] = []
+            if spec.is_full:  # needs every block up to the hit: stop at its first miss
+                for c in content[:k]:
+                    if (b := lookup(group_key(c, g))) is None:
+                        break
+                    ids.append(b)
+                k = len(ids)
+            else:
+                ids = [lookup(group_key(c, g)) for c in content[:k]]
             found.append(ids)
         while k > 0 and not all(
             all(b is not None for b in found[g][spec.first_needed(k * bs) // bs : k])
