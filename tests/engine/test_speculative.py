@@ -25,6 +25,7 @@ from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.engine.speculative import AdaptiveK, NgramProposer, SpeculativeConfig, parse_speculative
+from pagedkv.engine.speculative.budget import StepCostFit
 from pagedkv.hf.tiny import VOCAB, tiny_model
 
 _MODELS: dict[int, Any] = {}
@@ -265,3 +266,26 @@ def test_logprobs_of_accepted_tokens_equal_the_non_speculative_ones() -> None:
             assert x.token_id == y.token_id
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+class _PinnedCost(StepCostFit):
+    """A step cost that measured steps do not move."""
+
+    def observe(self, num_tokens: int, seconds: float, num_verifying: int = 0) -> None:
+        return None
+
+
+@pytest.mark.parametrize("dear", [True, False])
+def test_the_engine_verifies_the_drafts_its_step_budget_plans(dear: bool) -> None:
+    """Drafts whose cost no acceptance repays (a verifying request costs 100 steps): the engine verifies
+    none, and the output is the same; drafts that cost nothing: it verifies them as AdaptiveK asks."""
+    prompts = copying_prompts((5, 17, 9, 30, 3), seed=0)
+    cfg = EngineConfig(num_blocks=64, block_size=4, speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+    engine = Engine(model(), None, cfg)
+    assert engine.draft_budget is not None
+    cost = (0.001, 0.001, 0.1) if dear else (0.001, 0.0, 0.0)
+    engine.draft_budget.cost = _PinnedCost(fixed_s=cost[0], per_token_s=cost[1], per_request_s=cost[2], known=True)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [o.output_token_ids for o in outs] == reference(prompts, 24)
+    spec = engine.stats.spec
+    assert spec is not None and (spec.num_drafts == 0) == dear, spec.as_dict()
