@@ -248,7 +248,8 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         self._prompt_tokens += n
         self._cached_tokens += cached
         # why the rest was not cached (misses.py)
-        if self.enable_prefix_caching and (miss := self.prefix.count_miss(tokens, keys, num_hits, cached)):
+        prefix = self.prefix
+        if self.enable_prefix_caching and (miss := prefix.misses.count_admission(prefix, tokens, keys, num_hits, cached)):
             self._admission_misses[row] = miss
         return Admission(row, cached)
 

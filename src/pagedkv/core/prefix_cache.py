@@ -27,7 +27,8 @@ hit); the manager copies it into the prompt's fresh block and computes only the 
 what makes the comparison exact. Rows with per-block extra keys never take part (equal tokens need not
 mean equal KV there).
 
-Every admission's uncached tokens are counted under a reason (`count_miss`, the reasons in `misses.py`).
+Every admission's uncached tokens are counted under a reason (`MissCounter.count_admission` over this cache,
+the reasons in `misses.py`).
 """
 
 from __future__ import annotations
@@ -164,13 +165,6 @@ class PrefixCache:
                 self.verify_failures += 1
                 del hits[int(np.argmin(same)) :]
         return hits
-
-    def count_miss(
-        self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int
-    ) -> tuple[str, int, int] | None:
-        """Count an admission's missed tokens under the reason of its first missing block
-        (`MissCounter.count_admission`); returns its miss record, or None."""
-        return self.misses.count_admission(self, tokens, keys, num_hits, num_cached)
 
     def miss_reason(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int) -> str:
         """Why block `num_hits` of `tokens` did not hit (a query; `misses.miss_reason`)."""
