@@ -251,3 +251,20 @@ def test_the_tiers_fingerprint_carries_the_weight_version(tmp_path: Path) -> Non
     engine.reset_prefix_cache()
     assert {f.name for f in tmp_path.iterdir()} == after  # same version, same fingerprint
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_a_hybrid_engine_with_events_updates_and_says_so(family: str) -> None:
+    """The hybrid allocator's event feed ends its epoch like the paged one: the update clears every group's
+    blocks in the events, and no output after it reuses KV of the old weights."""
+    prompts = rollout_prompts(4)
+    kw = dict(allocator="hybrid", kv_events=True)
+    engine = Engine(tiny_model(family, seed=0), None, config(**kw))
+    run_rounds(engine, prompts)
+    engine.take_event_batch()
+    engine.update_weights({k: v.clone() for k, v in tiny_model(family, seed=1).state_dict().items()})
+    kinds = [type(e) for e in engine.take_event_batch().events]
+    assert AllBlocksCleared in kinds
+    got = [o.output_token_ids for o in engine.generate(prompts, GREEDY)]
+    want = [o.output_token_ids for o in Engine(tiny_model(family, seed=1), None, config(**kw)).generate(prompts, GREEDY)]
+    assert got == want

@@ -190,8 +190,6 @@ class Lifecycle:
         since replicas sharing a remote tier share its entries. Misuse changes nothing."""
         started = time.perf_counter()
         engine = self.engine
-        if engine.kv_events is not None and type(engine.kv_events.feed).__name__ != "ManagerFeed" and flush_cache:
-            raise NotSupportedError("update_weights with kv_events needs the paged allocator (hybrid: not yet)")
         new_version = self._next_version(version)
         folder = _folder_of(source)
         tensors = _read_tensors(source)
