@@ -23,9 +23,9 @@ MODELS = ("gemma-3-27b", "gemma-2-27b", "gpt-oss-120b", "mistral-7b-v0.1", "mini
 
 
 def plan_rows() -> list[dict[str, Any]]:
-    from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
     from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
     from pagedkv.sim.hybrid_kv import GroupedKV, context_rows
+    from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
 
     out = []
     for name in MODELS:

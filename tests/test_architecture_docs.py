@@ -148,8 +148,6 @@ ALLOWED_CYCLES: dict[tuple[str, ...], str] = {
      "pagedkv.engine.speculative.proposer"):
         "the draft model runs the target's forward preparation (llm_engine._prepare_forward) and lifecycle "
         "annotates its Engine; speculation and the lifecycle are being changed now (issues 35, 36)",
-    ("pagedkv.hf.cpu_linear", "pagedkv.hf.invariant"):
-        "the batch-invariant linear backend, being written now",
     ("pagedkv.bench.peers", "pagedkv.bench.peers.llama_cpp", "pagedkv.bench.peers.openvino",
      "pagedkv.bench.peers.vllm"):
         "the peers' shared types live in the package __init__, which imports every peer (issue 32's bench)",

@@ -9,7 +9,7 @@ higher rank, nor another package of its own rank. Top-level imports and imports 
     rank 0   percentiles          the one percentile of measured values, for every layer that reports them
     rank 1   workloads, events    torch-free, beside core: they import only core, everything above may use them
     rank 2   storage              KV tensors and their byte layout
-    rank 3   tiers                torch-free byte tiers below the device (host, disk, remote); uses storage.spec
+    rank 3   tiers                torch-free byte tiers below the device (host, disk, remote); uses storage.kv_spec
     rank 4   ops                  attention kernels
     rank 5   hf                   the transformers integration
     rank 6   engine               continuous batching (uses hf, ops, storage, tiers)

@@ -30,7 +30,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("engine/speculative/draft.py", "from pagedkv.engine.llm_engine import _prepare_forward"): "the draft model runs the target's forward preparation; speculation is being changed now",
     ("core/hybrid_growth.py", "from pagedkv.core.manager import _writers_to_move"): "goes away with the one group-based manager (issue 34)",
     ("core/manager.py", "t._ROW_ARRAYS"): "the manager checks the table's row arrays; goes with the one manager (issue 34)",
-    ("storage/kv.py", "from pagedkv.storage.spec import _check_block_size"): "a shared validator: to be made public in storage/spec.py",
+    ("storage/kv.py", "from pagedkv.storage.kv_spec import _check_block_size"): "a shared validator: to be made public in storage/kv_spec.py",
     ("workloads/legal.py", "from pagedkv.workloads.generators import _check_count"): "shared validators of the workload generators",
     ("workloads/legal.py", "from pagedkv.workloads.generators import _check_len"): "as _check_count",
     ("workloads/legal.py", "from pagedkv.workloads.generators import _tokens"): "as _check_count",

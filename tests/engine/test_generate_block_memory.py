@@ -1,5 +1,5 @@
 """`pagedkv generate --num-blocks` checks the KV bytes against the machine with the storage's own arithmetic
-(`pagedkv.storage.spec`): the KV cache dtype's bytes and a quantized dtype's scales, not 4 bytes an element."""
+(`pagedkv.storage.kv_spec`): the KV cache dtype's bytes and a quantized dtype's scales, not 4 bytes an element."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pagedkv.engine.llm_engine import Engine
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.hf.tiny import VOCAB, tiny_model
-from pagedkv.storage.spec import KVCacheSpec
+from pagedkv.storage.kv_spec import KVCacheSpec
 
 BS = 4
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)

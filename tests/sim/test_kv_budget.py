@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
-from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
+from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
 
 GIB = 1024**3
 

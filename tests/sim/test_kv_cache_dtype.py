@@ -1,5 +1,5 @@
 """`--kv-cache-dtype` in `pagedkv plan` and `pagedkv simulate`: the KV bytes per token (scales included) and
-the requests that fit follow the dtype, through the one arithmetic (`pagedkv.storage.spec.kv_bytes_per_token`)."""
+the requests that fit follow the dtype, through the one arithmetic (`pagedkv.storage.kv_spec.kv_bytes_per_token`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.sim.catalog import BUILTIN_MODELS
 from pagedkv.sim.commands_plan import plan_main
 from pagedkv.sim.commands_simulate import simulate_main
-from pagedkv.storage.spec import KVCacheSpec
+from pagedkv.storage.kv_spec import KVCacheSpec
 
 ARGS = ["--model", "llama-3-8b", "--gpu", "l4", "--num-requests", "120", "--max-num-seqs", "1024", "--json"]
 

@@ -15,7 +15,7 @@ from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.sim.allocators import ALLOCATORS, CONTIGUOUS, manager_for
 from pagedkv.sim.catalog import Catalog
 from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig
-from pagedkv.storage.spec import KVCacheSpec, blocks_in_budget, kv_bytes_per_token
+from pagedkv.storage.kv_spec import KVCacheSpec, blocks_in_budget, kv_bytes_per_token
 
 SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 

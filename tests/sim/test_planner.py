@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pagedkv.sim.allocators import ALLOCATORS
-from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS, Catalog
+from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.planner import _ceil_sum, first_fit_concurrency, plan_capacity
 from pagedkv.sim.simulator import SimConfig, simulate
 from pagedkv.sim.workload import WorkloadSpec, build_workload

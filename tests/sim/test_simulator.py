@@ -8,8 +8,8 @@ import pytest
 
 from pagedkv.core.errors import CapacityError
 from pagedkv.sim.allocators import ALLOCATORS
-from pagedkv.sim.kv_budget import activation_reserve_bytes
 from pagedkv.sim.catalog import BUILTIN_GPUS, BUILTIN_MODELS
+from pagedkv.sim.kv_budget import activation_reserve_bytes
 from pagedkv.sim.planner import plan_capacity
 from pagedkv.sim.run import run_simulation
 from pagedkv.sim.run_metrics import summarize

@@ -10,8 +10,8 @@ import torch
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.storage import KVCacheSpec, KVStorage
 from pagedkv.storage.block_rows import read_rows, write_rows
+from pagedkv.storage.kv_spec import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from pagedkv.storage.slots import dequantize_rows
-from pagedkv.storage.spec import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 
 QUANTIZED = ["int8", "float8_e4m3fn", "float8_e5m2"]
 # worst relative error of one element against its row's absmax: half a step of int8, e4m3's and e5m2's

@@ -30,7 +30,7 @@ def test_spec_arithmetic_and_validation() -> None:
 
 
 def test_spec_is_torch_free() -> None:
-    code = "import sys, pagedkv.storage.spec, pagedkv.storage; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = "import sys, pagedkv.storage.kv_spec, pagedkv.storage; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

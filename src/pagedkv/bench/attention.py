@@ -40,7 +40,7 @@ from pagedkv.ops import cpu_decode, paged_attention
 from pagedkv.ops.contiguous_oracle import gather_kv
 from pagedkv.ops.options import NO_OPTIONS
 from pagedkv.storage.kv import torch_dtype
-from pagedkv.storage.spec import normalize_dtype_name
+from pagedkv.storage.kv_spec import normalize_dtype_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

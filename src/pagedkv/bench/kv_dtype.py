@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.engine.cli_args import byte_size, int_at_least, positive_int, use_threads
-from pagedkv.storage.spec import KV_CACHE_DTYPES
+from pagedkv.storage.kv_spec import KV_CACHE_DTYPES
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 DEFAULT_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -293,8 +293,8 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.ops import cpu_decode
     from pagedkv.ops.options import AttentionOptions
     from pagedkv.storage.kv import torch_dtype
+    from pagedkv.storage.kv_spec import resolve_kv_cache_dtype
     from pagedkv.storage.slots import quantize_rows
-    from pagedkv.storage.spec import resolve_kv_cache_dtype
 
     spec = model_spec(model)
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim

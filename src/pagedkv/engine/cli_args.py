@@ -138,7 +138,7 @@ def add_block_size(parser: argparse.ArgumentParser | argparse._ArgumentGroup, de
 def add_kv_cache_dtype(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """`--kv-cache-dtype`, the one declaration of how K/V are stored (`EngineConfig.kv_cache_dtype`, the
     planner's and the simulator's KV bytes per token)."""
-    from pagedkv.storage.spec import KV_CACHE_DTYPES
+    from pagedkv.storage.kv_spec import KV_CACHE_DTYPES
 
     parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",

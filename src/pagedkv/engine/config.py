@@ -20,7 +20,7 @@ from pagedkv.core.prefix import KEY_FUNCTIONS
 from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.engine.speculative.config import SpeculativeConfig
-from pagedkv.storage.spec import KV_CACHE_DTYPES
+from pagedkv.storage.kv_spec import KV_CACHE_DTYPES
 
 _UNITS = {
     "": 1,
@@ -64,7 +64,7 @@ class EngineConfig:
     # The forward (pagedkv.hf.fused_llama): "fused" runs Llama-structured models as one loop of fused
     # operations, "transformers" runs the model's own modules, "auto" fuses where the model allows it.
     model_forward: Literal["auto", "fused", "transformers"] = "auto"
-    # How K/V are stored (pagedkv.storage.spec.KV_CACHE_DTYPES; docs/quantized-kv.md): "auto" (the model's dtype),
+    # How K/V are stored (pagedkv.storage.kv_spec.KV_CACHE_DTYPES; docs/quantized-kv.md): "auto" (the model's dtype),
     # "bf16", or one-byte codes with a float32 scale per token and KV head: "int8", "fp8_e4m3", "fp8_e5m2".
     kv_cache_dtype: str = "auto"
     # Tiers below the device (docs/tiers.md): evicted prefix blocks go to host RAM, then disk; published

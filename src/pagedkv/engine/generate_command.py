@@ -203,9 +203,9 @@ def is_instruct(model: str, tokenizer: Any) -> bool:
 
 def _check_block_memory(args: argparse.Namespace, model_config: Any) -> None:
     """With `--num-blocks`/`--host-blocks`, the KV bytes they ask for against the machine, before any weight
-    loads (a block holds K and V of every layer, in the KV cache dtype: `pagedkv.storage.spec`)."""
+    loads (a block holds K and V of every layer, in the KV cache dtype: `pagedkv.storage.kv_spec`)."""
     from pagedkv.hf.cpu_linear import resolve_dtype
-    from pagedkv.storage.spec import KVCacheSpec, resolve_kv_cache_dtype
+    from pagedkv.storage.kv_spec import KVCacheSpec, resolve_kv_cache_dtype
 
     heads = getattr(model_config, "num_attention_heads", 1) or 1
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads

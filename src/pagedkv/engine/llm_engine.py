@@ -70,7 +70,7 @@ from pagedkv.engine.speculative.stats import SpecStats
 from pagedkv.engine.speculative.view import with_drafts
 from pagedkv.hf.attention import prepare_model
 from pagedkv.hf.cache import PagedKVCache, cache_spec
-from pagedkv.storage.spec import blocks_in_budget
+from pagedkv.storage.kv_spec import blocks_in_budget
 
 if TYPE_CHECKING:
     from pagedkv.engine.lifecycle import Lifecycle, SleepReport, UpdateReport, WakeReport, WeightSource

@@ -36,8 +36,8 @@ from pagedkv.hf.sdpa import SdpaPlan
 from pagedkv.hf.step_metadata import StepBatch
 from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.storage.kv import HostBlocks, KVStorage
+from pagedkv.storage.kv_spec import KVCacheSpec, resolve_kv_cache_dtype
 from pagedkv.storage.slots import check_write_args, scatter_kv
-from pagedkv.storage.spec import KVCacheSpec, resolve_kv_cache_dtype
 
 BlockIds = npt.ArrayLike
 ATTENTION_BACKENDS = ("auto", "sdpa", "ops")
@@ -83,7 +83,7 @@ class PagedKVCache:
         kv_cache_dtype: str = "auto",
     ) -> PagedKVCache:
         """Zeroed pages for `spec`'s layers (with `layer_groups`: one slot per layer of the largest group,
-        see the module docstring), stored as `kv_cache_dtype` (`pagedkv.storage.spec.KV_CACHE_DTYPES`). Range
+        see the module docstring), stored as `kv_cache_dtype` (`pagedkv.storage.kv_spec.KV_CACHE_DTYPES`). Range
         checks are off: the allocator is the source of truth."""
         if num_blocks < 2:
             raise InvalidArgumentError(

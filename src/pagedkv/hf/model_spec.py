@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core.errors import PagedKVError
-from pagedkv.storage.spec import KVCacheSpec
+from pagedkv.storage.kv_spec import KVCacheSpec
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 

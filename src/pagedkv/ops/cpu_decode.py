@@ -123,9 +123,7 @@ def decode_attention(
     bf16 = kv.dtype == torch.bfloat16
     wide = query.dtype == torch.bfloat16  # a bfloat16 query runs as float32 (widening is exact), rounded back
     if not quantized and bf16 != wide:
-        raise InvalidArgumentError(
-            f"decode attention: a bfloat16 query goes with bfloat16 pages, got query {query.dtype}, pages {kv.dtype}"
-        )
+        raise InvalidArgumentError(f"decode attention: a bfloat16 query goes with bfloat16 pages, got {query.dtype}, {kv.dtype}")
     q = query.float().contiguous() if wide else query.contiguous()
     out = torch.empty_like(q)
     if quantized:

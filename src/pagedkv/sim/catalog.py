@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.storage.spec import KV_CACHE_DTYPES, KVCacheSpec, kv_bytes_per_token
+from pagedkv.storage.kv_spec import KV_CACHE_DTYPES, KVCacheSpec, kv_bytes_per_token
 
 MIB = 1024**2
 GIB = 1024**3
@@ -96,7 +96,7 @@ class ModelShape:
     sliding_window: int = 0  # tokens a sliding layer attends to (0: none)
     layer_pattern: str = "F"  # repeated over the layers: F full attention, S sliding window
     weight_bytes_override: int = 0  # the checkpoint's bytes where they are not num_params x dtype_bytes
-    # how K/V are stored (pagedkv.storage.spec.KV_CACHE_DTYPES): "auto" = dtype_bytes per value, no scales;
+    # how K/V are stored (pagedkv.storage.kv_spec.KV_CACHE_DTYPES): "auto" = dtype_bytes per value, no scales;
     # "int8"/"fp8_e4m3"/"fp8_e5m2" = 1 byte per value + a 4-byte scale per token, KV head and K/V
     kv_cache_dtype: str = "auto"
 

@@ -36,8 +36,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.group import KVGroupSpec, LayerGroup, group_layers, layers_per_block, padded_layers
-from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.catalog import ModelShape
+from pagedkv.sim.kv_budget import KVBudget
 
 IntArray = npt.NDArray[np.int64]
 CONTEXTS = (8192, 32768, 65536, 131072)

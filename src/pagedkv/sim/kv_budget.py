@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.sim.catalog import GPUSpec, ModelShape
-from pagedkv.storage.spec import blocks_in_budget
+from pagedkv.storage.kv_spec import blocks_in_budget
 
 GIB = 1024**3
 

@@ -46,8 +46,8 @@ from pagedkv.core.contiguous import RunAllocator
 from pagedkv.core.errors import CapacityError
 from pagedkv.progress import Progress
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator
-from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.hybrid_kv import hybrid_plan
+from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.workload import Workload
 from pagedkv.workloads.generators import GeneratedRequest
 from pagedkv.workloads.traces import sm64

@@ -15,8 +15,8 @@ from pagedkv.core.errors import CapacityError
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.progress import Progress
 from pagedkv.sim.allocators import ALLOCATORS, check_allocator, hybrid_twin, is_hybrid_allocator
-from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.catalog import Catalog
+from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.run_metrics import summarize
 from pagedkv.sim.simulator import SIM_SCHEDULER, SimConfig, SimTrace, simulate
 from pagedkv.sim.speculation import SpecSim

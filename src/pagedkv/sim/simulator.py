@@ -47,9 +47,9 @@ from pagedkv.sim.allocators import (
     manager_for,
     max_new_tokens_for,
 )
-from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.catalog import GPUSpec, ModelShape
 from pagedkv.sim.hybrid_kv import HybridKVBudget, manager_groups
+from pagedkv.sim.kv_budget import KVBudget, activation_reserve_bytes
 from pagedkv.sim.speculation import Drafter, SpecSim, verified
 from pagedkv.sim.step_time import StepTimeModel
 from pagedkv.sim.workload import Workload
@@ -492,7 +492,7 @@ class Replay:
         if self.paged:
             empty = int((-(-held // bs) * bs - held).sum())  # only each sequence's private tail block
             if self.hybrid:  # a tail block in every group (windowed groups' chunk reservations not counted)
-                empty *= self.manager.num_groups  # type: ignore[union-attr]
+                empty *= self.manager.num_groups
             stored = used * bs - empty
         else:
             stored = int(held.sum())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.storage.spec import KVCacheSpec
+from pagedkv.storage.kv_spec import KVCacheSpec
 
 if TYPE_CHECKING:
     from pagedkv.storage.kv import HostBlocks, KVStorage

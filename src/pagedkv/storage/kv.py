@@ -26,8 +26,8 @@ import numpy.typing as npt
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.storage.kv_spec import KVCacheSpec, _check_block_size
 from pagedkv.storage.slots import check_write_args, raw_bytes, scatter_kv
-from pagedkv.storage.spec import KVCacheSpec, _check_block_size
 
 BlockIds = torch.Tensor | npt.NDArray[np.integer] | list[int]
 

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
-from pagedkv.storage.spec import DTYPE_BYTES, SCALE_BYTES
+from pagedkv.storage.kv_spec import DTYPE_BYTES, SCALE_BYTES
 
 MAGIC = b"PKVB"
 VERSION = 1
