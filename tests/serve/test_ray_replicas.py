@@ -25,8 +25,6 @@ from pagedkv.router.replica_stats import ReplicaStats  # noqa: E402
 from pagedkv.serve.ray_app import Deployed, ReplicaSet, running  # noqa: E402
 from pagedkv.serve.replica_calls import ReplicaRequest, ReplicaTarget  # noqa: E402
 
-from .serve_support import gate_steps  # noqa: E402
-
 DOC = 40  # tokens: 10 blocks of 4
 
 
@@ -139,9 +137,25 @@ def test_the_ingress_hands_a_group_id_to_the_replicas_engine() -> None:
 
     gate = {"want": 4, "seen": 0, "deadline": time.monotonic() + 30}
 
+    # serve_support.gate_steps written inline: this module's functions reach Ray's replica processes, which
+    # cannot import the tests' helper modules (importing it here broke the module's Ray tests)
     def gated_engine(remote_url: str | None) -> Engine:
         engine = Engine(tiny_model("llama", 0), None, EngineConfig(num_blocks=96, block_size=4, kv_events=True))
-        return gate_steps(engine, gate)
+        add, step = engine.add_request, engine.step
+
+        def counting_add(*args: Any, **kwargs: Any) -> str:
+            gate["seen"] += 1
+            return add(*args, **kwargs)
+
+        def gated_step() -> Any:
+            if gate["seen"] < gate["want"] and time.monotonic() < gate["deadline"]:
+                time.sleep(0.005)
+                return []
+            return step()
+
+        engine.add_request = counting_add  # type: ignore[method-assign]
+        engine.step = gated_step  # type: ignore[method-assign]
+        return engine
 
     class Call:  # a streaming handle call, answered by the replica body in this process
         def __init__(self, request: ReplicaRequest) -> None:
