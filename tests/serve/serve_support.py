@@ -88,24 +88,3 @@ def scrape(url: str) -> Samples:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             samples[(s.name, labels)] = s.value
     return samples
-
-
-def gate_steps(engine: Engine, gate: dict[str, Any]) -> Engine:
-    """`engine`, changed in place so that its step does nothing until `gate["want"]` requests have been added
-    (`gate["seen"]` counts them) or `time.monotonic()` passes `gate["deadline"]`: requests sent together
-    then reach one step together."""
-    add, step = engine.add_request, engine.step
-
-    def counting_add(*args: Any, **kwargs: Any) -> str:
-        gate["seen"] += 1
-        return add(*args, **kwargs)
-
-    def gated_step() -> Any:
-        if gate["seen"] < gate["want"] and time.monotonic() < gate["deadline"]:
-            time.sleep(0.005)
-            return []
-        return step()
-
-    engine.add_request = counting_add  # type: ignore[method-assign]
-    engine.step = gated_step  # type: ignore[method-assign]
-    return engine

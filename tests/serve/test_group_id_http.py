@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from .serve_support import MODEL_NAME, gate_steps, make_engine, scrape, start_server
+from .serve_support import MODEL_NAME, make_engine, scrape, start_server
 
 PROMPT = [1] + list(range(100, 139))  # 40 tokens: 2 full blocks of 16 and a partial one
 SHARED = "pagedkv:group_prefill_shared_tokens_total"
@@ -24,7 +24,21 @@ def gated(model: Any, tokenizer: Any) -> Any:
     """A server whose engine does not step until `gate["want"]` requests have reached it (10 s at most)."""
     engine = make_engine(model, tokenizer)
     gate = {"want": 0, "seen": 0, "deadline": 0.0}
-    server = start_server(gate_steps(engine, gate))
+    add, step = engine.add_request, engine.step
+
+    def counting_add(*args: Any, **kwargs: Any) -> str:
+        gate["seen"] += 1
+        return add(*args, **kwargs)
+
+    def gated_step() -> Any:
+        if gate["seen"] < gate["want"] and time.monotonic() < gate["deadline"]:
+            time.sleep(0.005)
+            return []
+        return step()
+
+    engine.add_request = counting_add  # type: ignore[method-assign]
+    engine.step = gated_step  # type: ignore[method-assign]
+    server = start_server(engine)
     yield server, gate
     server.stop()
 

@@ -137,8 +137,6 @@ def test_the_ingress_hands_a_group_id_to_the_replicas_engine() -> None:
 
     gate = {"want": 4, "seen": 0, "deadline": time.monotonic() + 30}
 
-    # serve_support.gate_steps written inline: this module's functions reach Ray's replica processes, which
-    # cannot import the tests' helper modules (importing it here broke the module's Ray tests)
     def gated_engine(remote_url: str | None) -> Engine:
         engine = Engine(tiny_model("llama", 0), None, EngineConfig(num_blocks=96, block_size=4, kv_events=True))
         add, step = engine.add_request, engine.step
