@@ -111,12 +111,12 @@ def test_the_replicas_engine_speculates(tiny_folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(tiny_folder: Path) -> Iterator[tuple[str, Any]]:
-    """`pagedkv serve --speculative ngram:k=4,min=1,budget=0` on the tiny folder, in a thread: (url, its
-    engine). No step budget: the metrics' test needs drafts in every step, whatever the steps cost."""
+    """`pagedkv serve --speculative ngram:k=4,min=1,budget=0 --no-engine-process` on the tiny folder, in a
+    thread: (url, its engine, which the tests read). No step budget: the metrics' test needs drafts in every step, whatever the steps cost."""
     from pagedkv.serve import serve_command
 
     args = _parse(serve_command.add_arguments, ["--model", str(tiny_folder), "--port", "0", "--num-blocks", "64",
-                                                "--served-model-name", "tiny", "--threads", "1",
+                                                "--served-model-name", "tiny", "--threads", "1", "--no-engine-process",
                                                 "--speculative", "ngram:k=4,min=1,budget=0"])  # fmt: skip
     server, sock, _ = serve_command._build_server(args)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
-from pagedkv.engine.cli_args import int_at_least, nonnegative_float, positive_float, positive_int, use_threads
+from pagedkv.engine.cli_args import int_at_least, nonnegative_float, positive_float, positive_int
 from pagedkv.engine.from_args import add_engine_arguments, config_from_args
 
 DEFAULT_PORT = 8000
@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout-keep-alive", type=positive_int, default=30,
         help="seconds an idle keep-alive connection stays open (default 30: longer than clients' pools keep "
         "theirs, so a client never sends on a connection the server is closing)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction, default=True,
+        help="run the engine in a process of its own, beside the HTTP server's (default); "
+        "--no-engine-process: on a thread of the server's process",
     )  # fmt: skip
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(parser)
@@ -86,54 +91,65 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket, str]:
-    """Check the source, load the model, build the engine, the app and the uvicorn server (not started),
-    and bind its socket (so `--port 0` can say which port it got); with the start-up line to print."""
+    """Check the source, load the model, build the engine (in a process of its own with `--engine-process`),
+    the app and the uvicorn server (not started), and bind its socket (so `--port 0` can say which port it
+    got); with the start-up line to print."""
     import uvicorn
 
-    from pagedkv.engine.llm_engine import Engine
-    from pagedkv.hf.cpu_linear import describe_weights, resolve_dtype
-    from pagedkv.hf.loading import check_source, load_tokenizer, load_weights, set_progress_bars
     from pagedkv.serve.app import build_app
-    from pagedkv.serve.async_engine import AsyncEngine
+    from pagedkv.serve.engine_client import EngineClient
+    from pagedkv.serve.engine_setup import EngineFacts
 
-    config = config_from_args(args)
-    source = check_source(args.model)
-    set_progress_bars(False)
-    threads = use_threads(args.threads)
-    tokenizer = load_tokenizer(source)
-    model = load_weights(source, dtype=resolve_dtype(args.dtype), tokenizer=tokenizer)
-    engine = Engine(model, tokenizer, config)
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    app = build_app(
-        async_engine,
-        model_name=args.served_model_name or args.model,
-        api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
-    )
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
-        timeout_keep_alive=args.timeout_keep_alive,
-        access_log=args.log_level in ("info", "debug"),
-    )  # fmt: skip
-    server = _draining_server(uvicorn.Server, async_engine)(uv_config)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    client: EngineClient
+    facts: EngineFacts
+    if args.engine_process:
+        from pagedkv.serve.engine_process import ProcessEngine
+
+        config_from_args(args)  # a bad flag fails here, before a process starts
+        process_engine = ProcessEngine.spawn(args, max_waiting=args.max_waiting)
+        client, facts = process_engine, process_engine.facts
+        where = f"the engine in process {process_engine.pid}"
+    else:
+        from pagedkv.serve.async_engine import AsyncEngine
+        from pagedkv.serve.engine_setup import load_engine
+
+        engine, facts = load_engine(args)
+        client = AsyncEngine(engine, max_waiting=args.max_waiting)
+        where = "the engine on a thread"
     try:
-        sock.bind((args.host, args.port))
-    except OSError as err:
-        sock.close()
-        raise InvalidArgumentError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+        app = build_app(
+            client,
+            model_name=args.served_model_name or args.model,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+        )
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        uv_config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
+            access_log=args.log_level in ("info", "debug"),
+        )  # fmt: skip
+        server = _draining_server(uvicorn.Server, client)(uv_config)
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as err:
+            sock.close()
+            raise InvalidArgumentError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    except BaseException:
+        client.shutdown(1.0)
+        raise
     port = sock.getsockname()[1]
-    limit = engine.spec.max_position_embeddings
+    limit = facts.max_positions
     positions = "" if limit is None else f" of the model's {limit} positions"
     started = (
         f"pagedkv serve: {args.served_model_name or args.model} on http://{args.host}:{port} "
-        f"({_kv_phrase(args.kv_budget, engine.kv_budget_bytes)}{engine.manager.num_blocks} KV blocks of "
-        f"{config.block_size} tokens: max_model_len "
+        f"({_kv_phrase(args.kv_budget, facts.kv_budget_bytes)}{facts.num_blocks} KV blocks of "
+        f"{facts.block_size} tokens: max_model_len "
         f"{app.state.context.max_model_len}{positions}, "
-        f"{describe_weights(args.dtype, model.dtype, engine.linear_backend)}, "
-        f"{threads} torch thread{'s' if threads != 1 else ''})"
+        f"{facts.weights}, "
+        f"{facts.threads} torch thread{'s' if facts.threads != 1 else ''}, {where})"
     )
     return server, sock, started
 
