@@ -266,3 +266,48 @@ def test_a_held_group_request_aborted_after_its_leaders_prefill_ends_and_the_loo
     finally:
         turns.open()
         engine.shutdown(timeout_s=10)
+
+
+def test_a_stream_the_engine_lost_ends_alone_and_the_loop_goes_on(tiny: Any) -> None:
+    """The guard behind the contract: an engine that forgets a request (a bug, injected here twice: an add
+    that queues nothing, a finish that does not know the id) ends that stream with InvariantError; the other
+    streams answer and the loop lives."""
+    from pagedkv.core.errors import InvariantError
+
+    inner = Engine(tiny, None, EngineConfig(num_blocks=48, block_size=4))
+    add, finish = inner.add_request, inner.finish
+
+    def forgetful_add(prompt: Any, params: Any = None, **kw: Any) -> str:
+        return str(kw["request_id"]) if kw["request_id"] == "dropped" else add(prompt, params, **kw)
+
+    def forgetful_finish(request_id: str, reason: str = "abort") -> bool:
+        if request_id == "unknown":
+            raise InvalidArgumentError(f"no request {request_id!r} in this engine")
+        return finish(request_id, reason)
+
+    inner.add_request = forgetful_add  # type: ignore[method-assign]
+    inner.finish = forgetful_finish  # type: ignore[method-assign]
+    engine = AsyncEngine(inner)
+    engine.start()
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    async def outcome(stream: RequestStream) -> str:
+        try:
+            return ",".join([o.finish_reason or "" async for o in stream if o.finished])
+        except InvariantError as e:
+            return f"InvariantError: {e}"
+
+    async def scenario() -> list[str]:
+        streams = [
+            engine.add_request(PROMPTS[0], params, request_id=rid) for rid in ("dropped", "unknown", "ok")
+        ]
+        streams[1].abort()
+        return list(await asyncio.gather(*(outcome(s) for s in streams)))
+
+    try:
+        dropped, unknown, ok = asyncio.run(asyncio.wait_for(scenario(), 30))
+        assert dropped.startswith("InvariantError") and "'dropped'" in dropped
+        assert unknown.startswith("InvariantError") and "'unknown'" in unknown
+        assert ok == "length" and engine.alive
+    finally:
+        engine.shutdown(timeout_s=10)
