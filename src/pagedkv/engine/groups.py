@@ -51,8 +51,9 @@ class PrefillGroups:
             raise InvalidArgumentError(f"group_id must be a non-empty string or None, got {group_id!r}")
 
     def hold(self, tracked: Any, group_id: str, is_live: Callable[[str], bool]) -> bool:
-        """True if `tracked` waits for its group's leader (the engine then keeps it out of the scheduler);
-        False if it leads (the engine queues it as usual)."""
+        """True if `tracked` waits (the engine then keeps it out of the scheduler): for its group's leader, or
+        with the group's held requests until the next `release`; False if it leads (the engine queues it as
+        usual)."""
         request = tracked.request
         key = (group_id, tuple(int(t) for t in request.prompt_token_ids), request.salt)
         group = self._groups.get(key)
