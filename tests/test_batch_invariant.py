@@ -136,11 +136,16 @@ def test_any_batch_budget_and_warm_prefix_give_the_request_alone_s_result(
     assert got == _ALONE[dtype]
 
 
-def test_the_reference_attention_path_is_invariant_too(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_ops_attention_paths_are_invariant_too(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """Without the C decode kernel every row goes through `pagedkv.ops`: the reference, or Triton (here under
+    TRITON_INTERPRET, as on a GPU)."""
     from pagedkv.ops import cpu_decode
+    from pagedkv.ops.dispatch import use_backend
 
     monkeypatch.setattr(cpu_decode, "available", lambda *a, **k: False)  # as without the C extension
-    got = scenarios(torch.float32, invariant=True)
+    with use_backend(backend):
+        got = scenarios(torch.float32, invariant=True)
     alone = got.pop("alone")
     for name, result in got.items():
         assert result == alone, name

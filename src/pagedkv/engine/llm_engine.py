@@ -402,11 +402,16 @@ class Engine:
         if request_id not in self._ids_in_use:
             raise InvalidArgumentError(f"no request {request_id!r} in this engine (never added, or released)")
         undelivered = set(self._undelivered)
-        if any(i in self._tracked or i in undelivered for i in family):
+        if self._groups.is_held(request_id) or any(i in self._tracked or i in undelivered for i in family):
             return None
         outputs = [self._outputs.pop(i) for i in family if i in self._outputs]
         self._ids_in_use.difference_update(family)
         return outputs
+
+    def is_held(self, request_id: str) -> bool:
+        """True while request `request_id` waits for its sample group's leader to write the prompt (it is not
+        queued yet: `get_request` does not know it, `finish` does)."""
+        return self._groups.is_held(request_id)
 
     def has_unfinished(self) -> bool:
         """True while a request has not ended, or its end has not been returned by `step()` yet."""

@@ -19,7 +19,13 @@ Contracts:
   outputs are handed back by `Engine.release` when the last completion has ended, so the engine keeps
   nothing of a finished request;
 - `abort(id)` (and a consumer that stops iterating `generate`) ends the request at the engine thread's
-  next turn, before the next step: its blocks go back to the pool then;
+  next turn, before the next step: its blocks go back to the pool then. A stream's own `abort` ends only
+  its own request, never another stream's that has the same id (one sent again while the first ran, which
+  the engine refused, or the first one's after it ended). Aborting a request that has ended is a no-op; a
+  sample group's request still waiting for its leader's prompt is ended all the same;
+- the engine thread never fails for a client's timing: each stream's request is known to the engine from
+  the turn that adds it until the turn that hands its stream the end. A stream the engine has lost anyway
+  (a bug) ends alone with `InvariantError` (logged), and the loop goes on;
 - a failure of the engine itself (a forward raising) ends every in-flight stream with `EngineDeadError`
   and stops the loop; `alive` turns False (the server's /health says so);
 - `stats()` is a snapshot the engine thread publishes after each turn: reading it never touches the engine.
@@ -38,7 +44,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
-from pagedkv.core.errors import EngineStateError, InvalidArgumentError, PagedKVError
+from pagedkv.core.errors import EngineStateError, InvalidArgumentError, InvariantError, PagedKVError
 from pagedkv.engine.groups import PrefillGroups
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.params import SamplingParams
@@ -121,8 +127,9 @@ class RequestStream:
             return item
 
     def abort(self) -> None:
+        """End this stream's request (`AsyncEngine.abort`), and only this stream's."""
         if not self.done:
-            self._owner.abort(self.request_id)
+            self._owner._send("close", self)
 
 
 class RequestOptions(TypedDict, total=False):
@@ -318,6 +325,8 @@ class AsyncEngine:
                 if self._stopping and not self.engine.has_unfinished():
                     break
                 if not self.engine.has_unfinished() or self.engine.is_frozen:  # frozen: paused in keep mode
+                    if self._streams and not self.engine.has_unfinished():
+                        self._end_lost()
                     self._snapshot = self._take_snapshot(alive=True)
                     self._wake.wait()
                     continue
@@ -346,6 +355,8 @@ class AsyncEngine:
                 self._add(*payload)
             elif kind == "abort":
                 self._abort(payload)
+            elif kind == "close":  # a stream's own abort
+                self._abort(payload.request_id, payload)
             elif kind == "call":
                 self._call(*payload)
             else:  # abort_all
@@ -377,9 +388,31 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):  # a RuntimeError: the caller's loop is closed
             loop.call_soon_threadsafe(_settle, future, outcome)
 
-    def _abort(self, request_id: str) -> None:
-        if request_id in self._streams:
+    def _abort(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """End request `request_id` if a stream still waits for it (`stream`, when given: if that one does)."""
+        own = self._streams.get(request_id)
+        if own is None or (stream is not None and own is not stream):
+            return  # ended and handed back already, or the id is another stream's now
+        try:
             self.engine.finish(request_id, "abort")
+        except InvalidArgumentError as e:  # the engine lost it: end this stream, not the loop
+            self._lose(own, e)
+
+    def _lose(self, stream: RequestStream, cause: BaseException | None) -> None:
+        """End `stream`, whose request the engine does not know (a broken invariant: logged), with
+        `InvariantError`; the other streams go on."""
+        rid = stream.request_id
+        message = f"AsyncEngine: the engine has no record of request {rid!r}, whose stream is still open"
+        logger.error("%s (%s)", message, cause)
+        self._streams.pop(rid, None)
+        self._arrivals.pop(rid, None)
+        self._queue_s.pop(rid, None)
+        self._dispatch({stream: [_Failed(InvariantError(message))]})
+
+    def _end_lost(self) -> None:
+        """With nothing unfinished in the engine, every stream has had its end: end any other (a bug)."""
+        for stream in list(self._streams.values()):
+            self._lose(stream, None)
 
     def _note_scheduled(self, started: float, finished: list[RequestOutput]) -> None:
         """Requests whose first chunk ran in the step that began at `started` waited until then (the
@@ -391,8 +424,9 @@ class AsyncEngine:
             else:
                 try:
                     scheduled = self.engine.get_request(rid).first_scheduled_time is not None
-                except InvalidArgumentError:  # it ended before any step scheduled it (an abort)
-                    del self._arrivals[rid]
+                except InvalidArgumentError:  # a group's request waiting for its leader, or ended unscheduled
+                    if not self.engine.is_held(rid):
+                        del self._arrivals[rid]
                     continue
             if scheduled:
                 self._queue_s[rid] = max(0.0, started - arrival)
@@ -436,7 +470,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_deliver, pairs)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 for stream, _ in pairs:
-                    self._abort(stream.request_id)
+                    self._abort(stream.request_id, stream)
 
     def _fail_all(self, error: BaseException, failure: BaseException | None) -> None:
         """The loop ends: every stream in flight and every request still in the command queue ends with
