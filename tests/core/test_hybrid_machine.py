@@ -151,3 +151,26 @@ TestHybridMachine = HybridMachine.TestCase
 TestHybridMachine.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def _machine_with(policy: str) -> type[HybridMachine]:
+    """The same machine over a pool ordered by eviction policy `policy`."""
+
+    class PolicyMachine(HybridMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = HybridKVManager(36, BS, GROUPS, num_host_blocks=24, record_events=True, eviction=policy)
+
+    PolicyMachine.__name__ = f"HybridMachine_{policy}"
+    return PolicyMachine
+
+
+_POLICY_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck))
+TestHybridMachineSLRU = _machine_with("slru").TestCase
+TestHybridMachineSLRU.settings = _POLICY_SETTINGS
+TestHybridMachineLFU = _machine_with("lfu").TestCase
+TestHybridMachineLFU.settings = _POLICY_SETTINGS
+TestHybridMachinePriority = _machine_with("priority").TestCase
+TestHybridMachinePriority.settings = _POLICY_SETTINGS
+TestHybridMachineCost = _machine_with("cost").TestCase
+TestHybridMachineCost.settings = _POLICY_SETTINGS

@@ -191,3 +191,29 @@ def test_a_hit_stops_at_the_first_missing_block_though_later_ones_are_cached(gro
     assert b is not None and b.num_cached_tokens == bs
     assert m.block_ids(b.seq_id, 0)[0] == m.block_ids(a.seq_id, 0)[0]
     m.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("policy", "hit"),
+    # lru and priority order by retention priority, so out-of-window blocks (OUT_OF_WINDOW_PRIORITY) go
+    # first and the finished prefix survives; slru, lfu and cost order by recency tiers, frequency and
+    # recompute cost only, and evict the older prefix
+    [("lru", 12), ("priority", 12), ("slru", 0), ("lfu", 0), ("cost", 0)],
+)
+def test_every_eviction_policy_orders_the_groups_blocks(policy: str, hit: int) -> None:
+    m = _manager(num_blocks=21, groups=(FULL, KVGroupSpec("sliding", 6)), eviction=policy)
+    assert m.pool.policy.name == policy
+    a = m.admit(list(range(100, 114))).seq_id  # type: ignore[union-attr]
+    m.mark_computed([a])
+    m.free(a)
+    b = m.admit(list(range(200, 224))).seq_id  # type: ignore[union-attr]
+    m.mark_computed([b])
+    assert m.admit(list(range(300, 308))) is not None
+    assert m.pool.stats.evictions == 2
+    assert m.match_prefix(list(range(100, 114)) + [1]) == hit
+    m.check_invariants()
+
+
+def test_an_unknown_eviction_policy_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="eviction policy"):
+        _manager(eviction="mru")

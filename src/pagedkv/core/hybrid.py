@@ -36,6 +36,8 @@ Per group g and sequence, the table is a run of leading null entries, then real 
 - Tier hits per group (`fetch_blocks`, `hybrid_fetch.py`): a block is fetched when every group's copy is.
 - Miss reasons (`misses`, `stats.miss_tokens`; `hybrid_misses.py`): `PagedKVManager`'s reasons, for the
   first block after the hit in the first group that limited it.
+- Eviction: any policy of `eviction.py` (`eviction=`, LRU by default) orders the one pool's cached-free
+  blocks, whatever group they came from; out-of-window releases reach it with `OUT_OF_WINDOW_PRIORITY`.
 - Retention as `PagedKVManager`'s: `pin` holds the blocks a cached prefix's hit needs in every group until
   `unpin`; `bump_epoch` makes every published key unmatchable; salts and extra keys qualify every group.
 - `check_invariants` checks the pool, every group's table, reference counts over all groups, null
@@ -60,6 +62,7 @@ import numpy.typing as npt
 from pagedkv.core import hotpath
 from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
+from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_groups, group_events, group_key
 from pagedkv.core.hybrid_check import check_hybrid
@@ -106,6 +109,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         record_events: bool = False,
         evict_out_of_window_first: bool = True,
         native: bool | None = None,
+        eviction: str | EvictionPolicy = "lru",
     ) -> None:
         num_blocks, block_size = as_pool_size(num_blocks, block_size, minimum=2)
         num_host_blocks = as_count(num_host_blocks, "num_host_blocks")
@@ -116,7 +120,10 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         self.groups = as_groups(groups)
         check_num_groups(len(self.groups))
         self._block_size = block_size
-        self.pool = BlockPool(num_blocks, null_block=True, record_events=record_events, native=native)
+        self.pool = BlockPool(
+            num_blocks, null_block=True, record_events=record_events, native=native, eviction=eviction,
+            block_size=block_size,
+        )  # fmt: skip
         self.index = self.pool.prefix_index
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
         self.tables = [BlockTables(block_size, NULL_BLOCK_ID, native=native) for _ in self.groups]
