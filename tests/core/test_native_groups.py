@@ -69,7 +69,9 @@ def group_cases(draw: st.DrawFn) -> dict[str, Any]:
             )
         )
     rows = draw(st.lists(st.integers(0, num_rows - 1), unique=True, max_size=num_rows))
-    computed = [draw(st.integers(0, cols * bs)) for _ in rows]
+    computed = None if draw(st.booleans()) else [draw(st.integers(0, cols * bs)) for _ in rows]
+    num_tokens = [draw(st.integers(0, cols * bs)) for _ in range(num_rows)]
+    groups = [t._replace(num_tokens=np.array(num_tokens, np.int64) + g) for g, t in enumerate(groups)]
     index: dict[Any, int] = {}
     key_of: list[Any] = [None] * NUM_BLOCKS
     keyed = np.zeros(NUM_BLOCKS, dtype=bool)
@@ -85,7 +87,7 @@ def group_cases(draw: st.DrawFn) -> dict[str, Any]:
             index[key], key_of[b], keyed[b] = b, key, True
     return {
         "kind": kind, "index": index, "key_of": key_of, "keyed": keyed, "seq_keys": seq_keys,
-        "rows": np.array(rows, dtype=np.int64), "computed": np.array(computed, dtype=np.int64),
+        "rows": np.array(rows, dtype=np.int64), "computed": None if computed is None else np.array(computed, dtype=np.int64),
         "groups": tuple(groups), "tokens": tokens, "block_size": bs,
     }  # fmt: skip
 

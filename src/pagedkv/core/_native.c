@@ -1450,13 +1450,25 @@ fail:
     return NULL;
 }
 
+/* The tokens every group holds of row r: the least of the groups' num_tokens[r] (`v`: 5 views a group). */
+static int64_t held_by_all(const Py_buffer *v, Py_ssize_t ngroups, int64_t r)
+{
+    int64_t held = ((const int64_t *)v[0].buf)[r];
+    for (Py_ssize_t g = 1; g < ngroups; g++) {
+        int64_t h = ((const int64_t *)v[5 * g].buf)[r];
+        if (h < held)
+            held = h;
+    }
+    return held;
+}
+
 /*
  * publish_groups(kind, prefix, seq_keys, rows, computed, groups, tokens, block_size) -> list[int]
  * (PythonBackend.publish_groups; `prefix` is (index, key_of, keyed), `groups` one (num_tokens,
  * num_computed, hashable, num_published, table) tuple per KV cache group)
  *
  * Everything is checked first (types, rows in range of every array, computed counts, table columns, token
- * columns, block ids); then row by row: every group's num_computed[r] = c; the row's keys are extended
+ * columns, block ids); computed None reads each row's count from the groups (`held_by_all`); then row by row: every group's num_computed[r] = c; the row's keys are extended
  * (from its token ids, row r of the int32 matrix `tokens`) to the furthest block any group publishes, and
  * each group's new full blocks go through `publish_row` under that group's qualified keys.
  */
@@ -1492,10 +1504,12 @@ static PyObject *native_publish_groups(PyObject *Py_UNUSED(module), PyObject *co
     int64_t *ids = NULL;
     if (v == NULL)
         return PyErr_NoMemory();
-    if (i64s_get(fname, "rows", a[3], &rows) < 0 || i64s_get(fname, "computed", a[4], &computed) < 0 ||
+    int with_computed = a[4] != Py_None;
+    if (i64s_get(fname, "rows", a[3], &rows) < 0 ||
+        (with_computed && i64s_get(fname, "computed", a[4], &computed) < 0) ||
         int_array(fname, "tokens", a[6], 2, 4, 0, &toks) < 0)
         goto fail;
-    if (computed.len != rows.len) {
+    if (with_computed && computed.len != rows.len) {
         PyErr_Format(PyExc_ValueError, "%s: %zd rows but %zd computed counts", fname, rows.len, computed.len);
         goto fail;
     }
@@ -1533,11 +1547,12 @@ static PyObject *native_publish_groups(PyObject *Py_UNUSED(module), PyObject *co
 
     /* check everything first */
     for (Py_ssize_t i = 0; i < rows.len; i++) {
-        int64_t r = rows.values[i], c = computed.values[i];
+        int64_t r = rows.values[i];
         if (r < 0 || r >= (int64_t)n) {
             PyErr_Format(PyExc_IndexError, "%s: row %lld out of range", fname, (long long)r);
             goto fail;
         }
+        int64_t c = with_computed ? computed.values[i] : held_by_all(v, ngroups, r);
         if (c < 0) {
             PyErr_Format(PyExc_ValueError, "%s: row %lld has %lld computed tokens", fname, (long long)r, (long long)c);
             goto fail;
@@ -1576,7 +1591,7 @@ static PyObject *native_publish_groups(PyObject *Py_UNUSED(module), PyObject *co
         goto fail;
     const uint8_t *token_bytes = toks.buf;
     for (Py_ssize_t i = 0; i < rows.len; i++) {
-        int64_t r = rows.values[i], c = computed.values[i], furthest = 0;
+        int64_t r = rows.values[i], c = with_computed ? computed.values[i] : held_by_all(v, ngroups, r), furthest = 0;
         for (Py_ssize_t g = 0; g < ngroups; g++) {
             Py_buffer *w = v + 5 * g;
             ((int64_t *)w[1].buf)[r] = c;

@@ -131,7 +131,7 @@ class Backend(Protocol):
     def extend_keys(self, kind: int, known: list[Any], data: Any, width: int, stop: int) -> None: ...
 
     def publish_groups(
-        self, kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], rows: I64, computed: I64,
+        self, kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], rows: I64, computed: I64 | None,
         groups: tuple[TableArrays, ...], tokens: I32, block_size: int,
     ) -> list[int]: ...  # fmt: skip
 
@@ -466,7 +466,8 @@ class PythonBackend:
 
         `prefix` = (index, key_of, keyed) (`IndexArrays`, keyed a bool array); `groups` holds one `TableArrays`
         per group (group g's table, counts and published counts). Row i (r = rows[i]) has c = computed[i]
-        tokens computed: every group's num_computed[r] = c; group g's full blocks not published yet,
+        tokens computed (computed None: the least of the groups' num_tokens[r], every token every group
+        holds): every group's num_computed[r] = c; group g's full blocks not published yet,
         [num_published[r], f) with f = min(c, hashable[r]) // block_size, are published (num_published[r] = f)
         under g's keys, `group_key(key, g)`, with the rule of `publish_rows` (a block already keyed, or whose
         key another block holds, stays private). The content keys are the row's list seq_keys[r] (root
@@ -479,6 +480,8 @@ class PythonBackend:
         to publish out of range of key_of; ValueError for a negative computed count, computed and rows of
         different lengths, or blocks to publish past the table's or the tokens' columns.
         """
+        if computed is None and isinstance(groups, tuple) and groups and all(isinstance(t, tuple) for t in groups):
+            computed = np.min([np.asarray(t[0])[_as_list(rows)] for t in groups], axis=0)
         _check_publish_groups(prefix, seq_keys, rows, computed, groups, tokens, block_size)
         index, key_of, keyed = prefix
         bs = block_size

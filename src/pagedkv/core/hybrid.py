@@ -136,6 +136,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         self._key_lists: list[list[Key] | None] = []  # each row's content keys (its BlockKeys' list), for the backend
         self._rows_with_extras = 0  # live sequences with per-block extra keys (they take the Python path)
         self._windowed = tuple((g, spec) for g, spec in enumerate(self.groups) if not spec.is_full)
+        self._capacity_tokens = self._capacity()
         self.evict_out_of_window_first = evict_out_of_window_first
         self.seqs: dict[int, SeqState] = {}
         self.group_of = np.full(num_blocks, -1, dtype=np.int64)  # the group a block was last allocated to
@@ -163,6 +164,9 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
     def capacity_tokens(self) -> int:
         """The most tokens one sequence can hold: the pool less each windowed group's bounded share (one
         block per step's token), split between the full groups (unbounded with none)."""
+        return self._capacity_tokens
+
+    def _capacity(self) -> int:
         bounded = sum(g.max_blocks_per_sequence(1, self._block_size) or 0 for g in self.groups)
         full = sum(g.is_full for g in self.groups)
         if not full:
@@ -435,9 +439,12 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         in every group, then release the blocks each windowed group no longer reads."""
         tables = self.tables
         rows = tables[0].rows(seq_ids)
-        held = tables[0].num_tokens[rows] if len(tables) == 1 else np.min([t.num_tokens[rows] for t in tables], axis=0)
-        given = held if num_computed_tokens is None else as_computed(num_computed_tokens, tables[0].num_computed[rows], held)
+        given: IntArray | None = None  # None: every token every group holds (the backend reads them)
+        if num_computed_tokens is not None or self._windowed or self._kind is None or self._rows_with_extras:
+            held = tables[0].num_tokens[rows] if len(tables) == 1 else np.min([t.num_tokens[rows] for t in tables], axis=0)
+            given = held if num_computed_tokens is None else as_computed(num_computed_tokens, tables[0].num_computed[rows], held)
         if self._kind is None or self._rows_with_extras:
+            assert given is not None, "hybrid manager: the generic path needs the computed counts"
             self._publish_generic(rows, given)
         else:
             before = [t.num_published[rows] for t in tables] if self.index.record_events else None
@@ -449,6 +456,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
             if before is not None and stored:
                 self._remember_origins(rows, before, stored)
         for g, spec in self._windowed:
+            assert given is not None, "hybrid manager: windowed groups need the computed counts"
             self._release_passed(g, spec, rows, given)
 
     def _publish_generic(self, rows: IntArray, given: IntArray) -> None:

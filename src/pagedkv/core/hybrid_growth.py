@@ -26,6 +26,7 @@ from pagedkv.core.validate import as_count, as_index_array, as_token_matrix
 
 if TYPE_CHECKING:
     from pagedkv.core.copies import CopyLedger
+    from pagedkv.core.group import KVGroupSpec
     from pagedkv.core.hybrid_state import SeqState
     from pagedkv.core.table import BlockTables
     from pagedkv.core.token_rows import TokenRows
@@ -44,6 +45,7 @@ class HybridGrowth:
     group_of: IntArray
     _block_size: int
     _hot: hotpath.Backend
+    _windowed: tuple[tuple[int, KVGroupSpec], ...]
     copies: CopyLedger
     _cow_copies: int
 
@@ -122,13 +124,14 @@ class HybridGrowth:
         if tok is None:
             for t in self.tables:
                 t.hashable_tokens[rows] = np.minimum(t.hashable_tokens[rows], lengths)
-        self.tokens.append(rows, tok, k)
+        self.tokens.append(rows, lengths, tok, k)
         return True
 
     def _in_step(self, rows: IntArray, lengths: IntArray) -> bool:
-        """Whether every group holds every token of `rows` and none may write into a shared block."""
-        return all(
-            not (t.any_cow_risk and t.cow_risk.any()) and bool((t.num_tokens[rows] == lengths).all()) for t in self.tables
+        """Whether every group holds every token of `rows` (a full group always does) and none may write
+        into a shared block."""
+        return not any(t.any_cow_risk and t.cow_risk.any() for t in self.tables) and all(
+            bool((self.tables[g].num_tokens[rows] == lengths).all()) for g, _ in self._windowed
         )
 
     def _grow_in_step(self, rows: IntArray, k: int) -> bool:

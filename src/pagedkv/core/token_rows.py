@@ -10,7 +10,8 @@ whole batch, and the keys of a row's full blocks are hashed straight from its by
                  block 0 bytes   block 1 bytes   partial
 
 Invariants: `length[r]` is the sequence's token count (0 for a row no sequence holds); columns at or past
-`length[r]` mean nothing. Both dimensions grow by doubling, never shrink.
+`length[r]` mean nothing; `longest` is at least every length (a bound kept without a pass over the rows).
+Both dimensions grow by doubling, never shrink.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class TokenRows:
     def __init__(self, rows: int = 64, cols: int = 256) -> None:
         self.ids: Tokens = np.zeros((rows, cols), dtype=np.int32)
         self.length: IntArray = np.zeros(rows, dtype=np.int64)
+        self.longest = 0
 
     def _fit(self, rows: int, cols: int) -> None:
         """Room for rows [0, rows) of `cols` tokens."""
@@ -50,11 +52,15 @@ class TokenRows:
         self._fit(row + 1, n)
         self.ids[row, :n] = tokens
         self.length[row] = n
+        self.longest = max(self.longest, n)
 
-    def append(self, rows: IntArray, tokens: Tokens | None, k: int) -> None:
-        """Each of `rows` (distinct) grows by `k` tokens: `tokens[i]` (`[B, k]`), or zeros when None."""
-        lengths = self.length[rows]
-        self._fit(int(rows.max()) + 1, int(lengths.max()) + k)
+    def append(self, rows: IntArray, lengths: IntArray, tokens: Tokens | None, k: int) -> None:
+        """Each of `rows` (distinct rows that hold a sequence), whose lengths are `lengths`, grows by `k`
+        tokens: `tokens[i]` (`[B, k]`), or zeros when None."""
+        if self.longest + k > self.ids.shape[1]:  # the bound first: most steps take no pass over the rows
+            self.longest = int(self.length.max())
+            self._fit(len(self.length), self.longest + k)
+        self.longest += k
         if k == 1:
             self.ids[rows, lengths] = 0 if tokens is None else tokens[:, 0]
         else:
@@ -71,6 +77,7 @@ class TokenRows:
         self._fit(dst + 1, n)
         self.ids[dst, :n] = self.ids[src, :n]
         self.length[dst] = n
+        self.longest = max(self.longest, n)
 
     def drop(self, row: int) -> None:
         self.length[row] = 0
