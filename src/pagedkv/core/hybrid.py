@@ -507,6 +507,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         bs, t = self._block_size, self.tables[g]
         upto = np.minimum(spec.releasable_blocks(computed, bs), t.num_blocks[rows])
         todo = (upto > 0) & (t.table[rows, np.maximum(upto - 1, 0)] != NULL_BLOCK_ID)
+        pieces: list[tuple[IntArray, IntArray, int]] = []  # per row: (out of window, kept for hits, priority)
         for row, stop in zip(rows[todo].tolist(), upto[todo].tolist()):
             seq = self.seqs[row]
             lo = seq.released[g]
@@ -514,12 +515,37 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
             t.table[row, lo:stop] = NULL_BLOCK_ID
             seq.released[g] = stop
             t.num_published[row] = max(int(t.num_published[row]), stop)
-            if not self.evict_out_of_window_first:
-                self.pool.release(blocks, seq.priority)
-                continue
-            keep = (np.arange(lo, stop) + 1) * bs > seq.prompt_len - self._keeps_for_hits(spec)
-            self.pool.release(blocks[~keep], OUT_OF_WINDOW_PRIORITY)
-            self.pool.release(blocks[keep], seq.priority)
+            # block j keeps the priority iff (j + 1) * bs > prompt_len - keeps, i.e. j >= that // bs
+            split = 0
+            if self.evict_out_of_window_first:
+                split = min(max((seq.prompt_len - self._keeps_for_hits(spec)) // bs - lo, 0), stop - lo)
+            pieces.append((blocks[:split], blocks[split:], seq.priority))
+        if pieces:
+            self._release_pieces(pieces)
+
+    def _release_pieces(self, pieces: list[tuple[IntArray, IntArray, int]]) -> None:
+        """Release each row's (out of window, kept) blocks: one pool call per priority when no block repeats
+        across rows (a block forked into two rows may; then row by row). Each priority's blocks reach the
+        eviction order in row order either way."""
+        release = self.pool.release
+        if len(pieces) > 1:
+            everything = np.concatenate([b for drop, keep, _ in pieces for b in (drop, keep)])
+            if len(np.unique(everything)) == len(everything):
+                drops = [drop for drop, _, _ in pieces if len(drop)]
+                if drops:
+                    release(np.concatenate(drops), OUT_OF_WINDOW_PRIORITY)
+                by_priority: dict[int, list[IntArray]] = {}
+                for _, keep, priority in pieces:
+                    if len(keep):
+                        by_priority.setdefault(priority, []).append(keep)
+                for priority, kept in by_priority.items():
+                    release(np.concatenate(kept), priority)
+                return
+        for drop, keep, priority in pieces:
+            if len(drop):
+                release(drop, OUT_OF_WINDOW_PRIORITY)
+            if len(keep):
+                release(keep, priority)
 
     @staticmethod
     def _keeps_for_hits(spec: KVGroupSpec) -> int:
