@@ -507,8 +507,16 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         bs, t = self._block_size, self.tables[g]
         upto = np.minimum(spec.releasable_blocks(computed, bs), t.num_blocks[rows])
         todo = (upto > 0) & (t.table[rows, np.maximum(upto - 1, 0)] != NULL_BLOCK_ID)
+        if not todo.any():
+            return
+        rows, upto = rows[todo], upto[todo]
+        # most rows pass one block a step: the one before it is released (null) or there is none
+        one = (upto == 1) | (t.table[rows, np.maximum(upto - 2, 0)] == NULL_BLOCK_ID)
         pieces: list[tuple[IntArray, IntArray, int]] = []  # per row: (out of window, kept for hits, priority)
-        for row, stop in zip(rows[todo].tolist(), upto[todo].tolist()):
+        if one.any():
+            pieces += self._release_one_each(g, spec, rows[one], upto[one])
+            rows, upto = rows[~one], upto[~one]
+        for row, stop in zip(rows.tolist(), upto.tolist()):
             seq = self.seqs[row]
             lo = seq.released[g]
             blocks = t.table[row, lo:stop].astype(np.int64)
@@ -522,6 +530,35 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
             pieces.append((blocks[:split], blocks[split:], seq.priority))
         if pieces:
             self._release_pieces(pieces)
+
+    def _release_one_each(
+        self, g: int, spec: KVGroupSpec, rows: IntArray, upto: IntArray
+    ) -> list[tuple[IntArray, IntArray, int]]:
+        """`_release_passed` for rows that each release exactly block `upto - 1`, batched: their pieces (out
+        of window, kept, priority), one per priority present (one per row if a block repeats: a piece never
+        holds a block twice)."""
+        t, bs, seqs = self.tables[g], self._block_size, self.seqs
+        cols = upto - 1
+        blocks = t.table[rows, cols].astype(np.int64)
+        t.table[rows, cols] = NULL_BLOCK_ID
+        t.num_published[rows] = np.maximum(t.num_published[rows], upto)
+        states = [seqs[r] for r in rows.tolist()]
+        for seq, stop in zip(states, upto.tolist()):
+            seq.released[g] = stop
+        priority = np.array([seq.priority for seq in states], dtype=np.int64)
+        if self.evict_out_of_window_first:  # the block keeps its priority iff cols >= (prompt_len - keeps) // bs
+            first_kept = (np.array([seq.prompt_len for seq in states], dtype=np.int64) - self._keeps_for_hits(spec)) // bs
+            kept = cols >= first_kept
+        else:
+            kept = np.ones(len(rows), dtype=bool)
+        if len(np.unique(blocks)) < len(blocks):  # a forked block passed in two rows: a piece per row
+            return [(blocks[i : i + 1][~kept[i : i + 1]], blocks[i : i + 1][kept[i : i + 1]], int(priority[i]))
+                    for i in range(len(blocks))]  # fmt: skip
+        pieces = []
+        for p in np.unique(priority).tolist():
+            mine = priority == p
+            pieces.append((blocks[mine & ~kept], blocks[mine & kept], p))
+        return pieces
 
     def _release_pieces(self, pieces: list[tuple[IntArray, IntArray, int]]) -> None:
         """Release each row's (out of window, kept) blocks: one pool call per priority when no block repeats
