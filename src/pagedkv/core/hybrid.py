@@ -174,6 +174,11 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         return max(self.num_blocks - bounded, 0) // full * self._block_size
 
     @property
+    def hot_path(self) -> str:
+        """The backend the step's loops run in: "native" (the C extension) or "python" (`hotpath.py`)."""
+        return self._hot.NAME
+
+    @property
     def supports_swap(self) -> bool:
         return True
 
