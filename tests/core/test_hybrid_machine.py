@@ -71,6 +71,24 @@ class HybridMachine(SequenceRules):
         self.m.mark_computed([s], [end])
 
     @precondition(lambda self: self._live())
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def compute_batch(self, data: st.DataObject, n: int) -> None:
+        """A step's chunks for several sequences at once, as the engine marks them: forks and prefix hits
+        then pass shared blocks out of a window in the same call."""
+        live = self._live()
+        batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+        starts = [self.m.num_computed_tokens(s) for s in batch]
+        ends = [min(c + n, len(self.tokens[s])) for s, c in zip(batch, starts)]
+        if not self.m.reserve(batch, ends):
+            return
+        self._copies()
+        for s, c, end in zip(batch, starts, ends):
+            for g in range(self.m.num_groups):
+                for pos, slot in zip(range(c, end), self.m.slot_mapping([s], [c], [end], group=g).tolist()):
+                    self.kv[slot] = (pos, self.tokens[s][pos])
+        self.m.mark_computed(batch, ends)
+
+    @precondition(lambda self: self._live())
     @rule(data=st.data(), k=st.integers(1, 3), tok=st.integers(1, 3))
     def append(self, data: st.DataObject, k: int, tok: int) -> None:
         live = self._live()
