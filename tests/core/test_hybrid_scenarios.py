@@ -10,7 +10,8 @@ import pytest
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.group import KVGroupSpec, group_layers, padded_layers
 from pagedkv.core.group_keys import group_key, split_key
-from pagedkv.core.hybrid import OUT_OF_WINDOW_PRIORITY, HybridKVManager
+from pagedkv.core.hybrid import HybridKVManager
+from pagedkv.core.hybrid_publish import OUT_OF_WINDOW_PRIORITY
 
 FULL, SLIDE8 = KVGroupSpec(), KVGroupSpec("sliding", 8)
 
