@@ -218,3 +218,17 @@ def test_every_eviction_policy_orders_the_groups_blocks(policy: str, hit: int) -
 def test_an_unknown_eviction_policy_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="eviction policy"):
         _manager(eviction="mru")
+
+
+def test_slot_mapping_refuses_a_start_in_a_released_block_and_only_there() -> None:
+    m = _manager(num_blocks=64, groups=(FULL, KVGroupSpec("sliding", 5)))
+    a = m.admit(list(range(1, 30))).seq_id  # type: ignore[union-attr]
+    m.mark_computed([a])  # a query at 29 reads from 25: sliding blocks 0-5 (tokens 0-23) released
+    assert m.block_ids(a, 1)[:6] == [0] * 6
+    for start in (0, 4, 20, 23):
+        with pytest.raises(InvalidArgumentError, match="released"):
+            m.slot_mapping([a], [start], [29], group=1)
+    b6, b7 = m.block_ids(a, 1)[6:8]
+    assert m.slot_mapping([a], [24], [29], group=1).tolist() == [b6 * 4 + o for o in range(4)] + [b7 * 4]
+    assert m.slot_mapping([a], [29], [29], group=1).tolist() == []  # an empty range past the last token
+    assert len(m.slot_mapping([a], [0], [29], group=0)) == 29  # the full group released nothing

@@ -240,9 +240,12 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridPublish, HybridFetch, Hyb
         t = self.tables[g]
         rows = t.rows(seq_ids)
         starts_a = as_index_array(starts, "starts", rows.shape)
-        released = np.array([self.seqs[r].released[g] for r in rows.tolist()], dtype=np.int64)
-        if (starts_a < released * self._block_size).any():
-            raise InvalidArgumentError(f"slot_mapping: group {g} released the blocks of a range start (out of its window)")
+        if self.groups[g].window is not None and len(rows):
+            # a start in a released block: released entries are exactly a row's leading null ones
+            cols = starts_a // self._block_size
+            held = cols < t.num_blocks[rows]
+            if (held & (t.table[rows, np.minimum(cols, t.table.shape[1] - 1)] == NULL_BLOCK_ID)).any():
+                raise InvalidArgumentError(f"slot_mapping: group {g} released the blocks of a range start (out of its window)")
         return t.slot_mapping(rows, starts_a, ends)
 
     def csr(self, seq_ids: npt.ArrayLike, *, group: int | None = None) -> CSRPages:
