@@ -71,6 +71,24 @@ class HybridMachine(SequenceRules):
         self.m.mark_computed([s], [end])
 
     @precondition(lambda self: self._live())
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def compute_batch(self, data: st.DataObject, n: int) -> None:
+        """A step's chunks for several sequences at once, as the engine marks them: forks and prefix hits
+        then pass shared blocks out of a window in the same call."""
+        live = self._live()
+        batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+        starts = [self.m.num_computed_tokens(s) for s in batch]
+        ends = [min(c + n, len(self.tokens[s])) for s, c in zip(batch, starts)]
+        if not self.m.reserve(batch, ends):
+            return
+        self._copies()
+        for s, c, end in zip(batch, starts, ends):
+            for g in range(self.m.num_groups):
+                for pos, slot in zip(range(c, end), self.m.slot_mapping([s], [c], [end], group=g).tolist()):
+                    self.kv[slot] = (pos, self.tokens[s][pos])
+        self.m.mark_computed(batch, ends)
+
+    @precondition(lambda self: self._live())
     @rule(data=st.data(), k=st.integers(1, 3), tok=st.integers(1, 3))
     def append(self, data: st.DataObject, k: int, tok: int) -> None:
         live = self._live()
@@ -151,3 +169,26 @@ TestHybridMachine = HybridMachine.TestCase
 TestHybridMachine.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def _machine_with(policy: str) -> type[HybridMachine]:
+    """The same machine over a pool ordered by eviction policy `policy`."""
+
+    class PolicyMachine(HybridMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = HybridKVManager(36, BS, GROUPS, num_host_blocks=24, record_events=True, eviction=policy)
+
+    PolicyMachine.__name__ = f"HybridMachine_{policy}"
+    return PolicyMachine
+
+
+_POLICY_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck))
+TestHybridMachineSLRU = _machine_with("slru").TestCase
+TestHybridMachineSLRU.settings = _POLICY_SETTINGS
+TestHybridMachineLFU = _machine_with("lfu").TestCase
+TestHybridMachineLFU.settings = _POLICY_SETTINGS
+TestHybridMachinePriority = _machine_with("priority").TestCase
+TestHybridMachinePriority.settings = _POLICY_SETTINGS
+TestHybridMachineCost = _machine_with("cost").TestCase
+TestHybridMachineCost.settings = _POLICY_SETTINGS

@@ -10,7 +10,8 @@ import pytest
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.core.group import KVGroupSpec, group_layers, padded_layers
 from pagedkv.core.group_keys import group_key, split_key
-from pagedkv.core.hybrid import OUT_OF_WINDOW_PRIORITY, HybridKVManager
+from pagedkv.core.hybrid import HybridKVManager
+from pagedkv.core.hybrid_publish import OUT_OF_WINDOW_PRIORITY
 
 FULL, SLIDE8 = KVGroupSpec(), KVGroupSpec("sliding", 8)
 
@@ -191,3 +192,43 @@ def test_a_hit_stops_at_the_first_missing_block_though_later_ones_are_cached(gro
     assert b is not None and b.num_cached_tokens == bs
     assert m.block_ids(b.seq_id, 0)[0] == m.block_ids(a.seq_id, 0)[0]
     m.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("policy", "hit"),
+    # lru and priority order by retention priority, so out-of-window blocks (OUT_OF_WINDOW_PRIORITY) go
+    # first and the finished prefix survives; slru, lfu and cost order by recency tiers, frequency and
+    # recompute cost only, and evict the older prefix
+    [("lru", 12), ("priority", 12), ("slru", 0), ("lfu", 0), ("cost", 0)],
+)
+def test_every_eviction_policy_orders_the_groups_blocks(policy: str, hit: int) -> None:
+    m = _manager(num_blocks=21, groups=(FULL, KVGroupSpec("sliding", 6)), eviction=policy)
+    assert m.pool.policy.name == policy
+    a = m.admit(list(range(100, 114))).seq_id  # type: ignore[union-attr]
+    m.mark_computed([a])
+    m.free(a)
+    b = m.admit(list(range(200, 224))).seq_id  # type: ignore[union-attr]
+    m.mark_computed([b])
+    assert m.admit(list(range(300, 308))) is not None
+    assert m.pool.stats.evictions == 2
+    assert m.match_prefix(list(range(100, 114)) + [1]) == hit
+    m.check_invariants()
+
+
+def test_an_unknown_eviction_policy_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="eviction policy"):
+        _manager(eviction="mru")
+
+
+def test_slot_mapping_refuses_a_start_in_a_released_block_and_only_there() -> None:
+    m = _manager(num_blocks=64, groups=(FULL, KVGroupSpec("sliding", 5)))
+    a = m.admit(list(range(1, 30))).seq_id  # type: ignore[union-attr]
+    m.mark_computed([a])  # a query at 29 reads from 25: sliding blocks 0-5 (tokens 0-23) released
+    assert m.block_ids(a, 1)[:6] == [0] * 6
+    for start in (0, 4, 20, 23):
+        with pytest.raises(InvalidArgumentError, match="released"):
+            m.slot_mapping([a], [start], [29], group=1)
+    b6, b7 = m.block_ids(a, 1)[6:8]
+    assert m.slot_mapping([a], [24], [29], group=1).tolist() == [b6 * 4 + o for o in range(4)] + [b7 * 4]
+    assert m.slot_mapping([a], [29], [29], group=1).tolist() == []  # an empty range past the last token
+    assert len(m.slot_mapping([a], [0], [29], group=0)) == 29  # the full group released nothing

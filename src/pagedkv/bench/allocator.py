@@ -32,6 +32,7 @@ import numpy as np
 
 from pagedkv.core import BlockKeys, KVManager, PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.engine.cli_args import (
     add_block_size,
     check_fits_memory,
@@ -74,7 +75,7 @@ class ReplayResult:
     max_running: int
     prefix_caching: bool
     hash_fn: str
-    backend: str  # the prefix cache's hot-path backend: "native" (the C extension) or "python"
+    backend: str  # the hot-path backend: "native" (the C extension) or "python" ("-": the contiguous baseline)
     # per step, for plots (not in the JSON): running requests, blocks in use, slots holding KV
     series: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -286,7 +287,7 @@ class _Loop:
             max_running=self.max_running,
             prefix_caching=prefix_caching and paged,
             hash_fn=hash_fn if paged and prefix_caching else "-",
-            backend=m.prefix.hot.NAME if paged else "-",
+            backend=m.prefix.hot.NAME if paged else m.hot_path if isinstance(m, HybridKVManager) else "-",
             series=self.series,
         )
 

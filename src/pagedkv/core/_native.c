@@ -298,6 +298,53 @@ static PyObject *chain(int kind, PyObject *parent, const uint8_t *chunk, Py_ssiz
     return kind == KIND_SHA256 ? sha_key(parent, chunk, width) : fast_key(parent, chunk, width);
 }
 
+/* group_keys.group_key: the index key of content key `key` in KV cache group `group` (bytes: the key with
+   the group appended as one byte; int: key * 256 + group); `key` itself when group < 0 (new reference). */
+static PyObject *qualify(PyObject *key, int group)
+{
+    if (group < 0) {
+        Py_INCREF(key);
+        return key;
+    }
+    if (PyBytes_Check(key)) {
+        Py_ssize_t n = PyBytes_GET_SIZE(key);
+        PyObject *out = PyBytes_FromStringAndSize(NULL, n + 1);
+        if (out == NULL)
+            return NULL;
+        memcpy(PyBytes_AS_STRING(out), PyBytes_AS_STRING(key), (size_t)n);
+        PyBytes_AS_STRING(out)[n] = (char)group;
+        return out;
+    }
+    PyObject *radix = PyLong_FromLong(256), *g = PyLong_FromLong(group), *out = NULL;
+    if (radix != NULL && g != NULL) {
+        PyObject *scaled = PyNumber_Multiply(key, radix);
+        if (scaled != NULL) {
+            out = PyNumber_Add(scaled, g);
+            Py_DECREF(scaled);
+        }
+    }
+    Py_XDECREF(radix);
+    Py_XDECREF(g);
+    return out;
+}
+
+/* A `group` argument: None (or absent) is -1 (plain keys), else an int in [0, 256). */
+static int get_group(const char *fname, PyObject *obj, int *group)
+{
+    *group = -1;
+    if (obj == NULL || obj == Py_None)
+        return 0;
+    long value = PyLong_AsLong(obj);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value < 0 || value > 255) {
+        PyErr_Format(PyExc_ValueError, "%s: group must be None or in [0, 256), not %ld", fname, value);
+        return -1;
+    }
+    *group = (int)value;
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------------------ */
 /* Arguments                                                                                               */
 /* ------------------------------------------------------------------------------------------------------ */
@@ -385,6 +432,35 @@ static int get_data(const char *fname, const char *what, PyObject *obj, Py_buffe
 static int holds_block(Py_ssize_t block, Py_ssize_t width, Py_ssize_t size)
 {
     return width == 0 || (width <= size && block <= (size - width) / width);
+}
+
+/* Extend `known` (root first) to stop + 1 keys, chaining over the `width`-byte blocks of `bytes` (block j
+   at bytes + j * width, within `nbytes`). Returns 0, or -1 with an exception set (keys so far kept). */
+static int extend_known(const char *fname, int kind, PyObject *known, const uint8_t *bytes, Py_ssize_t nbytes,
+                        Py_ssize_t width, Py_ssize_t stop)
+{
+    Py_ssize_t have = PyList_GET_SIZE(known);
+    if (have == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: known must start with the root key", fname);
+        return -1;
+    }
+    for (Py_ssize_t j = have - 1; j < stop; j++) {
+        if (!holds_block(j, width, nbytes)) {
+            PyErr_Format(PyExc_ValueError, "%s: data (%zd bytes) ends before block %zd", fname, nbytes, j);
+            return -1;
+        }
+        PyObject *parent = PyList_GET_ITEM(known, PyList_GET_SIZE(known) - 1);
+        Py_INCREF(parent);
+        PyObject *key = chain(kind, parent, bytes + j * width, width);
+        Py_DECREF(parent);
+        if (key == NULL)
+            return -1;
+        int appended = PyList_Append(known, key);
+        Py_DECREF(key);
+        if (appended < 0)
+            return -1;
+    }
+    return 0;
 }
 
 /*
@@ -475,23 +551,24 @@ fail:
 /* ------------------------------------------------------------------------------------------------------ */
 
 /*
- * match(kind, index, known, data, width, max_blocks) -> list[int]  (PythonBackend.match)
+ * match(kind, index, known, data, width, max_blocks, group=None) -> list[int]  (PythonBackend.match)
  *
  * For i in range(max_blocks): block i's key is known[i + 1] if present, else chained from known[-1] and
  * the block's bytes data[i*width : (i+1)*width] and appended to `known`; stop at the first key not in
- * the index, else collect its block id (every entry is live: the prefix index keeps none stale).
+ * the index, else collect its block id (every entry is live: the prefix index keeps none stale). With a
+ * group, the index is asked for the group-qualified key (`qualify`).
  */
 static PyObject *native_match(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames)
 {
-    static const char *const names[] = {"kind", "index", "known", "data", "width", "max_blocks"};
-    PyObject *a[6];
-    int kind;
+    static const char *const names[] = {"kind", "index", "known", "data", "width", "max_blocks", "group"};
+    PyObject *a[7];
+    int kind, group;
     Py_ssize_t width, max_blocks;
-    if (parse_args("match", names, 6, 6, 6, args, nargs, kwnames, a) < 0 ||
+    if (parse_args("match", names, 7, 7, 6, args, nargs, kwnames, a) < 0 ||
         get_kind("match", a[0], &kind) < 0 || check_exact("match", "index", a[1], &PyDict_Type) < 0 ||
         check_exact("match", "known", a[2], &PyList_Type) < 0 || get_ssize(a[4], &width) < 0 ||
-        get_ssize(a[5], &max_blocks) < 0)
+        get_ssize(a[5], &max_blocks) < 0 || get_group("match", a[6], &group) < 0)
         return NULL;
     if (width < 0)
         return PyErr_Format(PyExc_ValueError, "match: width must be >= 0, not %zd", width);
@@ -530,6 +607,13 @@ static PyObject *native_match(PyObject *Py_UNUSED(module), PyObject *const *args
                 goto fail;
             }
         }
+        if (group >= 0) { /* the group's copy of the block */
+            PyObject *plain = key;
+            key = qualify(plain, group);
+            Py_DECREF(plain);
+            if (key == NULL)
+                goto fail;
+        }
         PyObject *block = PyDict_GetItemWithError(index, key); /* borrowed */
         Py_XINCREF(block);
         Py_DECREF(key);
@@ -556,12 +640,13 @@ fail:
  * One row of `publish_rows` (and of `publish_computed`): extend the row's keys `known` to `stop` by
  * chaining over its blocks' bytes, then index blocks [start, stop). Block j's id is `ids[j - start]`
  * (already checked to lie in [0, len(key_of))); its bytes are at
- * `bytes + id * width` within `nbytes`. Stored ids are appended to `stored`; `keyed` may be NULL.
+ * `bytes + id * width` within `nbytes`. Stored ids are appended to `stored`; `keyed` may be NULL. With
+ * group >= 0 the index and key_of take the group-qualified key (`qualify`).
  * Returns 0, or -1 with an exception set (the blocks before stay published, as in the reference).
  */
 static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *keyed, PyObject *known,
                        Py_ssize_t start, Py_ssize_t stop, const int64_t *ids, const uint8_t *bytes,
-                       Py_ssize_t nbytes, Py_ssize_t width, PyObject *stored)
+                       Py_ssize_t nbytes, Py_ssize_t width, PyObject *stored, int group)
 {
     Py_ssize_t have = PyList_GET_SIZE(known) - 1;
     if (have < start) {
@@ -608,8 +693,9 @@ static int publish_row(int kind, PyObject *index, PyObject *key_of, uint8_t *key
         }
         if (PyList_GET_ITEM(key_of, at) != Py_None)
             continue;
-        PyObject *key = PyList_GET_ITEM(known, j + 1);
-        Py_INCREF(key);
+        PyObject *key = qualify(PyList_GET_ITEM(known, j + 1), group);
+        if (key == NULL)
+            return -1;
         PyObject *block = PyLong_FromSsize_t(at);
         if (block == NULL) {
             Py_DECREF(key);
@@ -757,7 +843,7 @@ static PyObject *native_publish_rows(PyObject *Py_UNUSED(module), PyObject *cons
     for (Py_ssize_t r = 0; r < nrows; r++) {
         Py_ssize_t start = (Py_ssize_t)starts.values[r], stop = (Py_ssize_t)stops.values[r];
         if (publish_row(kind, index, key_of, keyed, PyTuple_GET_ITEM(rows, r), start, stop,
-                        ids.values + pos, (const uint8_t *)blocks.buf, blocks.len, width, stored) < 0)
+                        ids.values + pos, (const uint8_t *)blocks.buf, blocks.len, width, stored, -1) < 0)
             goto fail;
         pos += stop - start;
     }
@@ -1342,7 +1428,7 @@ static PyObject *native_publish_computed(PyObject *Py_UNUSED(module), PyObject *
         for (int64_t j = start; j < full; j++)
             ids[j - start] = table[r * cols + j];
         int failed = publish_row(kind, index, key_of, (uint8_t *)v[6].buf, known, (Py_ssize_t)start,
-                                 (Py_ssize_t)full, ids, (const uint8_t *)v[5].buf, v[5].len, 4 * bs, stored);
+                                 (Py_ssize_t)full, ids, (const uint8_t *)v[5].buf, v[5].len, 4 * bs, stored, -1);
         Py_DECREF(known);
         if (failed < 0)
             goto fail;
@@ -1362,6 +1448,247 @@ fail:
     i64s_release(&rows);
     i64s_release(&computed);
     return NULL;
+}
+
+/* The tokens every group holds of row r: the least of the groups' num_tokens[r] (`v`: 5 views a group). */
+static int64_t held_by_all(const Py_buffer *v, Py_ssize_t ngroups, int64_t r)
+{
+    int64_t held = ((const int64_t *)v[0].buf)[r];
+    for (Py_ssize_t g = 1; g < ngroups; g++) {
+        int64_t h = ((const int64_t *)v[5 * g].buf)[r];
+        if (h < held)
+            held = h;
+    }
+    return held;
+}
+
+/*
+ * publish_groups(kind, prefix, seq_keys, rows, computed, groups, tokens, block_size) -> list[int]
+ * (PythonBackend.publish_groups; `prefix` is (index, key_of, keyed), `groups` one (num_tokens,
+ * num_computed, hashable, num_published, table) tuple per KV cache group)
+ *
+ * Everything is checked first (types, rows in range of every array, computed counts, table columns, token
+ * columns, block ids); computed None reads each row's count from the groups (`held_by_all`); then row by row: every group's num_computed[r] = c; the row's keys are extended
+ * (from its token ids, row r of the int32 matrix `tokens`) to the furthest block any group publishes, and
+ * each group's new full blocks go through `publish_row` under that group's qualified keys.
+ */
+static PyObject *native_publish_groups(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                       PyObject *kwnames)
+{
+    static const char *const names[] = {"kind", "prefix", "seq_keys", "rows", "computed", "groups", "tokens",
+                                        "block_size"};
+    const char *const fname = "publish_groups";
+    PyObject *a[8];
+    int kind;
+    Py_ssize_t bs;
+    if (parse_args(fname, names, 8, 8, 8, args, nargs, kwnames, a) < 0 || get_kind(fname, a[0], &kind) < 0 ||
+        get_ssize(a[7], &bs) < 0)
+        return NULL;
+    if (!PyTuple_Check(a[1]) || PyTuple_GET_SIZE(a[1]) != 3)
+        return PyErr_Format(PyExc_TypeError, "%s: prefix must be a tuple (index, key_of, keyed)", fname);
+    PyObject *index = PyTuple_GET_ITEM(a[1], 0), *key_of = PyTuple_GET_ITEM(a[1], 1);
+    PyObject *seq_keys = a[2], *groups = a[5];
+    if (check_exact(fname, "index", index, &PyDict_Type) < 0 ||
+        check_exact(fname, "key_of", key_of, &PyList_Type) < 0 ||
+        check_exact(fname, "seq_keys", seq_keys, &PyList_Type) < 0)
+        return NULL;
+    if (!PyTuple_Check(groups) || PyTuple_GET_SIZE(groups) < 1 || PyTuple_GET_SIZE(groups) > 256)
+        return PyErr_Format(PyExc_TypeError, "%s: groups must be a tuple of 1 to 256 table tuples", fname);
+    if (bs <= 0)
+        return PyErr_Format(PyExc_ValueError, "%s: block_size must be >= 1, not %zd", fname, bs);
+    Py_ssize_t ngroups = PyTuple_GET_SIZE(groups), nkeys = PyList_GET_SIZE(key_of);
+    I64s rows = {0}, computed = {0};
+    Py_buffer flags = {0}, toks = {0};
+    Py_buffer *v = PyMem_Calloc((size_t)(5 * ngroups), sizeof(Py_buffer));
+    PyObject *stored = NULL;
+    int64_t *ids = NULL;
+    if (v == NULL)
+        return PyErr_NoMemory();
+    int with_computed = a[4] != Py_None;
+    if (i64s_get(fname, "rows", a[3], &rows) < 0 ||
+        (with_computed && i64s_get(fname, "computed", a[4], &computed) < 0) ||
+        int_array(fname, "tokens", a[6], 2, 4, 0, &toks) < 0)
+        goto fail;
+    if (with_computed && computed.len != rows.len) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd rows but %zd computed counts", fname, rows.len, computed.len);
+        goto fail;
+    }
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(a[1], 2), &flags, PyBUF_RECORDS_RO) < 0) {
+        flags.obj = NULL;
+        PyErr_Clear();
+    }
+    if (flags.obj == NULL || flags.readonly || flags.ndim != 1 || flags.itemsize != 1 ||
+        !PyBuffer_IsContiguous(&flags, 'C') || flags.len < nkeys) {
+        PyErr_Format(PyExc_TypeError, "%s: keyed must be a writable C-contiguous 1-D array of 1-byte items, "
+                     "at least as long as key_of", fname);
+        goto fail;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(seq_keys), tcols = toks.shape[1], widest = 0;
+    if (toks.shape[0] < n)
+        n = toks.shape[0];
+    for (Py_ssize_t g = 0; g < ngroups; g++) {
+        PyObject *t = PyTuple_GET_ITEM(groups, g);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 5) {
+            PyErr_Format(PyExc_TypeError, "%s: groups[%zd] must be a tuple (num_tokens, num_computed, hashable, "
+                         "num_published, table)", fname, g);
+            goto fail;
+        }
+        Py_buffer *w = v + 5 * g;
+        if (int_array(fname, "num_tokens", PyTuple_GET_ITEM(t, 0), 1, 8, 0, &w[0]) < 0 ||
+            int_array(fname, "num_computed", PyTuple_GET_ITEM(t, 1), 1, 8, 1, &w[1]) < 0 ||
+            int_array(fname, "hashable", PyTuple_GET_ITEM(t, 2), 1, 8, 0, &w[2]) < 0 ||
+            int_array(fname, "num_published", PyTuple_GET_ITEM(t, 3), 1, 8, 1, &w[3]) < 0 ||
+            int_array(fname, "table", PyTuple_GET_ITEM(t, 4), 2, 4, 0, &w[4]) < 0)
+            goto fail;
+        for (int i = 0; i < 5; i++)
+            if (w[i].shape[0] < n)
+                n = w[i].shape[0];
+    }
+
+    /* check everything first */
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i];
+        if (r < 0 || r >= (int64_t)n) {
+            PyErr_Format(PyExc_IndexError, "%s: row %lld out of range", fname, (long long)r);
+            goto fail;
+        }
+        int64_t c = with_computed ? computed.values[i] : held_by_all(v, ngroups, r);
+        if (c < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: row %lld has %lld computed tokens", fname, (long long)r, (long long)c);
+            goto fail;
+        }
+        for (Py_ssize_t g = 0; g < ngroups; g++) {
+            Py_buffer *w = v + 5 * g;
+            const int64_t *hashable = w[2].buf, *published = w[3].buf;
+            const int32_t *table = w[4].buf;
+            Py_ssize_t cols = w[4].shape[1];
+            int64_t full = (c < hashable[r] ? c : hashable[r]) / bs, start = published[r] < 0 ? 0 : published[r];
+            if (full <= start)
+                continue;
+            if (full > (int64_t)cols || full > (int64_t)(tcols / bs)) {
+                PyErr_Format(PyExc_ValueError, "%s: row %lld publishes %lld blocks, past its table or tokens",
+                             fname, (long long)r, (long long)full);
+                goto fail;
+            }
+            for (int64_t j = start; j < full; j++) {
+                int32_t b = table[r * cols + j];
+                if (b < 0 || b >= nkeys) {
+                    PyErr_Format(PyExc_IndexError, "%s: block id %d out of range", fname, (int)b);
+                    goto fail;
+                }
+            }
+            if (full - start > widest)
+                widest = (Py_ssize_t)(full - start);
+        }
+    }
+    if ((ids = PyMem_Malloc((size_t)(widest > 0 ? widest : 1) * sizeof(int64_t))) == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+
+    stored = PyList_New(0);
+    if (stored == NULL)
+        goto fail;
+    const uint8_t *token_bytes = toks.buf;
+    for (Py_ssize_t i = 0; i < rows.len; i++) {
+        int64_t r = rows.values[i], c = with_computed ? computed.values[i] : held_by_all(v, ngroups, r), furthest = 0;
+        for (Py_ssize_t g = 0; g < ngroups; g++) {
+            Py_buffer *w = v + 5 * g;
+            ((int64_t *)w[1].buf)[r] = c;
+            const int64_t *hashable = w[2].buf, *published = w[3].buf;
+            int64_t full = (c < hashable[r] ? c : hashable[r]) / bs;
+            if (full > published[r] && full > furthest)
+                furthest = full;
+        }
+        if (furthest == 0)
+            continue;
+        if (r >= PyList_GET_SIZE(seq_keys)) { /* only Python code run by an odd key object could shrink it */
+            PyErr_Format(PyExc_RuntimeError, "%s: seq_keys changed size", fname);
+            goto fail;
+        }
+        PyObject *known = PyList_GET_ITEM(seq_keys, r);
+        if (known != Py_None && !PyList_CheckExact(known)) {
+            PyErr_Format(PyExc_TypeError, "%s: seq_keys[%lld] must be a list or None", fname, (long long)r);
+            goto fail;
+        }
+        Py_INCREF(known);
+        if (known != Py_None && extend_known(fname, kind, known, token_bytes + r * tcols * 4, tcols * 4, 4 * bs,
+                                             (Py_ssize_t)furthest) < 0) {
+            Py_DECREF(known);
+            goto fail;
+        }
+        for (Py_ssize_t g = 0; g < ngroups; g++) {
+            Py_buffer *w = v + 5 * g;
+            const int64_t *hashable = w[2].buf;
+            int64_t *published = w[3].buf;
+            const int32_t *table = w[4].buf;
+            Py_ssize_t cols = w[4].shape[1];
+            int64_t full = (c < hashable[r] ? c : hashable[r]) / bs, start = published[r];
+            if (full <= start)
+                continue;
+            published[r] = full;
+            if (known == Py_None) /* prefix caching off: nothing is keyed */
+                continue;
+            for (int64_t j = start; j < full; j++)
+                ids[j - start] = table[r * cols + j];
+            if (publish_row(kind, index, key_of, (uint8_t *)flags.buf, known, (Py_ssize_t)start, (Py_ssize_t)full,
+                            ids, NULL, 0, 4 * bs, stored, (int)g) < 0) {
+                Py_DECREF(known);
+                goto fail;
+            }
+        }
+        Py_DECREF(known);
+    }
+    PyMem_Free(ids);
+    release_all(v, (int)(5 * ngroups));
+    PyMem_Free(v);
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&toks);
+    i64s_release(&rows);
+    i64s_release(&computed);
+    return stored;
+
+fail:
+    PyMem_Free(ids);
+    Py_XDECREF(stored);
+    release_all(v, (int)(5 * ngroups));
+    PyMem_Free(v);
+    if (flags.obj != NULL)
+        PyBuffer_Release(&flags);
+    if (toks.obj != NULL)
+        PyBuffer_Release(&toks);
+    i64s_release(&rows);
+    i64s_release(&computed);
+    return NULL;
+}
+
+/*
+ * extend_keys(kind, known, data, width, stop) -> None  (PythonBackend.extend_keys)
+ *
+ * `extend_known` over `data` (block j's bytes at data[j * width : (j + 1) * width]).
+ */
+static PyObject *native_extend_keys(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames)
+{
+    static const char *const names[] = {"kind", "known", "data", "width", "stop"};
+    const char *const fname = "extend_keys";
+    PyObject *a[5];
+    int kind;
+    Py_ssize_t width, stop;
+    if (parse_args(fname, names, 5, 5, 5, args, nargs, kwnames, a) < 0 || get_kind(fname, a[0], &kind) < 0 ||
+        check_exact(fname, "known", a[1], &PyList_Type) < 0 || get_ssize(a[3], &width) < 0 ||
+        get_ssize(a[4], &stop) < 0)
+        return NULL;
+    if (width < 0)
+        return PyErr_Format(PyExc_ValueError, "%s: width must be >= 0, not %zd", fname, width);
+    Py_buffer data;
+    if (get_data(fname, "data", a[2], &data) < 0)
+        return NULL;
+    int failed = extend_known(fname, kind, a[1], (const uint8_t *)data.buf, data.len, width, stop);
+    PyBuffer_Release(&data);
+    if (failed < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /*
@@ -1530,7 +1857,7 @@ static PyObject *native_has_sha_ni(PyObject *Py_UNUSED(module), PyObject *Py_UNU
 }
 
 PyDoc_STRVAR(match_doc,
-             "match(kind, index, known, data, width, max_blocks) -> list[int]\n\n"
+             "match(kind, index, known, data, width, max_blocks, group=None) -> list[int]\n\n"
              "Leading blocks of `data` found in the cache; hotpath.PythonBackend.match in C.");
 PyDoc_STRVAR(publish_rows_doc,
              "publish_rows(kind, prefix, key_lists, starts, stops, blocks, width, ids) "
@@ -1551,6 +1878,11 @@ PyDoc_STRVAR(grow_doc,
 PyDoc_STRVAR(publish_computed_doc,
              "publish_computed(kind, prefix, seq_keys, epochs, epoch, rows, computed, tables, blocks) -> list[int]\n\n"
              "mark_computed's publishing for a batch; hotpath.PythonBackend.publish_computed in C.");
+PyDoc_STRVAR(publish_groups_doc,
+             "publish_groups(kind, prefix, seq_keys, rows, computed, groups, tokens, block_size) -> list[int]\n\n"
+             "mark_computed's publishing over KV cache groups; hotpath.PythonBackend.publish_groups in C.");
+PyDoc_STRVAR(extend_keys_doc, "extend_keys(kind, known, data, width, stop) -> None\n\n"
+                              "Chain keys over data's blocks up to block stop; hotpath.PythonBackend.extend_keys in C.");
 PyDoc_STRVAR(release_refs_doc,
              "release_refs(ref, keyed, ids, stack, top, out) -> (top, kept)\n\n"
              "The pool's release in one pass; hotpath.PythonBackend.release_refs in C.");
@@ -1574,6 +1906,9 @@ static PyMethodDef native_methods[] = {
     {"grow", (PyCFunction)(void (*)(void))native_grow, METH_FASTCALL | METH_KEYWORDS, grow_doc},
     {"publish_computed", (PyCFunction)(void (*)(void))native_publish_computed, METH_FASTCALL | METH_KEYWORDS,
      publish_computed_doc},
+    {"publish_groups", (PyCFunction)(void (*)(void))native_publish_groups, METH_FASTCALL | METH_KEYWORDS,
+     publish_groups_doc},
+    {"extend_keys", (PyCFunction)(void (*)(void))native_extend_keys, METH_FASTCALL | METH_KEYWORDS, extend_keys_doc},
     {"release_refs", (PyCFunction)(void (*)(void))native_release_refs, METH_FASTCALL | METH_KEYWORDS,
      release_refs_doc},
     {"take_live", (PyCFunction)(void (*)(void))native_take_live, METH_FASTCALL | METH_KEYWORDS, take_live_doc},

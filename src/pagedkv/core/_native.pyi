@@ -18,6 +18,18 @@ def match(
     data: Any,
     width: int,
     max_blocks: int,
+    group: int | None = None,
+) -> list[int]: ...
+def extend_keys(kind: int, known: list[Any], data: Any, width: int, stop: int) -> None: ...
+def publish_groups(
+    kind: int,
+    prefix: tuple[dict[Any, int], list[Any], Any],
+    seq_keys: list[Any],
+    rows: Any,
+    computed: Any,
+    groups: tuple[tuple[Any, Any, Any, Any, Any], ...],
+    tokens: Any,
+    block_size: int,
 ) -> list[int]: ...
 def publish_rows(
     kind: int,

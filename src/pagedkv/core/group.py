@@ -24,9 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError
+
+IntOrArray = TypeVar("IntOrArray", int, npt.NDArray[np.int64])
 
 GroupKind = Literal["full", "sliding", "chunked"]
 GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding", "chunked")
@@ -52,16 +57,19 @@ class KVGroupSpec:
     def is_full(self) -> bool:
         return self.kind == "full"
 
-    def first_needed(self, position: int) -> int:
-        """The first token a query at `position` attends to (see the module docstring)."""
+    def first_needed(self, position: IntOrArray) -> IntOrArray:
+        """The first token a query at `position` attends to (see the module docstring); element-wise for
+        an int array of positions."""
         if self.window is None:
-            return 0
+            return position * 0
         if self.kind == "sliding":
-            return max(0, position - self.window + 1)
+            first = position - self.window + 1
+            return first * (first > 0)
         return (position // self.window) * self.window
 
-    def releasable_blocks(self, num_computed: int, block_size: int) -> int:
-        """Leading blocks no query at or after `num_computed` reads (released as the window passes)."""
+    def releasable_blocks(self, num_computed: IntOrArray, block_size: int) -> IntOrArray:
+        """Leading blocks no query at or after `num_computed` reads (released as the window passes);
+        element-wise for an int array of counts."""
         return self.first_needed(num_computed) // block_size
 
     def max_blocks_per_sequence(self, max_chunk_tokens: int, block_size: int) -> int | None:

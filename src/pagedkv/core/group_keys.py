@@ -18,18 +18,11 @@ from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.hotpath import MAX_GROUPS, group_key
 from pagedkv.core.prefix import Key
 from pagedkv.core.prefix_index import CacheEvent
 
-MAX_GROUPS = 256  # the group rides in one byte of the key
-_GROUP_BYTE = [bytes((g,)) for g in range(MAX_GROUPS)]
-
-
-def group_key(key: Key, group: int) -> Key:
-    """The key of content `key` in group `group` (see the module docstring)."""
-    if isinstance(key, bytes):
-        return key + _GROUP_BYTE[group]
-    return key * MAX_GROUPS + group
+__all__ = ["MAX_GROUPS", "BlockOrigins", "GroupCacheEvent", "check_num_groups", "group_events", "group_key", "split_key"]
 
 
 def split_key(qualified: Key) -> tuple[Key, int]:

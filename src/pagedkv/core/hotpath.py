@@ -28,6 +28,17 @@ median of 3 interleaved runs on a shared 2-core machine, so +-3% noise; measured
   and list those that become cached-free, in one pass (it replaced eight numpy calls per freed sequence:
   7% of the allocator loop's instructions, `benchmarks/allocator_instructions.py`, docs/cache-policy.md).
 
+The hybrid manager's KV cache groups (`hybrid.py`) run the same loops, each group under its own
+group-qualified keys (`group_key`: the content key with the group appended, as the prefix index holds a
+group's copy of a block):
+
+- `match(..., group=g)`: a full group's walk of a prompt's leading blocks, asking for group g's copies;
+- `extend_keys`: compute a prompt's keys up to a block without looking anything up (the windowed groups'
+  lookups need the keys of every block up to the hit);
+- `publish_groups`: a whole hybrid `mark_computed`: advance every group's computed counts, then key each
+  row's newly full blocks once from its token ids (`TokenRows`) and index them in every group that has
+  not published them yet. The hybrid bench figure with and without these is in docs/benchmarks.md.
+
 Two backends implement `Backend`: `PythonBackend` below, the specification (plain Python and numpy, also
 the fallback), and `pagedkv.core._native`, a small C extension with exactly these functions (and its own
 SHA-256), built when the package is installed with a C compiler at hand (disable it with
@@ -72,6 +83,17 @@ FAST = 1
 
 Key = bytes | int
 
+MAX_GROUPS = 256  # a KV cache group rides in one byte of its keys
+_GROUP_BYTE = [bytes((g,)) for g in range(MAX_GROUPS)]
+
+
+def group_key(key: Key, group: int) -> Key:
+    """The key of content `key` in KV cache group `group`: one byte appended to a bytes key, `key * 256 +
+    group` for an int key (`group_keys.py` says why)."""
+    if isinstance(key, bytes):
+        return key + _GROUP_BYTE[group]
+    return key * MAX_GROUPS + group
+
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
@@ -101,7 +123,17 @@ class Backend(Protocol):
 
     NAME: str
 
-    def match(self, kind: int, index: dict[Any, int], known: list[Any], data: I32, width: int, max_blocks: int) -> list[int]: ...
+    def match(
+        self, kind: int, index: dict[Any, int], known: list[Any], data: I32, width: int, max_blocks: int,
+        group: int | None = None,
+    ) -> list[int]: ...  # fmt: skip
+
+    def extend_keys(self, kind: int, known: list[Any], data: Any, width: int, stop: int) -> None: ...
+
+    def publish_groups(
+        self, kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], rows: I64, computed: I64 | None,
+        groups: tuple[TableArrays, ...], tokens: I32, block_size: int,
+    ) -> list[int]: ...  # fmt: skip
 
     def publish_rows(
         self, kind: int, prefix: IndexArrays, key_lists: Sequence[list[Any]], starts: I64, stops: I64,
@@ -186,18 +218,64 @@ def _index_blocks(
             stored.append(b)
 
 
+def _check_publish_groups(
+    prefix: Any, seq_keys: list[Any], rows: Any, computed: Any, groups: Any, tokens: Any, block_size: int
+) -> None:
+    """`publish_groups`' argument checks (its docstring), all before anything changes."""
+    if not (isinstance(prefix, tuple) and len(prefix) == 3):
+        raise TypeError("publish_groups: prefix must be a tuple (index, key_of, keyed)")
+    if not (isinstance(groups, tuple) and 1 <= len(groups) <= MAX_GROUPS and all(
+        isinstance(t, tuple) and len(t) == 5 for t in groups
+    )):  # fmt: skip
+        raise TypeError("publish_groups: groups must be a tuple of 1 to 256 (num_tokens, num_computed, "
+                        "hashable, num_published, table) tuples")  # fmt: skip
+    if block_size < 1:
+        raise ValueError(f"publish_groups: block_size must be >= 1, not {block_size}")
+    key_of, keyed = prefix[1], prefix[2]
+    if keyed is None or len(keyed) < len(key_of):
+        raise TypeError("publish_groups: keyed must be a writable 1-byte array at least as long as key_of")
+    row_list, computed_list = _as_list(rows), _as_list(computed)
+    if len(row_list) != len(computed_list):
+        raise ValueError(f"publish_groups: {len(row_list)} rows but {len(computed_list)} computed counts")
+    n = min(len(seq_keys), tokens.shape[0], *(len(a) for t in groups for a in t))
+    for r, c in zip(row_list, computed_list):
+        if not 0 <= r < n:
+            raise IndexError(f"publish_groups: row {r} out of range")
+        if c < 0:
+            raise ValueError(f"publish_groups: row {r} has {c} computed tokens")
+        for _, _, hashable, published, table in groups:
+            _check_blocks_to_publish(r, min(c, int(hashable[r])) // block_size, max(int(published[r]), 0), table,
+                                     tokens.shape[1] // block_size, len(key_of))  # fmt: skip
+
+
+def _check_blocks_to_publish(r: int, full: int, start: int, table: Any, token_blocks: int, num_keys: int) -> None:
+    if full <= start:
+        return
+    if full > table.shape[1] or full > token_blocks:
+        raise ValueError(f"publish_groups: row {r} publishes {full} blocks, past its table or tokens")
+    ids = table[r, start:full]
+    if ids.min() < 0 or ids.max() >= num_keys:
+        raise IndexError(f"publish_groups: block id {int(ids.min())} out of range")
+
+
 class PythonBackend:
     """The specification (and the fallback when the C extension is not built)."""
 
     NAME = "python"
 
     @staticmethod
-    def match(kind: int, index: dict[Any, int], known: list[Any], data: Any, width: int, max_blocks: int) -> list[int]:
+    def match(
+        kind: int, index: dict[Any, int], known: list[Any], data: Any, width: int, max_blocks: int,
+        group: int | None = None,
+    ) -> list[int]:  # fmt: skip
         """Leading blocks of `data` (token bytes) found in the index, at most `max_blocks`.
 
         `known[0]` is the root key and `known[i + 1]` block i's key; keys missing from `known` are computed
-        in order and appended (including the key of the first block that misses).
+        in order and appended (including the key of the first block that misses). With a `group` (an int in
+        [0, 256)) the index is asked for `group_key(key, group)`, that group's copy of the block.
         """
+        if group is not None and not 0 <= group < MAX_GROUPS:
+            raise ValueError(f"match: group must be None or in [0, {MAX_GROUPS}), not {group}")
         buf = _as_bytes(data)
         hits: list[int] = []
         for i in range(max_blocks):
@@ -206,7 +284,7 @@ class PythonBackend:
             else:
                 key = _chain(kind, known[-1], buf[i * width : (i + 1) * width])
                 known.append(key)
-            block_id = index.get(key)
+            block_id = index.get(key if group is None else group_key(key, group))
             if block_id is None:
                 break
             hits.append(block_id)
@@ -359,6 +437,74 @@ class PythonBackend:
             if have < stop:  # hash the missing keys, chained from the last known one
                 _extend_keys(kind, known, blocks[table[r, have:stop]].tobytes(), width)
             _index_blocks(index, key_of, keyed, known[start + 1 : stop + 1], table[r, start:stop].tolist(), stored)
+        return stored
+
+    @staticmethod
+    def extend_keys(kind: int, known: list[Any], data: Any, width: int, stop: int) -> None:
+        """Extend `known` (root first) to `stop + 1` keys, chaining over the `width`-byte blocks of `data`
+        (block j at `data[j * width : (j + 1) * width]`). ValueError if `known` is empty or `data` ends before a
+        block it has to hash (the keys computed before it are kept)."""
+        if not known:
+            raise ValueError("extend_keys: known must start with the root key")
+        buf = _as_bytes(data)
+        have = len(known) - 1
+        if have >= stop:
+            return
+        reachable = min(stop, len(buf) // width if width else stop)
+        if reachable > have:
+            _extend_keys(kind, known, buf[have * width : reachable * width], width)
+        if reachable < stop:
+            raise ValueError(f"extend_keys: data ({len(buf)} bytes) ends before block {max(reachable, have)}")
+
+    @staticmethod
+    def publish_groups(
+        kind: int, prefix: IndexArrays, seq_keys: list[list[Any] | None], rows: Any, computed: Any,
+        groups: tuple[TableArrays, ...], tokens: Any, block_size: int,
+    ) -> list[int]:  # fmt: skip
+        """A hybrid manager's `mark_computed` over its KV cache groups, for a batch of distinct rows; returns
+        the block ids that entered the index.
+
+        `prefix` = (index, key_of, keyed) (`IndexArrays`, keyed a bool array); `groups` holds one `TableArrays`
+        per group (group g's table, counts and published counts). Row i (r = rows[i]) has c = computed[i]
+        tokens computed (computed None: the least of the groups' num_tokens[r], every token every group
+        holds): every group's num_computed[r] = c; group g's full blocks not published yet,
+        [num_published[r], f) with f = min(c, hashable[r]) // block_size, are published (num_published[r] = f)
+        under g's keys, `group_key(key, g)`, with the rule of `publish_rows` (a block already keyed, or whose
+        key another block holds, stays private). The content keys are the row's list seq_keys[r] (root
+        first, bound to the current epoch by the caller), extended as far as any group publishes by chaining
+        over the row's token ids, row r of the int32 matrix `tokens` (block j at columns [j * bs, (j+1) * bs)).
+        A row whose seq_keys[r] is None (no prefix caching) advances its counts and keys nothing.
+
+        Checked before anything changes: TypeError for a malformed `prefix` or `groups` tuple, a `keyed` that
+        is not a writable 1-byte array as long as `key_of`; IndexError for a row out of range or a block id
+        to publish out of range of key_of; ValueError for a negative computed count, computed and rows of
+        different lengths, or blocks to publish past the table's or the tokens' columns.
+        """
+        if computed is None and isinstance(groups, tuple) and groups and all(isinstance(t, tuple) for t in groups):
+            computed = np.min([np.asarray(t[0])[_as_list(rows)] for t in groups], axis=0)
+        _check_publish_groups(prefix, seq_keys, rows, computed, groups, tokens, block_size)
+        index, key_of, keyed = prefix
+        bs = block_size
+        stored: list[int] = []
+        for r, c in zip(_as_list(rows), _as_list(computed)):
+            fulls = []
+            for _, num_computed, hashable, _, _ in groups:
+                num_computed[r] = c
+                fulls.append(min(c, int(hashable[r])) // bs)
+            furthest = max((f for f, t in zip(fulls, groups) if f > t[3][r]), default=0)
+            if not furthest:
+                continue
+            known = seq_keys[r]
+            if known is not None:
+                PythonBackend.extend_keys(kind, known, tokens[r], 4 * bs, furthest)
+            for g, ((_, _, _, published, table), full) in enumerate(zip(groups, fulls)):
+                start = int(published[r])
+                if full <= start:
+                    continue
+                published[r] = full
+                if known is not None:
+                    qualified = [group_key(key, g) for key in known[start + 1 : full + 1]]
+                    _index_blocks(index, key_of, keyed, qualified, table[r, start:full].tolist(), stored)
         return stored
 
     @staticmethod

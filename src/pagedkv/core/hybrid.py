@@ -12,7 +12,7 @@ Per group g and sequence, the table is a run of leading null entries, then real 
     sliding-24  |  null   |  null    |   b2     |   b7     |   b5     |     released = 2 (first needed: 43)
                                      ^ held from `released` on; `held` tokens have slots (table num_tokens)
 
-- Release as the window passes: `mark_computed` releases, in every sliding/chunked group, each block no
+- Release as the window passes (`hybrid_publish.py`): `mark_computed` releases, in every sliding/chunked group, each block no
   query at or after `num_computed` reads (its entry becomes the null block). Published ones stay cached.
   A windowed hit is all or nothing: it needs every block of the window before the hit point, and the hit
   points that recur are the end of a prompt (re-sent with a new suffix) and the end of a sequence (the
@@ -36,10 +36,20 @@ Per group g and sequence, the table is a run of leading null entries, then real 
 - Tier hits per group (`fetch_blocks`, `hybrid_fetch.py`): a block is fetched when every group's copy is.
 - Miss reasons (`misses`, `stats.miss_tokens`; `hybrid_misses.py`): `PagedKVManager`'s reasons, for the
   first block after the hit in the first group that limited it.
+- Eviction: any policy of `eviction.py` (`eviction=`, LRU by default) orders the one pool's cached-free
+  blocks, whatever group they came from; out-of-window releases reach it with `OUT_OF_WINDOW_PRIORITY`.
 - Retention as `PagedKVManager`'s: `pin` holds the blocks a cached prefix's hit needs in every group until
   `unpin`; `bump_epoch` makes every published key unmatchable; salts and extra keys qualify every group.
 - `check_invariants` checks the pool, every group's table, reference counts over all groups, null
   entries exactly before `released`, keys qualified by the group of the block holding them.
+
+Where the state lives: each group's `BlockTables` holds its blocks, held tokens (`num_tokens`), computed
+and published counts and the hashable tokens (the same in every group); `TokenRows` holds each sequence's
+token ids and length; `SeqState` the rest (priority, keys, released per group, host blocks, miss record).
+A step's hot work runs in `hotpath`'s backend (the C extension when built), the loops the uniform manager
+uses, each group under its own keys: `match` per full group at admission, `growth`/`grow` per group for a
+decode step's append, and `publish_groups` for all of `mark_computed`. Custom key functions and per-block
+extra keys take the Python path (`_publish_generic`), with the same rule.
 """
 
 from __future__ import annotations
@@ -49,25 +59,29 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core import hotpath
 from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
+from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_groups, group_events, group_key
 from pagedkv.core.hybrid_check import check_hybrid
 from pagedkv.core.hybrid_fetch import HybridFetch
 from pagedkv.core.hybrid_growth import HybridGrowth
 from pagedkv.core.hybrid_misses import HybridMisses
-from pagedkv.core.hybrid_state import HybridLifecycle, SeqState, as_groups
+from pagedkv.core.hybrid_publish import HybridPublish
+from pagedkv.core.hybrid_state import ALL_KNOWN, HybridLifecycle, SeqState, as_groups
 from pagedkv.core.misses import MissCounter
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
-from pagedkv.core.prefix import BlockKeys, Key, key_function
+from pagedkv.core.prefix import BlockKeys, Key, fast_key, key_function, sha256_key
 from pagedkv.core.protocol import Admission, CSRPages, ManagerStats
 from pagedkv.core.table import BlockTables
+from pagedkv.core.token_rows import TokenRows
 from pagedkv.core.validate import (
-    as_computed,
     as_count,
     as_flag,
     as_index_array,
+    as_native,
     as_pad_id,
     as_pool_size,
     as_priority,
@@ -77,10 +91,9 @@ from pagedkv.core.validate import (
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
-OUT_OF_WINDOW_PRIORITY = -(2**62)  # released as the window passed: evicted before anything else cached
 
 
-class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, HybridLifecycle):
+class HybridKVManager(PoolQueries, HybridGrowth, HybridPublish, HybridFetch, HybridMisses, HybridLifecycle):
     """Per-group block tables over one pool; see the module docstring for the contract."""
 
     def __init__(
@@ -94,21 +107,35 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         num_host_blocks: int = 0,
         record_events: bool = False,
         evict_out_of_window_first: bool = True,
+        native: bool | None = None,
+        eviction: str | EvictionPolicy = "lru",
     ) -> None:
         num_blocks, block_size = as_pool_size(num_blocks, block_size, minimum=2)
         num_host_blocks = as_count(num_host_blocks, "num_host_blocks")
         for flag, name in ((enable_prefix_caching, "enable_prefix_caching"), (record_events, "record_events"),
                            (evict_out_of_window_first, "evict_out_of_window_first")):  # fmt: skip
             as_flag(flag, name)
+        native = as_native(native)
         self.groups = as_groups(groups)
         check_num_groups(len(self.groups))
         self._block_size = block_size
-        self.pool = BlockPool(num_blocks, null_block=True, record_events=record_events)
+        self.pool = BlockPool(
+            num_blocks, null_block=True, record_events=record_events, native=native, eviction=eviction,
+            block_size=block_size,
+        )  # fmt: skip
         self.index = self.pool.prefix_index
         self.host_pool = BlockPool(num_host_blocks, null_block=False) if num_host_blocks else None
-        self.tables = [BlockTables(block_size, NULL_BLOCK_ID) for _ in self.groups]
+        self.tables = [BlockTables(block_size, NULL_BLOCK_ID, native=native) for _ in self.groups]
+        self.tokens = TokenRows()  # each sequence's token ids, by row
         self.enable_prefix_caching = enable_prefix_caching
         self.key_fn = key_function(hash_fn)
+        self._hot = hotpath.backend(native)
+        # the key function as a hot-path kind; None: a custom function (the Python path)
+        self._kind = hotpath.SHA256 if self.key_fn is sha256_key else hotpath.FAST if self.key_fn is fast_key else None
+        self._key_lists: list[list[Key] | None] = []  # each row's content keys (its BlockKeys' list), for the backend
+        self._rows_with_extras = 0  # live sequences with per-block extra keys (they take the Python path)
+        self._windowed = tuple((g, spec) for g, spec in enumerate(self.groups) if not spec.is_full)
+        self._capacity_tokens = self._capacity()
         self.evict_out_of_window_first = evict_out_of_window_first
         self.seqs: dict[int, SeqState] = {}
         self.group_of = np.full(num_blocks, -1, dtype=np.int64)  # the group a block was last allocated to
@@ -136,11 +163,19 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
     def capacity_tokens(self) -> int:
         """The most tokens one sequence can hold: the pool less each windowed group's bounded share (one
         block per step's token), split between the full groups (unbounded with none)."""
+        return self._capacity_tokens
+
+    def _capacity(self) -> int:
         bounded = sum(g.max_blocks_per_sequence(1, self._block_size) or 0 for g in self.groups)
         full = sum(g.is_full for g in self.groups)
         if not full:
             return 2**62 - 1
         return max(self.num_blocks - bounded, 0) // full * self._block_size
+
+    @property
+    def hot_path(self) -> str:
+        """The backend the step's loops run in: "native" (the C extension) or "python" (`hotpath.py`)."""
+        return self._hot.NAME
 
     @property
     def supports_swap(self) -> bool:
@@ -160,10 +195,10 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         )  # fmt: skip
 
     def num_tokens(self, seq_id: int) -> int:
-        return len(self.seqs[self.tables[0].row(seq_id)].tokens)
+        return int(self.tokens.length[self.tables[0].row(seq_id)])
 
     def num_computed_tokens(self, seq_id: int) -> int:
-        return self.seqs[self.tables[0].row(seq_id)].num_computed
+        return int(self.tables[0].num_computed[self.tables[0].row(seq_id)])
 
     def is_swapped(self, seq_id: int) -> bool:
         return bool(self.tables[0].swapped[self.tables[0].row(seq_id)])
@@ -195,8 +230,7 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         return self.tables[g].block_table(self.tables[g].rows(seq_ids), as_pad_id(pad_id))
 
     def seq_lens(self, seq_ids: npt.ArrayLike) -> npt.NDArray[np.int32]:
-        rows = self.tables[0].rows(seq_ids)
-        return np.array([len(self.seqs[r].tokens) for r in rows.tolist()], dtype=np.int32)
+        return self.tokens.length[self.tables[0].rows(seq_ids)].astype(np.int32)
 
     def slot_mapping(
         self, seq_ids: npt.ArrayLike, starts: npt.ArrayLike, ends: npt.ArrayLike, *, group: int | None = None
@@ -206,9 +240,12 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         t = self.tables[g]
         rows = t.rows(seq_ids)
         starts_a = as_index_array(starts, "starts", rows.shape)
-        released = np.array([self.seqs[r].released[g] for r in rows.tolist()], dtype=np.int64)
-        if (starts_a < released * self._block_size).any():
-            raise InvalidArgumentError(f"slot_mapping: group {g} released the blocks of a range start (out of its window)")
+        if self.groups[g].window is not None and len(rows):
+            # a start in a released block: released entries are exactly a row's leading null ones
+            cols = starts_a // self._block_size
+            held = cols < t.num_blocks[rows]
+            if (held & (t.table[rows, np.minimum(cols, t.table.shape[1] - 1)] == NULL_BLOCK_ID)).any():
+                raise InvalidArgumentError(f"slot_mapping: group {g} released the blocks of a range start (out of its window)")
         return t.slot_mapping(rows, starts_a, ends)
 
     def csr(self, seq_ids: npt.ArrayLike, *, group: int | None = None) -> CSRPages:
@@ -218,9 +255,11 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
     # --- prefix match -----------------------------------------------------------------------------
 
 
-    def _content_keys(
-        self, tokens: npt.NDArray[np.int32] | list[int], keys: BlockKeys, start: int, stop: int
-    ) -> list[Key]:
+    def _native_keys(self, keys: BlockKeys) -> bool:
+        """Whether `keys` are computed by the backend (a built-in key function, no per-block extras)."""
+        return self._kind is not None and not keys.block_extra
+
+    def _content_keys(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, start: int, stop: int) -> list[Key]:
         """The content keys of blocks [start, stop): only blocks never keyed before are hashed (a decode
         step hashes one block, whatever the sequence's length)."""
         keys.bind(self.key_fn, self._epoch)
@@ -234,12 +273,37 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         covering [first_needed(k * bs), k * bs))."""
         if not self.enable_prefix_caching or max_blocks == 0:
             return 0, [_EMPTY for _ in self.groups]
+        if self._native_keys(keys):
+            return self._match_native(tokens, keys, max_blocks)
         content = self._content_keys(tokens, keys, 0, max_blocks)
+        return self._match_keys(content, max_blocks, {})
+
+    def _match_native(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> tuple[int, list[IntArray]]:
+        """`_match` in the backend: each full group walks the prompt until its first miss (computing the
+        keys it reaches), then the windowed groups look up the keys up to the hit."""
+        keys.bind(self.key_fn, self._epoch)
+        assert self._kind is not None, "hybrid manager: a native match needs a built-in key function"
+        k, width, known, full_hits = max_blocks, 4 * self._block_size, keys.keys, {}
+        for g, spec in enumerate(self.groups):
+            if spec.is_full:
+                full_hits[g] = self._hot.match(self._kind, self.index.index, known, tokens, width, k, g)
+                k = len(full_hits[g])
+        if not self._windowed:
+            return k, [np.array(full_hits[g][:k], dtype=np.int64) for g in range(len(self.groups))]
+        self._hot.extend_keys(self._kind, known, tokens, width, k)
+        return self._match_keys(known[1 : k + 1], k, full_hits)
+
+    def _match_keys(self, content: list[Key], max_blocks: int, full_hits: dict[int, list[int]]) -> tuple[int, list[IntArray]]:
+        """`_match` over the content keys of blocks [0, max_blocks); `full_hits`: the full groups' walks
+        already made (their hits, up to their first miss)."""
         lookup, bs, k = self.index.lookup, self._block_size, max_blocks
         found: list[list[int | None]] = []
         for g, spec in enumerate(self.groups):
             ids: list[int | None] = []
-            if spec.is_full:  # needs every block up to the hit: stop at its first miss
+            if g in full_hits:
+                ids = list(full_hits[g][:k])
+                k = len(ids)
+            elif spec.is_full:  # needs every block up to the hit: stop at its first miss
                 for c in content[:k]:
                     if (b := lookup(group_key(c, g))) is None:
                         break
@@ -324,6 +388,8 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         n, bs = len(tokens), self._block_size
         self._check_fits(n + lookahead, chunk)
         keys = request_keys(tokens, salt, keys)
+        if self.enable_prefix_caching:
+            keys.bind(self.key_fn, self._epoch)
         k, hits = self._match(tokens, keys, (n - 1) // bs)
         total, new = self._admission_need(n, lookahead, k, hits, chunk)
         if total + keep_free > self.pool.num_available:
@@ -336,9 +402,10 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         ids = self.pool.allocate(sum(new)) if sum(new) else _EMPTY
         row = self._new_row()
         seq = self.seqs[row] = SeqState(
-            tokens.tolist(), k * bs, priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n,
-            miss=miss,
+            priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n, miss=miss
         )
+        self.tokens.start(row, tokens)
+        self._attach_keys(row, seq.keys)
         for g, t in enumerate(self.tables):
             lo = k - len(hits[g])
             mine, ids = ids[: new[g]], ids[new[g] :]
@@ -346,8 +413,9 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
             t.set_blocks(row, np.concatenate([np.full(lo, NULL_BLOCK_ID, np.int64), hits[g], mine]))
             t.num_tokens[row] = min(self._held_end(g, n, lookahead, k * bs, chunk), n)
             t.num_computed[row] = k * bs
+            t.num_published[row] = k
+            t.hashable_tokens[row] = ALL_KNOWN
             seq.released[g] = lo
-            seq.published[g] = k
         self._admissions += 1
         self._prompt_tokens += n
         self._cached_tokens += k * bs
@@ -359,80 +427,17 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
             raise InvariantError("hybrid manager: the groups' tables handed out different rows")
         return rows.pop()
 
-    # --- computed: publish, then release what the window passed ------------------------------------
+    def _attach_keys(self, row: int, keys: BlockKeys | None) -> None:
+        """Row `row` publishes with `keys` (None: nothing) from now on."""
+        if row >= len(self._key_lists):
+            self._key_lists.extend([None] * (max(row + 1, len(self.tables[0].alive)) - len(self._key_lists)))
+        self._key_lists[row] = None if keys is None else keys.keys
+        self._rows_with_extras += keys is not None and bool(keys.block_extra)
 
-    def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
-        """KV is written for tokens [0, num_computed) of each sequence: publish the full blocks among them
-        in every group, then release the blocks each windowed group no longer reads."""
-        rows = self.tables[0].rows(seq_ids)
-        computed = np.array([self.seqs[r].num_computed for r in rows.tolist()], dtype=np.int64)
-        held = np.min([t.num_tokens[rows] for t in self.tables], axis=0)
-        given = held if num_computed_tokens is None else as_computed(num_computed_tokens, computed, held)
-        for t in self.tables:
-            t.num_computed[rows] = given
-        publish, bs = self.enable_prefix_caching, self._block_size
-        windowed = any(not spec.is_full for spec in self.groups)
-        for r, c in zip(rows.tolist(), given.tolist()):
-            seq = self.seqs[r]
-            seq.num_computed = c
-            # `_publish`'s own first test, here: most steps fill no new block of most sequences
-            if publish and seq.keys is not None and min(c, seq.hashable) // bs > min(seq.published):
-                self._publish(r, seq)
-            if windowed:
-                self._release_passed(r, seq)
-
-    def _publish(self, row: int, seq: SeqState) -> None:
-        bs = self._block_size
-        full = min(seq.num_computed, seq.hashable) // bs
-        if full <= min(seq.published):
-            return
-        assert seq.keys is not None, "hybrid manager: publishing without keys"
-        first = min(max(p, r) for p, r in zip(seq.published, seq.released))
-        content = self._content_keys(seq.tokens, seq.keys, first, full)
-        for g, t in enumerate(self.tables):
-            start = max(seq.published[g], seq.released[g])
-            if full > start:
-                ids = t.table[row, start:full].tolist()
-                stored = self.index.insert([group_key(c, g) for c in content[start - first :]], ids)
-                if stored and self.index.record_events:
-                    self._origins.remember(seq.keys.keys, seq.tokens, start, ids, stored)
-            seq.published[g] = max(seq.published[g], full)
-
-    def published_from(self, block_id: int) -> tuple[Key | None, tuple[int, ...]] | None:
-        """(parent content key, token ids) of the content key block `block_id` holds now (`BlockOrigins`);
-        None if it holds none, or the manager records no events."""
-        return self._origins.get(block_id) if self.index.key_at(block_id) is not None else None
-
-    def _release_passed(self, row: int, seq: SeqState) -> None:
-        """Release each windowed group's blocks no query at or after `num_computed` reads. Those that can
-        serve a hit near the prompt's end (`_keeps_for_hits`) keep the sequence's priority; the rest go
-        to the front of the eviction order (`OUT_OF_WINDOW_PRIORITY`), oldest first."""
-        bs = self._block_size
-        for g, spec in enumerate(self.groups):
-            if spec.is_full:
-                continue
-            t = self.tables[g]
-            upto = min(spec.releasable_blocks(seq.num_computed, bs), int(t.num_blocks[row]))
-            lo = seq.released[g]
-            if upto <= lo:
-                continue
-            blocks = t.table[row, lo:upto].astype(np.int64)
-            t.table[row, lo:upto] = NULL_BLOCK_ID
-            seq.released[g] = upto
-            seq.published[g] = max(seq.published[g], upto)
-            if not self.evict_out_of_window_first:
-                self.pool.release(blocks, seq.priority)
-                continue
-            keep = (np.arange(lo, upto) + 1) * bs > seq.prompt_len - self._keeps_for_hits(spec)
-            self.pool.release(blocks[~keep], OUT_OF_WINDOW_PRIORITY)
-            self.pool.release(blocks[keep], seq.priority)
-
-    @staticmethod
-    def _keeps_for_hits(spec: KVGroupSpec) -> int:
-        """Tokens before the prompt's end whose windowed blocks keep their priority when released: two
-        windows, so a prompt re-sent with a new suffix (diverging up to a window before the end) still
-        finds the window before its hit point."""
-        return 2 * (spec.window or 0)
+    def _detach_keys(self, row: int, keys: BlockKeys | None) -> None:
+        """Row `row`, which published with `keys`, is gone."""
+        self._key_lists[row] = None
+        self._rows_with_extras -= keys is not None and bool(keys.block_extra)
 
     # --- cache control, events, checks -------------------------------------------------------------
 
@@ -462,8 +467,13 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
         return self._epoch
 
     def bump_epoch(self) -> int:
-        """Make every key published so far, in every group, unmatchable (e.g. after a weight update)."""
+        """Make every key published so far, in every group, unmatchable (e.g. after a weight update). Live
+        sequences' keys are computed again under the new epoch as they publish."""
         self._epoch += 1
+        if self.enable_prefix_caching:
+            for seq in self.seqs.values():
+                if seq.keys is not None:
+                    seq.keys.bind(self.key_fn, self._epoch)
         return self._epoch
 
     @property
@@ -482,10 +492,11 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridFetch, HybridMisses, Hybr
     def snapshot(self) -> tuple[object, ...]:
         """Everything observable, for atomicity tests."""
         rows = tuple(
-            tuple(getattr(t, name).tobytes() for name in ("table", "num_blocks", "num_tokens", "num_computed", "cow_risk", "swapped"))
+            tuple(getattr(t, name).tobytes() for name in ("table", "num_blocks", "num_tokens", "num_computed",
+                                                          "num_published", "hashable_tokens", "cow_risk", "swapped"))
             for t in self.tables
-        )
-        seqs = tuple(sorted((r, repr(s)) for r, s in self.seqs.items()))
+        )  # fmt: skip
+        seqs = tuple(sorted((r, repr(s), self.tokens.of(r).tobytes()) for r, s in self.seqs.items()))
         host = self.host_pool.snapshot() if self.host_pool else ()
         return (self.pool.snapshot(), host, rows, seqs, self.group_of.tobytes(), self.stats,
                 self.copies.snapshot())  # fmt: skip

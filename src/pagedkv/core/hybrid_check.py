@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pagedkv.core.pool import BlockPool
     from pagedkv.core.prefix_index import PrefixIndex
     from pagedkv.core.table import BlockTables
+    from pagedkv.core.token_rows import TokenRows
 
 
 class HybridParts(Protocol):
@@ -42,6 +43,7 @@ class HybridParts(Protocol):
     host_pool: BlockPool | None
     index: PrefixIndex
     tables: list[BlockTables]
+    tokens: TokenRows
     groups: tuple[KVGroupSpec, ...]
     seqs: dict[int, SeqState]
     group_of: npt.NDArray[np.int64]
@@ -78,24 +80,25 @@ def check_hybrid(m: HybridParts) -> None:
 
 def _check_row(m: HybridParts, row: int) -> None:
     seq, bs = m.seqs[row], m.block_size
-    n = len(seq.tokens)
-    if seq.num_computed > n:
-        _fail(f"row {row}: computed {seq.num_computed} > tokens {n}")
+    n = int(m.tokens.length[row])
+    computed, hashable = int(m.tables[0].num_computed[row]), int(m.tables[0].hashable_tokens[row])
+    if computed > n:
+        _fail(f"row {row}: computed {computed} > tokens {n}")
     for g, (spec, t) in enumerate(zip(m.groups, m.tables)):
         blocks, lo = t.blocks_of(row), seq.released[g]
-        held = int(t.num_tokens[row])
-        if not seq.num_computed <= held <= n:
-            _fail(f"row {row} group {g}: held tokens {held} outside [computed {seq.num_computed}, tokens {n}]")
-        if int(t.num_computed[row]) != seq.num_computed:
-            _fail(f"row {row} group {g}: the table says {int(t.num_computed[row])} computed, the sequence {seq.num_computed}")
+        held, published = int(t.num_tokens[row]), int(t.num_published[row])
+        if not computed <= held <= n:
+            _fail(f"row {row} group {g}: held tokens {held} outside [computed {computed}, tokens {n}]")
+        if int(t.num_computed[row]) != computed or int(t.hashable_tokens[row]) != hashable:
+            _fail(f"row {row} group {g}: the table's computed or hashable tokens disagree with group 0's")
         if spec.is_full and (lo or held != n):
             _fail(f"row {row}: full group {g} released blocks or holds {held} of {n} tokens")
-        if lo > spec.first_needed(seq.num_computed) // bs or seq.published[g] < lo:
-            _fail(f"row {row} group {g}: released {lo} past its window or above published {seq.published[g]}")
+        if lo > spec.first_needed(computed) // bs or published < lo:
+            _fail(f"row {row} group {g}: released {lo} past its window or above published {published}")
         if (blocks[:lo] != NULL_BLOCK_ID).any():
             _fail(f"row {row} group {g}: a released entry is not the null block")
         if seq.host is not None:
-            if (blocks != NULL_BLOCK_ID).any() or len(seq.host[g]) != max(-(-seq.num_computed // bs) - lo, 0):
+            if (blocks != NULL_BLOCK_ID).any() or len(seq.host[g]) != max(-(-computed // bs) - lo, 0):
                 _fail(f"row {row} group {g}: swapped out but holds device blocks or the wrong host blocks")
             continue
         if (blocks[lo:] == NULL_BLOCK_ID).any():

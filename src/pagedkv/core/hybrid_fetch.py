@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pagedkv.core.pool import BlockPool
     from pagedkv.core.prefix import BlockKeys, Key
     from pagedkv.core.table import BlockTables
+    from pagedkv.core.token_rows import TokenRows
 
 IntArray = npt.NDArray[np.int64]
 
@@ -40,12 +41,13 @@ class HybridFetch:
 
     pool: BlockPool
     tables: list[BlockTables]
+    tokens: TokenRows
     seqs: dict[int, SeqState]
     enable_prefix_caching: bool
     _block_size: int
     _epoch: int
 
-    def _content_keys(self, tokens: list[int], keys: BlockKeys, start: int, stop: int) -> list[Key]:
+    def _content_keys(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, start: int, stop: int) -> list[Key]:
         raise NotImplementedError
 
     def fetch_blocks(
@@ -56,20 +58,22 @@ class HybridFetch:
         row = self.tables[0].device_row(seq_id)
         seq, bs = self.seqs[row], self._block_size
         start, end = as_count(start, "start"), as_count(end, "end")
-        if start % bs or start < seq.num_computed or end > len(seq.tokens):
+        computed, length = int(self.tables[0].num_computed[row]), int(self.tokens.length[row])
+        if start % bs or start < computed or end > length:
             raise InvalidArgumentError(
-                f"fetch_blocks: start {start} must be a block boundary at or past the {seq.num_computed} "
-                f"computed tokens and end {end} at most the {len(seq.tokens)} tokens of sequence {seq_id}"
+                f"fetch_blocks: start {start} must be a block boundary at or past the {computed} "
+                f"computed tokens and end {end} at most the {length} tokens of sequence {seq_id}"
             )
         keys = seq.keys
         if not self.enable_prefix_caching or keys is None:
             return None
         first = start // bs
-        last = min((end - 1) // bs, seq.hashable // bs, *(int(t.num_tokens[row]) // bs for t in self.tables))
+        hashable = int(self.tables[0].hashable_tokens[row])
+        last = min((end - 1) // bs, hashable // bs, *(int(t.num_tokens[row]) // bs for t in self.tables))
         last = first + self._private_run(row, first, last)
         if last <= first:
             return None
-        content = self._content_keys(seq.tokens, keys, first, last)  # binds the manager's epoch
+        content = self._content_keys(self.tokens.of(row), keys, first, last)  # binds the manager's epoch
         groups = len(self.tables)
         n_keys, rows = source.fetch([group_key(c, g) for c in content for g in range(groups)], first, tag)
         n = n_keys // groups

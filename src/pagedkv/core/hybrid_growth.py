@@ -5,6 +5,10 @@ what the window and the chunk need); `append` adds tokens and their slots (decod
 nothing, and both keep the rule of `manager.py`: a writer that shares its partial last block moves to a
 copy first (copies are handed out by `take_copies`, both ends held until then), and a block written in
 place loses its key.
+
+A decode step's `append`, when no row may write into a shared block and every group holds every token
+(the common case), runs the uniform manager's two backend loops per group (`hotpath.Backend.growth` to
+count, `grow` to write the new blocks), and writes the tokens into `TokenRows` in one numpy call.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.core import hotpath
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.manager import _writers_to_move
 from pagedkv.core.pool import BlockPool
@@ -21,8 +26,10 @@ from pagedkv.core.validate import as_count, as_index_array, as_token_matrix
 
 if TYPE_CHECKING:
     from pagedkv.core.copies import CopyLedger
+    from pagedkv.core.group import KVGroupSpec
     from pagedkv.core.hybrid_state import SeqState
     from pagedkv.core.table import BlockTables
+    from pagedkv.core.token_rows import TokenRows
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -33,9 +40,12 @@ class HybridGrowth:
 
     pool: BlockPool
     tables: list[BlockTables]
+    tokens: TokenRows
     seqs: dict[int, SeqState]
     group_of: IntArray
     _block_size: int
+    _hot: hotpath.Backend
+    _windowed: tuple[tuple[int, KVGroupSpec], ...]
     copies: CopyLedger
     _cow_copies: int
 
@@ -77,7 +87,7 @@ class HybridGrowth:
         return self._blocks_for(rows, self._checked_ends(rows, ends))
 
     def _lengths(self, rows: IntArray) -> IntArray:
-        return np.array([len(self.seqs[r].tokens) for r in rows.tolist()], dtype=np.int64)
+        return self.tokens.length[rows]
 
     def _checked_ends(self, rows: IntArray, ends: npt.ArrayLike) -> IntArray:
         ends_a = as_index_array(ends, "ends", rows.shape)
@@ -105,16 +115,42 @@ class HybridGrowth:
             return False
         if len(rows) == 0 or k == 0:
             return True
-        if not self._grow(rows, self._lengths(rows) + k):
+        lengths = self._lengths(rows)
+        if self._in_step(rows, lengths):
+            if not self._grow_in_step(rows, k):
+                return False
+        elif not self._grow(rows, lengths + k):
             return False
         if tok is None:
-            for r in rows.tolist():
-                seq = self.seqs[r]
-                seq.hashable = min(seq.hashable, len(seq.tokens))
-                seq.tokens.extend([0] * k)
-        else:
-            for r, new in zip(rows.tolist(), tok.tolist()):
-                self.seqs[r].tokens.extend(new)
+            for t in self.tables:
+                t.hashable_tokens[rows] = np.minimum(t.hashable_tokens[rows], lengths)
+        self.tokens.append(rows, lengths, tok, k)
+        return True
+
+    def _in_step(self, rows: IntArray, lengths: IntArray) -> bool:
+        """Whether every group holds every token of `rows` (a full group always does) and none may write
+        into a shared block."""
+        return not any(t.any_cow_risk and t.cow_risk.any() for t in self.tables) and all(
+            bool((self.tables[g].num_tokens[rows] == lengths).all()) for g, _ in self._windowed
+        )
+
+    def _grow_in_step(self, rows: IntArray, k: int) -> bool:
+        """`_grow` when `_in_step`: the backend's `growth` and `grow` per group (no copy-on-write)."""
+        bs, hot, tables = self._block_size, self._hot, self.tables
+        counts = [hot.growth(rows, t.num_tokens, t.num_blocks, k, bs) for t in tables]
+        total = sum(n for n, _ in counts)
+        if total > self.pool.num_available:
+            return False
+        # --- commit ---
+        ids = self.pool.allocate(total) if total else _EMPTY
+        at = 0
+        for g, (t, (n, width)) in enumerate(zip(tables, counts)):
+            mine = ids[at : at + n]
+            at += n
+            if n:
+                self.group_of[mine] = g
+            t.ensure_cols(width)
+            hot.grow(rows, t.num_tokens, t.num_blocks, t.table, k, bs, mine, None, None)
         return True
 
     def _grow(self, rows: IntArray, ends: IntArray) -> bool:

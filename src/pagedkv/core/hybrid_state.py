@@ -1,9 +1,10 @@
 """Per-sequence state of `HybridKVManager`, and its lifecycle verbs: fork, free, preempt, rollback, swap.
 
-The block tables (one `BlockTables` per group, rows in lockstep) hold each group's blocks and its `held`
-tokens (those with slots); `SeqState` holds what is the sequence's in every group: its token ids, computed
-count, priority, block keys, and per group how many leading entries were released (null) and published.
-Swapped out, a sequence's table entries are null and its host blocks are kept here, per group.
+The block tables (one `BlockTables` per group, rows in lockstep) hold each group's blocks, its `held`
+tokens (those with slots), its computed and published counts and the hashable tokens; `TokenRows` holds the
+sequence's token ids; `SeqState` holds the rest: priority, block keys, and per group how many leading
+entries were released (null). Swapped out, a sequence's table entries are null and its host blocks are
+kept here, per group.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pagedkv.core.validate import as_count
 if TYPE_CHECKING:
     from pagedkv.core.copies import CopyLedger
     from pagedkv.core.table import BlockTables
+    from pagedkv.core.token_rows import TokenRows
 
 IntArray = npt.NDArray[np.int64]
 ALL_KNOWN = 2**62
@@ -34,27 +36,20 @@ ALL_KNOWN = 2**62
 class SeqState:
     """One sequence of a hybrid manager (see the module docstring)."""
 
-    tokens: list[int]
-    num_computed: int
     priority: int
     keys: BlockKeys | None
     num_groups: int
-    hashable: int = ALL_KNOWN  # ids of tokens [0, hashable) are known
     prompt_len: int = 0  # tokens at admission: the hit point a re-sent prompt reaches
     released: list[int] = field(default_factory=list)
-    published: list[int] = field(default_factory=list)
     host: list[IntArray] | None = None  # while swapped: host blocks of table columns [released, ...)
     miss: tuple[str, int, int] | None = None  # the admission's miss record (`hybrid_misses.py`)
 
     def __post_init__(self) -> None:
         self.released = [0] * self.num_groups
-        self.published = [0] * self.num_groups
 
     def copy(self) -> SeqState:
-        other = SeqState(list(self.tokens), self.num_computed, self.priority,
-                         None if self.keys is None else self.keys.copy(), self.num_groups, self.hashable,
-                         self.prompt_len)  # fmt: skip
-        other.released, other.published = list(self.released), list(self.published)
+        other = SeqState(self.priority, None if self.keys is None else self.keys.copy(), self.num_groups, self.prompt_len)
+        other.released = list(self.released)
         return other
 
 
@@ -70,6 +65,7 @@ class HybridLifecycle:
     pool: BlockPool
     host_pool: BlockPool | None
     tables: list[BlockTables]
+    tokens: TokenRows
     groups: tuple[KVGroupSpec, ...]
     seqs: dict[int, SeqState]
     group_of: IntArray
@@ -78,6 +74,12 @@ class HybridLifecycle:
     _preemptions: int
 
     def _new_row(self) -> int:
+        raise NotImplementedError
+
+    def _attach_keys(self, row: int, keys: BlockKeys | None) -> None:
+        raise NotImplementedError
+
+    def _detach_keys(self, row: int, keys: BlockKeys | None) -> None:
         raise NotImplementedError
 
     def _real(self, g: int, row: int) -> IntArray:
@@ -96,12 +98,14 @@ class HybridLifecycle:
         else:
             for g in range(len(self.tables)):
                 self.pool.release(self._real(g, row)[::-1], seq.priority)
+        self._detach_keys(row, seq.keys)
         del self.seqs[row]
+        self.tokens.drop(row)
         for t in self.tables:
             t.drop_row(row)
 
     def preempt(self, seq_id: int) -> int:
-        n = len(self.seqs[self.tables[0].row(seq_id)].tokens)
+        n = int(self.tokens.length[self.tables[0].row(seq_id)])
         self.free(seq_id)
         self._preemptions += 1
         return n
@@ -112,11 +116,14 @@ class HybridLifecycle:
         bs = self._block_size
         child = self._new_row()
         self.seqs[child] = self.seqs[row].copy()
+        self.tokens.copy(row, child)
+        self._attach_keys(child, self.seqs[child].keys)
         for t in self.tables:
             held = int(t.num_tokens[row])
             blocks = t.blocks_of(row)[: -(-held // bs)]
             t.set_blocks(child, blocks)
             t.num_tokens[child], t.num_computed[child] = held, t.num_computed[row]
+            t.num_published[child], t.hashable_tokens[child] = t.num_published[row], t.hashable_tokens[row]
             self.pool.share(blocks[blocks != NULL_BLOCK_ID])
             if held % bs:
                 t.cow_risk[row] = t.cow_risk[child] = t.any_cow_risk = True
@@ -128,20 +135,19 @@ class HybridLifecycle:
         row = self.tables[0].device_row(seq_id)
         seq, bs = self.seqs[row], self._block_size
         n = as_count(num_tokens, "num_tokens")
-        old = len(seq.tokens)
+        old = int(self.tokens.length[row])
         if n > old:
             raise InvalidArgumentError(f"cannot roll back {n} tokens: sequence {seq_id} holds {old}")
         new = old - n
+        computed = int(self.tables[0].num_computed[row])
         for g, spec in enumerate(self.groups):
-            if seq.released[g] > spec.first_needed(min(new, seq.num_computed)) // bs:
+            if seq.released[g] > spec.first_needed(min(new, computed)) // bs:
                 raise InvalidArgumentError(f"cannot roll back to {new} tokens: group {g} ({spec.label()}) released blocks it would read again")
         if n == 0:
             return
         for g in range(len(self.tables)):
             self._truncate_group(g, row, new)
-        del seq.tokens[new:]
-        seq.num_computed = min(seq.num_computed, new)
-        seq.hashable = ALL_KNOWN if seq.hashable >= new else seq.hashable
+        self.tokens.truncate(row, new)
         if seq.keys is not None:
             seq.keys.truncate(new // bs, new)
 
@@ -153,7 +159,9 @@ class HybridLifecycle:
         t.set_blocks(row, blocks[:keep])
         t.num_tokens[row] = min(int(t.num_tokens[row]), new)
         t.num_computed[row] = min(int(t.num_computed[row]), new)
-        seq.published[g] = max(min(seq.published[g], new // bs), seq.released[g])
+        t.num_published[row] = max(min(int(t.num_published[row]), new // bs), seq.released[g])
+        if t.hashable_tokens[row] >= new:
+            t.hashable_tokens[row] = ALL_KNOWN
         if new % bs and seq.released[g] <= (new - 1) // bs < len(blocks):
             last = int(blocks[(new - 1) // bs])
             if self.pool.ref[last] > 1:
@@ -174,7 +182,8 @@ class HybridLifecycle:
         host, bs = self._host(), self._block_size
         row = self.tables[0].device_row(seq_id)
         seq = self.seqs[row]
-        counts = [max(-(-seq.num_computed // bs) - lo, 0) for lo in seq.released]
+        computed = int(self.tables[0].num_computed[row])
+        counts = [max(-(-computed // bs) - lo, 0) for lo in seq.released]
         if sum(counts) > host.num_available:
             return None
         srcs, dsts = [], []
@@ -187,7 +196,7 @@ class HybridLifecycle:
             self.pool.release(self._real(g, row)[::-1], seq.priority)
             t.table[row, lo : t.num_blocks[row]] = NULL_BLOCK_ID
             t.swapped[row], t.on_device[row], t.cow_risk[row] = True, False, False
-            seq.published[g] = lo
+            t.num_published[row] = lo
             seq.host.append(dst)
             srcs.append(src)
             dsts.append(dst)

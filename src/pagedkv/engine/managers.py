@@ -73,6 +73,6 @@ def make_manager(
         return HybridKVManager(
             num_blocks, block_size, tuple(groups) if groups is not None else (KVGroupSpec(),),
             enable_prefix_caching=enable_prefix_caching, num_host_blocks=num_host_blocks,
-            record_events=record_events, hash_fn=hash_fn,
+            record_events=record_events, hash_fn=hash_fn, native=native, eviction=eviction,
         )  # fmt: skip
     raise InvalidArgumentError(f"unknown allocator {kind!r}; choose from {', '.join(MANAGER_KINDS)}")
