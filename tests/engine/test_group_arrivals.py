@@ -204,3 +204,20 @@ TestGroupArrivals = GroupArrivals.TestCase
 TestGroupArrivals.settings = settings(
     max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_pause_abort_ends_the_requests_still_held_for_their_leader(model: Any) -> None:
+    """`pause("abort")` ends every request in flight, the sample group's held ones too (they are not queued
+    yet): none runs on while the engine is paused."""
+    engine = make_engine(model)
+    for rid in ("L", "A", "B"):
+        engine.add_request(PROMPTS[0], params(), request_id=rid, group_id="g")
+    assert engine._groups.held_ids() == {"A", "B"}
+    ended = engine.pause("abort")
+    assert sorted(ended) == ["A", "B", "L"]
+    done = drain(engine)
+    assert {o.finish_reason for o in done.values()} == {"abort"} and set(done) == {"L", "A", "B"}
+    engine.resume()
+    for rid in "LAB":
+        engine.release(rid)
+    assert_idle(engine)

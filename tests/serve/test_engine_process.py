@@ -218,3 +218,30 @@ def test_stopping_the_server_stops_the_engine_process(model_folder: Path) -> Non
     r.stop()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_an_id_in_flight_is_refused_and_a_stream_aborts_only_its_own(running: Running) -> None:
+    import asyncio
+
+    async def scenario() -> tuple[str | None, int]:
+        client = running.engine
+        params = SamplingParams(max_new_tokens=300, ignore_eos=True)
+        first = client.add_request([1, 2, 3], params, request_id="same-id")
+        with pytest.raises(InvalidArgumentError, match="already in use"):
+            client.add_request([4, 5], params, request_id="same-id")
+        got = [out async for out in _take(first, 2)]
+        first.abort()
+        async for out in first:
+            got.append(out)
+        return got[-1].finish_reason, len(got)
+
+    reason, n = asyncio.run(scenario())
+    assert reason == "abort" and n >= 3
+
+
+async def _take(stream: Any, n: int) -> Any:
+    async for out in stream:
+        yield out
+        n -= 1
+        if n == 0:
+            return

@@ -167,6 +167,9 @@ class Lifecycle:
             for rid, tracked in list(engine._tracked.items()):
                 if tracked.parent_id is None and engine.finish(rid, "abort"):
                     ended.append(rid)
+            for rid in sorted(engine.held_ids()):  # a sample group's, waiting for its leader's prompt
+                if engine.finish(rid, "abort"):
+                    ended.append(rid)
             self._parked = []
         elif mode == "keep":
             self._parked += engine.scheduler.park()

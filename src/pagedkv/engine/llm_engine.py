@@ -408,6 +408,10 @@ class Engine:
         self._ids_in_use.difference_update(family)
         return outputs
 
+    def held_ids(self) -> set[str]:
+        """The requests waiting for their sample group's leader to write the prompt (`is_held`)."""
+        return self._groups.held_ids()
+
     def is_held(self, request_id: str) -> bool:
         """True while request `request_id` waits for its sample group's leader to write the prompt (it is not
         queued yet: `get_request` does not know it, `finish` does)."""

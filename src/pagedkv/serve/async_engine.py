@@ -71,12 +71,16 @@ class EngineDeadError(PagedKVError):
 
 
 @dataclass(frozen=True, slots=True)
-class _Ended:
+class StreamEnd:
+    """The end of a stream: the final outputs of every completion of its request (`Engine.release`)."""
+
     outputs: tuple[RequestOutput, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class _Failed:
+class StreamFailure:
+    """A stream ended by an error (the engine refused the request, or died): raised by its iterator."""
+
     error: BaseException
 
 
@@ -85,15 +89,15 @@ class RequestStream:
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: AsyncEngine) -> None:
         self.request_id = request_id
-        self._loop = loop
+        self.loop = loop  # the event loop its outputs are delivered on
         self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | _Ended | _Failed] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | StreamEnd | StreamFailure] = asyncio.Queue()
         self._finished_ids: set[str] = set()
         self._started = False  # first output seen (the request no longer counts as waiting)
         self._pending: list[RequestOutput] = []
         self.done = False
 
-    def _put(self, items: list[RequestOutput | _Ended | _Failed]) -> None:
+    def _put(self, items: list[RequestOutput | StreamEnd | StreamFailure]) -> None:
         """On the stream's loop: queue the engine thread's items; the first one ends "waiting"."""
         if not self._started:
             self._started = True
@@ -113,10 +117,10 @@ class RequestStream:
             if self.done:
                 raise StopAsyncIteration
             item = await self._queue.get()
-            if isinstance(item, _Failed):
+            if isinstance(item, StreamFailure):
                 self.done = True
                 raise item.error
-            if isinstance(item, _Ended):
+            if isinstance(item, StreamEnd):
                 self.done = True
                 self._pending = [o for o in item.outputs if o.request_id not in self._finished_ids]
                 continue
@@ -373,7 +377,7 @@ class AsyncEngine:
                 on_token=self._notes.append, cache_salt=salt, group_id=group_id,
             )  # fmt: skip
         except PagedKVError as e:  # checked at the door already; an id clash can still land here
-            self._dispatch({stream: [_Failed(e)]})
+            self._dispatch({stream: [StreamFailure(e)]})
             return
         self._streams[stream.request_id] = stream
         self._arrivals[stream.request_id] = arrival
@@ -407,7 +411,7 @@ class AsyncEngine:
         self._streams.pop(rid, None)
         self._arrivals.pop(rid, None)
         self._queue_s.pop(rid, None)
-        self._dispatch({stream: [_Failed(InvariantError(message))]})
+        self._dispatch({stream: [StreamFailure(InvariantError(message))]})
 
     def _end_lost(self) -> None:
         """With nothing unfinished in the engine, every stream has had its end: end any other (a bug)."""
@@ -434,7 +438,7 @@ class AsyncEngine:
 
     def _publish(self, finished: list[RequestOutput]) -> None:
         """Route this turn's snapshots and ends to their streams; release families that have ended."""
-        batches: dict[RequestStream, list[RequestOutput | _Ended | _Failed]] = {}
+        batches: dict[RequestStream, list[RequestOutput | StreamEnd | StreamFailure]] = {}
         roots: set[str] = set()
         for out in itertools.chain(self._notes, finished):
             root = out.parent_id or out.request_id
@@ -452,7 +456,7 @@ class AsyncEngine:
                 for out in outputs:  # queue time as vLLM's: until the step that first schedules it starts
                     out.queue_s = queue_s if queue_s is not None else out.queue_s
                 stream = self._streams.pop(root)
-                batches.setdefault(stream, []).append(_Ended(tuple(outputs)))
+                batches.setdefault(stream, []).append(StreamEnd(tuple(outputs)))
                 if self.metrics is not None:
                     self.metrics.observe_request(outputs)
         self._snapshot = self._take_snapshot(alive=True)  # before the streams wake: they may read it
@@ -460,14 +464,14 @@ class AsyncEngine:
         if len(self.engine.stats.step_times) > 2 * STATS_WINDOW:
             self.engine.stats.trim(STATS_WINDOW)
 
-    def _dispatch(self, batches: dict[RequestStream, list[RequestOutput | _Ended | _Failed]]) -> None:
+    def _dispatch(self, batches: dict[RequestStream, list[RequestOutput | StreamEnd | StreamFailure]]) -> None:
         """One `call_soon_threadsafe` per event loop for the whole turn."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[Any]]]] = {}
         for stream, items in batches.items():
-            by_loop.setdefault(stream._loop, []).append((stream, items))
+            by_loop.setdefault(stream.loop, []).append((stream, items))
         for loop, pairs in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, pairs)
+                loop.call_soon_threadsafe(deliver, pairs)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 for stream, _ in pairs:
                     self._abort(stream.request_id, stream)
@@ -487,7 +491,7 @@ class AsyncEngine:
                     _, loop, future = payload
                     with contextlib.suppress(RuntimeError):
                         loop.call_soon_threadsafe(_settle, future, (False, error))
-        self._dispatch({stream: [_Failed(error)] for stream in [*self._streams.values(), *queued]})
+        self._dispatch({stream: [StreamFailure(error)] for stream in [*self._streams.values(), *queued]})
         self._streams.clear()
 
     def _take_snapshot(self, *, alive: bool) -> EngineSnapshot:
@@ -524,6 +528,7 @@ def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
         future.set_exception(value)
 
 
-def _deliver(pairs: list[tuple[RequestStream, list[Any]]]) -> None:
+def deliver(pairs: list[tuple[RequestStream, list[Any]]]) -> None:
+    """On a stream's loop: hand each stream its items of one turn."""
     for stream, items in pairs:
         stream._put(items)

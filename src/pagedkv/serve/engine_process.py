@@ -58,9 +58,9 @@ from pagedkv.serve.async_engine import (
     EngineDeadError,
     RequestStream,
     ServerOverloadedError,
-    _deliver,
-    _Ended,
-    _Failed,
+    deliver,
+    StreamEnd,
+    StreamFailure,
 )
 from pagedkv.serve.engine_client import ModelFacts
 from pagedkv.serve.engine_setup import EngineFacts, load_engine
@@ -186,7 +186,7 @@ class CoreEngine(AsyncEngine):
             for item in items:
                 if isinstance(item, RequestOutput):
                     item.prompt_token_ids = _NO_PROMPT  # the server restores it; the engine keeps no snapshot
-                elif isinstance(item, _Ended):
+                elif isinstance(item, StreamEnd):
                     for out in item.outputs:
                         out.prompt_token_ids = _NO_PROMPT
             pairs.append((stream.request_id, items))
@@ -356,14 +356,16 @@ class ProcessEngine:
                     f"{self._num_waiting} requests are waiting for their first token (--max-waiting "
                     f"{self.max_waiting}); retry later"
                 )
+            if rid in self._streams:
+                raise InvalidArgumentError(f"request id {rid!r} is already in use by a request in flight; choose another")
             self._num_waiting += 1
             self._streams[rid] = (stream, ids)
-        self._send(("add", rid, ids, params, cache_salt, priority, arrival, group_id))
+        self._post(("add", rid, ids, params, cache_salt, priority, arrival, group_id))
         return stream
 
     def abort(self, request_id: str) -> None:
         """End a request at the engine's next turn (no-op once it has ended)."""
-        self._send(("abort", request_id))
+        self._post(("abort", request_id))
 
     async def run_verb(self, verb: str, args: dict[str, Any]) -> dict[str, Any]:
         """A lifecycle verb on the engine process (`pagedkv.serve.lifecycle_routes.apply_verb`): its body, or
@@ -375,7 +377,7 @@ class ProcessEngine:
         call_id = next(self._ids)
         with self._lock:
             self._verbs[call_id] = (loop, future)
-        self._send(("verb", call_id, verb, args))
+        self._post(("verb", call_id, verb, args))
         status, body = await future
         if status != 200:
             error = body.get("error") or {}
@@ -392,7 +394,7 @@ class ProcessEngine:
         `timeout_s`), and end every stream still open."""
         if self._stopping:
             return
-        self._send(("shutdown", timeout_s))
+        self._post(("shutdown", timeout_s))
         self._stopping = True
         self._process.join(timeout_s + 5.0)
         _stop_process(self._process, 2.0)
@@ -402,7 +404,15 @@ class ProcessEngine:
 
     # --- internals --------------------------------------------------------------------------------
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, kind: str, payload: Any) -> None:
+        """A stream's own abort (`RequestStream.abort` sends "close" with itself): its request ends, and only
+        if the id is still that stream's."""
+        if kind == "close":
+            entry = self._streams.get(payload.request_id)
+            if entry is not None and entry[0] is payload:
+                self.abort(payload.request_id)
+
+    def _post(self, message: tuple[Any, ...]) -> None:
         try:
             with self._send_lock:
                 self._conn.send(message)
@@ -460,18 +470,18 @@ class ProcessEngine:
             for item in items:
                 if isinstance(item, RequestOutput):
                     item.prompt_token_ids = prompt
-                elif isinstance(item, _Ended):
+                elif isinstance(item, StreamEnd):
                     for out in item.outputs:
                         out.prompt_token_ids = prompt
                     if self.metrics is not None:
                         self.metrics.observe_request(list(item.outputs))
-            if any(isinstance(item, _Ended | _Failed) for item in items):
+            if any(isinstance(item, StreamEnd | StreamFailure) for item in items):
                 with self._lock:
                     self._streams.pop(rid, None)
-            by_loop.setdefault(stream._loop, []).append((stream, items))
+            by_loop.setdefault(stream.loop, []).append((stream, items))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver, batch)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 for stream, _ in batch:
                     self.abort(stream.request_id)
@@ -487,10 +497,10 @@ class ProcessEngine:
         self._snapshot = _dead_snapshot(self._snapshot)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[Any]]]] = {}
         for stream, _ in streams:
-            by_loop.setdefault(stream._loop, []).append((stream, [_Failed(error)]))
+            by_loop.setdefault(stream.loop, []).append((stream, [StreamFailure(error)]))
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver, batch)
         body = APIError(503, reason, type="server_error").body()
         for loop, future in verbs:
             with contextlib.suppress(RuntimeError):
