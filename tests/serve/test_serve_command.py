@@ -19,6 +19,7 @@ import pytest
 import torch
 from serve_support import MODEL_NAME
 
+from pagedkv.bench.serve_procs import descendants
 from pagedkv.cli import main
 from pagedkv.hf.tiny import tiny_model
 
@@ -52,12 +53,16 @@ def test_bad_arguments_are_one_line_exit_2(
     assert len(err.splitlines()) == 1 and needle in err and err.startswith("pagedkv serve")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_answers_then_drains_on_sigterm_or_sigint_and_exits_0(model_folder: Path, sig: int) -> None:
+@pytest.mark.parametrize(
+    ("sig", "where"),
+    [(signal.SIGTERM, []), (signal.SIGINT, []), (signal.SIGTERM, ["--engine-process"])],
+    ids=["SIGTERM", "SIGINT", "SIGTERM-engine-process"],
+)
+def test_serve_answers_then_drains_on_sigterm_or_sigint_and_exits_0(model_folder: Path, sig: int, where: list[str]) -> None:
     """SIGINT is Ctrl-C on a terminal: it drains as SIGTERM does (before: a KeyboardInterrupt traceback and
     exit 130). Draining prints one line when it starts (with the requests in flight) and one when done."""
     cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(model_folder), "--port", "0",
-           "--served-model-name", MODEL_NAME, "--num-blocks", "64", "--drain-timeout", "30"]  # fmt: skip
+           "--served-model-name", MODEL_NAME, "--num-blocks", "64", "--drain-timeout", "30", *where]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -82,9 +87,15 @@ def test_serve_answers_then_drains_on_sigterm_or_sigint_and_exits_0(model_folder
         thread = threading.Thread(target=stream)
         thread.start()
         assert first.wait(30)
+        children = descendants(proc.pid)  # the engine process, with --engine-process
+        assert bool(children) == bool(where)
         proc.send_signal(sig)  # mid-stream
         thread.join(60)
         assert proc.wait(60) == 0
+        deadline = time.monotonic() + 15
+        while [pid for pid in children if _running(pid)]:  # stopped with the server, not left behind
+            assert time.monotonic() < deadline, f"left behind: {[p for p in children if _running(p)]}"
+            time.sleep(0.05)
         assert proc.stderr is not None
         err = proc.stderr.read()
         assert "Traceback" not in err and "Error" not in err, err
@@ -101,6 +112,15 @@ def test_serve_answers_then_drains_on_sigterm_or_sigint_and_exits_0(model_folder
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not reaped by its parent, has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _wait_until_healthy(proc: subprocess.Popen[str]) -> str:

@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     for line in skipped.values():
         print(line, file=sys.stderr)
     systems = [s for s in systems if s not in skipped]
+    procs.exit_on_sigterm()  # a SIGTERM stops the servers it started (their own sessions: no signal reaches them)
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-serve-") as tmp:
         setup = prepare(args, Path(tmp))
         setup.skipped.update(skipped)

@@ -95,6 +95,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise `SystemExit(143)` in this process (from the main thread), so the `finally` that stops
+    each server runs: the servers run in sessions of their own, so a signal sent to the bench never reaches
+    them, and without this they would outlive it."""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 def start_server(
     name: str,
     argv: list[str],

@@ -1,9 +1,9 @@
 """The systems `pagedkv bench serve` runs: their names, the settings they all get, how each one is started.
 
-Served systems: `pagedkv-serve` (the engine in a process of its own, the default), `pagedkv-serve-thread`
-(`pagedkv serve --no-engine-process`: the engine on a thread of the server's process), the CPU peers of `pagedkv.bench.peers` (`vllm`, `openvino` through our
+Served systems: `pagedkv-serve` (the engine on a thread of the server's process, the default),
+`pagedkv-serve-process` (`pagedkv serve --engine-process`: the engine in a process of its own), the CPU peers of `pagedkv.bench.peers` (`vllm`, `openvino` through our
 shim, `llama-cpp`, a serial server) and `transformers-serve`; `pagedkv-offline` is the engine in the bench's
-process. `--systems` also takes the short names `pagedkv`, `pagedkv-thread`, `transformers` and `offline`.
+process. `--systems` also takes the short names `pagedkv`, `pagedkv-process`, `transformers` and `offline`.
 
 Every system gets the same `Settings`: the dtype, the threads (`--threads`, default this process's CPU
 affinity: `pagedkv serve --threads`, `OMP_NUM_THREADS` and torch threads for transformers, vLLM's
@@ -26,12 +26,12 @@ from pagedkv.bench import serve_procs as procs
 from pagedkv.engine.cli_args import scheduler_from
 
 PAGEDKV = "pagedkv-serve"
-PAGEDKV_THREAD = "pagedkv-serve-thread"  # pagedkv serve --no-engine-process: the engine on a thread of the server
+PAGEDKV_PROCESS = "pagedkv-serve-process"  # pagedkv serve --engine-process: the engine in a process of its own
 TRANSFORMERS = "transformers-serve"
 OFFLINE = "pagedkv-offline"
-SERVED = (PAGEDKV, PAGEDKV_THREAD, *peer_registry.PEER_NAMES, TRANSFORMERS)
+SERVED = (PAGEDKV, PAGEDKV_PROCESS, *peer_registry.PEER_NAMES, TRANSFORMERS)
 SYSTEMS = (*SERVED, OFFLINE)
-ALIASES = {"pagedkv": PAGEDKV, "pagedkv-thread": PAGEDKV_THREAD, "transformers": TRANSFORMERS, "offline": OFFLINE}
+ALIASES = {"pagedkv": PAGEDKV, "pagedkv-process": PAGEDKV_PROCESS, "transformers": TRANSFORMERS, "offline": OFFLINE}
 DEFAULT_SYSTEMS = (PAGEDKV, TRANSFORMERS, OFFLINE)
 PEER_HEADROOM = 0.15  # transformers' default safety_margin; `transformers serve` has no flag for it
 
@@ -107,9 +107,9 @@ def base_configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     margin = PEER_HEADROOM if args.peer_safety_margin is None else args.peer_safety_margin
     return {
         PAGEDKV: {**engine, "threads": f"{args.threads} (pagedkv serve --threads)",
-                  "process": "pagedkv serve (uvicorn, one worker; the engine in a process of its own)"},
-        PAGEDKV_THREAD: {**engine, "threads": f"{args.threads} (pagedkv serve --threads)",
-                         "process": "pagedkv serve --no-engine-process (uvicorn, one worker; the engine on a thread)"},
+                  "process": "pagedkv serve (uvicorn, one worker; the engine on a thread)"},
+        PAGEDKV_PROCESS: {**engine, "threads": f"{args.threads} (pagedkv serve --threads)",
+                         "process": "pagedkv serve --engine-process (uvicorn, one worker; the engine in a process of its own)"},
         TRANSFORMERS: {
             **common,
             "threads": f"{args.threads} (OMP_NUM_THREADS, torch threads)",
@@ -142,10 +142,10 @@ def start(system: str, args: argparse.Namespace, model: peer_registry.Model, set
     _progress(f"starting {system}")
     configs = base_configs(args)
     threads = peer_registry.thread_env(args.threads)
-    if system in (PAGEDKV, PAGEDKV_THREAD):
+    if system in (PAGEDKV, PAGEDKV_PROCESS):
         argv = [*procs.pagedkv_argv(str(model.folder), pagedkv_options(args)), "--threads", str(args.threads)]
-        if system == PAGEDKV_THREAD:
-            argv.append("--no-engine-process")
+        if system == PAGEDKV_PROCESS:
+            argv.append("--engine-process")
         server = procs.start_server(system, argv, workdir, env=threads)
         return Started(server, {"ignore_eos": True}, configs[system])
     if system == TRANSFORMERS:

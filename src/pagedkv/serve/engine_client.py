@@ -2,8 +2,8 @@
 the engine behind it, and `ModelFacts`, the served model's fixed sizes.
 
 Three implementations: `pagedkv.serve.async_engine.AsyncEngine` (one engine on a thread of the server's
-process), `pagedkv.serve.engine_process.ProcessEngine` (one engine in a process of its own, `pagedkv serve`'s
-default) and the Ray ingress's `pagedkv.serve.ray_ingress.RemoteEngine` (N replicas behind a handle). The routes never reach
+process), `pagedkv.serve.engine_process.ProcessEngine` (one engine in a process of its own, `pagedkv serve
+--engine-process`) and the Ray ingress's `pagedkv.serve.ray_ingress.RemoteEngine` (N replicas behind a handle). The routes never reach
 past this interface to an `Engine`: what they read of the model is `model_facts`, what they change goes
 through `add_request` / a stream's `abort` / `run_verb`.
 

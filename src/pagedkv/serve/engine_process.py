@@ -11,7 +11,8 @@ server process (uvicorn, the routes, SSE)             engine process (`run_engin
 
 Why a process: the engine thread and the event loop of one process share the interpreter lock, so every
 token the server streams (its JSON, its SSE frame, its HTTP write) holds up the step, and every step holds
-up the streams. vLLM splits its API server from its engine core the same way.
+up the streams; vLLM splits its API server from its engine core the same way. What it costs instead (a
+pickle of each step's outputs, a second process) is measured against the thread in docs/benchmarks.md.
 
 Contracts (those of `pagedkv.serve.async_engine.AsyncEngine`, which the engine process runs):
 

@@ -45,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "theirs, so a client never sends on a connection the server is closing)",
     )  # fmt: skip
     parser.add_argument(
-        "--engine-process", action=argparse.BooleanOptionalAction, default=True,
-        help="run the engine in a process of its own, beside the HTTP server's (default); "
-        "--no-engine-process: on a thread of the server's process",
+        "--engine-process", action=argparse.BooleanOptionalAction, default=False,
+        help="run the engine in a process of its own, beside the HTTP server's (default: on a thread of the "
+        "server's process; docs/serving.md says what each costs)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(parser)
