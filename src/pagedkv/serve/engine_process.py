@@ -59,9 +59,9 @@ from pagedkv.serve.async_engine import (
     EngineDeadError,
     RequestStream,
     ServerOverloadedError,
-    deliver,
     StreamEnd,
     StreamFailure,
+    deliver,
 )
 from pagedkv.serve.engine_client import ModelFacts
 from pagedkv.serve.engine_setup import EngineFacts, load_engine

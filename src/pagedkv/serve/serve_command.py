@@ -140,18 +140,19 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket, str]:
     except BaseException:
         client.shutdown(1.0)
         raise
-    port = sock.getsockname()[1]
+    return server, sock, _start_line(args, facts, sock.getsockname()[1], app.state.context.max_model_len, where)
+
+
+def _start_line(args: argparse.Namespace, facts: Any, port: int, max_model_len: int, where: str) -> str:
+    """The start-up line: where it listens, the KV pool, `max_model_len`, the weights, threads and engine."""
     limit = facts.max_positions
     positions = "" if limit is None else f" of the model's {limit} positions"
-    started = (
+    return (
         f"pagedkv serve: {args.served_model_name or args.model} on http://{args.host}:{port} "
         f"({_kv_phrase(args.kv_budget, facts.kv_budget_bytes)}{facts.num_blocks} KV blocks of "
-        f"{facts.block_size} tokens: max_model_len "
-        f"{app.state.context.max_model_len}{positions}, "
-        f"{facts.weights}, "
+        f"{facts.block_size} tokens: max_model_len {max_model_len}{positions}, {facts.weights}, "
         f"{facts.threads} torch thread{'s' if facts.threads != 1 else ''}, {where})"
     )
-    return server, sock, started
 
 
 def _kv_phrase(asked: int | None, used: int) -> str:
