@@ -48,3 +48,24 @@ def test_random_forks_preemptions_and_frees_never_copy_a_block_onto_itself() -> 
             assert not np.any(copies.src == copies.dst), "contiguous: a copy from a block onto itself"
             assert len(set(copies.dst.tolist())) == len(copies.dst)
         m.check_invariants()
+
+
+def test_rollback_drops_tokens_inside_the_reservation_and_refuses_more_than_held() -> None:
+    """The speculative verb every manager has: the last tokens go, the reservation stays, computed follows."""
+    import pytest
+
+    from pagedkv.core.errors import InvalidArgumentError
+
+    m = ContiguousKVManager(num_blocks=9, block_size=4)
+    a = m.admit(list(range(6)), max_new_tokens=6)
+    assert a is not None
+    m.mark_computed([a.seq_id])
+    assert m.append([a.seq_id], num_tokens=3)
+    blocks = m.block_ids(a.seq_id)
+    m.rollback(a.seq_id, 4)
+    assert m.num_tokens(a.seq_id) == 5 and m.block_ids(a.seq_id) == blocks
+    with pytest.raises(InvalidArgumentError, match="cannot roll back 6"):
+        m.rollback(a.seq_id, 6)
+    assert m.num_tokens(a.seq_id) == 5
+    assert m.append([a.seq_id], num_tokens=7)  # the whole reservation is there again
+    m.check_invariants()

@@ -21,11 +21,7 @@ from pagedkv.engine.managers import MANAGER_KINDS, make_manager
 ENGINE = Path(__file__).resolve().parents[2] / "src" / "pagedkv" / "engine"
 CONCRETE = {"PagedKVManager", "HybridKVManager"}
 # Modules allowed to name a concrete manager, each with the reason (keep this short).
-EXEMPT = {
-    # the draft model's proposer builds and drives a uniform manager of its own for the draft's KV; the engine's
-    # manager is not it (move it to `make_manager` when speculative/ is next reshaped)
-    "speculative/draft.py",
-}
+EXEMPT: set[str] = set()
 
 
 def _offences(source: str) -> list[str]:

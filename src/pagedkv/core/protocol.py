@@ -196,6 +196,11 @@ class KVManager(Protocol):
 
     def num_tokens(self, seq_id: int) -> int: ...
 
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        """Drop the last `num_tokens` tokens of a sequence (rejected speculative tokens): blocks they alone
+        used go back to the pool, never published."""
+        ...
+
     def take_copies(self) -> BlockMoves: ...
 
     def fetch_blocks(

@@ -644,7 +644,7 @@ class Scheduler:
         rejected = len(drafts) - accepted
         if rejected:
             assert chunk.request.seq_id is not None, "scheduler: a running request without KV"
-            self.manager.rollback(chunk.request.seq_id, rejected)  # type: ignore[attr-defined]
+            self.manager.rollback(chunk.request.seq_id, rejected)
         return rejected
 
     @staticmethod

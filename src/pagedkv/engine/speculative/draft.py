@@ -1,8 +1,8 @@
 """`DraftModelProposer`: a smaller causal LM with the target's vocabulary proposes k tokens greedily, with its
 own KV in pagedkv pages.
 
-The draft has its own `PagedKVManager` (prefix caching off: its blocks are private to one request) and its
-own `PagedKVCache`, run by its own `ModelRunner` in the same packed forward the engine uses. Its blocks are
+The draft has its own uniform manager (`make_manager("paged")`, prefix caching off: its blocks are private
+to one request) and its own `PagedKVCache`, run by its own `ModelRunner` in the same packed forward the engine uses. Its blocks are
 counted in the engine's KV budget, which is **split**: with `EngineConfig.kv_budget_bytes` the target and
 the draft get the same number of blocks, as many as `budget // (target bytes per block + draft bytes per
 block)` (each request's draft KV holds the same tokens as its target KV, so equal counts let both hold the
@@ -45,7 +45,7 @@ from pagedkv.core.errors import CapacityError, EngineStateError, InvalidArgument
 from pagedkv.engine.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from pagedkv.core import PagedKVManager
+    from pagedkv.core.protocol import KVManager
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.request import Request
     from pagedkv.engine.runner import ModelRunner
@@ -89,7 +89,7 @@ class DraftModelProposer:
                 "must share the target's tokenizer"
             )
         self.bytes_per_block = cache_spec(self.spec, None, config.kv_cache_dtype).bytes_per_block(config.block_size)
-        self.manager: PagedKVManager | None = None
+        self.manager: KVManager | None = None
         self.runner: ModelRunner | None = None
         self._seqs: dict[str, _DraftSeq] = {}
         self._released: tuple[int, torch.device] | None = None  # (blocks, device) of the pages `release` gave back
@@ -115,7 +115,7 @@ class DraftModelProposer:
         cfg = self.config
         manager = make_manager("paged", num_blocks, cfg.block_size, enable_prefix_caching=False)
         _, fused = _prepare_forward(self.model, cfg.linear_backend, cfg.model_forward)
-        self.manager = manager  # type: ignore[assignment]
+        self.manager = manager
         self.runner = ModelRunner(self.model, self._pages(num_blocks, device), fused)
 
     def _pages(self, num_blocks: int, device: torch.device | str) -> PagedKVCache:
@@ -247,6 +247,6 @@ class DraftModelProposer:
             return
         self.manager.check_invariants()
         for rid, seq in self._seqs.items():
-            held = int(self.manager.tables.num_tokens[self.manager.tables.device_row(seq.seq_id)])
+            held = int(self.manager.num_tokens(seq.seq_id))
             if held != len(seq.prompt_token_ids):
                 raise AssertionError(f"DraftModelProposer: request {rid!r} holds {held} slots for {len(seq.prompt_token_ids)} tokens")
