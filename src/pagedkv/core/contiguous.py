@@ -17,7 +17,7 @@ import bisect
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, NotSupportedError
+from pagedkv.core.errors import CapacityError, InvariantError, NotSupportedError
 from pagedkv.core.prefix import BlockKeys
 from pagedkv.core.prefix_index import CacheEvent
 from pagedkv.core.protocol import Admission, BlockFill, BlockMoves, BlockSource, ManagerStats
@@ -29,6 +29,7 @@ from pagedkv.core.validate import (
     as_flag,
     as_keys,
     as_pool_size,
+    as_rollback,
     as_salt,
     as_token_matrix,
     as_tokens,
@@ -227,11 +228,7 @@ class ContiguousKVManager(TableViews):
         """Drop the last `num_tokens` tokens (rejected speculative tokens); the reservation stays whole."""
         t = self.tables
         row = t.row(seq_id)
-        n = as_count(num_tokens, "num_tokens")
-        old = int(t.num_tokens[row])
-        if n > old:
-            raise InvalidArgumentError(f"cannot roll back {n} tokens: sequence {seq_id} holds {old}")
-        t.truncate(row, old - n, t.blocks_of(row))
+        t.truncate(row, as_rollback(num_tokens, int(t.num_tokens[row]), seq_id), t.blocks_of(row))
 
     def mark_computed(self, seq_ids: npt.ArrayLike, num_computed_tokens: npt.ArrayLike | None = None) -> None:
         t = self.tables

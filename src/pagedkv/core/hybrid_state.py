@@ -21,7 +21,7 @@ from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.prefix import BlockKeys
 from pagedkv.core.protocol import BlockMoves
-from pagedkv.core.validate import as_count
+from pagedkv.core.validate import as_rollback
 
 if TYPE_CHECKING:
     from pagedkv.core.copies import CopyLedger
@@ -134,16 +134,13 @@ class HybridLifecycle:
         a block the tokens left would need again."""
         row = self.tables[0].device_row(seq_id)
         seq, bs = self.seqs[row], self._block_size
-        n = as_count(num_tokens, "num_tokens")
         old = int(self.tokens.length[row])
-        if n > old:
-            raise InvalidArgumentError(f"cannot roll back {n} tokens: sequence {seq_id} holds {old}")
-        new = old - n
+        new = as_rollback(num_tokens, old, seq_id)
         computed = int(self.tables[0].num_computed[row])
         for g, spec in enumerate(self.groups):
             if seq.released[g] > spec.first_needed(min(new, computed)) // bs:
                 raise InvalidArgumentError(f"cannot roll back to {new} tokens: group {g} ({spec.label()}) released blocks it would read again")
-        if n == 0:
+        if new == old:
             return
         for g in range(len(self.tables)):
             self._truncate_group(g, row, new)

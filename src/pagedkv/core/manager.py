@@ -57,6 +57,7 @@ from pagedkv.core.validate import (
     as_flag,
     as_native,
     as_pool_size,
+    as_rollback,
     as_token_matrix,
     as_tokens,
     request_keys,
@@ -463,13 +464,10 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         """Drop the last `num_tokens` tokens (rejected speculative tokens)."""
         t = self.tables
         row = t.device_row(seq_id)
-        n = as_count(num_tokens, "num_tokens")
         old = int(t.num_tokens[row])
-        if n > old:
-            raise InvalidArgumentError(f"cannot roll back {n} tokens: sequence {seq_id} holds {old}")
-        if n == 0:
+        new, bs = as_rollback(num_tokens, old, seq_id), self._block_size
+        if new == old:
             return
-        new, bs = old - n, self._block_size
         keep = -(-new // bs)
         blocks = t.blocks_of(row)
         self.pool.release(blocks[keep:][::-1], int(t.priority[row]))

@@ -74,6 +74,15 @@ def as_count(value: object, what: str, *, minimum: int = 0) -> int:
     return as_int(value, what, minimum=minimum, maximum=MAX_COUNT - 1)
 
 
+def as_rollback(num_tokens: object, held: int, seq_id: int) -> int:
+    """The tokens a sequence holding `held` keeps after `rollback(seq_id, num_tokens)`; `InvalidArgumentError`
+    for a count that is not one, or above what it holds."""
+    n = as_count(num_tokens, "num_tokens")
+    if n > held:
+        raise InvalidArgumentError(f"cannot roll back {n} tokens: sequence {seq_id} holds {held}")
+    return held - n
+
+
 def as_priority(value: object) -> int:
     """A retention priority: any int64."""
     return as_int(value, "priority", minimum=-(2**63), maximum=2**63 - 1)
