@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +32,19 @@ def model(tokenizer: Any) -> Any:
     torch.manual_seed(0)
     m.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """The tests' tiny Llama (SmolLM2's vocabulary) and SmolLM2's tokenizer, saved as a transformers folder
+    (for the tests that start `pagedkv serve` or its engine from a folder)."""
+    folder = tmp_path_factory.mktemp("tiny-smollm2-vocab")
+    model = tiny_model("llama", seed=0)
+    torch.manual_seed(0)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")

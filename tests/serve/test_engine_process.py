@@ -18,29 +18,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 from serve_support import MODEL_NAME
 
 from pagedkv.core.errors import CapacityError, InvalidArgumentError
 from pagedkv.engine.params import SamplingParams
-from pagedkv.hf.tiny import tiny_model
 from pagedkv.serve.engine_process import ProcessEngine
 from pagedkv.serve.engine_setup import load_engine
 from pagedkv.serve.serve_command import add_arguments
 
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fib(n):"]
 
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    """The tests' tiny Llama (SmolLM2's vocabulary) and SmolLM2's tokenizer, saved as a transformers folder."""
-    folder = tmp_path_factory.mktemp("tiny-engine-process")
-    model = tiny_model("llama", seed=0)
-    torch.manual_seed(0)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def serve_args(folder: Path, *extra: str) -> argparse.Namespace:

@@ -23,26 +23,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-import torch
 from serve_support import MODEL_NAME
-
-from pagedkv.hf.tiny import tiny_model
 
 pytest.importorskip("ray", reason="ray[serve] is not installed (the `ray` extra)")
 
 RAY_PROCESS = re.compile(r"^ray::|raylet|gcs_server|dashboard|runtime_env|log_monitor|monitor\.py")
 
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    """The tests' tiny Llama (SmolLM2's vocabulary) and SmolLM2's tokenizer, saved as a transformers folder."""
-    folder = tmp_path_factory.mktemp("tiny-smollm2-vocab")
-    model = tiny_model("llama", seed=0)
-    torch.manual_seed(0)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def serve_command(model_folder: Path, port: int) -> list[str]:

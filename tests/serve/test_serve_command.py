@@ -16,24 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from serve_support import MODEL_NAME
 
 from pagedkv.bench.serve_procs import descendants
 from pagedkv.cli import main
-from pagedkv.hf.tiny import tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    """The tests' tiny Llama (SmolLM2's vocabulary) and SmolLM2's tokenizer, saved as a transformers folder."""
-    folder = tmp_path_factory.mktemp("tiny-smollm2-vocab")
-    model = tiny_model("llama", seed=0)
-    torch.manual_seed(0)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize(

@@ -124,16 +124,16 @@ class CoreEngine(AsyncEngine):
     server process, and its commands come from it (`serve`)."""
 
     def __init__(self, engine: Engine, conn: Connection) -> None:
-        self._conn: Connection | None = None
+        self._conn = conn
+        self._posting = False  # from `serve` on: the server reads `CoreReady` first
         self._send_lock = threading.Lock()
         super().__init__(engine)
-        self._conn = conn
         self._verb_loop = asyncio.new_event_loop()
         threading.Thread(target=self._verb_loop.run_forever, name="pagedkv-verbs", daemon=True).start()
 
     def serve(self) -> None:
         """Read the server's commands until it says stop or the pipe closes; then shut the engine down."""
-        assert self._conn is not None
+        self._posting = True
         self.start()
         drain_s = SHUTDOWN_S
         while True:
@@ -166,7 +166,7 @@ class CoreEngine(AsyncEngine):
         self._post(("verb", call_id, status, body, self.refusing, self.weight_version))
 
     def _post(self, message: tuple[Any, ...]) -> None:
-        if self._conn is None:
+        if not self._posting:
             return
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock, contextlib.suppress(OSError):  # the server is gone: nobody is listening
