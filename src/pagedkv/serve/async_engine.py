@@ -29,6 +29,14 @@ Contracts:
 - a failure of the engine itself (a forward raising) ends every in-flight stream with `EngineDeadError`
   and stops the loop; `alive` turns False (the server's /health says so);
 - `stats()` is a snapshot the engine thread publishes after each turn: reading it never touches the engine.
+
+`launch(build)` builds the engine on the thread that will step it. torch's OpenMP runtime (libgomp) keeps a
+team of worker threads for each thread that has run a parallel region; with more of them in a process than
+cores, its workers stop spinning between regions and sleep, and each of a step's few hundred parallel
+regions (matrix products, the C layer and attention kernels) waits for one to wake. Weights loaded on one
+thread and stepped on another made two teams: a server's steps took 1.4x the same steps in one thread
+(docs/benchmarks.md). `AsyncEngine(engine).start()` still works where the engine was built on a thread that
+runs no parallel region of more than one thread (tests, tiny models).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -57,6 +66,8 @@ if TYPE_CHECKING:
     from pagedkv.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+A = TypeVar("A", bound="AsyncEngine")
 
 T = TypeVar("T")
 STATS_WINDOW = 4096  # per-step samples the engine keeps (its lists would otherwise grow for weeks)
@@ -184,11 +195,18 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._failure is None and not self._stopping
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Start the engine thread (idempotent; a no-op for an engine `launch` started)."""
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
+        self._snapshot = self._take_snapshot(alive=True)
+
+    def _own_thread(self) -> None:
+        """The calling thread is this engine's thread from now on (`launch`: it runs `_run` next)."""
+        if self._thread is not None:
+            raise EngineStateError("this AsyncEngine's thread has started already")
+        self._thread = threading.current_thread()
         self._snapshot = self._take_snapshot(alive=True)
 
     def stats(self) -> EngineSnapshot:
@@ -532,3 +550,27 @@ def deliver(pairs: list[tuple[RequestStream, list[Any]]]) -> None:
     """On a stream's loop: hand each stream its items of one turn."""
     for stream, items in pairs:
         stream._put(items)
+
+
+def launch(build: Callable[[], tuple[A, T]], *, name: str = "pagedkv-engine") -> tuple[A, T]:
+    """Start the engine thread, run `build` on it (load the weights, build the `Engine` and the
+    `AsyncEngine` over it, and whatever else `build` returns beside it), then that `AsyncEngine`'s loop on
+    the same thread; returns `build`'s answer once it is built. An exception of `build` is raised here, and
+    the thread ends with it. See the module docstring for why the thread that loads is the one that steps."""
+    built: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+
+    def body() -> None:
+        try:
+            client, extra = build()
+            client._own_thread()
+        except BaseException as err:  # handed to the caller, which raises it
+            built.put((False, err))
+            return
+        built.put((True, (client, extra)))
+        client._run()
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    ok, value = built.get()
+    if not ok:
+        raise value
+    return value

@@ -62,6 +62,7 @@ from pagedkv.serve.async_engine import (
     StreamEnd,
     StreamFailure,
     deliver,
+    launch,
 )
 from pagedkv.serve.engine_client import ModelFacts
 from pagedkv.serve.engine_setup import EngineFacts, load_engine
@@ -200,18 +201,22 @@ def run_engine_core(conn: Connection, args: argparse.Namespace) -> None:
     process ignores SIGINT and SIGTERM (Ctrl-C reaches the whole process group)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
+    def build() -> tuple[CoreEngine, EngineFacts]:
         engine, facts = load_engine(args)
+        return CoreEngine(engine, conn), facts
+
+    try:
+        core, facts = launch(build)  # loaded on the thread that steps it (one OpenMP team)
     except Exception as err:  # a bad source or flag, or a model that does not load
         conn.send(CoreFailed(type(err).__name__, str(err)))
         return
+    engine = core.engine
     intake = engine.intake
     model_facts = ModelFacts(engine.config.block_size, int(engine.capacity_tokens), engine.spec.max_position_embeddings)
     try:
         tokenizer = pickle.loads(pickle.dumps(engine.tokenizer))
     except Exception:  # a tokenizer that does not pickle: the server loads its own
         tokenizer = None
-    core = CoreEngine(engine, conn)
     conn.send(CoreReady(facts, model_facts, intake, str(engine.weight_version), tokenizer))
     core.serve()
     conn.close()

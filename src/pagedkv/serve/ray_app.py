@@ -43,7 +43,7 @@ from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.router.replica_stats import EngineGauges, ReplicaStats
-from pagedkv.serve.async_engine import AsyncEngine
+from pagedkv.serve.async_engine import AsyncEngine, launch
 from pagedkv.serve.replica_calls import ReplicaRequest, ReplicaTarget, WrongReplicaError
 
 ROUTERS = ("pagedkv", "prefix-affinity", "pow2")
@@ -98,17 +98,22 @@ class PagedKVReplica:
     def __init__(
         self, engine: str = TINY_ENGINE, remote_url: str | None = None, max_waiting: int = 1024
     ) -> None:
-        built = load_factory(engine)(remote_url)
-        if getattr(built, "kv_events", None) is None:
-            raise InvalidArgumentError(
-                f"the engine from {engine!r} records no KV events: build it with kv_events=True"
-            )
+        def build() -> tuple[_PublishingEngine, Any]:
+            built = load_factory(engine)(remote_url)
+            if getattr(built, "kv_events", None) is None:
+                raise InvalidArgumentError(
+                    f"the engine from {engine!r} records no KV events: build it with kv_events=True"
+                )
+            return _PublishingEngine(built, max_waiting=max_waiting), built.config.hash_fn
+
         host = os.environ.get("PAGEDKV_EVENTS_HOST") or _node_ip()
         self.publisher = ZmqEventPublisher(f"tcp://{host}:*", f"tcp://{host}:*")
-        self.engine = _PublishingEngine(built, max_waiting=max_waiting)
+        try:
+            self.engine, self.hash_fn = launch(build)  # loaded on the thread that steps it (one OpenMP team)
+        except BaseException:
+            self.publisher.close()
+            raise
         self.engine.publisher = self.publisher
-        self.engine.start()
-        self.hash_fn = built.config.hash_fn
         self.replica_id = _replica_id()
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[tuple[str, RequestOutput]]:

@@ -110,11 +110,14 @@ def _build_server(args: argparse.Namespace) -> tuple[Any, socket.socket, str]:
         client, facts = process_engine, process_engine.facts
         where = f"the engine in process {process_engine.pid}"
     else:
-        from pagedkv.serve.async_engine import AsyncEngine
+        from pagedkv.serve.async_engine import AsyncEngine, launch
         from pagedkv.serve.engine_setup import load_engine
 
-        engine, facts = load_engine(args)
-        client = AsyncEngine(engine, max_waiting=args.max_waiting)
+        def build() -> tuple[AsyncEngine, EngineFacts]:
+            engine, facts = load_engine(args)
+            return AsyncEngine(engine, max_waiting=args.max_waiting), facts
+
+        client, facts = launch(build)  # loaded on the thread that steps it (one OpenMP team)
         where = "the engine on a thread"
     try:
         app = build_app(
