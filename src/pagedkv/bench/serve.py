@@ -323,11 +323,13 @@ def _run_served(
     _progress(f"{system} {label}")
     server = started.server
     cpu0, load0 = procs.tree_cpu_seconds(server.pid), os.getloadavg()[0]
+    client0 = time.process_time()  # this process is only the load generator while a served run runs
     results = load.run_load(
         server.base_url, requests, started.extra_body, model=server.model_id, timeout_s=args.timeout
     )
     figure = load.summarize(requests, results)
     figure["server_cpu_s"] = procs.tree_cpu_seconds(server.pid) - cpu0
+    figure["client_cpu_s"] = time.process_time() - client0
     figure["tokens_per_cpu_s"] = figure["output_tokens"] / max(figure["server_cpu_s"], 1e-9)
     figure["loadavg_1m"] = [load0, os.getloadavg()[0]]
     rss = procs.rss_bytes(server.pid)
@@ -387,5 +389,5 @@ def run_offline(
     ordered = [results[r.request_id] for r in requests]
     figure = load.summarize(requests, ordered)
     figure.update(server_cpu_s=cpu, tokens_per_cpu_s=figure["output_tokens"] / max(cpu, 1e-9),
-                  loadavg_1m=[os.getloadavg()[0]] * 2, server_rss_bytes=None)  # fmt: skip
+                  client_cpu_s=0.0, loadavg_1m=[os.getloadavg()[0]] * 2, server_rss_bytes=None)  # fmt: skip
     return figure, {rid: res.text for rid, res in results.items()}
