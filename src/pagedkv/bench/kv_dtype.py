@@ -19,7 +19,7 @@ float32, the baseline every difference is taken against):
   `--contexts` tokens through the path the engine takes on a one-thread CPU: float32 pages and quantized
   pages through the C kernel (`pagedkv.ops.cpu_decode`), bf16 pages with a bf16 query through the entry a
   bf16 model uses (`pagedkv.hf.sdpa.paged_sdpa`: the C kernel where it is built, else the SDPA gather); the
-  median of `--repeat` calls, in CPU time of the calling thread (`time.thread_time`: on a shared machine the
+  median of `--repeat` calls, the dtypes' calls interleaved (one call of each dtype in turn), in CPU time of the calling thread (`time.thread_time`: on a shared machine the
   time the thread is descheduled does not count; one torch thread, so the calls do all their work on it).
 
 Timings are taken on whatever machine runs this, with whatever else it runs: say which when quoting them.
@@ -312,6 +312,7 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
         table = table.to(torch.int32)
         lens = torch.full((args.batch,), context, dtype=torch.int32)
         q32 = torch.randn(args.batch, heads, dim, generator=gen)
+        calls = {}
         for dtype in args.kv_cache_dtypes:
             storage = resolve_kv_cache_dtype(dtype, "float32")
             if storage == "float32":
@@ -331,12 +332,15 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
                 call = partial(paged_sdpa, q16, kv16, plan, options)
                 paths[dtype] = "C kernel (bf16)" if cpu_decode.available(q16, kv16) else "SDPA gather"
             call()  # warm-up (the SDPA plan's masks and buckets are made here)
-            times = []
-            for _ in range(args.repeat):
+            calls[dtype] = call
+        times: dict[str, list[float]] = {dtype: [] for dtype in calls}
+        for _ in range(args.repeat):  # interleaved: a slow spell of the machine touches every dtype alike
+            for dtype, call in calls.items():
                 t0 = time.thread_time()  # CPU time of this thread: on a shared machine, not the time descheduled
                 call()
-                times.append(time.thread_time() - t0)
-            rows[dtype][str(context)] = statistics.median(times)
+                times[dtype].append(time.thread_time() - t0)
+        for dtype, samples in times.items():
+            rows[dtype][str(context)] = statistics.median(samples)
     return {"batch": args.batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "block_size": BLOCK_SIZE,
             "contexts": args.contexts, "paths": paths, "seconds": rows}  # fmt: skip
 
