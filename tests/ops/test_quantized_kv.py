@@ -109,12 +109,13 @@ needs_c = pytest.mark.skipif(cpu_decode.isa() is None, reason="the C decode kern
 @needs_c
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [16, 64, 13, 136])
-def test_c_decode_kernel_reads_codes_in_place(dtype: torch.dtype, dim: int) -> None:
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])  # query heads per KV head: the key loop takes them 3 at a time
+def test_c_decode_kernel_reads_codes_in_place(dtype: torch.dtype, dim: int, group: int) -> None:
     isas = ["generic"] + (["avx2+fma"] if cpu_decode.isa() == "avx2+fma" else [])
     before = cpu_decode.isa()
     assert before is not None
     lens, _ = random_lengths(7, 5, 90, 1)
-    batch = make_batch(7, lens, [1] * 5, block_size=8, group=3, head_dim=dim)
+    batch = make_batch(7, lens, [1] * 5, block_size=8, group=group, head_dim=dim)
     kc, vc, scales, pages = quantized(batch, dtype)
     codes = torch.stack([kc, vc])
     exact = paged_attention(*batch.args(), backend="reference")
