@@ -55,48 +55,53 @@ def block_writes(slot_mapping: torch.Tensor, block_size: int) -> BlockWrites:
 
 
 def scatter_block_codes(
-    cache: torch.Tensor,
-    scales: torch.Tensor,
-    new: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     slot_mapping: torch.Tensor,
     writes: BlockWrites,
 ) -> None:
-    """Write `new` `[T, Hkv, D]` at `slot_mapping` into the codes `cache` `[num_blocks, block_size, Hkv, D]`
-    with its block scales `scales` `[num_blocks, 1, Hkv]` (one of K or V), by the module's rule."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    qmax = QUANT_MAX[cache.dtype]
-    flat_scales = scales.view(num_blocks, num_kv_heads)
-    x = new.float()
-    wanted = torch.zeros((writes.blocks.numel(), num_kv_heads), device=x.device)
-    token_block = writes.token_block[:, None].expand(-1, num_kv_heads)
-    wanted.scatter_reduce_(0, token_block, x.abs().amax(dim=-1), "amax").div_(qmax)
-    old = flat_scales.index_select(0, writes.blocks)
-    kept = (writes.first > 0)[:, None]
+    """Write `key`/`value` `[T, Hkv, D]` at `slot_mapping` into the codes `key_cache`/`value_cache`
+    `[num_blocks, block_size, Hkv, D]` and their block scales `kv_scales` `[2, num_blocks, 1, Hkv]` (K then V),
+    by the module's rule; K and V go through every step together, as one `[2, ...]` tensor."""
+    caches = (key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    dtype, blocks, first = key_cache.dtype, writes.blocks, writes.first
+    flat_scales = kv_scales.view(2, num_blocks, num_kv_heads)
+    x = torch.stack((key, value)).float()  # [2, T, Hkv, D]
+    wanted = torch.zeros((2, blocks.numel(), num_kv_heads), device=x.device)
+    index = writes.token_block[None, :, None].expand(2, -1, num_kv_heads)
+    wanted.scatter_reduce_(1, index, x.abs().amax(dim=-1), "amax").div_(QUANT_MAX[dtype])
+    old = flat_scales.index_select(1, blocks)
+    kept = (first > 0)[None, :, None]
     prev = torch.where(kept, old, 0.0)
     # The blocks whose old codes matter: kept ones whose scale grows, or whose scale 1 may mean "all zero".
-    looked = (kept & ((wanted > old) | (old == 1.0))).any(dim=1).nonzero().squeeze(1)
-    raw = raw_bytes(cache)
+    looked = (kept & ((wanted > old) | (old == 1.0))).any(dim=2).any(dim=0).nonzero().squeeze(1)
     if looked.numel():
-        ids = writes.blocks.index_select(0, looked)
-        old_raw = raw.index_select(0, ids)
-        old_codes = old_raw.view(cache.dtype).float()
-        below = torch.arange(block_size, device=x.device)[None, :] < writes.first.index_select(0, looked)[:, None]
-        below = below[:, :, None, None]
-        nonzero = ((old_codes != 0) & below).any(dim=3).any(dim=1)
-        looked_prev = prev.index_select(0, looked)
+        ids = blocks.index_select(0, looked)
+        old_raw = torch.stack([raw_bytes(cache).index_select(0, ids) for cache in caches])  # [2, R, bs, Hkv, D]
+        old_codes = old_raw.view(dtype).float()
+        below = torch.arange(block_size, device=x.device)[None, :] < first.index_select(0, looked)[:, None]
+        below = below[None, :, :, None, None]
+        nonzero = ((old_codes != 0) & below).any(dim=4).any(dim=2)
+        looked_prev = prev.index_select(1, looked)
         looked_prev = torch.where((looked_prev == 1.0) & ~nonzero, 0.0, looked_prev)
-        prev.index_copy_(0, looked, looked_prev)
+        prev.index_copy_(1, looked, looked_prev)
     scale = torch.maximum(prev, wanted)
     scale = torch.where(scale > 0, scale, 1.0)
     if looked.numel():
-        p, s = looked_prev[:, None, :, None], scale.index_select(0, looked)[:, None, :, None]
+        p, s = looked_prev[:, :, None, :, None], scale.index_select(1, looked)[:, :, None, :, None]
         grown = (s > p) & (p > 0) & below
         if bool(grown.any()):
-            rescaled = raw_bytes(encode_codes(old_codes * p / s, cache.dtype))
-            raw.index_copy_(0, ids, torch.where(grown, rescaled, old_raw))
-    flat_scales.index_copy_(0, writes.blocks, scale)
-    codes = encode_codes(x / scale.index_select(0, writes.token_block)[:, :, None], cache.dtype)
-    raw.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, raw_bytes(codes))
+            rescaled = torch.where(grown, raw_bytes(encode_codes(old_codes * p / s, dtype)), old_raw)
+            for cache, rows in zip(caches, rescaled, strict=True):
+                raw_bytes(cache).index_copy_(0, ids, rows)
+    flat_scales.index_copy_(1, blocks, scale)
+    codes = raw_bytes(encode_codes(x / scale.index_select(1, writes.token_block)[..., None], dtype))
+    for cache, rows in zip(caches, codes, strict=True):
+        raw_bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, rows)
 
 
 def quantize_blocks(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,8 +155,7 @@ def scatter_kv(
 
         if writes is None:
             writes = block_writes(slot_mapping, key_cache.shape[1])
-        for i, (cache, new) in enumerate(((key_cache, key), (value_cache, value))):
-            scatter_block_codes(cache, kv_scales[i], new, slot_mapping, writes)
+        scatter_block_codes(key_cache, value_cache, kv_scales, key, value, slot_mapping, writes)
         return
     if kv_scales is not None:
         flat_scales = kv_scales.view(2, -1, num_kv_heads)
