@@ -55,7 +55,16 @@ def test_every_part_side_by_side(tmp_path: Path) -> None:
         assert table.count(f"\n{d} ") == 3, d
 
 
-@pytest.mark.parametrize("bad", ["int8,auto", "auto,int4", "auto,auto"])
+def test_block_scale_rows(tmp_path: Path) -> None:
+    args = _args(tmp_path, "--kv-cache-dtypes", "auto,bf16,int8,int8/block", "--parts", "capacity")
+    assert kv_dtype.kv_choice("int8/block") == ("int8", "block") and kv_dtype.kv_choice("int8") == ("int8", "token")
+    cap = kv_dtype.capacity(tiny_model("llama"), args)["rows"]
+    assert cap["int8/block"]["engine_bytes_per_block"] < cap["int8"]["engine_bytes_per_block"]
+    assert cap["int8/block"]["engine_requests_admitted"] >= cap["int8"]["engine_requests_admitted"]
+    assert cap["int8/block"]["plan_bytes_per_token"] < cap["int8"]["plan_bytes_per_token"]
+
+
+@pytest.mark.parametrize("bad", ["int8,auto", "auto,int4", "auto,auto", "auto,bf16/block", "auto,int8/tensor"])
 def test_dtype_lists_start_with_the_baseline(bad: str, tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         _args(tmp_path, "--kv-cache-dtypes", bad)

@@ -22,6 +22,16 @@ def test_block_bytes_follow_the_kv_cache_dtype(
 ) -> None:
     seen: list[int] = []
     monkeypatch.setattr(generate_command, "check_fits_memory", lambda n, *_: seen.append(n))
-    args = argparse.Namespace(num_blocks=10, host_blocks=5, block_size=8, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    args = argparse.Namespace(num_blocks=10, host_blocks=5, block_size=8, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                              kv_scale_scheme="token")  # fmt: skip
     generate_command._check_block_memory(args, CONFIG)
     assert seen == [15 * 8 * 2 * 3 * 2 * bytes_per_token_per_layer_head]
+
+
+def test_block_scales_count_once_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    monkeypatch.setattr(generate_command, "check_fits_memory", lambda n, *_: seen.append(n))
+    args = argparse.Namespace(num_blocks=10, host_blocks=5, block_size=8, dtype="float32", kv_cache_dtype="int8",
+                              kv_scale_scheme="block")  # fmt: skip
+    generate_command._check_block_memory(args, CONFIG)
+    assert seen == [15 * 2 * 3 * 2 * (8 * 16 + 4)]  # blocks x K/V x layers x KV heads x (codes + one scale)

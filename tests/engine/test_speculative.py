@@ -162,6 +162,19 @@ def test_ngram_greedy_is_identical_and_accepts_drafts() -> None:
     assert engine.stats.num_steps < max(len(o.output_token_ids) for o in outs) + len(prompts)
 
 
+def test_rollback_over_block_scaled_pages() -> None:
+    """Rejected drafts roll back into blocks with one scale per block (`kv_scale_scheme="block"`): the rewrite
+    from offset k > 0 keeps the block's scale (precision only); on these prompts the tokens stay the
+    non-speculative ones and nothing leaks."""
+    prompts = copying_prompts((5, 17, 9, 30, 3), seed=0)
+    kv = {"kv_cache_dtype": "int8", "kv_scale_scheme": "block"}
+    _, plain = run(prompts, 24, None, **kv)
+    engine, outs = run(prompts, 24, SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, budget=False), **kv)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    spec = engine.stats.spec
+    assert spec is not None and 0 < spec.num_accepted_tokens < spec.num_draft_tokens, "no draft was rejected"
+
+
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),

@@ -78,6 +78,27 @@ def test_compiled_write_is_bit_exact() -> None:
     assert torch.equal(caches[0].view(torch.int16), caches[2].view(torch.int16))
 
 
+@pytest.mark.parametrize("block_size,max_q", [(16, 1), (256, 9), (7, 40)])
+def test_compiled_kernel_reads_int8_codes_with_block_scales(block_size: int, max_q: int) -> None:
+    """One scale per block and KV head (`BLOCK_SCALES`), written on CUDA by the reference block rule."""
+    from pagedkv.storage.block_scales import block_writes
+
+    lens, q_lens = random_lengths(block_size, 4, 600, max_q)
+    batch = make_batch(block_size, lens, q_lens, block_size=block_size, group=4, head_dim=128)
+    q, kc, vc, *rest = _cuda(batch)
+    live = ~kc.isnan().any(dim=-1)
+    k8, v8 = torch.zeros_like(kc, dtype=torch.int8), torch.zeros_like(vc, dtype=torch.int8)
+    scales = torch.ones((2, kc.shape[0], 1, kc.shape[2]), device="cuda")
+    slots = live.any(dim=-1).view(-1).nonzero().squeeze(1)
+    rows = (kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots])
+    write_kv(k8, v8, *rows, slots, kv_scales=scales)  # the reference's block rule, on CUDA
+    assert block_writes(slots, block_size).blocks.numel() == int(live.any(dim=(1, 2)).sum())
+    ref = paged_attention(q, k8, v8, *rest, kv_scales=scales, backend="reference")
+    out = paged_attention(q, k8, v8, *rest, kv_scales=scales, backend="triton")
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2-sw"])
 def test_engine_greedy_on_cuda_matches_generate(family: str) -> None:
     from pagedkv.engine.config import EngineConfig

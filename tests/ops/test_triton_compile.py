@@ -10,8 +10,8 @@ same functions the launches use (`attention_constexprs`, `merge_constexprs`, `wr
 Coverage without the cross product: per architecture, a covering set in which every value of every
 dimension appears (decode/prefill; GQA groups 1-16; head dims 64/80/96/128/256; block sizes 1-256, i.e.
 every power of two plus an odd size, which takes the runtime-block-size path; window, soft cap and
-attention sinks on/off; float16/bfloat16/float32 caches, int8 caches with per-token-head scales (both
-targets), and fp8 (e4m3 per-tensor, e5m2 with per-token-head scales) on sm_90, the only target the dispatcher
+attention sinks on/off; float16/bfloat16/float32 caches, int8 caches with per-token-head and with per-block
+scales (both targets), and fp8 (e4m3 per-tensor, e5m2 with per-token-head and per-block scales) on sm_90, the only target the dispatcher
 sends fp8 to; split on/off), plus the register-heaviest corners (prefill, head dim 256, group 16, float32, every option on). A spill is
 what cuobjdump reports as a stack frame or local memory (Triton's `n_spills` is that local size / 4).
 Compiles are cached by Triton (~/.triton/cache): a warm rerun takes seconds.
@@ -59,11 +59,13 @@ class Spec:
     dtype: str
     split: bool
     sinks: bool = False
+    block_scales: bool = False  # a scaled dtype's sidecar holds one scale per block and KV head
 
     def __str__(self) -> str:
         mode = "decode" if self.decode else "prefill"
         opts = "".join(c for c, on in (("w", self.window), ("c", self.soft_cap), ("s", self.split), ("k", self.sinks)) if on)
-        return f"sm{self.arch}-{mode}-g{self.group}-d{self.head_dim}-bs{self.block_size}-{self.dtype}-{opts or 'plain'}"
+        blk = "-blk" if self.block_scales else ""
+        return f"sm{self.arch}-{mode}-g{self.group}-d{self.head_dim}-bs{self.block_size}-{self.dtype}{blk}-{opts or 'plain'}"
 
 
 def covering_specs() -> list[Spec]:
@@ -96,6 +98,10 @@ def covering_specs() -> list[Spec]:
             specs.append(Spec(arch, True, 4, 128, 16, i == 0, False, dtype, True))
             specs.append(Spec(arch, False, 8, 64, 32, False, i == 0, dtype, False, True))
             specs.append(Spec(arch, False, 16, 256, 24, True, True, dtype, True, True))  # heaviest, runtime block size
+            # one scale per block: each block-size path (vector of blocks, one block, runtime size)
+            specs.append(Spec(arch, True, 4, 128, 16, i == 0, False, dtype, True, block_scales=True))
+            specs.append(Spec(arch, False, 8, 64, 256, False, i == 0, dtype, False, True, block_scales=True))
+            specs.append(Spec(arch, False, 16, 256, 24, True, True, dtype, True, True, block_scales=True))
     return specs
 
 
@@ -109,6 +115,7 @@ def test_specs_cover_every_value() -> None:
         assert {s.head_dim for s in mine} == set(HEAD_DIMS)
         assert {s.block_size for s in mine} == set(BLOCK_SIZES)
         assert {s.dtype for s in mine} == set((*DTYPES, *SCALED) if arch >= 89 else (*DTYPES[:3], "int8"))
+        assert {s.dtype for s in mine if s.block_scales} == set(SCALED if arch >= 89 else ("int8",))
         for attr in ("decode", "window", "soft_cap", "split", "sinks"):
             assert {getattr(s, attr) for s in mine} == {True, False}, attr
 
@@ -145,7 +152,8 @@ def test_attention_kernel_compiles(spec: Spec, compiler: Callable[..., dict[str,
                         cache_bits=cache_dtype.itemsize * 8)
     constexprs = tk.attention_constexprs(cfg, spec.head_dim, window=spec.window, soft_cap=spec.soft_cap,
                                          query_dtype=query_dtype, cache_dtype=cache_dtype, split=spec.split,
-                                         sinks=spec.sinks, kv_scales=spec.dtype in SCALED)
+                                         sinks=spec.sinks, kv_scales=spec.dtype in SCALED,
+                                         block_scales=spec.block_scales)
     # The runtime JIT turns integer arguments equal to 1 into constants; do the same for those a spec fixes.
     for name, value in (("group", spec.group), ("block_size", spec.block_size)):
         if value == 1:

@@ -1,5 +1,6 @@
 """`--kv-cache-dtype` in `pagedkv plan` and `pagedkv simulate`: the KV bytes per token (scales included) and
-the requests that fit follow the dtype, through the one arithmetic (`pagedkv.storage.kv_spec.kv_bytes_per_token`)."""
+the requests that fit follow the dtype and the scale scheme (`--kv-scale-scheme`), through the one arithmetic
+(`pagedkv.storage.kv_spec.kv_bytes_per_block`)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,25 @@ def test_simulate_takes_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "KV per token (fp8_e5m2: 1-byte values + a float32 scale per token and KV head) 12,240 bytes" in (
         capsys.readouterr().out
     )
+
+
+def test_block_scales_in_plan_and_simulate(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = BUILTIN_MODELS["llama-3-8b"]
+    block = dataclasses.replace(llama, kv_cache_dtype="int8", kv_scale_scheme="block")
+    assert block.kv_bytes_per_block(16) == KVCacheSpec(32, 8, 128, "int8", "block").bytes_per_block(16)
+    assert block.kv_bytes_per_block(16) == 2 * 32 * 8 * (16 * 128 + 4)
+    with pytest.raises(InvalidArgumentError, match="'block' needs a quantized KV cache dtype"):
+        dataclasses.replace(llama, kv_scale_scheme="block")
+    plans = {}
+    for kv in (["auto"], ["int8"], ["int8", "--kv-scale-scheme", "block"]):
+        assert plan_main([*ARGS, "--kv-cache-dtype", *kv]) == 0
+        plans[kv[-1]] = json.loads(capsys.readouterr().out)
+    assert plans["block"]["bytes_per_token"] == 2 * 32 * 8 * 128 + 2 * 32 * 8 * 4 // 16 == 65664
+    assert plans["block"]["bytes_per_block"] == 16 * 65664
+    conc = {k: p["allocators"]["paged"]["max_concurrent_memory"] for k, p in plans.items()}
+    assert conc["block"] >= conc["int8"] and conc["block"] / conc["auto"] >= 1.95, conc
+    args = ["--model", "smollm2-135m", "--allocators", "paged", "--num-requests", "30", "--no-progress"]
+    assert simulate_main([*args, "--kv-cache-dtype", "int8", "--kv-scale-scheme", "block", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_per_token"] == (2 * 30 * 3 * (16 * 64 + 4)) / 16
+    assert simulate_main([*args, "--kv-scale-scheme", "block"]) == 2
+    assert "'block' needs a quantized KV cache dtype" in capsys.readouterr().err

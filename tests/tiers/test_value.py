@@ -85,6 +85,21 @@ def test_fingerprint_separates_every_field() -> None:
         model_fingerprint(**base, tp_rank=2, tp_size=2)  # type: ignore[arg-type]
 
 
+def test_scale_schemes_differ_in_bytes_and_fingerprint() -> None:
+    """int8 blocks with a scale per token or per block: other payload sizes, other fingerprints."""
+    from pagedkv.storage.kv_spec import KVCacheSpec
+
+    shape = (2, 2, 16, 4, 8)
+    token, block = BlockLayout("int8", shape), BlockLayout("int8", shape, "block")
+    assert token.nbytes == 2 * 2 * 4 * 16 * (8 + 4) and block.nbytes == 2 * 2 * 4 * (16 * 8 + 4)
+    with pytest.raises(InvalidArgumentError, match="needs a quantized"):
+        BlockLayout("float16", shape, "block")
+    base = dict(model_id="m", dtype="int8", num_layers=2, num_kv_heads=4, head_dim=8, block_size=16)
+    ids = [KVCacheSpec(2, 4, 8, "int8", scheme).scale_scheme_id for scheme in ("token", "block")]
+    fps = {model_fingerprint(**base, kv_scales=i) for i in ids}  # type: ignore[arg-type]
+    assert ids == ["per-token-head-f32", "per-block-head-f32"] and len(fps) == 2
+
+
 def test_store_key_format() -> None:
     assert store_key("fp", b"\x01\xff") == b"pkv:v1:fp:01ff"
     assert key_bytes(b"ab") == b"ab" and key_bytes(-1) == b"\xff" * 8

@@ -191,6 +191,7 @@ def run_pagedkv(
         ),
         num_host_blocks=cfg["host_blocks"],
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_scale_scheme=args.kv_scale_scheme,
         linear_backend=args.linear_backend,
         speculative=args.speculative if cfg["speculative"] != "off" else None,
     )
@@ -586,6 +587,7 @@ def _result(
         "kv_budget_blocks": args.num_blocks,
         "block_size": args.block_size,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_scale_scheme": args.kv_scale_scheme,
         "requests": len(workload),
         "trace_offset": args.trace_offset,
         "prompt_tokens_mean": float(np.mean([len(r.prompt_token_ids) for r in workload])),

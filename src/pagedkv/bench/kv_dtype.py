@@ -1,7 +1,8 @@
 """`pagedkv bench kv-dtype`: every KV cache dtype side by side in one run: accuracy, capacity, attention speed.
 
-For each `--kv-cache-dtypes` entry (default: auto, bf16, int8, fp8_e4m3, fp8_e5m2; "auto" is the model's
-float32, the baseline every difference is taken against):
+For each `--kv-cache-dtypes` entry (default: auto, bf16, int8, int8/block, fp8_e4m3, fp8_e4m3/block, fp8_e5m2,
+fp8_e5m2/block; "auto" is the model's float32, the baseline every difference is taken against; `dtype/block`
+is a quantized dtype with one scale per block and KV head, `--kv-scale-scheme block`, the others per token):
 
 - accuracy, on a real model (SmolLM2-135M by default) over real text (`--text-file`, several thousand
   tokens): the text goes through the engine as one prompt in chunks of `--chunk` tokens with
@@ -39,20 +40,33 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.engine.cli_args import byte_size, int_at_least, positive_int, use_threads
-from pagedkv.storage.kv_spec import KV_CACHE_DTYPES
+from pagedkv.storage.kv_spec import KV_CACHE_DTYPES, check_kv_scale_scheme
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
-DEFAULT_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
+DEFAULT_DTYPES = ("auto", "bf16", "int8", "int8/block", "fp8_e4m3", "fp8_e4m3/block", "fp8_e5m2", "fp8_e5m2/block")
 BLOCK_SIZE = 16
+
+
+def kv_choice(entry: str) -> tuple[str, str]:
+    """(kv_cache_dtype, kv_scale_scheme) of a `--kv-cache-dtypes` entry: `dtype` or `dtype/scheme`."""
+    dtype, _, scheme = entry.partition("/")
+    return dtype, scheme or "token"
 
 
 def _dtype_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in KV_CACHE_DTYPES]
+    bad = [n for n in names if kv_choice(n)[0] not in KV_CACHE_DTYPES]
+    for name in names:
+        try:
+            check_kv_scale_scheme(kv_choice(name)[1], kv_choice(name)[0])
+        except InvalidArgumentError:
+            bad.append(name)
     if not names or bad or names[0] != "auto" or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: a comma-separated list of {', '.join(KV_CACHE_DTYPES)}, starting with auto (the baseline)"
+            f"{text!r}: a comma-separated list of {', '.join(KV_CACHE_DTYPES)} (a quantized one may end in /block: "
+            "one scale per block), starting with auto (the baseline)"
         )
     return names
 
@@ -167,13 +181,14 @@ def run(args: argparse.Namespace) -> int:
 # --- accuracy --------------------------------------------------------------------------------------------
 
 
-def _engine(model: Any, dtype: str, num_blocks: int, chunk: int) -> Any:
+def _engine(model: Any, entry: str, num_blocks: int, chunk: int) -> Any:
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import Engine
     from pagedkv.engine.scheduler import SchedulerConfig
 
+    dtype, scheme = kv_choice(entry)
     scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=256)
-    config = EngineConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, kv_cache_dtype=dtype,
+    config = EngineConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, kv_cache_dtype=dtype, kv_scale_scheme=scheme,
                           enable_prefix_caching=False, scheduler=scheduler)  # fmt: skip
     return Engine(model, None, config)  # token ids in and out: no text
 
@@ -257,16 +272,18 @@ def capacity(model: Any, args: argparse.Namespace) -> dict[str, Any]:
               "--max-num-seqs", "4096", "--json"]  # fmt: skip
     rows: dict[str, Any] = {}
     rng = np.random.default_rng(0)
-    for dtype in args.kv_cache_dtypes:
-        plan = _quiet_json(plan_main, [*common, "--kv-cache-dtype", dtype, "--allocators", "paged"])
+    for entry in args.kv_cache_dtypes:
+        dtype, scheme = kv_choice(entry)
+        kv = ["--kv-cache-dtype", dtype, "--kv-scale-scheme", scheme]
+        plan = _quiet_json(plan_main, [*common, *kv, "--allocators", "paged"])
         burst = ["--arrivals", "poisson", "--rate", str(args.sim_rate), "--allocators", "paged", "--no-progress"]
-        sim = _quiet_json(simulate_main, [*common, "--kv-cache-dtype", dtype, *burst])
-        engine = Engine(model, None, EngineConfig(kv_budget_bytes=args.budget, block_size=BLOCK_SIZE,
-                                                  kv_cache_dtype=dtype, enable_prefix_caching=False))  # fmt: skip
+        sim = _quiet_json(simulate_main, [*common, *kv, *burst])
+        engine = Engine(model, None, EngineConfig(kv_budget_bytes=args.budget, block_size=BLOCK_SIZE, kv_cache_dtype=dtype,
+                                                  kv_scale_scheme=scheme, enable_prefix_caching=False))  # fmt: skip
         admitted = 0
         while engine.manager.admit(rng.integers(3, 1000, size=args.request_tokens)) is not None:
             admitted += 1
-        rows[dtype] = {
+        rows[entry] = {
             "plan_bytes_per_token": plan["bytes_per_token"],
             "plan_max_concurrent": plan["allocators"]["paged"]["max_concurrent_memory"],
             "simulate_peak_concurrency": sim["allocators"]["paged"]["peak_concurrency"],
@@ -292,6 +309,7 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.hf.sdpa import SdpaPlan, paged_sdpa
     from pagedkv.ops import cpu_decode
     from pagedkv.ops.options import AttentionOptions
+    from pagedkv.storage.block_scales import quantize_blocks
     from pagedkv.storage.kv import torch_dtype
     from pagedkv.storage.kv_spec import resolve_kv_cache_dtype
     from pagedkv.storage.slots import quantize_rows
@@ -314,14 +332,15 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
         q32 = torch.randn(args.batch, heads, dim, generator=gen)
         calls = {}
         for dtype in args.kv_cache_dtypes:
-            storage = resolve_kv_cache_dtype(dtype, "float32")
+            storage = resolve_kv_cache_dtype(kv_choice(dtype)[0], "float32")
             if storage == "float32":
                 call, paths[dtype] = (
                     partial(cpu_decode.decode_attention, q32, kv32, table, lens, options),
                     "C kernel",
                 )
             elif storage in ("int8", "float8_e4m3fn", "float8_e5m2"):
-                codes, scales = quantize_rows(kv32, torch_dtype(storage))
+                per_block = kv_choice(dtype)[1] == "block"
+                codes, scales = (quantize_blocks if per_block else quantize_rows)(kv32, torch_dtype(storage))
                 call = partial(
                     cpu_decode.decode_attention, q32, codes, table, lens, options, scales=scales.contiguous()
                 )
@@ -355,17 +374,17 @@ def text(result: dict[str, Any]) -> str:
     if "accuracy" in result:
         acc = result["accuracy"]
         out += ["", f"accuracy: {acc['tokens']} tokens of {acc['text']}, prefill chunks of {acc['chunk']}",
-                f"{'kv dtype':<10} {'ppl':>9} {'d ppl':>8} {'|d lp| mean':>12} {'p99':>8} {'max':>8} "
+                f"{'kv dtype':<15} {'ppl':>9} {'d ppl':>8} {'|d lp| mean':>12} {'p99':>8} {'max':>8} "
                 f"{'greedy agree':>13} {'identical':>10}"]  # fmt: skip
         for d in dtypes:
             r = acc["rows"][d]
             if "perplexity_change" not in r:
                 out.append(
-                    f"{d:<10} {r['perplexity']:>9.4f} {'-':>8} {'-':>12} {'-':>8} {'-':>8} {'-':>13} {'-':>10}"
+                    f"{d:<15} {r['perplexity']:>9.4f} {'-':>8} {'-':>12} {'-':>8} {'-':>8} {'-':>13} {'-':>10}"
                 )
                 continue
             out.append(
-                f"{d:<10} {r['perplexity']:>9.4f} {100 * r['perplexity_change']:>+7.3f}% "
+                f"{d:<15} {r['perplexity']:>9.4f} {100 * r['perplexity_change']:>+7.3f}% "
                 f"{r['logprob_abs_diff_mean']:>12.5f} {r['logprob_abs_diff_p99']:>8.4f} {r['logprob_abs_diff_max']:>8.4f} "
                 f"{100 * r['greedy_token_agreement']:>12.1f}% {r['greedy_identical']:>5}/{r['greedy_prompts']:<4}"
             )
@@ -375,7 +394,7 @@ def text(result: dict[str, Any]) -> str:
         out += ["", f"capacity: plan and simulate (Poisson arrivals at {cap['sim_rate']}/s) of {cap['plan_model']} on "
                 f"{cap['plan_gpu']}, paged; CPU engine: {cap['budget_bytes'] / 2**20:g} MiB of KV, requests of "
                 f"{cap['request_tokens']} tokens admitted; x {ref}: ratios to the {ref} row",
-                f"{'kv dtype':<10} {'bytes/tok':>10} {'plan conc':>10} {'x ' + ref:>7} {'sim peak':>9} {'sim mean':>9} "
+                f"{'kv dtype':<15} {'bytes/tok':>10} {'plan conc':>10} {'x ' + ref:>7} {'sim peak':>9} {'sim mean':>9} "
                 f"{'preempt':>8} {'sim tok/s':>10} {'cpu blocks':>11} {'cpu reqs':>9} {'x ' + ref:>7}"]  # fmt: skip
         base = cap["rows"][ref]
         for d in dtypes:
@@ -383,7 +402,7 @@ def text(result: dict[str, Any]) -> str:
             plan_x = r["plan_max_concurrent"] / base["plan_max_concurrent"] if base["plan_max_concurrent"] else math.nan
             cpu_x = (r["engine_requests_admitted"] / base["engine_requests_admitted"]
                      if base["engine_requests_admitted"] else math.nan)  # fmt: skip
-            out.append(f"{d:<10} {r['plan_bytes_per_token']:>10,} {r['plan_max_concurrent']:>10} {plan_x:>7.2f} "
+            out.append(f"{d:<15} {r['plan_bytes_per_token']:>10,} {r['plan_max_concurrent']:>10} {plan_x:>7.2f} "
                        f"{r['simulate_peak_concurrency']:>9} {r['simulate_mean_concurrency']:>9.1f} "
                        f"{r['simulate_preemptions']:>8} {r['simulate_tokens_per_s']:>10.0f} "
                        f"{r['engine_num_blocks']:>11} {r['engine_requests_admitted']:>9} {cpu_x:>7.2f}")  # fmt: skip
@@ -392,8 +411,8 @@ def text(result: dict[str, Any]) -> str:
         ctx = [str(c) for c in sp["contexts"]]
         out += ["", f"decode attention, one call: batch {sp['batch']}, {sp['heads']} heads / {sp['kv_heads']} KV "
                 f"heads x {sp['head_dim']}, block {sp['block_size']}; CPU ms of the calling thread (median)",
-                f"{'kv dtype':<10} {'path':<17} " + " ".join(f"{c:>8}" for c in ctx)]  # fmt: skip
+                f"{'kv dtype':<15} {'path':<17} " + " ".join(f"{c:>8}" for c in ctx)]  # fmt: skip
         for d in dtypes:
             ms = " ".join(f"{1000 * sp['seconds'][d][c]:>8.3f}" for c in ctx)
-            out.append(f"{d:<10} {sp['paths'][d]:<17} {ms}")
+            out.append(f"{d:<15} {sp['paths'][d]:<17} {ms}")
     return "\n".join(out)

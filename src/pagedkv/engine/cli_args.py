@@ -136,14 +136,19 @@ def add_block_size(parser: argparse.ArgumentParser | argparse._ArgumentGroup, de
 
 
 def add_kv_cache_dtype(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """`--kv-cache-dtype`, the one declaration of how K/V are stored (`EngineConfig.kv_cache_dtype`, the
-    planner's and the simulator's KV bytes per token)."""
-    from pagedkv.storage.kv_spec import KV_CACHE_DTYPES
+    """`--kv-cache-dtype` and `--kv-scale-scheme`, the one declaration of how K/V are stored
+    (`EngineConfig.kv_cache_dtype` and `kv_scale_scheme`, the planner's and the simulator's KV bytes)."""
+    from pagedkv.storage.kv_spec import KV_CACHE_DTYPES, KV_SCALE_SCHEMES
 
     parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-        help="how K/V are stored: auto (the model's dtype), bf16, or one byte per value with a float32 scale per "
-        "token and KV head: int8, fp8_e4m3, fp8_e5m2 (docs/quantized-kv.md)",
+        help="how K/V are stored: auto (the model's dtype), bf16, or one byte per value with float32 scales "
+        "(see --kv-scale-scheme): int8, fp8_e4m3, fp8_e5m2 (docs/quantized-kv.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-scale-scheme", choices=KV_SCALE_SCHEMES, default="token",
+        help="scales of a quantized --kv-cache-dtype: one per token and KV head (token, the default) or one per "
+        "block and KV head (block: 2x the tokens of bf16 in one budget)",
     )  # fmt: skip
 
 

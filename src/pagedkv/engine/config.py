@@ -20,7 +20,7 @@ from pagedkv.core.prefix import KEY_FUNCTIONS
 from pagedkv.engine.managers import MANAGER_KINDS, ManagerKind
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.engine.speculative.config import SpeculativeConfig
-from pagedkv.storage.kv_spec import KV_CACHE_DTYPES
+from pagedkv.storage.kv_spec import KV_CACHE_DTYPES, check_kv_scale_scheme
 
 _UNITS = {
     "": 1,
@@ -65,8 +65,10 @@ class EngineConfig:
     # operations, "transformers" runs the model's own modules, "auto" fuses where the model allows it.
     model_forward: Literal["auto", "fused", "transformers"] = "auto"
     # How K/V are stored (pagedkv.storage.kv_spec.KV_CACHE_DTYPES; docs/quantized-kv.md): "auto" (the model's dtype),
-    # "bf16", or one-byte codes with a float32 scale per token and KV head: "int8", "fp8_e4m3", "fp8_e5m2".
+    # "bf16", or one-byte codes with float32 scales: "int8", "fp8_e4m3", "fp8_e5m2"; their scales are one per
+    # token and KV head (kv_scale_scheme "token") or one per block and KV head ("block", quantized dtypes only).
     kv_cache_dtype: str = "auto"
+    kv_scale_scheme: str = "token"
     # Tiers below the device (docs/tiers.md): evicted prefix blocks go to host RAM, then disk; published
     # blocks are written through to a Redis store shared by replicas ("redis://..." or "unix://...").
     host_blocks: int = 0
@@ -181,6 +183,7 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        check_kv_scale_scheme(self.kv_scale_scheme, self.kv_cache_dtype)
         if self.eviction not in EVICTION_POLICIES:
             raise InvalidArgumentError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.hash_fn not in KEY_FUNCTIONS:

@@ -88,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         disk_bytes=0 if args.disk_bytes is None else args.disk_bytes,
         remote_url=args.remote_url,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_scale_scheme=args.kv_scale_scheme,
         linear_backend=args.linear_backend,
         speculative=args.speculative,
     )

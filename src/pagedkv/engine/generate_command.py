@@ -213,7 +213,7 @@ def _check_block_memory(args: argparse.Namespace, model_config: Any) -> None:
     layers = getattr(model_config, "num_hidden_layers", 1) or 1
     model_dtype = resolve_dtype(args.dtype) or getattr(model_config, "dtype", None) or "float32"
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
-    per_block = KVCacheSpec(layers, kv_heads, head_dim, kv_dtype).bytes_per_block(args.block_size)
+    per_block = KVCacheSpec(layers, kv_heads, head_dim, kv_dtype, args.kv_scale_scheme).bytes_per_block(args.block_size)
     blocks = (args.num_blocks or 0) + args.host_blocks
     if blocks:
         check_fits_memory(blocks * per_block, f"{blocks:,} KV blocks", "lower --num-blocks or --host-blocks")

@@ -138,6 +138,7 @@ class Engine:
             attention_backend=cfg.attention_backend,
             layer_groups=self.layer_groups,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            kv_scale_scheme=cfg.kv_scale_scheme,
         )
         self.kv_budget_bytes = num_blocks * bytes_per_block
         if self.draft is not None:  # as many blocks of its own as the target's
@@ -198,7 +199,8 @@ class Engine:
         """(device blocks, host blocks, bytes per device block) from the block count or the byte budget;
         host blocks default to as many as the device's when preemption swaps."""
         cfg = self.config
-        bytes_per_block = cache_spec(self.spec, self.layer_groups, cfg.kv_cache_dtype).bytes_per_block(cfg.block_size)
+        spec = cache_spec(self.spec, self.layer_groups, cfg.kv_cache_dtype, cfg.kv_scale_scheme)
+        bytes_per_block = spec.bytes_per_block(cfg.block_size)
         draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0  # the budget split with it
         num_blocks = (
             cfg.num_blocks

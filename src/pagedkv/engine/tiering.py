@@ -231,11 +231,11 @@ def _build_store(config: EngineConfig, storage: KVStorage, model_id: str, weight
     shape = block_shape(storage)
     fingerprint = model_fingerprint(
         model_id, storage.spec.dtype, shape[0], shape[3], shape[4], storage.block_size, weights=weights,
-        kv_scales=storage.spec.scale_scheme,
+        kv_scales=storage.spec.scale_scheme_id,
     )
     remote = RemoteSettings(config.remote_timeout_s, config.remote_backoff_s, required=config.remote_required)
     return TieredStore.build(
-        BlockLayout(storage.spec.dtype, shape), fingerprint, host_blocks=config.host_blocks,
+        BlockLayout(storage.spec.dtype, shape, storage.spec.kv_scale_scheme), fingerprint, host_blocks=config.host_blocks,
         disk_path=config.disk_path, disk_bytes=config.disk_bytes, remote_url=config.remote_url,
         pin_memory=storage.device.type == "cuda", remote=remote,
     )  # fmt: skip

@@ -35,6 +35,7 @@ from pagedkv.hf.model_spec import ModelSpec
 from pagedkv.hf.sdpa import SdpaPlan
 from pagedkv.hf.step_metadata import StepBatch
 from pagedkv.ops.plan import AttentionPlan, plan_attention
+from pagedkv.storage.block_scales import block_writes
 from pagedkv.storage.kv import HostBlocks, KVStorage
 from pagedkv.storage.kv_spec import KVCacheSpec, resolve_kv_cache_dtype
 from pagedkv.storage.slots import check_write_args, scatter_kv
@@ -67,7 +68,8 @@ class PagedKVCache:
         shape = (*storage.data.shape[:2], num_host_blocks, *storage.data.shape[3:])
         self.host = torch.zeros(shape, dtype=storage.data.dtype, device="cpu")
         # quantized pages: the host pool keeps the blocks' scales too (pagedkv.storage.kv)
-        self.host_scales = torch.ones(shape[:-1]) if storage.scales is not None else None
+        scales = storage.scales
+        self.host_scales = torch.ones((*shape[:3], *scales.shape[3:])) if scales is not None else None
 
     @classmethod
     def for_model(
@@ -81,17 +83,18 @@ class PagedKVCache:
         attention_backend: str = "auto",
         layer_groups: Sequence[LayerGroup] | None = None,
         kv_cache_dtype: str = "auto",
+        kv_scale_scheme: str = "token",
     ) -> PagedKVCache:
         """Zeroed pages for `spec`'s layers (with `layer_groups`: one slot per layer of the largest group,
-        see the module docstring), stored as `kv_cache_dtype` (`pagedkv.storage.kv_spec.KV_CACHE_DTYPES`). Range
-        checks are off: the allocator is the source of truth."""
+        see the module docstring), stored as `kv_cache_dtype` (`pagedkv.storage.kv_spec.KV_CACHE_DTYPES`) with
+        `kv_scale_scheme`'s scales when quantized. Range checks are off: the allocator is the source of truth."""
         if num_blocks < 2:
             raise InvalidArgumentError(
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
             )
         layer_map = group_layer_map(layer_groups, spec.num_layers) if layer_groups is not None else None
-        storage = KVStorage(cache_spec(spec, layer_groups, kv_cache_dtype), num_blocks, block_size, device,
-                            validate=False)  # fmt: skip
+        storage = KVStorage(cache_spec(spec, layer_groups, kv_cache_dtype, kv_scale_scheme), num_blocks, block_size,
+                            device, validate=False)  # fmt: skip
         return cls(storage, num_host_blocks=num_host_blocks, attention_backend=attention_backend, layer_map=layer_map)
 
     def locate(self, layer_idx: int) -> tuple[int, int]:
@@ -219,7 +222,10 @@ class PagedStep:
         slots = self.batches[group].slot_mapping
         check_write_args(k0, v0, key, value, slots, check_range=storage.validate)
         data = storage.data
-        scales = storage.scales  # quantized pages: codes and per-token-head scales in one pass
+        scales = storage.scales  # quantized pages: codes and their scales in one pass
+        if scales is not None and storage.spec.block_scales:  # the reference's block rule, on any device
+            writes = block_writes(slots, storage.block_size)  # once for every layer of the step
+            return lambda i, k, v: scatter_kv(data[i, 0], data[i, 1], k, v, slots, kv_scales=scales[i], writes=writes)
         backend = choose_backend(k0.device, cache_dtype=k0.dtype, op="write", scaled=scales is not None)
         if backend == "triton" and scales is not None:
             from pagedkv.ops.triton_kernels import write_kv_codes_triton
@@ -275,11 +281,12 @@ def group_layer_map(groups: Sequence[LayerGroup], num_layers: int) -> tuple[tupl
 
 
 def cache_spec(
-    spec: ModelSpec, layer_groups: Sequence[LayerGroup] | None, kv_cache_dtype: str = "auto"
+    spec: ModelSpec, layer_groups: Sequence[LayerGroup] | None, kv_cache_dtype: str = "auto",
+    kv_scale_scheme: str = "token",
 ) -> KVCacheSpec:
     """The storage shape: every layer, or (with groups) the layer slots of one page, in the storage dtype
-    `kv_cache_dtype` names ("auto": the model's)."""
+    `kv_cache_dtype` names ("auto": the model's), quantized ones with `kv_scale_scheme`'s scales."""
     base = spec.kv_cache_spec()
     num_layers = base.num_layers if layer_groups is None else layers_per_block(layer_groups)
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, base.dtype)
-    return KVCacheSpec(num_layers, base.num_kv_heads, base.head_dim, dtype)
+    return KVCacheSpec(num_layers, base.num_kv_heads, base.head_dim, dtype, kv_scale_scheme)

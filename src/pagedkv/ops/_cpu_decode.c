@@ -34,7 +34,8 @@ to float32, with half the page bytes to read.
 decode_codes(query, codes, scales, lut, block_table, seq_lens, out, scale, window, kind)
 
   codes       uint8   [2, NB, BS, Hkv, D]   one layer's quantized pages (int8 or fp8 bit patterns), K then V
-  scales      float32 [2, NB, BS, Hkv]      the scale of each token's KV head: its value is code * scale
+  scales      float32 [2, NB, S, Hkv]       S = BS: the scale of each token's KV head; S = 1: of each block's
+                                            KV head (the block scheme); a value is code * its scale
   lut         float32 [256]                 the value of each code before scaling (int8: the integer; fp8: the float)
 
 The same attention over the pages' values, computed as the float32 kernel computes it over pages holding
@@ -152,7 +153,7 @@ static void decode_generic(const DecodeArgs *a, float *scores, const char **rows
 }
 
 
-/* ---- quantized pages: one-byte codes and a float32 scale per token and KV head ---- */
+/* ---- quantized pages: one-byte codes and a float32 scale per token (or block) and KV head ---- */
 
 typedef struct {
     const float *query;
@@ -166,6 +167,7 @@ typedef struct {
     float scale;
     long window;
     int kind; /* CODES_LUT (any code through `lut`), CODES_INT8, CODES_E4M3, CODES_E5M2 */
+    Py_ssize_t scale_rows; /* scale rows per block: block_size (one per token) or 1 (one per block) */
 } CodesArgs;
 
 enum { CODES_LUT = 0, CODES_INT8 = 1, CODES_E4M3 = 2, CODES_E5M2 = 3 };
@@ -184,11 +186,18 @@ static Py_ssize_t visible_slots(const CodesArgs *a, Py_ssize_t b, Py_ssize_t *sl
     return n;
 }
 
-/* Row r (slot * Hkv + head) of K (v = 0) or V (v = 1), dequantized: out[d] = lut[code] * scale. */
-static inline void dequant_row(const CodesArgs *a, int v, Py_ssize_t r, float *out) {
+/* The scale of K (v = 0) or V (v = 1) at a slot's KV head h: scales are [2, NB, S, Hkv], S = BS (one per token)
+or 1 (one per block: the block's row, slot / BS). */
+static inline float row_scale(const CodesArgs *a, int v, Py_ssize_t slot, Py_ssize_t h) {
+    const Py_ssize_t per = a->scale_rows, row = per == a->block_size ? slot : slot / a->block_size;
+    return a->scales[(v * a->num_blocks * per + row) * a->kv_heads + h];
+}
+
+/* The row of K (v = 0) or V (v = 1) at a slot's KV head h, dequantized: out[d] = lut[code] * scale. */
+static inline void dequant_row(const CodesArgs *a, int v, Py_ssize_t slot, Py_ssize_t h, float *out) {
     const Py_ssize_t D = a->dim, rows = a->num_blocks * a->block_size * a->kv_heads;
-    const uint8_t *c = a->codes + (v * rows + r) * D;
-    const float s = a->scales[v * rows + r];
+    const uint8_t *c = a->codes + (v * rows + slot * a->kv_heads + h) * D;
+    const float s = row_scale(a, v, slot, h);
     for (Py_ssize_t d = 0; d < D; d++) out[d] = a->lut[c[d]] * s;
 }
 
@@ -201,7 +210,7 @@ static void codes_generic(const CodesArgs *a, float *scores, Py_ssize_t *slots, 
             const float *q = a->query + (b * a->heads + h * g) * D;
             float *o = a->out + (b * a->heads + h * g) * D;
             for (Py_ssize_t l = 0; l < n; l++) {
-                dequant_row(a, 0, slots[l] * H + h, row);
+                dequant_row(a, 0, slots[l], h, row);
                 for (Py_ssize_t i = 0; i < g; i++) {
                     const float *qi = q + i * D;
                     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -219,7 +228,7 @@ static void codes_generic(const CodesArgs *a, float *scores, Py_ssize_t *slots, 
                 float *oi = o + i * D;
                 memset(oi, 0, (size_t)D * sizeof(float));
                 for (Py_ssize_t l = 0; l < n; l++) {
-                    dequant_row(a, 1, slots[l] * H + h, row);
+                    dequant_row(a, 1, slots[l], h, row);
                     const float p = sc[l];
                     for (Py_ssize_t d = 0; d < D; d++) oi[d] += p * row[d];
                 }
@@ -391,11 +400,11 @@ AVX2 static inline __m256 code_values8(int kind, const uint8_t *c) {
     return _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.0f));
 }
 
-/* Row r (slot * Hkv + head) of K (v = 0) or V (v = 1) dequantized into out[0..D): fl(value * scale). */
-AVX2 static inline void dequant_row8(const CodesArgs *a, int v, Py_ssize_t r, float *out) {
+/* The row of K (v = 0) or V (v = 1) at a slot's KV head h dequantized into out[0..D): fl(value * scale). */
+AVX2 static inline void dequant_row8(const CodesArgs *a, int v, Py_ssize_t slot, Py_ssize_t h, float *out) {
     const Py_ssize_t D = a->dim, rows = a->num_blocks * a->block_size * a->kv_heads;
-    const uint8_t *c = a->codes + (v * rows + r) * D;
-    const __m256 s = _mm256_set1_ps(a->scales[v * rows + r]);
+    const uint8_t *c = a->codes + (v * rows + slot * a->kv_heads + h) * D;
+    const __m256 s = _mm256_set1_ps(row_scale(a, v, slot, h));
     for (Py_ssize_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(code_values8(a->kind, c + d), s));
 }
 
@@ -419,12 +428,12 @@ AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots
             float *o = a->out + (b * a->heads + h * g) * D;
             Py_ssize_t l = 0;
             for (; l + 8 <= n; l += 8) {
-                for (int j = 0; j < 8; j++) dequant_row8(a, 0, slots[l + j] * H + h, buf + j * D);
+                for (int j = 0; j < 8; j++) dequant_row8(a, 0, slots[l + j], h, buf + j * D);
                 for (Py_ssize_t i = 0; i < g; i++)
                     _mm256_storeu_ps(scores + i * n + l, _mm256_mul_ps(dot8(q + i * D, k, 0, D, 0), scale));
             }
             for (; l < n; l++) {
-                dequant_row8(a, 0, slots[l] * H + h, buf);
+                dequant_row8(a, 0, slots[l], h, buf);
                 for (Py_ssize_t i = 0; i < g; i++) {
                     __m256 acc = _mm256_setzero_ps();
                     for (Py_ssize_t d = 0; d < D; d += 8)
@@ -437,7 +446,7 @@ AVX2 static void codes_avx2(const CodesArgs *a, float *scores, Py_ssize_t *slots
             memset(o, 0, (size_t)(g * D) * sizeof(float));
             for (Py_ssize_t l0 = 0; l0 < n; l0 += V_TILE) {
                 const Py_ssize_t m = n - l0 < V_TILE ? n - l0 : V_TILE;
-                for (Py_ssize_t j = 0; j < m; j++) dequant_row8(a, 1, slots[l0 + j] * H + h, buf + j * D);
+                for (Py_ssize_t j = 0; j < m; j++) dequant_row8(a, 1, slots[l0 + j], h, buf + j * D);
                 for (Py_ssize_t i = 0; i < g; i++) {
                     const float *sc = scores + i * n + l0;
                     for (Py_ssize_t d0 = 0; d0 < D; d0 += 64) {
@@ -667,12 +676,13 @@ static PyObject *native_decode_codes(PyObject *self, PyObject *const *args, Py_s
     /* the shape checks of the float kernel, on a DecodeArgs view of the same shapes */
     DecodeArgs d = {q.buf, NULL, t.buf, s.buf, o.buf, q.shape[0], q.shape[1], c.shape[3], q.shape[2],
                     c.shape[1], c.shape[2], t.shape[1], (float)scale, window, 0};
-    if (lut.shape[0] != 256 || sc.shape[0] != 2 || sc.shape[1] != c.shape[1] || sc.shape[2] != c.shape[2] ||
-        sc.shape[3] != c.shape[3]) {
-        PyErr_SetString(PyExc_ValueError, "decode_codes: scales must be [2, NB, BS, Hkv] like the codes, lut [256]");
+    if (lut.shape[0] != 256 || sc.shape[0] != 2 || sc.shape[1] != c.shape[1] ||
+        (sc.shape[2] != c.shape[2] && sc.shape[2] != 1) || sc.shape[3] != c.shape[3]) {
+        PyErr_SetString(PyExc_ValueError,
+                        "decode_codes: scales must be [2, NB, BS or 1, Hkv] like the codes, lut [256]");
     } else if (check_args(&d, &q, &c, &t, &s, &o) == 0) {
         CodesArgs a = {q.buf, c.buf, sc.buf, lut.buf, t.buf, s.buf, o.buf, d.batch, d.heads, d.kv_heads, d.dim,
-                       d.num_blocks, d.block_size, d.width, (float)scale, window, (int)kind};
+                       d.num_blocks, d.block_size, d.width, (float)scale, window, (int)kind, sc.shape[2]};
         const Py_ssize_t g = a.kv_heads > 0 ? a.heads / a.kv_heads : 0;
         const size_t keys = (size_t)(a.width * a.block_size + 1), per = (size_t)(g > 0 ? g : 1) * (keys + 1);
         const size_t tile = (size_t)(a.dim * V_TILE);

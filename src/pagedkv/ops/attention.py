@@ -19,9 +19,11 @@ Contract (fixed; the hf integration and engine code against it):
   `run_planned(plan, query, key_cache, value_cache, options)`, which takes the scalars as one
   `AttentionOptions` (`pagedkv.ops.options`), the spelling every backend below uses.
 - Quantized caches (int8, fp8 e4m3/e5m2 codes) come with `kv_scales`, their float32 sidecar `[2, num_blocks,
-  block_size, Hkv]` (K then V; `KVStorage.layer_scales`): `write_kv` stores codes and scales in one pass,
-  `paged_attention` multiplies each code by its token's and head's scale inside the kernel. fp8 e4m3 caches
-  without a sidecar take one per-tensor `k_scale`/`v_scale` instead.
+  block_size, Hkv]` (a scale per token) or `[2, num_blocks, 1, Hkv]` (a scale per block; K then V;
+  `KVStorage.layer_scales`): `write_kv` stores codes and scales in one pass (per-block scales by the rule of
+  `pagedkv.storage.block_scales`, on the reference path on every device), `paged_attention` multiplies each
+  code by its token's or block's scale for its head inside the kernel. fp8 e4m3 caches without a sidecar
+  take one per-tensor `k_scale`/`v_scale` instead.
 - The reference backend validates metadata values (raising `InvalidArgumentError`); the Triton backend
   checks shapes only, to stay free of host syncs.
 """
@@ -34,7 +36,7 @@ from pagedkv.ops.dispatch import choose_backend
 from pagedkv.ops.options import AttentionOptions, attention_options
 from pagedkv.ops.plan import AttentionPlan, plan_attention
 from pagedkv.ops.reference import paged_attention_reference
-from pagedkv.storage.slots import check_scales, check_write_args, scatter_kv
+from pagedkv.storage.slots import block_scaled, check_scales, check_write_args, scatter_kv
 
 
 def write_kv(
@@ -52,7 +54,7 @@ def write_kv(
     """Store new K/V at their slots (prefill chunks and decode tokens together), in place; into codes and
     `kv_scales` for a quantized cache with a sidecar."""
     chosen = choose_backend(key_cache.device, backend, cache_dtype=key_cache.dtype, op="write",
-                            scaled=kv_scales is not None)  # fmt: skip
+                            scaled=kv_scales is not None, block_scales=block_scaled(key_cache, kv_scales))  # fmt: skip
     check_write_args(key_cache, value_cache, key, value, slot_mapping, check_range=chosen == "reference")
     check_scales(key_cache, kv_scales)
     if chosen == "triton" and kv_scales is not None:

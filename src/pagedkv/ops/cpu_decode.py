@@ -18,9 +18,9 @@ half of a float32, so exactly), the query is widened before the call and the flo
 query's dtype after it, so the answer is the float32 kernel's over the pages upcast to float32, rounded to
 bfloat16, with half the page bytes to read.
 
-Quantized pages (int8, fp8 e4m3/e5m2 codes with their per-token-per-head `scales`,
+Quantized pages (int8, fp8 e4m3/e5m2 codes with their `scales`, one per token or one per block and KV head,
 `pagedkv.storage.slots`) are read in place too (`scales=`): each element is dequantized in registers as it
-is read, so the answer is bit-identical to the float32 kernel's over pages holding `code * scale`, with a
+is read (the scale indexed by slot, or by block), so the answer is bit-identical to the float32 kernel's over pages holding `code * scale`, with a
 quarter of the page bytes to read (`pagedkv bench kv-dtype` compares the page dtypes, docs/quantized-kv.md).
 
 `available(query, kv, scales)` says whether it applies: the extension is built (an optional C extension, like the
@@ -104,7 +104,7 @@ def decode_attention(
     """`[B, H, D]` attention of `query` `[B, H, D]` (sequence i's newest token, at position `seq_lens[i] - 1`)
     over one layer's pages `kv` `[2, num_blocks, block_size, Hkv, D]` through `block_table` `[B, W]`, with
     `options`' scale and sliding window (the kernel has no soft cap and no sinks: asking for them is an
-    error). Quantized `kv` (int8/fp8 codes) comes with its `scales` `[2, num_blocks, block_size, Hkv]`;
+    error). Quantized `kv` (int8/fp8 codes) comes with its `scales` `[2, num_blocks, block_size or 1, Hkv]`;
     bfloat16 `kv` takes a bfloat16 query, quantized `kv` a float32 or bfloat16 one, and the output has the
     query's dtype (a bfloat16 query is widened, exactly, and the float32 answer rounded to bfloat16). Bad shapes, lengths, block ids
     or dtypes raise `InvalidArgumentError`; nothing is written then."""

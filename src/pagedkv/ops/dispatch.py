@@ -7,9 +7,10 @@ imports, everything else to the reference path. Triton on CPU tensors works only
 fp8 (e4m3, e5m2) caches: the Triton attention kernel reads them (dequantizing with `k_scale`/`v_scale` or
 the per-token-head `kv_scales`) on GPUs of compute capability 8.9 and up (Triton has no e4m3 type below), so
 the default sends fp8 attention to Triton only there; int8 caches go to Triton on any CUDA device. Writes
-into int8 caches with their scale sidecar (`scaled=True`) go to the Triton kernel that quantizes; fp8 writes
-take the reference path (`op="write"`: Triton's interpreter rounds float32 to fp8 wrongly at binade edges, so
-an fp8 write kernel could not be tested here).
+into int8 caches with a per-token scale sidecar (`scaled=True`) go to the Triton kernel that quantizes; fp8
+writes take the reference path (`op="write"`: Triton's interpreter rounds float32 to fp8 wrongly at binade
+edges, so an fp8 write kernel could not be tested here), and so do writes into per-block scales
+(`block_scales=True`: the Triton kernel keeps per-token scales only).
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def choose_backend(
     cache_dtype: torch.dtype | None = None,
     op: str = "attention",
     scaled: bool = False,
+    block_scales: bool = False,
 ) -> str:
     """The backend a call (`op` "attention" or "write") on `device` runs with; raises if it cannot run there.
-    `scaled`: a write into a quantized cache with its per-token-head scale sidecar (`kv_scales`)."""
+    `scaled`: a write into a quantized cache with its scale sidecar (`kv_scales`); `block_scales`: one scale
+    per block and KV head in that sidecar."""
     fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    triton_quantizes = scaled and cache_dtype == torch.int8
+    triton_quantizes = scaled and cache_dtype == torch.int8 and not block_scales
     fp8_write = op == "write" and (fp8 or cache_dtype == torch.int8) and not triton_quantizes
     chosen = backend or _override.get() or os.environ.get(ENV_VAR) or None
     if chosen is None:
@@ -82,7 +85,9 @@ def choose_backend(
             )
         if fp8_write:
             if backend == "triton":
-                raise InvalidArgumentError("the Triton write kernel quantizes only to int8 with kv_scales; use backend='reference'")
+                raise InvalidArgumentError(
+                    "the Triton write kernel quantizes only to int8 with per-token kv_scales; use backend='reference'"
+                )
             return "reference"
     return chosen
 

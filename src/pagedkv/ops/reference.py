@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.storage.slots import FP8_DTYPES
+from pagedkv.storage.codes import FP8_DTYPES
 
 if TYPE_CHECKING:
     from pagedkv.ops.options import AttentionOptions
@@ -89,8 +89,8 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Attention of packed `query [num_q_tokens, H, D]` over paged KV through the step's `plan` (block table,
     lengths, query layout, validated by `plan_attention`); see the module docstring. `k_scale`/`v_scale`: fp8
-    caches' per-tensor scales; `kv_scales` (`[2, num_blocks, block_size, Hkv]`): int8/fp8 caches' scale per
-    token and KV head, applied to each gathered tile as it is read."""
+    caches' per-tensor scales; `kv_scales` (`[2, num_blocks, block_size or 1, Hkv]`): int8/fp8 caches' scale
+    per token or per block and KV head, applied to each gathered tile as it is read."""
     block_table, seq_lens, cu_seqlens_q = plan.block_table, plan.seq_lens, plan.cu_seqlens_q
     max_seqlen_q, sliding_window = plan.max_seqlen_q, options.sliding_window
     (num_q_tokens, num_heads, head_dim), num_kv_heads = query.shape, key_cache.shape[2]
@@ -261,9 +261,8 @@ class _TileGrid:
         k_heads = [k_tile[:, :, h].transpose(1, 2) for h in range(self.num_kv_heads)]
         v_heads = [v_tile[:, :, h] for h in range(self.num_kv_heads)]
         gather = _TileGather(self.k_rows, self.v_rows, k_tile, v_tile, is_fp8, k_scale, v_scale)
-        if kv_scales is not None:  # scale rows line up with the K/V rows: [rows, bs * Hkv] or [rows, Hkv]
-            rows_shape = self.k_rows.shape[:2]
-            gather.add_scales(kv_scales[0].view(rows_shape), kv_scales[1].view(rows_shape))
+        if kv_scales is not None:
+            gather.add_scales(kv_scales, self.tile // self.per_tile, key_cache.shape[1])
         return gather, k_heads, v_heads, v_tile
 
 
@@ -354,7 +353,7 @@ def _attend_chunk(
 class _TileGather:
     """Gathers one tile's K and V rows (token rows `[num_slots, Hkv, D]` or block rows `[num_blocks,
     bs * Hkv, D]`) into the float32 `[B, tile, Hkv, D]` buffers, dequantizing int8/fp8 (codes times a scale
-    per tensor, or per token and KV head with `add_scales`) and upcasting halves."""
+    per tensor, or per token or block and KV head with `add_scales`) and upcasting halves."""
 
     def __init__(
         self,
@@ -369,19 +368,34 @@ class _TileGather:
         self.is_fp8 = is_fp8
         self.code_dtype = k_rows.dtype
         self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
-        self.scale_jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.scale_jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.scale_id_divisor = 1
         for rows, tile, scale in ((k_rows, k_tile, k_scale), (v_rows, v_tile, v_scale)):
             src = rows.view(torch.uint8) if is_fp8 else rows  # fp8 lacks an index_select kernel on CPU
             # float32 caches gather straight into the tile; other dtypes into a raw buffer, then cast.
             raw = tile if src.dtype == torch.float32 else torch.empty(tile.shape, dtype=src.dtype, device=tile.device)
             self.jobs.append((src, raw, raw.view(-1, *src.shape[1:]), tile, scale if is_fp8 else 1.0))
 
-    def add_scales(self, k_scale_rows: torch.Tensor, v_scale_rows: torch.Tensor) -> None:
-        """Per-token-head scales (rows shaped like the K/V rows without the head dim), applied per tile."""
+    def add_scales(self, kv_scales: torch.Tensor, tokens_per_id: int, block_size: int) -> None:
+        """The sidecar `kv_scales` `[2, num_blocks, block_size or 1, Hkv]` (per-token or per-block scales),
+        applied per tile; a gather id covers `tokens_per_id` tokens (block_size for block rows, 1 for token
+        rows). Per-token scale rows line up with the K/V rows; a block's one scale row is found from a token
+        row's slot (id // block_size) and broadcast over the block's tokens."""
         self.jobs = [(src, raw, raw_rows, tile, 1.0) for src, raw, raw_rows, tile, _ in self.jobs]
-        for rows, (_, _, _, tile, _) in zip((k_scale_rows, v_scale_rows), self.jobs, strict=True):
-            buf = torch.empty(tile.shape[:3], device=tile.device)
-            self.scale_jobs.append((rows, buf.view(-1, rows.shape[1]), buf.unsqueeze(-1)))
+        num_blocks, per_block, num_kv_heads = kv_scales.shape[1:]
+        for sidecar, (_, _, _, tile, _) in zip(kv_scales, self.jobs, strict=True):
+            num_seqs, width = tile.shape[:2]
+            if per_block == block_size:  # [rows, bs * Hkv] (block rows) or [rows, Hkv] (token rows)
+                rows = sidecar.view(-1, tokens_per_id * num_kv_heads)
+                buf = torch.empty(tile.shape[:3], device=tile.device)
+                self.scale_jobs.append((rows, buf.view(-1, rows.shape[1]), buf.unsqueeze(-1), tile))
+            else:  # one scale per block: [num_blocks, Hkv], one row per gather id
+                self.scale_id_divisor = block_size // tokens_per_id
+                ids_per_seq = width // tokens_per_id
+                buf = torch.empty((num_seqs * ids_per_seq, num_kv_heads), device=tile.device)
+                by_id = tile.view(num_seqs, ids_per_seq, tokens_per_id, num_kv_heads, -1)
+                factor = buf.view(num_seqs, ids_per_seq, 1, num_kv_heads, 1)
+                self.scale_jobs.append((sidecar.view(num_blocks, num_kv_heads), buf, factor, by_id))
 
     def __call__(self, ids: torch.Tensor) -> None:
         for src, raw, raw_rows, tile, scale in self.jobs:
@@ -392,6 +406,8 @@ class _TileGather:
                 tile.copy_(raw)
             if scale != 1.0:
                 tile.mul_(scale)
-        for (rows, buf_rows, buf), (_, _, _, tile, _) in zip(self.scale_jobs, self.jobs, strict=False):
+        if self.scale_jobs and self.scale_id_divisor > 1:
+            ids = torch.div(ids, self.scale_id_divisor, rounding_mode="floor")
+        for rows, buf_rows, factor, tile in self.scale_jobs:
             torch.index_select(rows, 0, ids, out=buf_rows)
-            tile.mul_(buf)
+            tile.mul_(factor)

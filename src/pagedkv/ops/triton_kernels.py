@@ -10,7 +10,9 @@ Write: one program per token copies its `num_kv_heads * head_dim` row of K and o
 strided `[T, Hkv, D]` views in place). Into int8 caches with a scale sidecar (`write_kv_codes_triton`), the
 program quantizes the rows in registers first: per KV head, scale = absmax / 127 and the codes, stored with
 their scale in one pass (halves round away from zero where the reference rounds them to even: a code may
-differ by one at an exact tie). fp8 writes stay on the reference (see `pagedkv.ops.dispatch`).
+differ by one at an exact tie). It keeps per-token scales only: writes into per-block scales (which may
+rescale a block's older codes, `pagedkv.storage.block_scales`) and fp8 writes stay on the reference (see
+`pagedkv.ops.dispatch`).
 
 Attention (one kernel for decode, prefill and chunked prefill), built like the fast paged decoders
 (flash-decoding, vLLM's and SGLang's Triton decode kernels):
@@ -45,7 +47,9 @@ FlashAttention does) for half caches (under the interpreter, whose bfloat16 dot 
 operands are upcast to float32 after that rounding); float32 caches use IEEE float32 dots (no TF32). fp8 (e4m3) caches are
 upcast to the query dtype on load and dequantized by `k_scale`/`v_scale`. Quantized caches with a scale
 sidecar (`KV_SCALES`: int8, fp8 e4m3/e5m2 codes and `kv_scales [2, NB, BS, Hkv]`) load each key tile's and value
-tile's scales beside its rows (scale index = row offset // HEAD_DIM, the caches being contiguous): codes
+tile's scales beside its rows (scale index = row offset // HEAD_DIM, the caches being contiguous; with
+`BLOCK_SCALES`, `kv_scales [2, NB, 1, Hkv]`, the key's block row offset // block stride, times Hkv, plus the
+KV head: every key of a block loads the same scale): codes
 convert exactly to the query dtype (int8, e4m3 and e5m2 values all fit fp16/bf16), a key's scale multiplies
 its column of scores after the Q.K dot, and the value tile is dequantized in registers (code * scale in the
 query dtype) before the P.V dot; no dequantized copy of any block is made. The sum order differs from the
@@ -193,7 +197,7 @@ def write_kv_codes_triton(
 
 def write_codes_constexprs(num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> dict[str, object]:
     """The compile-time arguments of `_write_kv_codes_kernel` (launch and compile test)."""
-    from pagedkv.storage.slots import QUANT_MAX
+    from pagedkv.storage.codes import QUANT_MAX
 
     return {"HEAD_DIM": head_dim, "NUM_HEADS": num_kv_heads, "HEADS_PAD": triton.next_power_of_2(num_kv_heads),
             "DIM_PAD": triton.next_power_of_2(head_dim), "QMAX": QUANT_MAX[cache_dtype],
@@ -247,6 +251,7 @@ def _paged_attention_kernel(
     HAS_SINKS: tl.constexpr,
     IS_FP8: tl.constexpr,
     KV_SCALES: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -298,8 +303,11 @@ def _paged_attention_kernel(
             key_cache_ptr + rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
         )  # K^T [DIM_PAD, TILE_N]
         ks = n_ok.to(tl.float32)  # per-key score factor: each key's scale with KV_SCALES (unused otherwise)
+        s_rows = rows // HEAD_DIM  # each key's scale: its slot's row (slot * Hkv + head), or its block's
+        if BLOCK_SCALES:
+            s_rows = (rows // stride_cache_block) * (stride_cache_token // HEAD_DIM) + kv_head
         if KV_SCALES:  # codes convert exactly to the query dtype; each key's scale multiplies its scores
-            ks = tl.load(kv_scales_ptr + rows // HEAD_DIM, mask=n_ok, other=1.0)
+            ks = tl.load(kv_scales_ptr + s_rows, mask=n_ok, other=1.0)
         s = _scores(
             q, kt, ks, qk_scale, soft_cap, n, row_pos, window,
             HAS_WINDOW, HAS_SOFT_CAP, IS_FP8 or KV_SCALES, KV_SCALES, DOT_PRECISION, UPCAST_DOT,
@@ -313,7 +321,7 @@ def _paged_attention_kernel(
             value_cache_ptr + rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
         )  # [TILE_N, DIM_PAD]
         if KV_SCALES:  # the value tile dequantized in registers, in the query dtype
-            vs = tl.load(kv_scales_ptr + scales_half + rows // HEAD_DIM, mask=n_ok, other=0.0)
+            vs = tl.load(kv_scales_ptr + scales_half + s_rows, mask=n_ok, other=0.0)
             v = v.to(q.dtype) * vs.to(q.dtype)[:, None]
         elif IS_FP8:
             v = v.to(q.dtype)
@@ -474,7 +482,7 @@ def paged_attention_triton(
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     split = tp.num_splits > 1
-    constexprs = _planned_constexprs(plan, options, query, key_cache, kv_scales is not None)
+    constexprs = _planned_constexprs(plan, options, query, key_cache, kv_scales)
     _paged_attention_kernel[(tp.num_tiles, shape.num_kv_heads, tp.num_splits)](
         query,
         key_cache,
@@ -517,13 +525,17 @@ def paged_attention_triton(
 
 
 def _planned_constexprs(
-    plan: AttentionPlan, options: AttentionOptions, query: torch.Tensor, key_cache: torch.Tensor, kv_scales: bool
-) -> dict[str, object]:
+    plan: AttentionPlan, options: AttentionOptions, query: torch.Tensor, key_cache: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+) -> dict[str, object]:  # fmt: skip
     """The attention kernel's constexprs for this plan and the options set, made once per plan and kept."""
+    from pagedkv.storage.slots import block_scaled
+
     tp = plan.triton
     assert tp is not None, "triton kernels: a plan without its Triton part"
     window, soft_cap, sinks = (x is not None for x in (options.sliding_window, options.soft_cap, options.sinks))
-    key = (window, soft_cap, sinks, query.dtype, kv_scales)
+    scaled, per_block = kv_scales is not None, block_scaled(key_cache, kv_scales)
+    key = (window, soft_cap, sinks, query.dtype, scaled, per_block)
     constexprs = tp.constexprs.get(key)
     if constexprs is None:
         constexprs = attention_constexprs(
@@ -536,7 +548,8 @@ def _planned_constexprs(
             cache_dtype=key_cache.dtype,
             split=tp.num_splits > 1,
             interpreting=_interpreting(),
-            kv_scales=kv_scales,
+            kv_scales=scaled,
+            block_scales=per_block,
         )
         tp.constexprs[key] = constexprs
     return constexprs
@@ -554,9 +567,11 @@ def attention_constexprs(
     interpreting: bool = False,
     sinks: bool = False,
     kv_scales: bool = False,
+    block_scales: bool = False,
 ) -> dict[str, object]:
     """The compile-time arguments of `_paged_attention_kernel` for one call: the single source for the
-    launch above and for the compile test, which enumerates them."""
+    launch above and for the compile test, which enumerates them. `block_scales`: the `kv_scales` hold one
+    scale per block and KV head (`[2, NB, 1, Hkv]`) instead of one per token."""
     return {
         "HEAD_DIM": head_dim,
         "DIM_PAD": cfg.dim_pad,
@@ -569,6 +584,7 @@ def attention_constexprs(
         "HAS_SINKS": sinks,
         "IS_FP8": cache_dtype == torch.float8_e4m3fn and not kv_scales,
         "KV_SCALES": kv_scales,
+        "BLOCK_SCALES": kv_scales and block_scales,
         "SPLIT": split,
         "DOT_PRECISION": dot_precision(query_dtype, cache_dtype),
         "UPCAST_DOT": interpreting and _dot_dtype(query_dtype, cache_dtype) == torch.bfloat16,

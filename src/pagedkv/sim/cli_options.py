@@ -242,6 +242,8 @@ def sim_config_from(args: argparse.Namespace, **overrides: object) -> SimConfig:
     model = catalog.model(args.model)
     if args.kv_cache_dtype != "auto":  # the model's KV stored in another dtype: its bytes per token change
         model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype)
+    if args.kv_scale_scheme != "token":  # checked against the dtype by ModelShape
+        model = dataclasses.replace(model, kv_scale_scheme=args.kv_scale_scheme)
     fields: dict[str, object] = {
         "model": model,
         "gpu": catalog.gpu(args.gpu),

@@ -195,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             tensor_parallel=args.tensor_parallel,
             activation_bytes=activation_bytes_from(args),
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_scale_scheme=args.kv_scale_scheme,
             sweep_block_sizes=args.sweep_block_sizes,
             catalog=catalog_from(args),
             progress=not args.no_progress and not args.json,

@@ -67,7 +67,7 @@ class GroupedKV:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.layers_per_block * self.block_size * self.model.kv_bytes_per_layer_token
+        return self.model.kv_bytes_per_block(self.block_size, self.layers_per_block)
 
     def cap_blocks(self, group: LayerGroup) -> int | None:
         """The most blocks a decoding request holds in `group` (None: a full group, unbounded)."""
@@ -128,10 +128,10 @@ def context_rows(budget: KVBudget, contexts: tuple[int, ...] = CONTEXTS) -> list
     """Per context length (capped at the model's): concurrent requests of that many tokens, uniform vs
     hybrid, in the same KV budget, and the waste a uniform allocation carries."""
     kv = GroupedKV(budget.model, budget.block_size)
-    b, per_layer = budget.block_size, budget.model.kv_bytes_per_layer_token
+    b = budget.block_size
     rows = []
     for t in sorted({min(c, budget.model.max_model_len) for c in contexts}):
-        uniform = -(-t // b) * b * per_layer * budget.model.num_layers
+        uniform = -(-t // b) * budget.model.kv_bytes_per_block(b)
         hybrid = int(kv.blocks(np.array([t], dtype=np.int64))[0]) * kv.bytes_per_block
         rows.append({
             "context": t, "uniform_bytes": uniform, "hybrid_bytes": hybrid,

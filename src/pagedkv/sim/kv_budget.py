@@ -1,7 +1,8 @@
 """The KV budget: how much GPU memory is left for the KV cache, and how many blocks that makes.
 
     kv_budget = tp x memory x gpu_memory_utilization - weights - activation reserve
-    num_blocks = kv_budget // (block_size x kv_bytes_per_token)
+    num_blocks = kv_budget // bytes_per_block   (block_size x bytes per token, scales included:
+                                                 `ModelShape.kv_bytes_per_block`)
 
 The activation reserve stands in for the profiling pass a serving engine runs at start-up (vLLM's
 `determine_num_available_blocks`): the peak transient memory of one forward pass over
@@ -92,12 +93,16 @@ class KVBudget:
         return self.usable_bytes - self.model.weight_bytes - self.activation_bytes
 
     @property
-    def bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token
+    def bytes_per_token(self) -> float:
+        """K and V of one token over every layer, its share of block scales included: an int unless block
+        scales do not divide evenly among a block's tokens."""
+        per_block = self.model.kv_bytes_per_block(self.block_size)
+        tokens, rest = divmod(per_block, self.block_size)
+        return tokens if rest == 0 else per_block / self.block_size
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
+        return self.model.kv_bytes_per_block(self.block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -117,7 +122,7 @@ class KVBudget:
         m = self.model
         if m.kv_cache_dtype == "auto":
             return f"{m.dtype_bytes}-byte values"
-        return f"{m.kv_cache_dtype}: 1-byte values + a float32 scale per token and KV head"
+        return f"{m.kv_cache_dtype}: 1-byte values + a float32 scale per {m.kv_scale_scheme} and KV head"
 
     def lines(self) -> list[str]:
         """The arithmetic, one line each, for printing (GiB = 2^30 bytes)."""

@@ -178,12 +178,14 @@ def run_simulation(
     evictions: Sequence[str] = (),
     partial_reuse: bool = False,
     kv_cache_dtype: str = "auto",
+    kv_scale_scheme: str = "token",
     speculation: SpecSim | None = None,
 ) -> SimulationReport:
     """Replay `workload` (default: the shipped Azure conv trace) under each allocator; see `SimConfig`.
     `evictions`: run `paged-prefix` once per eviction policy (rows `paged-prefix:<policy>`); `partial_reuse`
     turns partial-block reuse on for it. A hybrid model runs each paged allocator's hybrid twin beside it.
-    `kv_cache_dtype` stores the model's KV in another dtype (`ModelShape.kv_cache_dtype`).
+    `kv_cache_dtype` stores the model's KV in another dtype (`ModelShape.kv_cache_dtype`), with
+    `kv_scale_scheme`'s scales when quantized.
     `speculation` speculates on the paged allocators (`pagedkv.sim.speculation`).
     `progress`: one line on stderr naming each phase (building the workload, then each run with its
     finished requests), redrawn while it runs (`pagedkv.progress`)."""
@@ -191,6 +193,8 @@ def run_simulation(
     model_spec, gpu_spec = catalog.model(model), catalog.gpu(gpu)
     if kv_cache_dtype != "auto":
         model_spec = replace(model_spec, kv_cache_dtype=kv_cache_dtype)
+    if kv_scale_scheme != "token":
+        model_spec = replace(model_spec, kv_scale_scheme=kv_scale_scheme)
     for name in allocators:
         check_allocator(name)
     if not allocators:

@@ -2,8 +2,8 @@
 
 A block's row is the bytes of `data[:, :, block_id]` (`[num_layers, 2, block_size, num_kv_heads,
 head_dim]`: K and V of every layer) in C order, then, for quantized storage, the bytes of its scales
-`scales[:, :, block_id]` (`[num_layers, 2, block_size, num_kv_heads]` float32): `spec.bytes_per_block(block_size)`
-bytes in all. `read_rows` then `write_rows` into other blocks restores them bit for bit (codes and scales
+`scales[:, :, block_id]` (`[num_layers, 2, S, num_kv_heads]` float32, S = block_size or 1 by the scale scheme):
+`spec.bytes_per_block(block_size)` bytes in all. `read_rows` then `write_rows` into other blocks restores them bit for bit (codes and scales
 included: only bytes move).
 """
 
@@ -17,8 +17,8 @@ import numpy.typing as npt
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.storage.codes import raw_bytes
 from pagedkv.storage.kv import KVStorage
-from pagedkv.storage.slots import raw_bytes
 
 
 def block_shape(storage: KVStorage) -> tuple[int, int, int, int, int]:
@@ -58,5 +58,6 @@ def write_rows(storage: KVStorage, block_ids: Sequence[int], rows: npt.NDArray[n
     ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=storage.device)
     raw.index_copy_(2, ids, src)
     if storage.scales is not None:
-        scales = all_rows[:, math.prod(shape) * elem :].contiguous().view(torch.float32).reshape(n, *shape[:4])
+        scale_shape = (*shape[:2], *storage.scales.shape[3:])
+        scales = all_rows[:, math.prod(shape) * elem :].contiguous().view(torch.float32).reshape(n, *scale_shape)
         storage.scales.index_copy_(2, ids, scales.permute(1, 2, 0, 3, 4).to(storage.device))

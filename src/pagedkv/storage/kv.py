@@ -12,9 +12,11 @@ Invariants and contracts:
 - `swap_out` followed by `swap_in` restores the blocks bit for bit (quantized ones included: moves are byte
   copies).
 - Quantized storage (int8, fp8 e4m3/e5m2; `spec.is_quantized`) keeps a sidecar `scales`
-  `[num_layers, 2, num_blocks, block_size, num_kv_heads]` float32 beside `data`: the scale of each token's KV
-  head (read = code * scale; `pagedkv.storage.slots`). A block is its codes and its scales: every move (copy,
-  swap, byte rows for the tiers) carries both, and `bytes_per_block` counts both. Unwritten slots hold scale 1.
+  `[num_layers, 2, num_blocks, S, num_kv_heads]` float32 beside `data`, S = `spec.scales_per_block(block_size)`:
+  the scale of each token's KV head (S = block_size, the "token" scheme) or of each block's KV head (S = 1, the
+  "block" scheme); read = code * scale (`pagedkv.storage.slots`, `pagedkv.storage.block_scales`). A block is
+  its codes and its scales: every move (copy, swap, byte rows for the tiers) carries both, and
+  `bytes_per_block` counts both. Unwritten scales are 1.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import numpy.typing as npt
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.storage.codes import raw_bytes
 from pagedkv.storage.kv_spec import KVCacheSpec, _check_block_size
-from pagedkv.storage.slots import check_write_args, raw_bytes, scatter_kv
+from pagedkv.storage.slots import check_write_args, scatter_kv
 
 BlockIds = torch.Tensor | npt.NDArray[np.integer] | list[int]
 
@@ -36,8 +39,8 @@ class HostBlocks(NamedTuple):
     """Blocks swapped out to host memory: `data[l, 0|1, i]` is K|V of layer l for the i-th swapped block.
 
     `data` is `[num_layers, 2, n, block_size, num_kv_heads, head_dim]` on the CPU (pinned when the storage
-    lives on CUDA), in the storage dtype; `scales` the blocks' `[num_layers, 2, n, block_size, num_kv_heads]`
-    sidecar for quantized storage, None otherwise.
+    lives on CUDA), in the storage dtype; `scales` the blocks' `[num_layers, 2, n, S, num_kv_heads]` sidecar
+    for quantized storage (S as `KVStorage.scales`), None otherwise.
     """
 
     data: torch.Tensor
@@ -82,8 +85,9 @@ class KVStorage:
         self.validate = validate
         shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.data = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        scale_shape = (*shape[:3], spec.scales_per_block(block_size), spec.num_kv_heads)
         self.scales: torch.Tensor | None = (
-            torch.ones(shape[:-1], dtype=torch.float32, device=self.device) if spec.is_quantized else None
+            torch.ones(scale_shape, dtype=torch.float32, device=self.device) if spec.is_quantized else None
         )
 
     @classmethod
@@ -115,8 +119,8 @@ class KVStorage:
         return self.data[i, 0], self.data[i, 1]
 
     def layer_scales(self, layer: int) -> torch.Tensor | None:
-        """One layer's scale sidecar `[2, num_blocks, block_size, num_kv_heads]` (K then V), the `kv_scales`
-        argument of `pagedkv.ops`; None unless the storage is quantized."""
+        """One layer's scale sidecar `[2, num_blocks, S, num_kv_heads]` (K then V; S = block_size or 1, see the
+        module docstring), the `kv_scales` argument of `pagedkv.ops`; None unless the storage is quantized."""
         i = self._layer(layer)
         return None if self.scales is None else self.scales[i]
 
@@ -170,8 +174,10 @@ class KVStorage:
                 f"swap_in: host blocks {tuple(host.data.shape)} {host.data.dtype} do not match "
                 f"{expected} {self.dtype} for {ids.numel()} block ids"
             )
-        if self.scales is not None and (host.scales is None or host.scales.shape != expected[:-1]):
-            raise InvalidArgumentError(f"swap_in: quantized storage needs the blocks' scales {expected[:-1]}")
+        if self.scales is not None:
+            scale_shape = (*expected[:3], *self.scales.shape[3:])
+            if host.scales is None or host.scales.shape != scale_shape:
+                raise InvalidArgumentError(f"swap_in: quantized storage needs the blocks' scales {scale_shape}")
         if self.validate and torch.unique(ids).numel() != ids.numel():
             raise InvalidArgumentError("swap_in: block ids must be distinct")
         src = raw_bytes(host.data).to(self.device, non_blocking=True)

@@ -7,11 +7,16 @@ and decode tokens of many sequences go in one call: `key[i]` lands at `slot_mapp
 Contract:
 - slots are in `[0, num_blocks * block_size)` and distinct within one call (with duplicates, which write
   wins is unspecified); every slot no write targets keeps its bytes.
-- Quantized caches with a scale sidecar (`kv_scales`, `[2, num_blocks, block_size, num_kv_heads]` float32, K then
-  V: int8, fp8 e4m3 and fp8 e5m2, the layout `KVStorage` keeps) store, per token and KV head, the scale
-  `s = absmax(row) / QMAX` (1.0 for an all-zero row) beside the codes `round(x / s)` (int8: to nearest, clamped
-  to +-127; fp8: to nearest e4m3/e5m2, within +-QMAX by construction); a reader computes `code * s`. Codes and
-  scales are computed from the new rows in one pass; no full-precision copy is kept.
+- Quantized caches with a scale sidecar (`kv_scales` float32, K then V: int8, fp8 e4m3 and fp8 e5m2, the layout
+  `KVStorage` keeps) come in two scale schemes, told apart by the sidecar's shape:
+  - per token, `[2, num_blocks, block_size, num_kv_heads]`: each token's KV head stores the scale
+    `s = absmax(row) / QMAX` (1.0 for an all-zero row) beside the codes `round(x / s)` (int8: to nearest,
+    clamped to +-127; fp8: to nearest e4m3/e5m2, within +-QMAX by construction); a reader computes
+    `code * s`. Codes and scales are computed from the new rows in one pass.
+  - per block, `[2, num_blocks, 1, num_kv_heads]` (with block_size > 1): one scale per block and KV head,
+    grown as tokens arrive and reset when a write covers offset 0 (`pagedkv.storage.block_scales` has the
+    rule); a reader computes `code * s[block]`. With block_size 1 the two shapes and rules coincide.
+  No full-precision copy is kept.
 - fp8 (e4m3) caches without a sidecar (the ops-level API) store `round_to_e4m3(clamp(x / scale, -448, 448))`
   with one per-tensor `scale`; readers multiply by `scale`.
 - Writes are exact for every other dtype (`key` is cast to the cache dtype; a same-dtype write is a copy).
@@ -19,21 +24,15 @@ Contract:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.storage.codes import FP8_DTYPE, FP8_MAX, QUANT_MAX, encode_codes, raw_bytes
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-# The largest code of each quantized dtype: a row's absmax maps to it.
-QUANT_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def raw_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """A view that moves bytes exactly and that every indexing op supports (fp8 lacks some CPU kernels)."""
-    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
-
+if TYPE_CHECKING:
+    from pagedkv.storage.block_scales import BlockWrites
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` `[..., D]` as (codes `[..., D]` of `dtype`, float32 scales `[...]`): one scale per row (a token's
@@ -41,10 +40,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     xf = x.float()
     absmax = xf.abs().amax(dim=-1)
     scales = torch.where(absmax > 0, absmax / QUANT_MAX[dtype], torch.ones_like(absmax))
-    y = xf / scales.unsqueeze(-1)
-    if dtype == torch.int8:
-        return y.round_().clamp_(-127.0, 127.0).to(torch.int8), scales
-    return y.clamp_(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype), scales
+    return encode_codes(xf / scales.unsqueeze(-1), dtype), scales
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -75,18 +71,20 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
 
 
 def check_scales(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
-    """`kv_scales`, when given, is the float32 `[2, num_blocks, block_size, num_kv_heads]` sidecar of a quantized
-    (int8 / fp8) cache on its device; an int8 cache must have one."""
+    """`kv_scales`, when given, is the float32 `[2, num_blocks, block_size or 1, num_kv_heads]` sidecar (per-token
+    or per-block scales) of a quantized (int8 / fp8) cache on its device; an int8 cache must have one."""
     if kv_scales is None:
         if key_cache.dtype == torch.int8:
             raise InvalidArgumentError("an int8 cache needs its scales: pass kv_scales [2, num_blocks, block_size, Hkv]")
         return
     if key_cache.dtype not in QUANT_MAX:
         raise InvalidArgumentError(f"kv_scales are for int8/fp8 caches, not {key_cache.dtype}")
-    expected = (2, *key_cache.shape[:3])
-    if tuple(kv_scales.shape) != expected or kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous():
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    shapes = {(2, num_blocks, block_size, num_kv_heads), (2, num_blocks, 1, num_kv_heads)}
+    if tuple(kv_scales.shape) not in shapes or kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous():
         raise InvalidArgumentError(
-            f"kv_scales must be contiguous float32 {expected} (K then V), got {kv_scales.dtype} {tuple(kv_scales.shape)}"
+            f"kv_scales must be contiguous float32 [2, {num_blocks}, {block_size} (per token) or 1 (per block), "
+            f"{num_kv_heads}] (K then V), got {kv_scales.dtype} {tuple(kv_scales.shape)}"
         )
     if kv_scales.device != key_cache.device:
         raise InvalidArgumentError(f"kv_scales are on {kv_scales.device} but the cache is on {key_cache.device}")
@@ -131,6 +129,11 @@ def check_write_args(
             )
 
 
+def block_scaled(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
+    """Whether `kv_scales` holds one scale per block and KV head (`[2, num_blocks, 1, Hkv]`, block_size > 1)."""
+    return kv_scales is not None and kv_scales.shape[2] == 1 < key_cache.shape[1]
+
+
 def scatter_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -141,10 +144,19 @@ def scatter_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     kv_scales: torch.Tensor | None = None,
+    writes: BlockWrites | None = None,
 ) -> None:
     """Reference write: `cache.view(-1, H, D)[slot_mapping[i]] = key[i]`, in place; quantized into codes and
-    `kv_scales` when that sidecar is given. Call `check_write_args` (and `check_scales`) first."""
+    `kv_scales` when that sidecar is given. Call `check_write_args` (and `check_scales`) first. Per-block
+    scales take `writes`, the slot mapping's `block_writes`, when the caller made it once for many layers."""
     num_kv_heads, head_dim = key_cache.shape[2:]
+    if kv_scales is not None and block_scaled(key_cache, kv_scales):
+        from pagedkv.storage.block_scales import block_writes, scatter_block_codes
+
+        if writes is None:
+            writes = block_writes(slot_mapping, key_cache.shape[1])
+        scatter_block_codes(key_cache, value_cache, kv_scales, key, value, slot_mapping, writes)
+        return
     if kv_scales is not None:
         flat_scales = kv_scales.view(2, -1, num_kv_heads)
         for i, (cache, new) in enumerate(((key_cache, key), (value_cache, value))):

@@ -30,8 +30,8 @@ def model_fingerprint(
     kv_scales: str = "",
 ) -> str:
     """16 hex digits of SHA-256 over the canonical JSON of the fields above (`weights`: the weights' digest,
-    `pagedkv.hf.loading.weights_digest`; `kv_scales`: the quantized KV's scale scheme,
-    `KVCacheSpec.scale_scheme`, hashed only when set so unquantized fingerprints stay as they were)."""
+    `pagedkv.hf.loading.weights_digest`; `kv_scales`: the quantized KV's scale scheme id,
+    `KVCacheSpec.scale_scheme_id`, hashed only when set so unquantized fingerprints stay as they were)."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("block_size", block_size), ("tp_size", tp_size)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.core.errors import InvalidArgumentError, PagedKVError
-from pagedkv.storage.kv_spec import DTYPE_BYTES, SCALE_BYTES
+from pagedkv.storage.kv_spec import DTYPE_BYTES, SCALE_BYTES, check_kv_scale_scheme
 
 MAGIC = b"PKVB"
 VERSION = 1
@@ -56,10 +56,12 @@ class CorruptValueError(PagedKVError):
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
     """The dtype and shape of one block's payload: `(num_layers, 2, block_size, num_kv_heads, head_dim)`; a
-    quantized dtype's payload also holds its scales, `SCALE_BYTES` per (layer, K/V, token, KV head)."""
+    quantized dtype's payload also holds its scales, `SCALE_BYTES` per (layer, K/V, token, KV head) under the
+    "token" `kv_scale_scheme`, per (layer, K/V, KV head) under "block"."""
 
     dtype: str
     shape: tuple[int, int, int, int, int]
+    kv_scale_scheme: str = "token"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -70,13 +72,15 @@ class BlockLayout:
             isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.shape
         ):
             raise InvalidArgumentError(f"BlockLayout: shape must be 5 positive ints, got {self.shape!r}")
+        check_kv_scale_scheme(self.kv_scale_scheme, self.dtype)
 
     @property
     def nbytes(self) -> int:
         n = DTYPE_BYTES[self.dtype]
         for d in self.shape:
             n *= d
-        rows = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+        scale_rows = 1 if self.kv_scale_scheme == "block" else self.shape[2]
+        rows = self.shape[0] * self.shape[1] * scale_rows * self.shape[3]
         return n + rows * SCALE_BYTES.get(self.dtype, 0)
 
     def value_bytes(self, key_len: int) -> int:

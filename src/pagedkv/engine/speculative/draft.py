@@ -88,7 +88,8 @@ class DraftModelProposer:
                 f"the draft model's vocabulary has {draft_vocab} tokens, the target's {vocab_size}; a draft model "
                 "must share the target's tokenizer"
             )
-        self.bytes_per_block = cache_spec(self.spec, None, config.kv_cache_dtype).bytes_per_block(config.block_size)
+        spec = cache_spec(self.spec, None, config.kv_cache_dtype, config.kv_scale_scheme)
+        self.bytes_per_block = spec.bytes_per_block(config.block_size)
         self.manager: KVManager | None = None
         self.runner: ModelRunner | None = None
         self._seqs: dict[str, _DraftSeq] = {}
@@ -124,7 +125,8 @@ class DraftModelProposer:
 
         cfg = self.config
         return PagedKVCache.for_model(self.spec, num_blocks, cfg.block_size, device=device,
-                                      attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype)  # fmt: skip
+                                      attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype,
+                                      kv_scale_scheme=cfg.kv_scale_scheme)  # fmt: skip
 
     @property
     def released(self) -> bool:
