@@ -89,7 +89,9 @@ def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> Any:
 def cli(*args: str) -> dict[str, Any]:
     """Run `pagedkv <args> --json` in a subprocess (the planner/simulator never load torch there)."""
     out = subprocess.run([sys.executable, "-m", "pagedkv.cli", *args, "--json"], capture_output=True, text=True,
-                         check=True, env=os.environ.copy())
+                         check=False, env=os.environ.copy())  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"pagedkv {args[0]} exited {out.returncode}: {out.stderr.strip()[-2000:]}")
     result: dict[str, Any] = json.loads(out.stdout)
     return result
 
