@@ -93,6 +93,7 @@ def covering_specs() -> list[Spec]:
         for decode in (True, False):
             specs.append(Spec(arch, decode, 16, 256, 16, True, True, "float32", True, True))
         specs.append(Spec(arch, False, 16, 256, 256, False, False, "bfloat16", False))
+        specs.append(Spec(arch, True, 16, 128, 16, True, True, "bfloat16", True, True))  # the one-warp decode's heaviest
         # quantized caches read with their scale sidecar: int8 everywhere, fp8 e5m2 where fp8 runs
         for i, dtype in enumerate(SCALED if arch >= 89 else ("int8",)):
             specs.append(Spec(arch, True, 4, 128, 16, i == 0, False, dtype, True))

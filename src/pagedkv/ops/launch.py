@@ -9,8 +9,8 @@ grouped decode kernel (python/sglang/srt/layers/attention/triton_ops/decode_atte
 heads per program, loads 32-key tiles transposed, 4 warps, 2 stages, and splits KV across programs with a
 second merge kernel; vLLM's unified attention (vllm/v1/attention/ops/triton_unified_attention.py) packs
 (query token, head) rows into BLOCK_M = 16 (or the next power of two of the group) with 64-key tiles, and
-has a segmented variant with a reduction for small grids. None of our values is measured yet (no GPU):
-`benchmarks/gpu_attention.py` sweeps them.
+has a segmented variant with a reduction for small grids. The 16-bit decode values are measured on an
+H200; the others are not yet: `benchmarks/gpu_attention.py` and `benchmarks/gpu_decode_sweep.py` sweep them.
 
 - `dim_pad = max(16, next_pow2(head_dim))`: `tl.arange` and `tl.dot` want powers of two >= 16; 80 and 96
   pad to 128 with a mask on the tail.
@@ -20,7 +20,13 @@ has a segmented variant with a reduction for small grids. None of our values is 
   of one sequence times the group (`block_m = 64` rows), so each K/V tile is read once per 64 rows instead
   of once per query token. float32 caches dot in IEEE float32 on the FMA units with both operands in
   registers, so they get 16 prefill rows and 16-key tiles (larger ones spill on sm_80 and sm_90).
-- `tile_n` (key positions per loop step): 64 for head dims up to 128, 32 for 256 (K and V tiles of
+- decode over 16-bit caches (`block_m x dim_pad <= 16 x 128`): 16-key tiles, ONE warp, 5 stages, and
+  enough splits for 16 programs per SM. Measured on an H200 (2026-12-04, `benchmarks/gpu_decode_sweep.py`,
+  docs/benchmarks.md "GPU"): against SDPA flash over contiguous KV, 0.70x at batch 64 / 4096, 0.69x at
+  64 / 8192 (2 splits), 1.04x at batch 16 (32 splits), 1.20x at batch 1 (32 splits), where the 64-key,
+  4-warp, 2-stage tile took 1.69-2.18x. Small programs, many of them, each streaming one page a step
+  through a deep pipeline: decode is a gather of pages, and many loads in flight is what it needs.
+- `tile_n` (key positions per loop step), every other call: 64 for head dims up to 128, 32 for 256 (K and V tiles of
   `tile_n x dim_pad` stay at 16 KiB each in 16-bit dtypes, what fits two pipeline stages in shared memory
   on sm_80 with room to spare); 16 for float32 caches.
 - `block_size_const`: the block size when it is a power of two (the kernel then loads ONE table entry per
@@ -32,8 +38,9 @@ has a segmented variant with a reduction for small grids. None of our values is 
   per-thread registers below the spill line (the compile test fails on spills).
 - `num_stages = 2`: double-buffered K/V loads; more stages buy little for a loop whose addresses come
   from the block table and cost shared memory the 256-dim tiles need.
-- `num_splits` (flash-decoding): when (query tiles x KV heads) programs are fewer than twice the SM count,
-  split each tile's keys into a power of two of runs, each at least two key tiles long, at most 32.
+- `num_splits` (flash-decoding): when (query tiles x KV heads) programs are fewer than twice the SM count
+  (sixteen times for one-warp programs), split each tile's keys into a power of two of runs, each at least
+  two key tiles long, at most 32.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ PREFILL_ROWS_FP32 = 16
 MAX_SPLITS = 32
 MIN_TILES_PER_SPLIT = 2
 SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_PROGRAMS_PER_SM_ONE_WARP = 16
+DECODE_ONE_WARP_MAX_TILE = 16 * 128  # block_m x dim_pad of the one-warp decode (group <= 16, head dim <= 128)
 
 
 def next_pow2(n: int) -> int:
@@ -73,18 +82,21 @@ def choose_launch(*, decode: bool, group: int, head_dim: int, block_size: int, c
     fp32 = cache_bits == 32  # float32 dots run on FMA units (IEEE), with operands in registers
     block_q = 1 if decode else max(1, (PREFILL_ROWS_FP32 if fp32 else PREFILL_ROWS) // group_pad)
     block_m = max(DECODE_ROWS_MIN, block_q * group_pad)
-    tile_n = 16 if fp32 else (64 if dim_pad <= 128 else 32)
     block_size_const = block_size if block_size & (block_size - 1) == 0 else 0
+    if decode and cache_bits == 16 and block_m * dim_pad <= DECODE_ONE_WARP_MAX_TILE:
+        return LaunchConfig(block_q, block_m, group_pad, dim_pad, 16, block_size_const, 1, 5)
+    tile_n = 16 if fp32 else (64 if dim_pad <= 128 else 32)
     num_warps = 8 if block_m * dim_pad >= 8192 or (cache_bits in (8, 32) and block_m * dim_pad >= 4096) else 4
     return LaunchConfig(block_q, block_m, group_pad, dim_pad, tile_n, block_size_const, num_warps, 2)
 
 
-def choose_num_splits(num_programs: int, max_context: int, tile_n: int, num_sms: int) -> int:
-    """Splits per query tile: enough to give `num_sms` SMs two programs each, each split >= 2 key tiles."""
+def choose_num_splits(num_programs: int, max_context: int, tile_n: int, num_sms: int, num_warps: int = 4) -> int:
+    """Splits per query tile: enough to give `num_sms` SMs two programs each (sixteen for one-warp programs),
+    each split >= 2 key tiles."""
     if num_sms <= 0:
         return 1
     splits = 1
-    target = SPLIT_PROGRAMS_PER_SM * num_sms
+    target = (SPLIT_PROGRAMS_PER_SM_ONE_WARP if num_warps == 1 else SPLIT_PROGRAMS_PER_SM) * num_sms
     while (
         splits < MAX_SPLITS
         and num_programs * splits < target

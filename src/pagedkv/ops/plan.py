@@ -155,7 +155,9 @@ def _plan_triton(
     if num_splits is None:
         max_context = max_seqlen_k if max_seqlen_k is not None else shape.max_blocks_per_seq * shape.block_size
         num_sms = device_sm_count(device.index or 0) if device.type == "cuda" else 0
-        num_splits = choose_num_splits(num_tiles * shape.num_kv_heads, max_context, config.tile_n, num_sms)
+        num_splits = choose_num_splits(
+            num_tiles * shape.num_kv_heads, max_context, config.tile_n, num_sms, config.num_warps
+        )
     if num_splits < 1 or num_splits > 32 or num_splits & (num_splits - 1):
         raise InvalidArgumentError(f"num_splits must be a power of two in [1, 32], got {num_splits}")
     part_m = part_l = part_acc = None
