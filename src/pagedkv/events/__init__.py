@@ -1,4 +1,4 @@
-"""pagedkv.events: KV cache events in vLLM's wire format (torch-free; needs the `events` extra: msgspec, pyzmq).
+"""pagedkv.events: KV cache events in vLLM's wire format (torch-free; msgspec, a core dependency; the ZMQ publisher needs the `events` extra: pyzmq).
 
 - `wire`: the event structs (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, `EventBatch`), msgpack
   encoding, `external_hash` (a block key's low 64 bits) and the media (GPU, CPU, DISK, REMOTE).
