@@ -45,11 +45,12 @@ Per group g and sequence, the table is a run of leading null entries, then real 
 
 Where the state lives: each group's `BlockTables` holds its blocks, held tokens (`num_tokens`), computed
 and published counts and the hashable tokens (the same in every group); `TokenRows` holds each sequence's
-token ids and length; `SeqState` the rest (priority, keys, released per group, host blocks, miss record).
-A step's hot work runs in `hotpath`'s backend (the C extension when built), the loops the uniform manager
-uses, each group under its own keys: `match` per full group at admission, `growth`/`grow` per group for a
-decode step's append, and `publish_groups` for all of `mark_computed`. Custom key functions and per-block
-extra keys take the Python path (`_publish_generic`), with the same rule.
+token ids and length; `SeqState` the rest (priority, keys, released per group, host blocks); the miss
+counter (`misses`) each admission's miss record. A step's hot work runs in `hotpath`'s backend (the C
+extension when built), the loops the uniform manager uses, each group under its own keys: `match` per full
+group at admission, `growth`/`grow` per group for a decode step's append, and `publish_groups` for all of
+`mark_computed`. Custom key functions and per-block extra keys take the Python path (`_publish_generic`),
+with the same rule.
 """
 
 from __future__ import annotations
@@ -395,15 +396,14 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridPublish, HybridFetch, Hyb
         if total + keep_free > self.pool.num_available:
             return None
         # --- commit (nothing below can fail) ---
-        miss = self._count_miss(tokens, keys, k) if self.enable_prefix_caching else None  # before evicting
+        row = self._new_row()
+        if self.enable_prefix_caching:
+            self._count_miss(tokens, keys, k, row)  # before evicting
         all_hits = np.concatenate(hits)
         if len(all_hits):
             self.pool.touch_hits(all_hits)
         ids = self.pool.allocate(sum(new)) if sum(new) else _EMPTY
-        row = self._new_row()
-        seq = self.seqs[row] = SeqState(
-            priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n, miss=miss
-        )
+        seq = self.seqs[row] = SeqState(priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n)
         self.tokens.start(row, tokens)
         self._attach_keys(row, seq.keys)
         for g, t in enumerate(self.tables):
