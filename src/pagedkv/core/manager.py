@@ -164,6 +164,11 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         )  # fmt: skip
 
     @property
+    def hot_path(self) -> str:
+        """The backend the step's loops run in: "native" (the C extension) or "python" (`hotpath.py`)."""
+        return self._hot.NAME
+
+    @property
     def num_extra_references(self) -> int:
         """References beyond the first on each block (a block shared by k holders counts k - 1): the
         blocks the tables name more than once."""

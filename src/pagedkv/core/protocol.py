@@ -269,6 +269,12 @@ class KVManager(Protocol):
         ...
 
     @property
+    def hot_path(self) -> str:
+        """The backend the per-element loops run in (`pagedkv.core.hotpath`): "native" (the C extension) or
+        "python"; "-" for a manager without them (the contiguous baseline)."""
+        ...
+
+    @property
     def supports_swap(self) -> bool:
         """Whether `swap_out`/`swap_in` are implemented (the paged manager; it swaps into its host blocks)."""
         ...
