@@ -140,6 +140,10 @@ class ContiguousKVManager(TableViews):
         return []
 
     @property
+    def index(self) -> None:
+        return None
+
+    @property
     def misses(self) -> None:
         return None
 

@@ -65,7 +65,7 @@ from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.group import KVGroupSpec
-from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_groups, group_events, group_key
+from pagedkv.core.group_keys import GroupCacheEvent, check_num_groups, group_events, group_key
 from pagedkv.core.hybrid_check import check_hybrid
 from pagedkv.core.hybrid_fetch import HybridFetch
 from pagedkv.core.hybrid_growth import HybridGrowth
@@ -143,7 +143,6 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridPublish, HybridFetch, Hyb
         self.copies = CopyLedger(self.pool)  # copies not handed out yet, both ends held (copies.py)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = self._cow_copies = 0
         self._epoch = 0  # keys published under an earlier epoch match nothing (`bump_epoch`)
-        self._origins = BlockOrigins(block_size)  # parent and tokens of published blocks, for event feeds
         self.misses = MissCounter()  # why admitted prompt tokens missed the cache, live (`hybrid_misses.py`)
 
     # --- queries --------------------------------------------------------------------------------

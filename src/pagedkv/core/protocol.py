@@ -58,7 +58,7 @@ from pagedkv.core.prefix import BlockKeys, Key
 if TYPE_CHECKING:
     from pagedkv.core.group_keys import GroupCacheEvent
     from pagedkv.core.misses import MissCounter
-    from pagedkv.core.prefix_index import CacheEvent
+    from pagedkv.core.prefix_index import CacheEvent, PrefixIndex
 
 IntArray = npt.NDArray[np.int64]
 TokenIds = npt.ArrayLike  # a 1-D sequence of non-negative ints (list, tuple, numpy array)
@@ -245,6 +245,13 @@ class KVManager(Protocol):
 
     def take_events(self) -> Sequence[CacheEvent | GroupCacheEvent]:
         """The cache events since the last call, in order (empty unless `records_events`)."""
+        ...
+
+    @property
+    def index(self) -> PrefixIndex | None:
+        """The prefix index (key <-> block, and with `records_events` each stored block's parent and tokens,
+        `PrefixIndex.published_from`), to read: what an event feed asks besides the events. None without a
+        prefix cache."""
         ...
 
     @property
