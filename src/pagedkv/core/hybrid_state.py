@@ -100,7 +100,7 @@ class HybridLifecycle:
             for g in range(len(self.tables)):
                 self.pool.release(self._real(g, row)[::-1], seq.priority)
         self._detach_keys(row, seq.keys)
-        self.misses.forget(row)
+        self.misses.forget(row, None)
         del self.seqs[row]
         self.tokens.drop(row)
         for t in self.tables:

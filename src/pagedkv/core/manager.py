@@ -433,7 +433,7 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         else:
             self.pool.release(blocks, int(t.priority[row]))
         self.prefix.detach(row)
-        self.prefix.misses.forget(row)
+        self.prefix.misses.forget(row, None)
         t.drop_row(row)
 
     def count_tier_miss(self, seq_id: int, num_tokens: int) -> None:
