@@ -26,7 +26,7 @@ def test_the_sliding_group_limits_the_hit_when_its_copy_was_evicted() -> None:
     a = m.admit(toks(0, 9) + [7, 7])
     assert a is not None and a.num_cached_tokens == 0
     assert m.index.lookup(m.seqs[a.seq_id].keys.keys[1] + b"\x00") is not None  # type: ignore[union-attr, operator]
-    assert m.seqs[a.seq_id].miss == ("evicted", 10, 10)
+    assert m.misses.records[a.seq_id] == ("evicted", 10, 10)
     assert tokens_of(m) == {"no_key": 24 + 12, "evicted": 10}
 
 
@@ -98,7 +98,7 @@ def test_one_full_group_counts_as_the_paged_manager_does() -> None:
         admitted += 1
         assert a.num_cached_tokens == b.num_cached_tokens
         mine, theirs = _reason_of(before_h, h.stats.miss_tokens), _reason_of(before_p, p.stats.miss_tokens)
-        record = h.seqs[a.seq_id].miss
+        record = h.misses.records.get(a.seq_id)
         assert mine == (record[:2] if record else None)
         if mine != theirs:
             assert mine is not None and theirs is not None and mine[1] == theirs[1], (i, mine, theirs)

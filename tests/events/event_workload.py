@@ -5,23 +5,23 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.core import PagedKVManager
-from pagedkv.events import GPU, EventLog, ManagerFeed, external_hash
+from pagedkv.events import GPU, EventFeed, EventLog, external_hash
 
 BS = 4
 
 
-def make_replica(num_blocks: int = 24, *, native: bool | None = None) -> tuple[PagedKVManager, ManagerFeed]:
+def make_replica(num_blocks: int = 24, *, native: bool | None = None) -> tuple[PagedKVManager, EventFeed]:
     m = PagedKVManager(num_blocks, BS, record_events=True, native=native)
-    return m, ManagerFeed(m, EventLog(BS))
+    return m, EventFeed(m, [EventLog(BS)])
 
 
-def gpu_hashes(m: PagedKVManager, feed: ManagerFeed) -> set[int]:
+def gpu_hashes(m: PagedKVManager, feed: EventFeed) -> set[int]:
     """What the manager can serve now: its index, less keys of an earlier epoch."""
     return {external_hash(k) for k in feed.device_keys()}
 
 
 def random_steps(
-    rng: np.random.Generator, m: PagedKVManager, feed: ManagerFeed, steps: int, *, ops: bool = True
+    rng: np.random.Generator, m: PagedKVManager, feed: EventFeed, steps: int, *, ops: bool = True
 ):
     """Yield after each step (callers poll/publish there). Prompts share a few random prefixes; sequences
     decode, finish, get rolled back; now and then the cache is reset or the epoch bumped."""

@@ -17,7 +17,7 @@ from vllm_reference import CASES
 from pagedkv.core import PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.core.prefix import BlockKeys, VllmKeyFunction, cbor_canonical, key_function, sha256_key
-from pagedkv.events import GPU, BlockStored, EventLog, ManagerFeed, external_hash
+from pagedkv.events import GPU, BlockStored, EventFeed, EventLog, external_hash
 from pagedkv.router import request_hashes
 
 # vLLM 0.33.0's hash_block_tokens + sha256_cbor on CASES (VLLM_SRC=... PEER_PY tests/events/vllm_reference.py)
@@ -105,7 +105,7 @@ def test_a_manager_with_vllm_keys_publishes_vllms_64_bit_names(monkeypatch: pyte
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     fn = VllmKeyFunction()  # what hash_fn="vllm" is in a process without PYTHONHASHSEED
     m = PagedKVManager(16, 4, record_events=True, hash_fn=fn)
-    feed = ManagerFeed(m, EventLog(4))
+    feed = EventFeed(m, [EventLog(4)])
     tokens = np.asarray(CASES[0][3] + [99], dtype=np.int32)  # "plain": 4 full blocks, then one more token
     adm = m.admit(tokens)
     m.mark_computed([adm.seq_id])

@@ -11,7 +11,7 @@ import pytest
 
 from pagedkv.core import PagedKVManager
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.events import GPU, EventLog, ManagerFeed
+from pagedkv.events import GPU, EventFeed, EventLog
 from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.router.live import LiveRouter
 from pagedkv.router.policy import CostWeights
@@ -23,7 +23,7 @@ BS = 4
 class Replica:
     def __init__(self, folder, name: str) -> None:
         self.m = PagedKVManager(64, BS, record_events=True)
-        self.feed = ManagerFeed(self.m, EventLog(BS))
+        self.feed = EventFeed(self.m, [EventLog(BS)])
         self.pub = ZmqEventPublisher(f"ipc://{folder}/{name}.pub", f"ipc://{folder}/{name}.replay")
 
     def stats(self, **load: int) -> ReplicaStats:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from pagedkv.core import PagedKVManager
-from pagedkv.events import GPU, EventLog, ManagerFeed
+from pagedkv.events import GPU, EventFeed, EventLog
 from pagedkv.events.publisher import ZmqEventPublisher
 from pagedkv.router import LIVE_IMBALANCE_THRESHOLD, CostWeights, request_hashes
 from pagedkv.router.live import LiveRouter
@@ -27,7 +27,7 @@ class Replica:
     def __init__(self, folder, name: int, sim: ReplicaSimulation) -> None:
         self.name, self.sim = name, sim
         self.m = PagedKVManager(256, BS, record_events=True)
-        self.feed = ManagerFeed(self.m, EventLog(BS))
+        self.feed = EventFeed(self.m, [EventLog(BS)])
         self.pub = ZmqEventPublisher(f"ipc://{folder}/{name}.pub", f"ipc://{folder}/{name}.replay")
 
     def stats(self) -> ReplicaStats:

@@ -30,7 +30,7 @@ def stored(hashes: list[int], medium: str = ev.GPU) -> ev.EventBatch:
 
 def test_request_hashes_name_the_blocks_a_manager_publishes() -> None:
     m = PagedKVManager(16, BS, record_events=True)
-    feed = ev.ManagerFeed(m, ev.EventLog(BS))
+    feed = ev.EventFeed(m, [ev.EventLog(BS)])
     prompt = np.arange(3 * BS + 2, dtype=np.int32)
     adm = m.admit(prompt)
     m.mark_computed([adm.seq_id])

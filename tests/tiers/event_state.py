@@ -26,7 +26,6 @@ from pagedkv.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
-    ManagerFeed,
     decode_batch,
     encode_batch,
     external_hash,
@@ -123,8 +122,7 @@ def check_chains(engine: Engine) -> None:
             parent, tokens = info
             data = np.asarray(tokens, dtype=np.int32).tobytes()
             assert sha256_key(root if parent is None else parent, data, b"") == key
-    if isinstance(events.feed, ManagerFeed):
-        assert events.feed.orphans == 0
+    assert events.feed.orphans == 0
 
 
 def workload(

@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv.core import BlockKeys, KVManager, PagedKVManager
+from pagedkv.core import BlockKeys, KVManager
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.engine.cli_args import (
     add_block_size,
     check_fits_memory,
@@ -105,7 +104,7 @@ def replay(
     m = make_manager(
         allocator, num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn, native=native
     )
-    loop = _Loop(m, requests, block_size, max_running)
+    loop = _Loop(m, requests, block_size, max_running, paged=allocator == "paged")
     clock_ns = time.thread_time_ns if clock == "cpu" else time.perf_counter_ns
     timed_ns = 0
     finished_last = 0
@@ -145,11 +144,13 @@ class _Loop:
         requests: list[TraceRequest],
         block_size: int,
         max_running: int,
+        *,
+        paged: bool,
     ) -> None:
         self.m = m
         self.requests = requests
         self.max_running = max_running
-        self.paged = isinstance(m, PagedKVManager)
+        self.paged = paged  # the paged allocator: requests keep their block keys, shared blocks count once
         self.bs = block_size
         n_req = len(requests)
         self.out_len = np.array([r.output_len for r in requests], dtype=np.int64)
@@ -287,7 +288,7 @@ class _Loop:
             max_running=self.max_running,
             prefix_caching=prefix_caching and paged,
             hash_fn=hash_fn if paged and prefix_caching else "-",
-            backend=m.prefix.hot.NAME if paged else m.hot_path if isinstance(m, HybridKVManager) else "-",
+            backend=m.hot_path,
             series=self.series,
         )
 

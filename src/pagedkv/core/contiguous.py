@@ -121,6 +121,11 @@ class ContiguousKVManager(TableViews):
     def supports_swap(self) -> bool:
         return False
 
+    @property
+    def hot_path(self) -> str:
+        """"-": no per-element loops (a run is reserved whole)."""
+        return "-"
+
     # --- no prefix cache: nothing to report, forget or count -------------------------------------
 
     @property
@@ -133,6 +138,10 @@ class ContiguousKVManager(TableViews):
 
     def take_events(self) -> list[CacheEvent]:
         return []
+
+    @property
+    def index(self) -> None:
+        return None
 
     @property
     def misses(self) -> None:

@@ -103,8 +103,11 @@ class CopyLedger:
             raise InvariantError(f"{owner}: pending copies disagree with the copies not handed out")
 
 
-def check_references(pool: BlockPool, tables: Sequence[BlockTables], copies: CopyLedger, owner: str) -> None:
-    """The holds of a manager over `pool` with one table per KV cache group (`tables`, rows in lockstep):
+def check_references(
+    pool: BlockPool, host_pool: BlockPool | None, tables: Sequence[BlockTables], copies: CopyLedger, owner: str
+) -> None:
+    """The invariants every manager over `pool` keeps, with one table per KV cache group (`tables`, rows in
+    lockstep; one for a uniform model): the pool's, the host pool's and each table's own, and the holds:
 
     - each block's reference count is the entries naming it in every table's live, on-device rows, plus its
       pins, plus a pending copy's hold (the null block: exactly 1);
@@ -114,6 +117,11 @@ def check_references(pool: BlockPool, tables: Sequence[BlockTables], copies: Cop
       reference, a pending copy's hold aside);
     - the pending copies agree with the ledger (`CopyLedger.check`).
     """
+    pool.check_invariants()
+    if host_pool is not None:
+        host_pool.check_invariants()
+    for t in tables:
+        t.check_invariants()
     refs = np.zeros(pool.num_blocks, dtype=np.int64)
     partials: list[tuple[npt.NDArray[np.bool_], BlockTables]] = []
     for t in tables:

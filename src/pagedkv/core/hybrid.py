@@ -45,11 +45,12 @@ Per group g and sequence, the table is a run of leading null entries, then real 
 
 Where the state lives: each group's `BlockTables` holds its blocks, held tokens (`num_tokens`), computed
 and published counts and the hashable tokens (the same in every group); `TokenRows` holds each sequence's
-token ids and length; `SeqState` the rest (priority, keys, released per group, host blocks, miss record).
-A step's hot work runs in `hotpath`'s backend (the C extension when built), the loops the uniform manager
-uses, each group under its own keys: `match` per full group at admission, `growth`/`grow` per group for a
-decode step's append, and `publish_groups` for all of `mark_computed`. Custom key functions and per-block
-extra keys take the Python path (`_publish_generic`), with the same rule.
+token ids and length; `SeqState` the rest (priority, keys, released per group, host blocks); the miss
+counter (`misses`) each admission's miss record. A step's hot work runs in `hotpath`'s backend (the C
+extension when built), the loops the uniform manager uses, each group under its own keys: `match` per full
+group at admission, `growth`/`grow` per group for a decode step's append, and `publish_groups` for all of
+`mark_computed`. Custom key functions and per-block extra keys take the Python path (`_publish_generic`),
+with the same rule.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from pagedkv.core.copies import CopyLedger, PinHandle, PoolQueries
 from pagedkv.core.errors import CapacityError, InvalidArgumentError, InvariantError, PinError
 from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.group import KVGroupSpec
-from pagedkv.core.group_keys import BlockOrigins, GroupCacheEvent, check_num_groups, group_events, group_key
+from pagedkv.core.group_keys import GroupCacheEvent, check_num_groups, group_events, group_key
 from pagedkv.core.hybrid_check import check_hybrid
 from pagedkv.core.hybrid_fetch import HybridFetch
 from pagedkv.core.hybrid_growth import HybridGrowth
@@ -142,7 +143,6 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridPublish, HybridFetch, Hyb
         self.copies = CopyLedger(self.pool)  # copies not handed out yet, both ends held (copies.py)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = self._cow_copies = 0
         self._epoch = 0  # keys published under an earlier epoch match nothing (`bump_epoch`)
-        self._origins = BlockOrigins(block_size)  # parent and tokens of published blocks, for event feeds
         self.misses = MissCounter()  # why admitted prompt tokens missed the cache, live (`hybrid_misses.py`)
 
     # --- queries --------------------------------------------------------------------------------
@@ -395,15 +395,14 @@ class HybridKVManager(PoolQueries, HybridGrowth, HybridPublish, HybridFetch, Hyb
         if total + keep_free > self.pool.num_available:
             return None
         # --- commit (nothing below can fail) ---
-        miss = self._count_miss(tokens, keys, k) if self.enable_prefix_caching else None  # before evicting
+        row = self._new_row()
+        if self.enable_prefix_caching:
+            self._count_miss(tokens, keys, k, row)  # before evicting
         all_hits = np.concatenate(hits)
         if len(all_hits):
             self.pool.touch_hits(all_hits)
         ids = self.pool.allocate(sum(new)) if sum(new) else _EMPTY
-        row = self._new_row()
-        seq = self.seqs[row] = SeqState(
-            priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n, miss=miss
-        )
+        seq = self.seqs[row] = SeqState(priority, keys if self.enable_prefix_caching else None, len(self.groups), prompt_len=n)
         self.tokens.start(row, tokens)
         self._attach_keys(row, seq.keys)
         for g, t in enumerate(self.tables):

@@ -1,7 +1,7 @@
 """`check_hybrid`: every invariant of a `HybridKVManager`, over every group (tests call it after each step).
 
-- the pool's and each group table's own invariants, and the host pool's;
-- the holds, as every manager over a pool keeps them (`copies.check_references`, over the group tables):
+- what every manager over a pool keeps (`copies.check_references`, over the group tables): the pool's, the
+  host pool's and each group table's own invariants, and the holds:
   each block's count is the table entries naming it over all groups and live on-device rows, plus pins,
   plus a pending copy's hold; a keyed block is never partial in a row that writes in place, and a row
   writes in place only into a block it holds alone;
@@ -58,16 +58,12 @@ def _fail(msg: str) -> None:
 
 
 def check_hybrid(m: HybridParts) -> None:
-    m.pool.check_invariants()
-    if m.host_pool is not None:
-        m.host_pool.check_invariants()
+    check_references(m.pool, m.host_pool, m.tables, m.copies, "hybrid manager")
     for g, t in enumerate(m.tables):
-        t.check_invariants()
         if not np.array_equal(t.alive, m.tables[0].alive) or not np.array_equal(t.swapped, m.tables[0].swapped):
             _fail(f"group {g}'s table disagrees with group 0's on live or swapped rows")
     if set(m.seqs) != set(np.flatnonzero(m.tables[0].alive).tolist()):
         _fail("sequence states disagree with the live rows")
-    check_references(m.pool, m.tables, m.copies, "hybrid manager")
     for row in m.seqs:
         _check_row(m, row)
     keyed = np.flatnonzero(m.pool.keyed)

@@ -15,8 +15,9 @@ first block under the other contexts and epochs): `misses.miss_reason`, the page
 about that group's copy. A windowed group that released block k and let it be
 evicted therefore reports `evicted`, though a full group may still hold its own copy.
 
-Each admission's miss record (reason, tokens, of which not moved yet) is kept on its sequence (`SeqState.miss`):
-a tier loss moves tokens from that reason to `tier` by sequence (`count_tier_miss`).
+Each admission's miss record (reason, tokens, of which not moved yet) is kept by the counter while its
+sequence lives (`MissCounter.records`): a tier loss moves tokens from that reason to `tier` by sequence
+(`count_tier_miss`), as in the paged manager.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from pagedkv.core.prefix import BlockKeys, Key, KeyFunction
 
 if TYPE_CHECKING:
     from pagedkv.core.group import KVGroupSpec
-    from pagedkv.core.hybrid_state import SeqState
     from pagedkv.core.prefix_index import PrefixIndex
+    from pagedkv.core.table import BlockTables
 
 
 class HybridMisses:
@@ -44,7 +45,7 @@ class HybridMisses:
     index: PrefixIndex
     key_fn: KeyFunction
     misses: MissCounter
-    seqs: dict[int, SeqState]
+    tables: list[BlockTables]
 
     @property
     def block_size(self) -> int:
@@ -54,17 +55,15 @@ class HybridMisses:
     def epoch(self) -> int:
         raise NotImplementedError
 
-    def _count_miss(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, k: int) -> tuple[str, int, int] | None:
-        """Count an admission that hit `k` whole blocks (its keys computed up to its last full block before
-        the last token): its miss record (`MissCounter.count_admission`), or None when nothing was missed."""
-        return self.misses.count_admission(self, tokens, keys, k, k * self.block_size, self._group_of_miss(k))
+    def _count_miss(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, k: int, row: int) -> None:
+        """Count the admission of sequence `row`, which hit `k` whole blocks (its keys computed up to its last
+        full block before the last token): `MissCounter.count_admission`, asked about the limiting group."""
+        self.misses.count_admission(self, tokens, keys, k, k * self.block_size, row, self._group_of_miss(k))
 
     def count_tier_miss(self, seq_id: int, num_tokens: int) -> None:
         """`num_tokens` that `seq_id`'s admission missed were lost by a tier below the device too (the
-        engine's tiering says so): they move to the miss reason `tier` (`PagedKVManager.count_tier_miss`)."""
-        seq = self.seqs[seq_id]
-        if seq.miss is not None:
-            seq.miss = self.misses.move_to_tier(seq.miss, num_tokens)
+        engine's tiering says so): they move to the miss reason `tier` (`MissCounter.count_tier_miss`)."""
+        self.misses.count_tier_miss(self.tables[0].row(seq_id), num_tokens)
 
     def miss_reason(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, k: int) -> str:
         """Why a hit of `tokens` stopped at `k` blocks (a query; see the module docstring)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.core.group_keys import BlockOrigins, group_key
+from pagedkv.core.group_keys import group_key
 from pagedkv.core.pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.validate import as_computed
 
@@ -48,7 +48,6 @@ class HybridPublish:
     _key_lists: list[list[Key] | None]
     _rows_with_extras: int
     _windowed: tuple[tuple[int, KVGroupSpec], ...]
-    _origins: BlockOrigins
 
     def _content_keys(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, start: int, stop: int) -> list[Key]:
         raise NotImplementedError
@@ -100,23 +99,26 @@ class HybridPublish:
                     continue
                 ids = t.table[r, start:full].tolist()
                 stored = self.index.insert([group_key(c, g) for c in content[start - first :]], ids)
-                if stored and self.index.record_events:
-                    self._origins.remember(keys.keys, self.tokens.of(r).tolist(), start, ids, stored)
+                if stored:
+                    self._remember_row(r, start, ids, set(stored))
 
     def _remember_origins(self, rows: IntArray, before: list[IntArray], stored: list[int]) -> None:
         """The parent keys and tokens of the blocks the backend just published (for the event feeds)."""
+        new = set(stored)
         for g, t in enumerate(self.tables):
             after = t.num_published[rows]
             for r, start, stop in zip(rows.tolist(), before[g].tolist(), after.tolist()):
-                keys = self.seqs[r].keys
-                if stop > start and keys is not None:
-                    ids = t.table[r, start:stop].tolist()
-                    self._origins.remember(keys.keys, self.tokens.of(r).tolist(), start, ids, stored)
+                if stop > start:
+                    self._remember_row(r, start, t.table[r, start:stop].tolist(), new)
 
-    def published_from(self, block_id: int) -> tuple[Key | None, tuple[int, ...]] | None:
-        """(parent content key, token ids) of the content key block `block_id` holds now (`BlockOrigins`);
-        None if it holds none, or the manager records no events."""
-        return self._origins.get(block_id) if self.index.key_at(block_id) is not None else None
+    def _remember_row(self, row: int, start: int, ids: list[int], stored: set[int]) -> None:
+        """Blocks `ids` of row `row` from column `start` were published, those in `stored` indexed: their
+        origins go to the index (`PrefixIndex.remember_origins`)."""
+        keys = self.seqs[row].keys
+        if keys is not None:
+            bs = self._block_size
+            tokens = self.tokens.of(row)[start * bs : (start + len(ids)) * bs].reshape(len(ids), bs)
+            self.index.remember_origins(keys.keys, start, ids, tokens, stored)
 
     def _release_passed(self, g: int, spec: KVGroupSpec, rows: IntArray, computed: IntArray) -> None:
         """Release windowed group g's blocks no query at or after each row's computed count reads. Those

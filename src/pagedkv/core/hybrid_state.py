@@ -25,6 +25,7 @@ from pagedkv.core.validate import as_rollback
 
 if TYPE_CHECKING:
     from pagedkv.core.copies import CopyLedger
+    from pagedkv.core.misses import MissCounter
     from pagedkv.core.table import BlockTables
     from pagedkv.core.token_rows import TokenRows
 
@@ -42,7 +43,6 @@ class SeqState:
     prompt_len: int = 0  # tokens at admission: the hit point a re-sent prompt reaches
     released: list[int] = field(default_factory=list)
     host: list[IntArray] | None = None  # while swapped: host blocks of table columns [released, ...)
-    miss: tuple[str, int, int] | None = None  # the admission's miss record (`hybrid_misses.py`)
 
     def __post_init__(self) -> None:
         self.released = [0] * self.num_groups
@@ -70,6 +70,7 @@ class HybridLifecycle:
     seqs: dict[int, SeqState]
     group_of: IntArray
     copies: CopyLedger
+    misses: MissCounter
     _block_size: int
     _preemptions: int
 
@@ -99,6 +100,7 @@ class HybridLifecycle:
             for g in range(len(self.tables)):
                 self.pool.release(self._real(g, row)[::-1], seq.priority)
         self._detach_keys(row, seq.keys)
+        self.misses.forget(row, None)
         del self.seqs[row]
         self.tokens.drop(row)
         for t in self.tables:

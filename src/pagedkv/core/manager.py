@@ -135,7 +135,6 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         self.copies = CopyLedger(self.pool)  # copies not handed out yet, both ends held (copies.py)
         self._admissions = self._preemptions = self._prompt_tokens = self._cached_tokens = 0
         self._cow_copies = self._partial_hits = 0
-        self._admission_misses: dict[int, tuple[str, int, int]] = {}  # live row -> its admission's miss record
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -163,6 +162,11 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
             miss_lookups=dict(self.prefix.misses.lookups), miss_tokens=dict(self.prefix.misses.tokens),
             partial_hits=self._partial_hits,
         )  # fmt: skip
+
+    @property
+    def hot_path(self) -> str:
+        """The backend the step's loops run in: "native" (the C extension) or "python" (`hotpath.py`)."""
+        return self._hot.NAME
 
     @property
     def num_extra_references(self) -> int:
@@ -250,8 +254,8 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         self._cached_tokens += cached
         # why the rest was not cached (misses.py)
         prefix = self.prefix
-        if self.enable_prefix_caching and (miss := prefix.misses.count_admission(prefix, tokens, keys, num_hits, cached)):
-            self._admission_misses[row] = miss
+        if self.enable_prefix_caching:
+            prefix.misses.count_admission(prefix, tokens, keys, num_hits, cached, row)
         return Admission(row, cached)
 
     def _commit_admission(
@@ -429,15 +433,13 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
         else:
             self.pool.release(blocks, int(t.priority[row]))
         self.prefix.detach(row)
-        self._admission_misses.pop(row, None)
+        self.prefix.misses.forget(row, None)
         t.drop_row(row)
 
     def count_tier_miss(self, seq_id: int, num_tokens: int) -> None:
         """`num_tokens` that `seq_id`'s admission missed were lost by a tier below the device too (the
-        engine's tiering says so): they move to the miss reason `tier` (`MissCounter.move_to_tier`)."""
-        row = self.tables.row(seq_id)
-        if (miss := self._admission_misses.get(row)) is not None:
-            self._admission_misses[row] = self.prefix.misses.move_to_tier(miss, num_tokens)
+        engine's tiering says so): they move to the miss reason `tier` (`MissCounter.count_tier_miss`)."""
+        self.prefix.misses.count_tier_miss(self.tables.row(seq_id), num_tokens)
 
     def preempt(self, seq_id: int) -> int:
         """Free a running sequence to make room (recompute later); returns how many tokens it held."""
@@ -536,11 +538,7 @@ class PagedKVManager(PoolQueries, SwapMixin, TableViews):
                 self.epoch, self.stats, self.copies.snapshot())  # fmt: skip
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants()
-        self.tables.check_invariants()
-        if self.host_pool is not None:
-            self.host_pool.check_invariants()
-        check_references(self.pool, (self.tables,), self.copies, "manager")
+        check_references(self.pool, self.host_pool, (self.tables,), self.copies, "manager")
         t, bs = self.tables, self._block_size
         if (t.num_published > t.num_computed // bs).any():
             raise InvariantError("manager: more blocks published than computed")

@@ -28,7 +28,9 @@ cold miss, none on a hit.
 
 `MissCounter.count_admission` and `miss_reason` are the one implementation, for every manager: a uniform
 one asks about its index's copy of the missing block; a hybrid one (`hybrid_misses.py`) about the copy of
-the group that limited the hit (`group`: the content key of the missing block -> that group).
+the group that limited the hit (`group`: the content key of the missing block -> that group). The counter
+also keeps each live sequence's miss record (`records`: written by `count_admission`, moved by
+`count_tier_miss`, dropped by `forget`), so both managers' `count_tier_miss` is this one rule.
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ class MissCounter:
     lookups: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     contexts: deque[tuple[bytes, bytes]] = field(default_factory=lambda: deque(maxlen=RECENT_CONTEXTS))
+    # live sequence (row) -> its admission's miss record: (reason, missed tokens, of which not moved yet)
+    records: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+    # `forget(row, None)`: sequence `row` is gone (freed, preempted), its record goes with it. The records'
+    # own `pop`, bound once: it runs on every free, where a Python call costs more than the pop
+    forget: Callable[[int, None], tuple[str, int, int] | None] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.forget = self.records.pop
 
     def count(self, reason: str, num_tokens: int) -> None:
         self.lookups[reason] += 1
@@ -96,21 +106,28 @@ class MissCounter:
             self.lookups["tier"] += 1
         return reason, missed, left - n
 
+    def count_tier_miss(self, row: int, num_tokens: int) -> None:
+        """`num_tokens` that the admission of the live sequence `row` missed were lost by a tier below the
+        device too: `move_to_tier` on its record (nothing if it missed nothing)."""
+        if (record := self.records.get(row)) is not None:
+            self.records[row] = self.move_to_tier(record, num_tokens)
+
     def count_admission(
         self, cache: KeyedCache, tokens: npt.NDArray[np.int32], keys: BlockKeys, num_hits: int, num_cached: int,
-        group: Callable[[Key], int] | None = None,
-    ) -> tuple[str, int, int] | None:  # fmt: skip
-        """Count an admission's missed tokens (all but the last, less the `num_cached` served) under the
-        reason of its first missing block (`miss_reason`; `num_hits` full blocks hit, and the match computed
-        the next key). Returns its miss record (reason, missed, not moved yet: `move_to_tier`), or None."""
+        row: int, group: Callable[[Key], int] | None = None,
+    ) -> None:  # fmt: skip
+        """Count the admission of sequence `row`: its missed tokens (all but the last, less the `num_cached`
+        served) under the reason of its first missing block (`miss_reason`; `num_hits` full blocks hit, and
+        the match computed the next key), and keep its miss record (reason, missed, not moved yet:
+        `count_tier_miss`) while the sequence lives."""
         self.seen(keys.salt, keys.extra)
         missed = len(tokens) - 1 - num_cached
         if missed <= 0:
-            return None
+            return
         reason = miss_reason(cache, self, tokens, keys, num_hits, group)
         self.lookups[reason] += 1  # `count`, inline: on every admission that misses
         self.tokens[reason] += missed
-        return reason, missed, missed
+        self.records[row] = (reason, missed, missed)
 
     def seen(self, salt: bytes, extra: bytes) -> None:
         """Remember a request's context for the salt check."""

@@ -27,6 +27,9 @@ hit); the manager copies it into the prompt's fresh block and computes only the 
 what makes the comparison exact. Rows with per-block extra keys never take part (equal tokens need not
 mean equal KV there).
 
+With `record_events`, every block `publish` indexes is reported to the index with its parent key and token
+ids (`PrefixIndex.remember_origins`), what the event feeds send with it.
+
 Every admission's uncached tokens are counted under a reason (`MissCounter.count_admission` over this cache,
 the reasons in `misses.py`).
 """
@@ -73,6 +76,8 @@ class PrefixCache:
         self._width = 4 * block_size  # bytes of one block's token ids
         self.misses = MissCounter()
         self.partial_reuse = partial_reuse and enabled
+        # `publish` compares the published counts before and after: to link children, or to remember origins
+        self._reads_published = self.partial_reuse or self.index.record_events
         if self.partial_reuse:
             self.index.track_children()
 
@@ -126,7 +131,7 @@ class PrefixCache:
         """
         t, index = self.tables, self.index
         generic = self._kind is None or self._rows_with_extras > 0 or self.verify_hits
-        before = t.num_published[rows] if generic or self.partial_reuse else None  # a copy (fancy indexing)
+        before = t.num_published[rows] if generic or self._reads_published else None  # a copy (fancy indexing)
         key_lists: list[list[Key] | None] = [None] * len(self.key_lists) if generic else self.key_lists
         kind = hotpath.SHA256 if self._kind is None else self._kind
         stored = self.hot.publish_computed(
@@ -138,9 +143,21 @@ class PrefixCache:
         after = t.num_published[rows]
         todo = after > before
         if generic and todo.any():
-            self._publish_rows(rows[todo], before[todo], after[todo])
+            stored = self._publish_rows(rows[todo], before[todo], after[todo])
         elif self.partial_reuse:
             self._link(rows, before, after)
+        if stored and index.record_events:
+            self._report_parents(rows[todo], before[todo], after[todo], set(stored))
+
+    def _report_parents(self, rows: IntArray, starts: IntArray, stops: IntArray, stored: set[int]) -> None:
+        """The parent keys and tokens (the mirror) of the blocks just indexed, `stored`, among blocks
+        [starts[i], stops[i]) of each row, for the event feeds (`PrefixIndex.remember_origins`)."""
+        table, by_row, mirror = self.tables.table, self.by_row, self.block_tokens
+        for row, start, stop in zip(rows.tolist(), starts.tolist(), stops.tolist()):
+            keys = by_row[row]
+            if keys is not None:
+                ids = table[row, start:stop].tolist()
+                self.index.remember_origins(keys.keys, start, ids, mirror[ids], stored)
 
     def match(self, tokens: npt.NDArray[np.int32], keys: BlockKeys, max_blocks: int) -> list[int]:
         """Leading cached blocks of `tokens` (at most `max_blocks`), stopping at the first miss."""
@@ -180,9 +197,9 @@ class PrefixCache:
             hits.append(block_id)
         return hits
 
-    def _publish_rows(self, rows: IntArray, starts: IntArray, upto: IntArray) -> None:
+    def _publish_rows(self, rows: IntArray, starts: IntArray, upto: IntArray) -> list[int]:
         """Key and index blocks [starts[i], upto[i]) of each row (`publish`'s path for custom key functions,
-        per-block extras and `verify_hits`; the counts are advanced already).
+        per-block extras and `verify_hits`; the counts are advanced already); returns the blocks indexed.
 
         One gather of the blocks' ids for the whole batch, then one backend call where the key function is
         built in: keys not known yet are hashed (keys computed at admission are reused), and each block
@@ -213,6 +230,7 @@ class PrefixCache:
             self._record_origins(seq_keys, starts, upto, block_ids, stored)
         if stored and self.partial_reuse:
             self._link(rows, starts, upto)
+        return stored
 
     def _link(self, rows: IntArray, starts: IntArray, stops: IntArray) -> None:
         """Link blocks [starts[i], stops[i]) of each row under their parents' keys (partial reuse)."""

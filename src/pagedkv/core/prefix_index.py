@@ -24,6 +24,12 @@ whose key another block already holds (a block computed twice concurrently) stay
 indexed, and goes straight to the free stack when released. So the index is a map and the events describe
 exactly the set of keys that can hit.
 
+With `record_events`, it also remembers, for each block a key entered the index for, what a `BlockStored`
+event carries besides the key: the content key of the block before it in the sequence that published it
+(None for a sequence's first block) and its token ids (`remember_origins`, `published_from`), so an event
+feed reports every stored block with its exact parent, whichever manager published it. A record is read
+only while its block holds a key (a later publication of the block writes a new one).
+
 Every insertion, removal and lookup goes through the methods below or the backend functions handed
 `arrays`, and this class alone emits the events a KV-aware router follows (`stored` when a key enters,
 `removed` when it leaves, `cleared` on reset). The per-block loops run in `hotpath`'s backend: eviction's
@@ -77,6 +83,7 @@ class PrefixIndex:
         self._evicted_capacity = max(num_blocks, 1024)
         self.children: dict[Key, list[int]] | None = None  # parent key -> indexed blocks after it (partial reuse)
         self._parent_of: list[Key | None] = []
+        self._origins: dict[int, tuple[Key | None, list[int]]] = {}  # block id -> (parent key, token ids)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -96,6 +103,11 @@ class PrefixIndex:
         evicted; it may be cached again since."""
         i = hotpath.evicted_slot(key) & self._slot_mask
         return bool((self._evicted[i >> 3] | self._evicted_before[i >> 3]) >> (i & 7) & 1)
+
+    def published_from(self, block_id: int) -> tuple[Key | None, list[int]] | None:
+        """(parent content key or None, token ids) of the key block `block_id` holds now, as its publisher
+        recorded them (`remember_origins`); None if it holds no key, or nothing was recorded."""
+        return self._origins.get(block_id) if self.key_of[block_id] is not None else None
 
     def all_keys(self) -> list[Key]:
         """Every key in the index (a copy)."""
@@ -156,6 +168,24 @@ class PrefixIndex:
             key_of = self.key_of
             self.events.extend(CacheEvent("stored", key_of[b], b) for b in stored)
 
+    def remember_origins(
+        self, chain: Sequence[Key], start: int, block_ids: Sequence[int], tokens: npt.NDArray[np.int32],
+        stored: set[int],
+    ) -> None:  # fmt: skip
+        """Blocks `block_ids` hold table columns `start, start + 1, ...` of a sequence whose content keys are
+        `chain` (`chain[0]` the root, `chain[j + 1]` block j's key), `tokens[i]` the token ids of
+        `block_ids[i]`; those in `stored` just entered the index: remember each one's parent and tokens
+        (`published_from`) and take it out of `stored` (a block two forked rows publish in one call is
+        recorded once, from the first row, the one that indexed it). Nothing without `record_events`."""
+        if not self.record_events:
+            return
+        origins = self._origins
+        for i, block in enumerate(block_ids):
+            if block in stored:
+                stored.discard(block)
+                j = start + i
+                origins[block] = (chain[j] if j else None, tokens[i].tolist())
+
     # --- remove ------------------------------------------------------------------------------------
 
     def remove(self, block_id: int) -> None:
@@ -194,6 +224,7 @@ class PrefixIndex:
         if self.children is not None:
             self.children.clear()
             self._parent_of[:] = [None] * len(self._parent_of)
+        self._origins.clear()
         if self.record_events:
             self.events.append(CacheEvent("cleared", None, None))
         return n

@@ -58,7 +58,7 @@ from pagedkv.core.prefix import BlockKeys, Key
 if TYPE_CHECKING:
     from pagedkv.core.group_keys import GroupCacheEvent
     from pagedkv.core.misses import MissCounter
-    from pagedkv.core.prefix_index import CacheEvent
+    from pagedkv.core.prefix_index import CacheEvent, PrefixIndex
 
 IntArray = npt.NDArray[np.int64]
 TokenIds = npt.ArrayLike  # a 1-D sequence of non-negative ints (list, tuple, numpy array)
@@ -248,6 +248,13 @@ class KVManager(Protocol):
         ...
 
     @property
+    def index(self) -> PrefixIndex | None:
+        """The prefix index (key <-> block, and with `records_events` each stored block's parent and tokens,
+        `PrefixIndex.published_from`), to read: what an event feed asks besides the events. None without a
+        prefix cache."""
+        ...
+
+    @property
     def misses(self) -> MissCounter | None:
         """Why admitted prompt tokens missed the cache, live (`pagedkv.core.misses`); None without a cache."""
         ...
@@ -266,6 +273,12 @@ class KVManager(Protocol):
 
     def bump_epoch(self) -> int:
         """Make every key published so far unmatchable (after a weight update); returns the new epoch."""
+        ...
+
+    @property
+    def hot_path(self) -> str:
+        """The backend the per-element loops run in (`pagedkv.core.hotpath`): "native" (the C extension) or
+        "python"; "-" for a manager without them (the contiguous baseline)."""
         ...
 
     @property

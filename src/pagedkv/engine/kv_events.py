@@ -4,7 +4,7 @@
 events since the last call as one vLLM-compatible `EventBatch` (publish it with
 `pagedkv.events.publisher.ZmqEventPublisher`). Media:
 
-- GPU: the manager's cache events, through its feed (`events.manager_feed.feed_for`). One reader of
+- GPU: the manager's cache events, through its feed (`events.feed.EventFeed`). One reader of
   `manager.take_events()`: the tiering when tiers are on (it needs the evictions and publications
   itself; the engine builds it with `keep_device_events=True` and this class takes what it drained with
   `tiering.take_device_events()`), else this class.
@@ -19,8 +19,8 @@ events since the last call as one vLLM-compatible `EventBatch` (publish it with
   With `hash_fn="fast"` the device's keys are ints and the tiers hold them as 8 bytes: a tier event's key
   is turned back into the int (`int_keys`).
 
-A hybrid model's cache (`KVManager.grouped_events`) keeps one log per KV cache group, fed by a `GroupFeed`
-(`pagedkv.events.group_feed`), so copies are counted per (key, group), and every event names its group
+A hybrid model's cache (`KVManager.grouped_events`) keeps one log per KV cache group, fed by the same `EventFeed`
+(`pagedkv.events.feed`), so copies are counted per (key, group), and every event names its group
 in `group_idx`, as vLLM's hybrid cache does; the block hashes are the plain content keys a uniform engine
 publishes, with their parent and token ids as a uniform engine's. With tiers, the tiers hold each group's
 copy under its group-qualified key (`pagedkv.core.group_keys`): a tier event goes to that group's log, by
@@ -43,8 +43,7 @@ import msgspec
 from pagedkv.core.group_keys import GroupCacheEvent, split_key
 from pagedkv.core.prefix import Key
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventLog
-from pagedkv.events.group_feed import EventFeed
-from pagedkv.events.manager_feed import feed_for
+from pagedkv.events.feed import EventFeed
 from pagedkv.events.wire import Event
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ class EngineEvents:
     ) -> None:  # fmt: skip
         # one log per KV cache group; a grouped manager's events name their group (`group_idx`)
         self.logs = [EventLog(block_size, data_parallel_rank=data_parallel_rank) for _ in range(manager.num_groups)]
-        self.feed: EventFeed = feed_for(manager, self.logs)
+        self.feed = EventFeed(manager, self.logs)
         self.grouped = manager.grouped_events
         self.log = self.logs[0]
         self.tiering = tiering  # when set, built with keep_device_events=True: it drains the manager

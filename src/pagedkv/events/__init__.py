@@ -4,17 +4,15 @@
   encoding, `external_hash` (a block key's low 64 bits) and the media (GPU, CPU, DISK, REMOTE).
 - `log`: `EventLog`, one replica's per-medium copy counts and the events they imply. Other tiers report to it
   with `log.stored(medium, keys, parent=..., token_ids=...)` and `log.removed(medium, keys)`.
-- `manager_feed`: `ManagerFeed`, the GPU medium fed from a `PagedKVManager`'s `take_events()`.
-- `group_feed`: `GroupFeed`, a `HybridKVManager`'s GPU medium, one log per KV cache group.
+- `feed`: `EventFeed`, the GPU medium fed from any manager's `take_events()`, one log per KV cache group.
 - `publisher`: `ZmqEventPublisher` (PUB + replaying ROUTER) and `EventSubscriber` (imports pyzmq).
 
 The engine keeps one log for all its media with `EngineConfig(kv_events=True)` (`pagedkv.engine.kv_events`):
 `Engine.take_event_batch()`.
 """
 
-from pagedkv.events.group_feed import GroupFeed
+from pagedkv.events.feed import EventFeed
 from pagedkv.events.log import EventLog
-from pagedkv.events.manager_feed import ManagerFeed
 from pagedkv.events.wire import (
     CPU,
     DISK,
@@ -32,5 +30,5 @@ from pagedkv.events.wire import (
 
 __all__ = [
     "CPU", "DISK", "GPU", "MEDIA", "REMOTE", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch",
-    "EventLog", "GroupFeed", "ManagerFeed", "decode_batch", "encode_batch", "external_hash",
+    "EventFeed", "EventLog", "decode_batch", "encode_batch", "external_hash",
 ]  # fmt: skip

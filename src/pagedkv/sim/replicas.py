@@ -6,7 +6,7 @@ its own clock, fed the requests the router sends it; one replica without tiers i
 paged-prefix`. All replicas share one `Arrivals` (a chat's next turn arrives after its previous one finishes,
 wherever that ran). Around them:
 
-- Events: each replica's manager records its cache events; a `ManagerFeed` turns them into the replica's
+- Events: each replica's manager records its cache events; an `EventFeed` turns them into the replica's
   `EventLog` (GPU medium) after every step, the host tier reports to the same log (CPU medium), the shared
   store to a log of its own (REMOTE), and the router's `ReplicaIndex` is fed those batches, exactly as a
   router process would be over ZMQ (in-process here, same `EventBatch`es, no sockets).
@@ -47,8 +47,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.errors import InvalidArgumentError
-from pagedkv.core.manager import PagedKVManager
-from pagedkv.events import CPU, GPU, REMOTE, BlockRemoved, BlockStored, EventLog, ManagerFeed
+from pagedkv.events import CPU, GPU, REMOTE, BlockRemoved, BlockStored, EventFeed, EventLog
 from pagedkv.router import ReplicaIndex, Router, request_hashes
 from pagedkv.sim.kv_budget import KVBudget
 from pagedkv.sim.report import table
@@ -166,11 +165,9 @@ class _Replica(Replay):
         tiers: TierConfig, done: Callable[[str], None],
     ) -> None:  # fmt: skip
         super().__init__(config, workload, budget, arrivals=arrivals, record_events=True)
-        assert isinstance(self.manager, PagedKVManager), "replicas: the paged-prefix allocator is a PagedKVManager"
-        self.paged_manager = self.manager
         self.name = name
         self.log = EventLog(config.block_size)
-        self.feed = ManagerFeed(self.paged_manager, self.log)
+        self.feed = EventFeed(self.manager, [self.log])
         host_blocks = tiers.host_tier_bytes // budget.bytes_per_block if tiers.host_tier_bytes else 0
         self.host = _LRU(host_blocks, self.log, CPU)
         self.host_link_free = self.net_link_free = 0.0
@@ -310,14 +307,14 @@ class ReplicaSimulation:
         """The loaded prefix lands in the GPU's prefix cache (admitted, computed, released); no room: skipped,
         and the request recomputes what was to come from the tiers."""
         k = len(plan.sources) * self.config.block_size
-        adm = r.paged_manager.admit(np.asarray(plan.g.prompt_token_ids[:k]))
+        adm = r.manager.admit(np.asarray(plan.g.prompt_token_ids[:k]))
         if adm is None:
             self.loads_skipped += 1
             plan.sources = plan.sources[: plan.sources.index(1) if 1 in plan.sources else None]
             plan.sources = plan.sources[: plan.sources.index(2) if 2 in plan.sources else None]
             return
-        r.paged_manager.mark_computed([adm.seq_id])
-        r.paged_manager.free(adm.seq_id)
+        r.manager.mark_computed([adm.seq_id])
+        r.manager.free(adm.seq_id)
         for h, src in zip(plan.hashes, plan.sources):
             if src:
                 (r.host if src == 1 else self.store).touch(h)

@@ -1,18 +1,15 @@
 """Feeding a manager's cache events into one `EventLog` per KV cache group, as the GPU medium.
 
-`EventFeed` is the one feed: a uniform manager is one group (`ManagerFeed`, `manager_feed.py`), a hybrid
-one has a log per group (`GroupFeed`, here). Each group's copies go to that group's log, so copies are
-counted per (key, group), as vLLM's hybrid cache counts them; the log keys are the plain content keys (the
-ones a uniform manager and a router compute), so a uniform and a one-group hybrid manager fed the same
-requests produce the same events. What differs between managers is only where a stored block's parent and
-token ids come from (`_origin`):
+`EventFeed` is the one feed for every manager that records events (`KVManager.records_events`): a uniform
+model is one group and one log, a hybrid one has a log per group. Each group's copies go to that group's
+log, so copies are counted per (key, group), as vLLM's hybrid cache counts them; the log keys are the plain
+content keys (the ones a router computes), so a uniform and a one-group hybrid manager fed the same
+requests produce the same events. A stored block's parent and token ids are what its publisher recorded in
+the prefix index (`PrefixIndex.published_from`: the content key of the block before it in the publishing
+sequence, None for a sequence's first block), exact whether or not that sequence is still alive at the
+poll; a block without a record is sent as a root without tokens and counted in `orphans`.
 
-- `GroupFeed`: what the hybrid manager recorded when it published the block
-  (`HybridKVManager.published_from`: the content key of the block before it in the publishing sequence,
-  None for a sequence's first block);
-- `ManagerFeed`: derived from the paged manager's live rows and token mirror (see `manager_feed.py`).
-
-Both are valid while the block still holds the key: a block stored and then evicted and reused before the
+A record is read while the block still holds the key: a block stored and then evicted and reused before the
 poll is dropped with its removal (the consumer never saw the key). Consecutive stored blocks of one group
 that chain (each the parent of the next) go out as one event; the log sends a parent only while some
 medium of that group's log holds it (a sliding group's early blocks may be gone: the chain is a root).
@@ -27,30 +24,18 @@ it can no longer tell old keys from new ones.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from pagedkv.core.errors import InvalidArgumentError
+from pagedkv.core.errors import InvalidArgumentError, InvariantError
 from pagedkv.core.group_keys import GroupCacheEvent, group_key, split_key
 from pagedkv.core.prefix import Key
 from pagedkv.events.log import EventLog
 from pagedkv.events.wire import GPU
 
 if TYPE_CHECKING:
-    from pagedkv.core.hybrid import HybridKVManager
-    from pagedkv.core.prefix_index import CacheEvent, PrefixIndex
+    from pagedkv.core.prefix_index import CacheEvent
     from pagedkv.core.protocol import KVManager
-
-    class FeedSource(KVManager, Protocol):
-        """A manager whose events a feed reads: the protocol, and the index it keys blocks in."""
-
-        @property
-        def index(self) -> PrefixIndex: ...
-
-
-RECENT = 256  # candidate parents kept for blocks whose sequence is gone (`ManagerFeed`'s search)
-Origin = tuple[Key | None, Sequence[int] | None]  # a stored block's (parent key, token ids); None: unknown
 
 
 class Chain:
@@ -79,38 +64,37 @@ class Chain:
             feed.logs[self.group].stored(
                 feed.medium, self.keys, parent=self.parent, token_ids=self.tokens if self.known else None
             )
-            feed.recent.extend(self.keys[-RECENT:])
         self.keys, self.tokens, self.parent, self.known = [], [], None, True
 
 
 class EventFeed:
     """A manager's GPU medium, one log per KV cache group; see the module docstring."""
 
-    def __init__(self, manager: FeedSource, logs: list[EventLog], *, medium: str = GPU) -> None:
-        if not manager.records_events:
-            raise InvalidArgumentError("the manager does not record events: build it with record_events=True")
+    def __init__(self, manager: KVManager, logs: list[EventLog], *, medium: str = GPU) -> None:
+        index = manager.index
+        if index is None or not manager.records_events:
+            raise InvalidArgumentError(
+                "kv_events need a manager with prefix caching on, built with record_events=True"
+            )
         bs, n = manager.block_size, manager.num_groups
         if len(logs) != n or any(log.block_size != bs for log in logs):
             got = [log.block_size for log in logs]
             raise InvalidArgumentError(f"a feed takes one log of block_size {bs} per KV cache group ({n}); got {got}")
         self.manager = manager
+        self.index = index
         self.logs = logs
         self.medium = medium
         self.grouped = manager.grouped_events  # events name their group; the index holds group-qualified keys
         self._epoch = manager.epoch
         self._stale: set[tuple[int, Key]] = set()  # (group, key) of earlier epochs still in the pool
-        self.recent: deque[Key] = deque(maxlen=RECENT)  # keys stored lately (`ManagerFeed`'s parent search)
-        self.orphans = 0  # blocks reported without their parent (it could not be derived)
+        self.orphans = 0  # blocks reported without their parent (no origin recorded)
 
-    # --- what a subclass says: where a stored block's parent and tokens come from ---------------------
-
-    def _prepare(self, events: Sequence[CacheEvent | GroupCacheEvent]) -> None:
-        """Called once per poll with its events, before `_origin` (a batched lookup may go here)."""
-
-    def _origin(self, block_id: int, key: Key, chain: Chain) -> Origin:
-        raise NotImplementedError
-
-    # --- the feed ------------------------------------------------------------------------------------
+    @property
+    def log(self) -> EventLog:
+        """The log of a one-group manager (a uniform model)."""
+        if len(self.logs) != 1:
+            raise InvalidArgumentError(f"this feed has {len(self.logs)} logs, one per KV cache group: read feed.logs")
+        return self.logs[0]
 
     def poll(self, drained: Sequence[CacheEvent | GroupCacheEvent] | None = None) -> int:
         """Move the manager's pending events into the logs; returns how many cache events were read.
@@ -123,10 +107,8 @@ class EventFeed:
         events = m.take_events() if drained is None else drained
         if not events:
             return 0
-        self._prepare(events)
         chains = [Chain(self, g) for g in range(len(self.logs))]
         unseen: set[tuple[int, Key]] = set()  # stored then reused before this poll: neither end is reported
-        key_at, grouped = m.index.key_at, self.grouped
         for e in events:
             if e.kind == "cleared":
                 for chain in chains:
@@ -134,13 +116,11 @@ class EventFeed:
                 self._cleared()
                 continue
             g = e.group if isinstance(e, GroupCacheEvent) else 0
-            assert e.key is not None and e.block_id is not None and g is not None, "feed: an event without key, block or group"
+            if e.key is None or e.block_id is None or g is None:
+                raise InvariantError(f"event feed: the manager's {e.kind} event has no key, block or group")
             if e.kind == "stored":
-                if key_at(e.block_id) != (group_key(e.key, g) if grouped else e.key):
+                if not self._stored(chains[g], e.key, e.block_id):
                     unseen.add((g, e.key))
-                    continue
-                parent, tokens = self._origin(e.block_id, e.key, chains[g])
-                chains[g].add(e.key, parent, tokens)
                 continue
             chains[g].flush()
             if (g, e.key) in unseen:
@@ -153,9 +133,22 @@ class EventFeed:
             chain.flush()
         return len(events)
 
+    def _stored(self, chain: Chain, key: Key, block_id: int) -> bool:
+        """Add a stored block to its group's chain, with the parent and tokens its publisher recorded; False
+        (nothing added) when the block no longer holds the key (stored then reused before this poll)."""
+        index = self.index
+        if index.key_at(block_id) != (group_key(key, chain.group) if self.grouped else key):
+            return False
+        origin = index.published_from(block_id)
+        if origin is None:
+            self.orphans += 1
+            chain.add(key, None, None)
+        else:
+            chain.add(key, origin[0], origin[1])
+        return True
+
     def _cleared(self) -> None:
         self._stale.clear()
-        self.recent.clear()
         for log in self.logs:
             log.cleared(self.medium)
 
@@ -164,7 +157,7 @@ class EventFeed:
         the keys of earlier epochs (they stay in the pool until evicted, and their removals are never
         reported)."""
         out: set[Key] = set()
-        for k in self.manager.index.all_keys():
+        for k in self.index.all_keys():
             content, g = split_key(k) if self.grouped else (k, 0)
             if (g, content) not in self._stale:
                 out.add(content)
@@ -183,23 +176,6 @@ class EventFeed:
         self._stale |= {(g, k) for g, log in enumerate(self.logs) for k in log.holds(self.medium)}
         epoch = self.manager.bump_epoch()
         self._epoch = epoch
-        self.recent.clear()
         for log in self.logs:
             log.cleared(self.medium)
         return epoch
-
-
-class GroupFeed(EventFeed):
-    """A `HybridKVManager`'s GPU medium: parents and tokens as the manager recorded them at publishing."""
-
-    manager: HybridKVManager
-
-    def __init__(self, manager: HybridKVManager, logs: list[EventLog], *, medium: str = GPU) -> None:
-        super().__init__(manager, logs, medium=medium)
-
-    def _origin(self, block_id: int, key: Key, chain: Chain) -> Origin:
-        origin = self.manager.published_from(block_id)
-        if origin is None:
-            return None, None
-        parent, tokens = origin
-        return parent, tokens if len(tokens) == self.manager.block_size else None

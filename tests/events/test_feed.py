@@ -1,8 +1,8 @@
-"""`GroupFeed`: a hybrid manager's events carry parent hashes and token ids, per KV cache group.
+"""`EventFeed`: every manager's events carry parent hashes and token ids, per KV cache group.
 
-- One full group: the same random workload on a `PagedKVManager` (through `ManagerFeed`) and on a one-group
-  `HybridKVManager` (through `GroupFeed`) gives the same events, batch after batch, parents and tokens
-  included.
+- One full group: the same random workload on a `PagedKVManager` and on a one-group `HybridKVManager`
+  gives the same events, batch after batch, parents and tokens included, and every parent is exact (the
+  block's key chains from it through its tokens), also for blocks whose sequence ended before the poll.
 - Two groups (full + sliding): every group's log holds exactly the keys that group's blocks hold in the
   prefix index, and every key a log holds chains from its recorded parent through its recorded tokens
   (parents are only sent while that group holds them).
@@ -19,8 +19,7 @@ from pagedkv.core.group import KVGroupSpec
 from pagedkv.core.group_keys import split_key
 from pagedkv.core.hybrid import HybridKVManager
 from pagedkv.core.prefix import root_key, sha256_key
-from pagedkv.events import GPU, BlockRemoved, BlockStored, EventLog, ManagerFeed, external_hash
-from pagedkv.events.group_feed import GroupFeed
+from pagedkv.events import GPU, BlockRemoved, BlockStored, EventFeed, EventLog, external_hash
 
 BS = 4
 
@@ -79,7 +78,7 @@ def test_one_group_events_equal_the_uniform_managers(seed: int) -> None:
     hybrid = HybridKVManager(24, BS, (KVGroupSpec(),), record_events=True)
     assert paged.num_blocks == hybrid.num_blocks
     paged_log, hybrid_log = EventLog(BS), EventLog(BS)
-    paged_feed, hybrid_feed = ManagerFeed(paged, paged_log), GroupFeed(hybrid, [hybrid_log])
+    paged_feed, hybrid_feed = EventFeed(paged, [paged_log]), EventFeed(hybrid, [hybrid_log])
     rng = np.random.default_rng(seed)
     stored = with_parent = removed = 0
     for _ in steps(rng, [paged, hybrid], 150):
@@ -90,8 +89,9 @@ def test_one_group_events_equal_the_uniform_managers(seed: int) -> None:
         stored += sum(e[0] == "stored" for e in a)
         with_parent += sum(e[0] == "stored" and e[2] is not None for e in a)
         removed += sum(e[0] == "removed" for e in a)
+        chains_ok(paged_log)
     assert stored > 20 and with_parent > 5 and removed > 5, (stored, with_parent, removed)
-    assert paged_feed.orphans == 0
+    assert paged_feed.orphans == hybrid_feed.orphans == 0
 
 
 def chains_ok(log: EventLog, epoch: int = 0) -> int:
@@ -112,7 +112,7 @@ def chains_ok(log: EventLog, epoch: int = 0) -> int:
 def test_two_groups_carry_parent_and_tokens_per_group(seed: int) -> None:
     m = HybridKVManager(40, BS, (KVGroupSpec(), KVGroupSpec("sliding", 6)), record_events=True)
     logs = [EventLog(BS), EventLog(BS)]
-    feed = GroupFeed(m, logs)
+    feed = EventFeed(m, logs)
     rng = np.random.default_rng(seed)
     held: list[set[int]] = [set(), set()]
     parents: list[int] = [0, 0]
@@ -149,7 +149,7 @@ def test_one_group_resets_and_epochs_equal_the_uniform_managers(seed: int) -> No
     paged = PagedKVManager(24, BS, record_events=True)
     hybrid = HybridKVManager(24, BS, (KVGroupSpec(),), record_events=True)
     paged_log, hybrid_log = EventLog(BS), EventLog(BS)
-    feeds = [ManagerFeed(paged, paged_log), GroupFeed(hybrid, [hybrid_log])]
+    feeds = [EventFeed(paged, [paged_log]), EventFeed(hybrid, [hybrid_log])]
     rng = np.random.default_rng(seed)
     swallowed = 0
     for round_ in range(3):
@@ -171,3 +171,28 @@ def test_one_group_resets_and_epochs_equal_the_uniform_managers(seed: int) -> No
         m.bump_epoch()
         with pytest.raises(InvalidArgumentError, match="epoch"):
             feed.poll()
+
+
+def test_a_sequence_freed_before_the_poll_keeps_its_exact_parents() -> None:
+    """Salted sequences admitted, computed and freed between two polls (no live row holds their blocks at
+    the poll): the first one's blocks go out from no parent, and the next turn's new blocks name the last
+    of them as their parent, with their tokens."""
+    m = PagedKVManager(24, BS, record_events=True)
+    log = EventLog(BS)
+    feed = EventFeed(m, [log])
+    first = list(range(3 * BS + 1))
+    stored = []
+    for prompt in (first, first[: 3 * BS] + list(range(100, 100 + 2 * BS + 1))):
+        adm = m.admit(prompt, salt=b"tenant")
+        assert adm is not None
+        m.mark_computed([adm.seq_id])
+        m.free(adm.seq_id)
+        feed.poll()
+        batch = log.take_batch()
+        assert batch is not None
+        stored += [e for e in batch.events if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in stored] == [3, 2]
+    assert stored[0].parent_block_hash is None and list(stored[0].token_ids) == first[: 3 * BS]
+    assert stored[1].parent_block_hash == stored[0].block_hashes[-1]
+    assert list(stored[1].token_ids) == list(range(100, 100 + 2 * BS))
+    assert feed.orphans == 0
