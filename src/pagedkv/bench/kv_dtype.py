@@ -352,17 +352,24 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
                 paths[dtype] = "C kernel (bf16)" if cpu_decode.available(q16, kv16) else "SDPA gather"
             call()  # warm-up (the SDPA plan's masks and buckets are made here)
             calls[dtype] = call
-        times: dict[str, list[float]] = {dtype: [] for dtype in calls}
-        for _ in range(args.repeat):  # interleaved: a slow spell of the machine touches every dtype alike
-            for dtype, call in calls.items():
-                t0 = time.thread_time()  # CPU time of this thread: on a shared machine, not the time descheduled
-                call()
-                times[dtype].append(time.thread_time() - t0)
-        for dtype, samples in times.items():
-            rows[dtype][str(context)] = statistics.median(samples)
+        for dtype, seconds in _interleaved_medians(calls, args.repeat).items():
+            rows[dtype][str(context)] = seconds
     return {"batch": args.batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "block_size": BLOCK_SIZE,
             "contexts": args.contexts, "paths": paths, "seconds": rows}  # fmt: skip
 
+
+
+def _interleaved_medians(calls: dict[str, Any], repeat: int) -> dict[str, float]:
+    """Median CPU seconds of each call over `repeat` rounds, one call of each per round (interleaved: a slow
+    spell of the machine touches every dtype alike); CPU time of this thread, so the time it is descheduled
+    on a shared machine does not count."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeat):
+        for name, call in calls.items():
+            t0 = time.thread_time()
+            call()
+            times[name].append(time.thread_time() - t0)
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 # --- output ----------------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ H200; the others are not yet: `benchmarks/gpu_attention.py` and `benchmarks/gpu_
   of once per query token. float32 caches dot in IEEE float32 on the FMA units with both operands in
   registers, so they get 16 prefill rows and 16-key tiles (larger ones spill on sm_80 and sm_90).
 - decode over 16-bit caches (`block_m x dim_pad <= 16 x 128`): 16-key tiles, ONE warp, 5 stages, and
-  enough splits for 16 programs per SM. Measured on an H200 (2026-12-04, `benchmarks/gpu_decode_sweep.py`,
+  enough splits for 16 programs per SM. Measured on an H200 (`benchmarks/gpu_decode_sweep.py`,
   docs/benchmarks.md "GPU"): against SDPA flash over contiguous KV, 0.70x at batch 64 / 4096, 0.69x at
   64 / 8192 (2 splits), 1.04x at batch 16 (32 splits), 1.20x at batch 1 (32 splits), where the 64-key,
   4-warp, 2-stage tile took 1.69-2.18x. Small programs, many of them, each streaming one page a step
