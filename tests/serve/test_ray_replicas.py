@@ -207,15 +207,26 @@ def test_a_killed_replica_is_restarted_while_requests_elsewhere_finish_and_redis
     before = replicas(app)
     (y,) = [r for r in before if r != x]
 
-    async def long_on_y() -> list[Any]:  # in flight on y while x dies
-        gen = app.replicas.options(stream=True).generate.remote(
-            ReplicaRequest(document(3) + [4], SamplingParams(max_new_tokens=60, ignore_eos=True))
-        )
-        return [item async for item in gen]
+    async def start_on_y() -> tuple[Any, Any]:
+        """A long request streaming from y (the router may place a prompt nobody holds on either replica: one
+        that lands on x is cancelled and another prompt sent); its stream and first item."""
+        for attempt in range(20):
+            gen = app.replicas.options(stream=True).generate.remote(
+                ReplicaRequest(document(3 + attempt) + [4], SamplingParams(max_new_tokens=60, ignore_eos=True))
+            )
+            first = await gen.__anext__()
+            if first[0] == y:
+                return gen, first
+            gen.cancel()
+        raise AssertionError("the router never placed the long request on y")
+
+    async def long_on_y(gen: Any, first: Any) -> list[Any]:  # in flight on y while x dies
+        return [first] + [item async for item in gen]
 
     async def scenario() -> tuple[list[Any], dict[str, Any]]:
-        task = asyncio.ensure_future(long_on_y())
-        await asyncio.sleep(0.3)
+        gen, first = await start_on_y()
+        task = asyncio.ensure_future(long_on_y(gen, first))
+        await asyncio.sleep(0.1)
         os.kill(before[x], signal.SIGKILL)
         await asyncio.sleep(0.5)  # Ray has not replaced x yet: y is the only one, and must load from Redis
         again = await asyncio.to_thread(client.post, "/v1/completions", json=body)
