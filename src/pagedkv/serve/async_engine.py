@@ -81,6 +81,28 @@ class EngineDeadError(PagedKVError):
     """The engine loop has stopped (a failure of the engine itself, or shutdown)."""
 
 
+
+def check_max_waiting(max_waiting: int) -> None:
+    """An engine client's `max_waiting`: an int >= 1, else `InvalidArgumentError`."""
+    if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+        raise InvalidArgumentError(f"max_waiting must be an int >= 1, got {max_waiting!r}")
+
+
+def check_door(
+    alive: bool, dead_reason: Callable[[], str], refusing: str | None, num_waiting: int, max_waiting: int
+) -> None:
+    """The door's state checks of every engine client, taken with its lock held, after the request's own
+    checks: a stopped engine (`EngineDeadError`), one paused or asleep (`EngineStateError`, `refusing` says
+    why), too many requests waiting for their first token (`ServerOverloadedError`)."""
+    if not alive:
+        raise EngineDeadError(dead_reason())
+    if refusing is not None:
+        raise EngineStateError(refusing)
+    if num_waiting >= max_waiting:
+        raise ServerOverloadedError(
+            f"{num_waiting} requests are waiting for their first token (--max-waiting {max_waiting}); retry later"
+        )
+
 @dataclass(frozen=True, slots=True)
 class StreamEnd:
     """The end of a stream: the final outputs of every completion of its request (`Engine.release`)."""
@@ -160,8 +182,7 @@ class AsyncEngine:
     """Serve an `Engine` to asyncio callers; see the module docstring."""
 
     def __init__(self, engine: Engine, *, max_waiting: int = 1024, metrics: ServerMetrics | None = None) -> None:
-        if not isinstance(max_waiting, int) or max_waiting < 1:
-            raise InvalidArgumentError(f"max_waiting must be an int >= 1, got {max_waiting!r}")
+        check_max_waiting(max_waiting)
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics
@@ -277,15 +298,7 @@ class AsyncEngine:
         )  # the door's checks, on this thread: raises without queueing anything
         stream = RequestStream(rid, loop, self)
         with self._lock:  # the engine thread takes this lock to fail what is queued: nothing is stranded
-            if not self.alive:
-                raise EngineDeadError(self._dead_reason())
-            if self.refusing is not None:
-                raise EngineStateError(self.refusing)
-            if self._num_waiting >= self.max_waiting:
-                raise ServerOverloadedError(
-                    f"{self._num_waiting} requests are waiting for their first token (--max-waiting "
-                    f"{self.max_waiting}); retry later"
-                )
+            check_door(self.alive, self._dead_reason, self.refusing, self._num_waiting, self.max_waiting)
             self._num_waiting += 1
             self._send("add", (stream, list(prompt_token_ids), params, cache_salt, priority, arrival, group_id))
         return stream

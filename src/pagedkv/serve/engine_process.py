@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.core import errors as error_types
-from pagedkv.core.errors import EngineStateError, InvalidArgumentError, PagedKVError
+from pagedkv.core.errors import InvalidArgumentError, PagedKVError
 from pagedkv.engine.groups import PrefillGroups
 from pagedkv.engine.intake import RequestIntake
 from pagedkv.engine.outputs import RequestOutput
@@ -58,9 +58,10 @@ from pagedkv.serve.async_engine import (
     AsyncEngine,
     EngineDeadError,
     RequestStream,
-    ServerOverloadedError,
     StreamEnd,
     StreamFailure,
+    check_door,
+    check_max_waiting,
     deliver,
     launch,
 )
@@ -239,8 +240,7 @@ class ProcessEngine:
         max_waiting: int = 1024,
         metrics: ServerMetrics | None = None,
     ) -> None:
-        if not isinstance(max_waiting, int) or max_waiting < 1:
-            raise InvalidArgumentError(f"max_waiting must be an int >= 1, got {max_waiting!r}")
+        check_max_waiting(max_waiting)
         self._conn = conn
         self._process = process
         self.facts = ready.facts
@@ -353,15 +353,7 @@ class ProcessEngine:
         stream = RequestStream(rid, loop, self)  # type: ignore[arg-type]
         ids = list(request.prompt_token_ids)
         with self._lock:
-            if not self.alive:
-                raise EngineDeadError(self._dead_reason())
-            if self.refusing is not None:
-                raise EngineStateError(self.refusing)
-            if self._num_waiting >= self.max_waiting:
-                raise ServerOverloadedError(
-                    f"{self._num_waiting} requests are waiting for their first token (--max-waiting "
-                    f"{self.max_waiting}); retry later"
-                )
+            check_door(self.alive, self._dead_reason, self.refusing, self._num_waiting, self.max_waiting)
             if rid in self._streams:
                 raise InvalidArgumentError(f"request id {rid!r} is already in use by a request in flight; choose another")
             self._num_waiting += 1
