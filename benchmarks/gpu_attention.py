@@ -253,16 +253,21 @@ def _time_config(a: dict[str, torch.Tensor], cfg: Any, splits: int | None, conte
     return {"batch": batch, "launch": repr(c), "num_splits": plan.triton.num_splits, "ms": ms, "fraction_of_copy_bw": frac}
 
 
-DECODE_GOALS = {(1, 4096): 1.25, (16, 4096): 1.25, (64, 4096): 1.10, (64, 8192): 1.10}
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The attention shape the GPU benchmarks time (the decode goal's by default)."""
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+
+
+DECODE_GOALS = {(1, 4096): 1.25, (16, 4096): 1.25, (64, 4096): 1.10, (64, 8192): 1.10}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(parser)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--json", default=None, help="write results to this file")

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from gpu_attention import contiguous_sdpa, cuda_time_ms, decode_inputs
+from gpu_attention import add_shape_arguments, contiguous_sdpa, cuda_time_ms, decode_inputs
 
 from pagedkv.ops import paged_attention
 from pagedkv.ops.contiguous_oracle import gather_kv
@@ -91,11 +91,7 @@ def sweep_shape(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16")
+    add_shape_arguments(parser)
     parser.add_argument("--json", default=None, help="write results to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
