@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,3 +91,27 @@ def random_lengths(seed: int, num_seqs: int, max_len: int, max_q: int) -> tuple[
     lens = rng.integers(1, max_len + 1, size=num_seqs)
     q_lens = np.minimum(lens, rng.integers(1, max_q + 1, size=num_seqs))
     return [int(x) for x in lens], [int(x) for x in q_lens]
+
+
+def c_kernel_codes_and_pages(
+    batch: Batch, codes: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor
+) -> Iterator[tuple[str, int | None, torch.Tensor, torch.Tensor]]:
+    """The C decode kernel over quantized `codes` with their `scales`, and over `pages` (the same KV
+    dequantized), for each copy of the kernel this CPU runs and windows None and 17: yields (copy, window,
+    output over codes, output over pages). The kernel copy in use is put back afterwards."""
+    from pagedkv.ops import cpu_decode
+    from pagedkv.ops.options import AttentionOptions
+
+    before = cpu_decode.isa()
+    assert before is not None
+    isas = ["generic"] + (["avx2+fma"] if before == "avx2+fma" else [])
+    try:
+        for isa in isas:
+            cpu_decode.set_isa(isa)
+            for window in (None, 17):
+                options = AttentionOptions(None, window)
+                args = (batch.block_table, batch.seq_lens, options)
+                out = cpu_decode.decode_attention(batch.query, codes, *args, scales=scales)
+                yield isa, window, out, cpu_decode.decode_attention(batch.query, pages, *args)
+    finally:
+        cpu_decode.set_isa(before)

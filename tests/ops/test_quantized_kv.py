@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from ops_batch import Batch, make_batch, random_lengths
+from ops_batch import Batch, c_kernel_codes_and_pages, make_batch, random_lengths
 
 from pagedkv.core.errors import InvalidArgumentError
 from pagedkv.ops import cpu_decode, paged_attention, write_kv
@@ -111,27 +111,14 @@ needs_c = pytest.mark.skipif(cpu_decode.isa() is None, reason="the C decode kern
 @pytest.mark.parametrize("dim", [16, 64, 13, 136])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 7])  # query heads per KV head: the key loop takes them 3 at a time
 def test_c_decode_kernel_reads_codes_in_place(dtype: torch.dtype, dim: int, group: int) -> None:
-    isas = ["generic"] + (["avx2+fma"] if cpu_decode.isa() == "avx2+fma" else [])
-    before = cpu_decode.isa()
-    assert before is not None
     lens, _ = random_lengths(7, 5, 90, 1)
     batch = make_batch(7, lens, [1] * 5, block_size=8, group=group, head_dim=dim)
     kc, vc, scales, pages = quantized(batch, dtype)
-    codes = torch.stack([kc, vc])
     exact = paged_attention(*batch.args(), backend="reference")
-    try:
-        for isa in isas:
-            cpu_decode.set_isa(isa)
-            for window in (None, 17):
-                options = AttentionOptions(None, window)
-                out = cpu_decode.decode_attention(batch.query, codes, batch.block_table, batch.seq_lens, options,
-                                                  scales=scales)  # fmt: skip
-                oracle = cpu_decode.decode_attention(batch.query, pages, batch.block_table, batch.seq_lens, options)
-                assert torch.equal(out, oracle), f"{isa}: codes read in place differ from the dequantized pages"
-                if window is None:
-                    check(out, oracle, exact, dtype)
-    finally:
-        cpu_decode.set_isa(before)
+    for isa, window, out, oracle in c_kernel_codes_and_pages(batch, torch.stack([kc, vc]), scales, pages):
+        assert torch.equal(out, oracle), f"{isa}: codes read in place differ from the dequantized pages"
+        if window is None:
+            check(out, oracle, exact, dtype)
 
 
 @needs_c
