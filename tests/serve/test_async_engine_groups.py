@@ -189,18 +189,21 @@ async def play(engine: AsyncEngine, turns: Turns, ops: Sequence[tuple[Any, ...]]
     return sent
 
 
+
+def gated_engine(tiny: Any) -> tuple[Engine, AsyncEngine, Turns]:
+    """The tests' engine (48 blocks of 4, 8 tokens a step), its AsyncEngine and the gate of its turns."""
+    inner = Engine(
+        tiny, None, EngineConfig(num_blocks=48, block_size=4, scheduler=SchedulerConfig(max_num_batched_tokens=8))
+    )
+    engine = AsyncEngine(inner)
+    return inner, engine, Turns(engine)
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.tuples(ADD, ADD).map(list) | st.just([]), more=st.lists(OPS, max_size=30))
 def test_group_requests_end_once_whatever_the_order_of_adds_aborts_and_steps(
     tiny: Any, ops: list[Any], more: list[Any]
 ) -> None:
-    inner = Engine(
-        tiny,
-        None,
-        EngineConfig(num_blocks=48, block_size=4, scheduler=SchedulerConfig(max_num_batched_tokens=8)),
-    )
-    engine = AsyncEngine(inner)
-    turns = Turns(engine)
+    inner, engine, turns = gated_engine(tiny)
     try:
         sent = asyncio.run(play(engine, turns, ops + more))
         assert engine.alive, engine._dead_reason()
@@ -233,13 +236,7 @@ def test_a_held_group_request_aborted_after_its_leaders_prefill_ends_and_the_loo
     """The Ray replica's failure: L leads and A waits (it came during L's first prompt step); B comes during
     L's last prompt step; then A's client leaves. A ends with "abort", L and B answer (B with L's prompt), and
     the engine loop goes on."""
-    inner = Engine(
-        tiny,
-        None,
-        EngineConfig(num_blocks=48, block_size=4, scheduler=SchedulerConfig(max_num_batched_tokens=8)),
-    )
-    engine = AsyncEngine(inner)
-    turns = Turns(engine)
+    inner, engine, turns = gated_engine(tiny)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
 
     async def scenario() -> dict[str, list[Any]]:
